@@ -1,0 +1,46 @@
+"""Describe a compute device for the handshake, the metrics and the report."""
+from __future__ import annotations
+
+import os
+import platform
+import socket
+from typing import Any
+
+import psutil
+
+from hetconv.backend import cupy_or_none
+
+
+def cpu_model_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def describe_device(device: str, threads: int | None = None) -> dict[str, Any]:
+    """A JSON-able description: kind, name, cores, memory, host, pid, threads."""
+    info: dict[str, Any] = {
+        "device": device, "hostname": socket.gethostname(), "pid": os.getpid(),
+        "cores": psutil.cpu_count(logical=True) or 1, "threads": threads,
+        "memory_bytes": int(psutil.virtual_memory().total),
+    }
+    if device.startswith("gpu"):
+        cupy = cupy_or_none()
+        index = int(device.split(":", 1)[1]) if ":" in device else 0
+        info["kind"] = "gpu"
+        if cupy is not None:
+            props = cupy.cuda.runtime.getDeviceProperties(index)
+            name = props["name"]
+            info["name"] = name.decode() if isinstance(name, bytes) else str(name)
+            info["memory_bytes"] = int(props["totalGlobalMem"])
+        else:
+            info["name"] = "unavailable"
+    else:
+        info["kind"] = "cpu"
+        info["name"] = cpu_model_name()
+    return info

@@ -1,0 +1,63 @@
+"""Metrics as data: JSON lines with the fixed schema in ``docs/metrics.md``.
+
+:class:`MetricsWriter` appends one JSON object per line and flushes it, so a
+reader (``hetconv report``) can follow a run that is still in progress.
+:func:`read_metrics` parses a file, skipping a cut-off last line with a warning.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+SCHEMA_VERSION = 1
+log = logging.getLogger(__name__)
+
+
+class MetricsWriter:
+    """Append-only JSON-lines writer; every record gets ``type`` and ``time``."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._file = open(self.path, "a", encoding="utf-8")
+
+    def write(self, record_type: str, **fields: Any) -> None:
+        record = {"type": record_type, "time": round(time.time(), 6), **fields}
+        self._file.write(json.dumps(record, separators=(",", ":"), allow_nan=False) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def iter_metrics(path: str | Path) -> Iterator[dict[str, Any]]:
+    """Records of a metrics file in order; bad lines are skipped with a warning."""
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                log.warning("%s line %d is cut off or not JSON; skipped", path, number)
+                continue
+            if isinstance(record, dict) and isinstance(record.get("type"), str):
+                yield record
+            else:
+                log.warning("%s line %d is not a metrics record; skipped", path, number)
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    return list(iter_metrics(path))

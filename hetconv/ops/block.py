@@ -1,0 +1,123 @@
+"""One conv block, conv (no bias) -> batch norm -> ReLU -> 2x2 max pool, forward and backward.
+
+This is the unit of work that the master and every worker daemon run: a device
+that owns kernels ``a..b-1`` of a layer calls these functions with
+``weight[a:b]``, ``gamma[a:b]``, ... and gets channels ``a..b-1`` of the full
+block's output, because every op after the convolution acts on each channel on
+its own (batch norm included, see :mod:`hetconv.ops.batchnorm`). In the backward
+pass each device returns its *partial* input gradient; the master sums them.
+
+ReLU and max pooling commute exactly (ReLU is monotonic, so the max of the
+rectified window is the rectified max), and so do their gradients (the pooled
+winner is positive exactly when the gradient survives the ReLU). The block
+therefore pools first and rectifies the four-times smaller pooled map, and keeps
+only that map for the ReLU backward. A share of zero kernels is valid: it yields
+an output with 0 channels and a zero input gradient.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from hetconv.backend import get_array_module
+from hetconv.ops.activation import relu, relu_backward
+from hetconv.ops.batchnorm import BatchNormCache, batch_norm_backward, batch_norm_forward
+from hetconv.ops.conv import conv2d_backward_cached, conv2d_forward_cached
+from hetconv.ops.pooling import MaxPoolCache, max_pool2x2, max_pool2x2_backward
+
+Array = Any  # a numpy or cupy ndarray
+
+
+@dataclass(frozen=True)
+class ConvBlockCache:
+    """Everything ``conv_block_backward`` needs from the forward pass.
+
+    conv, batch_norm, pool: the caches of the three ops (None for 0 kernels).
+    output: (B, K, H'', W'') the block output, used as the ReLU mask.
+    input_shape: (B, C, H, W); weight_shape: (K, C, kh, kw).
+    """
+
+    conv: Any
+    batch_norm: BatchNormCache | None
+    pool: MaxPoolCache | None
+    output: Array
+    input_shape: tuple[int, ...]
+    weight_shape: tuple[int, ...]
+
+
+def conv_output_size(size: int, kernel: int, stride: int, padding: int) -> int:
+    """Spatial size after a convolution: floor((size + 2 padding - kernel) / stride) + 1."""
+    return (size + 2 * padding - kernel) // stride + 1
+
+
+def conv_block_forward(
+    x: Array,
+    weight: Array,
+    gamma: Array,
+    beta: Array,
+    running_mean: Array,
+    running_var: Array,
+    train: bool,
+    stride: int = 1,
+    padding: int = 0,
+    bn_momentum: float = 0.1,
+    bn_eps: float = 1e-5,
+) -> tuple[Array, ConvBlockCache, Array, Array]:
+    """Run the block on x (B, C, H, W) with weight (K, C, kh, kw) and (K,) BN arrays.
+
+    Returns (y (B, K, Ho // 2, Wo // 2), cache, new_running_mean (K,),
+    new_running_var (K,)) where Ho, Wo are the convolution's output size. In eval
+    mode (``train`` False) batch norm uses and returns the running statistics.
+    """
+    if x.ndim != 4 or weight.ndim != 4 or weight.shape[1] != x.shape[1]:
+        raise ValueError(
+            f"conv block: x {x.shape} and weight {weight.shape} must be (B, C, H, W) and "
+            "(K, C, kh, kw) with the same C"
+        )
+    xp = get_array_module(x, weight)
+    kernels = weight.shape[0]
+    if kernels == 0:
+        batch, _, height, width = x.shape
+        out_h = conv_output_size(height, weight.shape[2], stride, padding) // 2
+        out_w = conv_output_size(width, weight.shape[3], stride, padding) // 2
+        y = xp.zeros((batch, 0, max(out_h, 0), max(out_w, 0)), dtype=x.dtype)
+        cache = ConvBlockCache(None, None, None, y, tuple(x.shape), tuple(weight.shape))
+        return y, cache, running_mean, running_var
+    conv_out, conv_cache = conv2d_forward_cached(x, weight, None, stride=stride, padding=padding)
+    normalized, bn_cache, new_mean, new_var = batch_norm_forward(
+        conv_out, gamma, beta, running_mean, running_var, train, momentum=bn_momentum, eps=bn_eps
+    )
+    del conv_out
+    pooled, pool_cache = max_pool2x2(normalized)
+    del normalized
+    y = relu(pooled)
+    cache = ConvBlockCache(conv_cache, bn_cache, pool_cache, y, tuple(x.shape),
+                           tuple(weight.shape))
+    return y, cache, new_mean, new_var
+
+
+def conv_block_backward(
+    cache: ConvBlockCache, dy: Array, need_dx: bool
+) -> tuple[Array | None, Array, Array, Array]:
+    """Back-propagate dy (B, K, Ho // 2, Wo // 2) through the block.
+
+    Returns (dx (B, C, H, W) or None when ``need_dx`` is False, dweight
+    (K, C, kh, kw), dgamma (K,), dbeta (K,)). With several devices each holding a
+    share of the kernels, the full dx is the sum of their dx.
+    """
+    if dy.shape != cache.output.shape:
+        raise ValueError(f"dy has shape {dy.shape}, expected {cache.output.shape}")
+    xp = get_array_module(cache.output)
+    dtype = cache.output.dtype
+    if cache.batch_norm is None or cache.pool is None:  # a share of 0 kernels
+        dx = xp.zeros(cache.input_shape, dtype=dtype) if need_dx else None
+        dweight = xp.zeros(cache.weight_shape, dtype=dtype)
+        empty = xp.zeros((0,), dtype=dtype)
+        return dx, dweight, empty, empty.copy()
+    d_pooled = relu_backward(cache.output, dy)
+    d_normalized = max_pool2x2_backward(cache.pool, d_pooled)
+    del d_pooled
+    d_conv, dgamma, dbeta = batch_norm_backward(cache.batch_norm, d_normalized)
+    del d_normalized
+    dx, dweight, _ = conv2d_backward_cached(cache.conv, d_conv, need_dx=need_dx)
+    return (dx if need_dx else None), dweight, dgamma, dbeta

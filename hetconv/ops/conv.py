@@ -1,0 +1,414 @@
+"""Fast 2-D convolution kernels (im2col + GEMM) for any share of a layer's kernels.
+
+The convolution is a cross-correlation, ``y[b, k] = sum_c w[k, c] * x[b, c] + bias[k]``.
+The zero-padded input is unfolded into a column matrix ``col`` whose rows are the
+``Q = C*kh*kw`` kernel taps and whose columns are output positions, so that each of
+the three products of training is one matrix product (GEMM) on contiguous operands:
+
+    forward         y    = W (K x Q) @ col (Q x N)
+    weight grad     dW   = dy (K x N) @ col^T
+    input grad      dcol = W^T @ dy,  then col2im: kh*kw strided adds into dx
+
+Two column layouts, chosen per shape by ``choose_layout``:
+
+* ``batch_inner``: columns ordered (ho, wo, b). The input is first transposed to
+  (C, H, W, B), so every im2col copy and every col2im add moves ``Wo*B`` contiguous
+  numbers instead of ``Wo`` (deep layers have tiny ``Wo``, e.g. 10); the GEMMs are
+  big (N = Ho*Wo*B). The price is a 2-D transpose of y and dy between (B, K*P) and
+  (K*P, B), done in cache-sized blocks with the bias added while the block is hot.
+* ``sample_major``: ``col[b]`` is (Q, P) and one GEMM per sample writes ``y[b]`` in
+  place, so y and dy are never transposed. Best for large outputs (first layers),
+  where P = Ho*Wo is already a good GEMM width and y is too big to transpose cheaply.
+
+On numpy the batch is split into one chunk per BLAS thread; the chunks run on a small
+thread pool while BLAS is held to one thread (numpy releases the GIL in copies, adds
+and BLAS calls), so the memory-bound copies run in parallel as well as the GEMMs.
+The cached pair keeps the unfolded input of the forward pass for the backward pass.
+Everything is dtype-generic and works on cupy through ``get_array_module`` (one chunk).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, TypeVar
+
+import numpy as np
+
+from hetconv.backend import get_array_module
+
+BATCH_INNER = "batch_inner"
+SAMPLE_MAJOR = "sample_major"
+LAYOUTS = (BATCH_INNER, SAMPLE_MAJOR)
+SAMPLE_MAJOR_MIN_POSITIONS = 256  # Ho*Wo from which one GEMM per sample is cheaper
+PARALLEL_MIN_FLOP = 2e7  # below this a forward runs on the calling thread only
+TRANSPOSE_BLOCK_ELEMENTS = 1 << 15  # numbers per block of the y / dy transposes
+DCOL_BLOCK_BYTES = 4 << 20  # size of one block of dcol before its col2im
+SAMPLE_BLOCK = 8  # samples per GEMM batch in the sample-major layout
+
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class ConvGeometry:
+    """Sizes of one convolution (all counts; stride and padding in pixels)."""
+
+    batch: int
+    channels: int
+    height: int
+    width: int
+    kernels: int
+    kernel_h: int
+    kernel_w: int
+    stride: int
+    padding: int
+
+    @property
+    def out_h(self) -> int:
+        return (self.height + 2 * self.padding - self.kernel_h) // self.stride + 1
+
+    @property
+    def out_w(self) -> int:
+        return (self.width + 2 * self.padding - self.kernel_w) // self.stride + 1
+
+    @property
+    def taps(self) -> int:
+        """Q = C*kh*kw, the rows of the column matrix."""
+        return self.channels * self.kernel_h * self.kernel_w
+
+    @property
+    def positions(self) -> int:
+        """P = Ho*Wo, output positions per sample."""
+        return self.out_h * self.out_w
+
+    @property
+    def forward_flop(self) -> float:
+        return 2.0 * self.batch * self.kernels * self.taps * self.positions
+
+
+@dataclass
+class ConvCache:
+    """What ``conv2d_backward_cached`` needs from ``conv2d_forward_cached`` (opaque).
+
+    weight_matrix: (K, Q) contiguous; columns: the unfolded input, one array per batch
+    chunk, (Q, P*nb) in the batch-inner layout or (nb, Q, P) in the sample-major one.
+    """
+
+    geometry: ConvGeometry
+    layout: str
+    weight_matrix: Any
+    chunks: list[tuple[int, int]]
+    columns: list[Any]
+
+
+def make_geometry(x_shape: tuple[int, ...], w_shape: tuple[int, ...], stride: int,
+                  padding: int) -> ConvGeometry:
+    """Validate shapes and hyper-parameters; raise ValueError with what is wrong."""
+    if len(x_shape) != 4 or len(w_shape) != 4 or x_shape[1] != w_shape[1]:
+        raise ValueError(f"conv2d: x {x_shape} must be (B, C, H, W) and w {w_shape} "
+                         "must be (K, C, kh, kw) with the same C")
+    if int(stride) < 1 or int(padding) < 0:
+        raise ValueError(f"conv2d: stride must be >= 1 and padding >= 0, got {stride}, {padding}")
+    batch, channels, height, width = (int(v) for v in x_shape)
+    g = ConvGeometry(batch, channels, height, width, int(w_shape[0]), int(w_shape[2]),
+                     int(w_shape[3]), int(stride), int(padding))
+    if g.out_h < 1 or g.out_w < 1:
+        raise ValueError(f"conv2d: kernel {w_shape[2:]} larger than padded input {x_shape[2:]}")
+    return g
+
+
+def choose_layout(g: ConvGeometry) -> str:
+    """The column layout that is cheaper for this shape (see the module docstring)."""
+    return SAMPLE_MAJOR if g.positions >= SAMPLE_MAJOR_MIN_POSITIONS else BATCH_INNER
+
+
+# ---------------------------------------------------------------- threads and chunks
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+_blas_lock = threading.Lock()
+_blas_users = 0
+_blas_saved: list[tuple[Any, int]] = []
+_blas_libs: list[Any] | None = None
+
+
+def _blas_libraries() -> list[Any]:
+    global _blas_libs
+    if _blas_libs is None:
+        try:
+            from threadpoolctl import ThreadpoolController
+
+            _blas_libs = list(ThreadpoolController().select(user_api="blas").lib_controllers)
+        except Exception:  # pragma: no cover - threadpoolctl is a dependency
+            _blas_libs = []
+    return _blas_libs
+
+
+def _blas_threads() -> int:
+    """Threads numpy's BLAS may use right now (1 while another conv holds it)."""
+    return max([int(lib.num_threads) for lib in _blas_libraries()] or [1])
+
+
+@contextlib.contextmanager
+def _single_blas_thread() -> Iterator[None]:
+    """Hold BLAS to one thread (process-wide, reference-counted across callers)."""
+    global _blas_users, _blas_saved
+    with _blas_lock:
+        if _blas_users == 0:
+            _blas_saved = [(lib, int(lib.num_threads)) for lib in _blas_libraries()]
+            for lib, _ in _blas_saved:
+                lib.set_num_threads(1)
+        _blas_users += 1
+    try:
+        yield
+    finally:
+        with _blas_lock:
+            _blas_users -= 1
+            if _blas_users == 0:
+                for lib, count in _blas_saved:
+                    lib.set_num_threads(count)
+
+
+def _thread_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1,
+                                       thread_name_prefix="hetconv-conv")
+        return _pool
+
+
+def _plan_chunks(xp: Any, g: ConvGeometry) -> list[tuple[int, int]]:
+    """Batch ranges [start, stop), one per thread that will run (one on cupy)."""
+    count = 1
+    if xp is np and g.forward_flop >= PARALLEL_MIN_FLOP:
+        count = max(1, min(_blas_threads(), os.cpu_count() or 1, g.batch))
+    edges = [g.batch * i // count for i in range(count + 1)]
+    return [(edges[i], edges[i + 1]) for i in range(count) if edges[i + 1] > edges[i]]
+
+
+def _run_chunks(task: Callable[[int], _T], count: int) -> list[_T]:
+    """task(0..count-1), in parallel with one BLAS thread each when count > 1."""
+    if count <= 1:
+        return [task(i) for i in range(count)]
+    with _single_blas_thread():
+        futures = [_thread_pool().submit(task, i) for i in range(count)]
+        wait(futures)
+        return [f.result() for f in futures]
+
+
+# ---------------------------------------------------------------- per-chunk kernels
+def _unfold(xp: Any, g: ConvGeometry, layout: str, x_chunk: Any) -> Any:
+    """im2col of x_chunk (nb, C, H, W): (Q, P*nb) batch-inner or (nb, Q, P) sample-major."""
+    nb, pad, st = x_chunk.shape[0], g.padding, g.stride
+    kh, kw, ho, wo = g.kernel_h, g.kernel_w, g.out_h, g.out_w
+    hp, wp = g.height + 2 * pad, g.width + 2 * pad
+    as_strided = xp.lib.stride_tricks.as_strided
+    if layout == BATCH_INNER:
+        padded = (xp.zeros if pad else xp.empty)((g.channels, hp, wp, nb), x_chunk.dtype)
+        padded[:, pad:pad + g.height, pad:pad + g.width, :] = x_chunk.transpose(1, 2, 3, 0)
+        s0, s1, s2, s3 = padded.strides
+        shape = (g.channels, kh, kw, ho, wo, nb)
+        strides = (s0, s1, s2, s1 * st, s2 * st, s3)
+        columns = xp.empty((g.taps, g.positions * nb), x_chunk.dtype)
+    else:
+        if pad:
+            padded = xp.zeros((nb, g.channels, hp, wp), x_chunk.dtype)
+            padded[:, :, pad:pad + g.height, pad:pad + g.width] = x_chunk
+        else:
+            padded = x_chunk
+        s0, s1, s2, s3 = padded.strides
+        shape = (nb, g.channels, kh, kw, ho, wo)
+        strides = (s0, s1, s2, s3, s2 * st, s3 * st)
+        columns = xp.empty((nb, g.taps, g.positions), x_chunk.dtype)
+    columns.reshape(shape)[...] = as_strided(padded, shape, strides)
+    return columns
+
+
+def _kernel_blocks(xp: Any, kernels: int, numbers_per_kernel: int) -> Iterator[slice]:
+    """Kernel ranges whose slice of y holds about TRANSPOSE_BLOCK_ELEMENTS numbers."""
+    step = kernels if xp is not np else max(1, TRANSPOSE_BLOCK_ELEMENTS // max(1, numbers_per_kernel))
+    for start in range(0, kernels, step):
+        yield slice(start, min(kernels, start + step))
+
+
+def _forward_chunk(xp: Any, g: ConvGeometry, layout: str, weight_matrix: Any, columns: Any,
+                   bias: Any, y_chunk: Any) -> None:
+    """Write y_chunk (nb, K, Ho, Wo) = conv of the chunk whose unfolding is ``columns``."""
+    nb, kernels, positions = y_chunk.shape[0], g.kernels, g.positions
+    y3 = y_chunk.reshape(nb, kernels, positions)
+    if layout == BATCH_INNER:
+        product = (weight_matrix @ columns).reshape(kernels, positions, nb)
+        for block in _kernel_blocks(xp, kernels, positions * nb):
+            target = y3[:, block]
+            target[...] = product[block].transpose(2, 0, 1)
+            if bias is not None:
+                target += bias[block, None]
+        return
+    for start in range(0, nb, SAMPLE_BLOCK):
+        target = y3[start:start + SAMPLE_BLOCK]
+        xp.matmul(weight_matrix, columns[start:start + SAMPLE_BLOCK], out=target)
+        if bias is not None:
+            target += bias[:, None]
+
+
+def _col2im_add(g: ConvGeometry, dcol: Any, dx_padded: Any, batch_last: bool) -> None:
+    """dx_padded += col2im(dcol): kh*kw strided adds of (..., Ho, Wo[, nb]) blocks.
+
+    batch_last: dcol (c, kh, kw, Ho, Wo, nb) into dx_padded (c, Hp, Wp, nb);
+    otherwise dcol (nb, c, kh, kw, Ho, Wo) into dx_padded (nb, c, Hp, Wp).
+    """
+    st = g.stride
+    for i in range(g.kernel_h):
+        rows = slice(i, i + st * (g.out_h - 1) + 1, st)
+        for j in range(g.kernel_w):
+            cols = slice(j, j + st * (g.out_w - 1) + 1, st)
+            if batch_last:
+                dx_padded[:, rows, cols, :] += dcol[:, i, j]
+            else:
+                dx_padded[:, :, rows, cols] += dcol[:, :, i, j]
+
+
+def _backward_chunk(xp: Any, g: ConvGeometry, layout: str, weight_matrix: Any, columns: Any,
+                    dy_chunk: Any, dx_chunk: Any | None) -> tuple[Any, Any]:
+    """(dw (K, Q), db (K,)) of one batch chunk; writes dx_chunk (nb, C, H, W) when given."""
+    nb, kernels, positions = dy_chunk.shape[0], g.kernels, g.positions
+    kh, kw, ho, wo, pad = g.kernel_h, g.kernel_w, g.out_h, g.out_w, g.padding
+    hp, wp = g.height + 2 * pad, g.width + 2 * pad
+    dy3 = dy_chunk.reshape(nb, kernels, positions)
+    if layout == BATCH_INNER:
+        dy_rows = xp.empty((kernels, positions, nb), dy_chunk.dtype)
+        for block in _kernel_blocks(xp, kernels, positions * nb):
+            dy_rows[block] = dy3[:, block].transpose(1, 2, 0)
+        dy_matrix = dy_rows.reshape(kernels, positions * nb)
+        db = dy_matrix.sum(axis=1)
+        dw = dy_matrix @ columns.T
+        if dx_chunk is not None:
+            dx_padded = xp.zeros((g.channels, hp, wp, nb), dy_chunk.dtype)
+            taps_per_channel = kh * kw
+            channel_bytes = taps_per_channel * positions * nb * dy_chunk.itemsize
+            step = max(1, DCOL_BLOCK_BYTES // max(1, channel_bytes))
+            for c0 in range(0, g.channels, step):
+                c1 = min(g.channels, c0 + step)
+                weights = weight_matrix[:, c0 * taps_per_channel:c1 * taps_per_channel]
+                dcol = (weights.T @ dy_matrix).reshape(c1 - c0, kh, kw, ho, wo, nb)
+                _col2im_add(g, dcol, dx_padded[c0:c1], batch_last=True)
+            inner = dx_padded[:, pad:pad + g.height, pad:pad + g.width, :]
+            dx_chunk[...] = inner.transpose(3, 0, 1, 2)
+        return dw, db
+    db = dy3.sum(axis=(0, 2))
+    dw = xp.zeros((kernels, g.taps), dy_chunk.dtype)
+    for start in range(0, nb, SAMPLE_BLOCK):
+        stop = min(nb, start + SAMPLE_BLOCK)
+        dy_block = dy3[start:stop]
+        dw += xp.matmul(dy_block, columns[start:stop].transpose(0, 2, 1)).sum(axis=0)
+        if dx_chunk is not None:
+            dcol = xp.matmul(weight_matrix.T, dy_block)
+            dcol = dcol.reshape(stop - start, g.channels, kh, kw, ho, wo)
+            dx_padded = xp.zeros((stop - start, g.channels, hp, wp), dy_chunk.dtype)
+            _col2im_add(g, dcol, dx_padded, batch_last=False)
+            dx_chunk[start:stop] = dx_padded[:, :, pad:pad + g.height, pad:pad + g.width]
+    return dw, db
+
+
+# ---------------------------------------------------------------- public functions
+def _prepare(x: Any, w: Any, stride: int, padding: int, layout: str | None
+             ) -> tuple[Any, Any, ConvCache]:
+    """(xp, x cast to the common dtype, cache without columns)."""
+    xp = get_array_module(x, w)
+    g = make_geometry(tuple(x.shape), tuple(w.shape), stride, padding)
+    dtype = xp.result_type(x.dtype, w.dtype)
+    layout = layout or choose_layout(g)
+    if layout not in LAYOUTS:
+        raise ValueError(f"conv2d: unknown layout {layout!r}, use one of {LAYOUTS}")
+    weight_matrix = xp.ascontiguousarray(w, dtype=dtype).reshape(g.kernels, g.taps)
+    cache = ConvCache(g, layout, weight_matrix, _plan_chunks(xp, g), [])
+    return xp, x.astype(dtype, copy=False), cache
+
+
+def conv2d_forward_cached(x: Any, w: Any, b: Any | None = None, stride: int = 1,
+                          padding: int = 0, *, layout: str | None = None
+                          ) -> tuple[Any, ConvCache]:
+    """Forward convolution that keeps the unfolded input for the backward pass.
+
+    x: (B, C, H, W); w: (K, C, kh, kw), any slice of a layer's kernels (K may be 0);
+    b: (K,) or None. stride, padding: pixels (zero padding on all four sides).
+    Returns y (B, K, Ho, Wo) contiguous, Ho = (H + 2*padding - kh)//stride + 1 (same
+    for Wo), in the common dtype of x and w, and an opaque cache for
+    ``conv2d_backward_cached``. layout: force "batch_inner" or "sample_major" (tests).
+    """
+    xp, x, cache = _prepare(x, w, stride, padding, layout)
+    g = cache.geometry
+    y = xp.empty((g.batch, g.kernels, g.out_h, g.out_w), x.dtype)
+    bias = None if b is None else xp.asarray(b, dtype=x.dtype).reshape(g.kernels)
+
+    def task(index: int) -> Any:
+        start, stop = cache.chunks[index]
+        columns = _unfold(xp, g, cache.layout, x[start:stop])
+        if g.kernels:
+            _forward_chunk(xp, g, cache.layout, cache.weight_matrix, columns, bias,
+                           y[start:stop])
+        return columns
+
+    cache.columns = _run_chunks(task, len(cache.chunks))
+    return y, cache
+
+
+def conv2d_backward_cached(cache: ConvCache, dy: Any, need_dx: bool = True
+                           ) -> tuple[Any | None, Any, Any]:
+    """Gradients from the cache of ``conv2d_forward_cached`` and dy (B, K, Ho, Wo).
+
+    Returns (dx (B, C, H, W) or None when need_dx is False, dw (K, C, kh, kw),
+    db (K,)), all in the forward's dtype. With 0 kernels dx is zeros.
+    """
+    g = cache.geometry
+    xp = get_array_module(dy, cache.weight_matrix)
+    dtype = cache.weight_matrix.dtype
+    expected = (g.batch, g.kernels, g.out_h, g.out_w)
+    if tuple(dy.shape) != expected:
+        raise ValueError(f"conv2d backward: dy has shape {tuple(dy.shape)}, expected {expected}")
+    dy = xp.ascontiguousarray(dy, dtype=dtype)
+    dx = None
+    if need_dx:
+        dx = (xp.zeros if g.kernels == 0 else xp.empty)(
+            (g.batch, g.channels, g.height, g.width), dtype)
+    dw = xp.zeros((g.kernels, g.taps), dtype)
+    db = xp.zeros((g.kernels,), dtype)
+    if g.kernels and cache.chunks:
+
+        def task(index: int) -> tuple[Any, Any]:
+            start, stop = cache.chunks[index]
+            return _backward_chunk(xp, g, cache.layout, cache.weight_matrix,
+                                   cache.columns[index], dy[start:stop],
+                                   None if dx is None else dx[start:stop])
+
+        parts = _run_chunks(task, len(cache.chunks))
+        dw, db = parts[0]
+        for part_dw, part_db in parts[1:]:
+            dw += part_dw
+            db += part_db
+    return dx, dw.reshape(g.kernels, g.channels, g.kernel_h, g.kernel_w), db
+
+
+def conv2d(x: Any, w: Any, b: Any | None = None, stride: int = 1, padding: int = 0) -> Any:
+    """y (B, K, Ho, Wo) = x (B, C, H, W) cross-correlated with w (K, C, kh, kw) + b (K,).
+
+    Same as ``conv2d_forward_cached`` without keeping the cache.
+    """
+    y, _ = conv2d_forward_cached(x, w, b, stride, padding)
+    return y
+
+
+def conv2d_backward(x: Any, w: Any, dy: Any, stride: int = 1, padding: int = 0,
+                    need_dx: bool = True) -> tuple[Any | None, Any, Any]:
+    """(dx (B, C, H, W) or None, dw (K, C, kh, kw), db (K,)) for dy (B, K, Ho, Wo).
+
+    Unfolds x again (no forward product); use the cached pair in training.
+    """
+    xp, x, cache = _prepare(x, w, stride, padding, None)
+    g = cache.geometry
+    cache.columns = _run_chunks(
+        lambda index: _unfold(xp, g, cache.layout, x[slice(*cache.chunks[index])]),
+        len(cache.chunks))
+    return conv2d_backward_cached(cache, dy, need_dx)

@@ -1,0 +1,108 @@
+"""The conv stage: where a network's conv blocks run.
+
+The trainer talks to its conv blocks only through the :class:`ConvStage`
+interface, so the same training loop runs them on the master's own device
+(:class:`LocalConvStage`, here) or spread over worker daemons (the distributed
+stage in ``master/``). Inputs and outputs cross this interface as host numpy
+arrays: x (B, C, H, W) in, pooled block output (B, K, H', W') out.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Protocol
+
+import numpy as np
+
+from hetconv.backend import array_module_for, on_device, synchronize, to_module, to_numpy
+from hetconv.model import BLOCK_PARAMETERS, ModelConfig, block_parameters, conv_layer_shapes
+from hetconv.shard import BlockSettings, ConvShard
+
+
+class ConvStage(Protocol):
+    """What the trainer needs from whatever runs the conv blocks."""
+
+    def forward(self, layer: int, x: np.ndarray, train: bool, step: int) -> np.ndarray: ...
+
+    def backward(self, layer: int, dy: np.ndarray, need_dx: bool, learning_rate: float,
+                 step: int) -> np.ndarray | None: ...
+
+    def take_step_timings(self) -> dict[str, Any]:
+        """Per-layer, per-device timings and bytes of the step just done, and its
+        communication seconds: ``{"layers": [{"layer", "devices": [...]}], "comm_s"}``."""
+        ...
+
+    def snapshot(self) -> dict[str, np.ndarray]: ...
+
+    def close(self) -> None: ...
+
+
+def block_settings(model: ModelConfig, momentum: float, weight_decay: float) -> BlockSettings:
+    return BlockSettings(stride=1, padding=model.padding, bn_momentum=model.bn_momentum,
+                         bn_eps=model.bn_eps, momentum=momentum, weight_decay=weight_decay)
+
+
+class LocalConvStage:
+    """Every conv block whole on the master's own device (``cpu`` or ``gpu:N``)."""
+
+    def __init__(self, model: ModelConfig, params: dict[str, np.ndarray],
+                 settings: BlockSettings, device: str = "cpu"):
+        self.device = device
+        self.xp = array_module_for(device)
+        with on_device(device):
+            self.shards = [
+                ConvShard(shape.index, 0, shape.kernels, settings,
+                          block_parameters(params, shape.index), self.xp)
+                for shape in conv_layer_shapes(model)
+            ]
+        self._timings: dict[int, dict[str, Any]] = {}
+
+    def _record(self, layer: int, key: str, seconds: float) -> None:
+        entry = self._timings.setdefault(layer, {
+            "device": "master", "kernels": self.shards[layer].kernels, "forward_s": 0.0,
+            "backward_s": 0.0, "wait_s": 0.0, "bytes_sent": 0, "bytes_received": 0})
+        entry[key] += seconds
+
+    def forward(self, layer: int, x: np.ndarray, train: bool, step: int) -> np.ndarray:
+        start = time.perf_counter()
+        with on_device(self.device):
+            y = self.shards[layer].forward(to_module(x, self.xp), train)
+            synchronize(self.xp)
+            out = to_numpy(y)
+        if train:
+            self._record(layer, "forward_s", time.perf_counter() - start)
+        return out
+
+    def backward(self, layer: int, dy: np.ndarray, need_dx: bool, learning_rate: float,
+                 step: int) -> np.ndarray | None:
+        start = time.perf_counter()
+        with on_device(self.device):
+            dx = self.shards[layer].backward(to_module(dy, self.xp), need_dx, learning_rate)
+            synchronize(self.xp)
+            out = None if dx is None else to_numpy(dx)
+        self._record(layer, "backward_s", time.perf_counter() - start)
+        return out
+
+    def take_step_timings(self) -> dict[str, Any]:
+        layers = [{"layer": layer, "devices": [entry]}
+                  for layer, entry in sorted(self._timings.items())]
+        self._timings = {}
+        return {"layers": layers, "comm_s": 0.0}
+
+    def snapshot(self) -> dict[str, np.ndarray]:
+        out: dict[str, np.ndarray] = {}
+        for shard in self.shards:
+            state = shard.snapshot()
+            for name, value in state.items():
+                out[f"conv{shard.layer}.{name}"] = value
+        return out
+
+    def close(self) -> None:
+        self.shards = []
+
+
+def split_snapshot(snapshot: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray],
+                                                             dict[str, np.ndarray]]:
+    """(model parameters, optimizer velocities) from a stage snapshot."""
+    params = {k: v for k, v in snapshot.items() if k.rsplit(".", 1)[1] in BLOCK_PARAMETERS}
+    velocities = {k: v for k, v in snapshot.items() if k not in params}
+    return params, velocities

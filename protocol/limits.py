@@ -1,0 +1,78 @@
+"""Named limits, deadlines and socket settings of the hetconv wire protocol.
+
+Every bound the codec enforces on untrusted input and every deadline or socket
+option the transport applies lives here, so that a reader can see the whole
+resource envelope of a connection in one place and tests can refer to the same
+names. Byte sizes are in bytes, times carry their unit in the name (``_MS`` for
+milliseconds as ZeroMQ wants them, ``_S`` for seconds).
+"""
+from __future__ import annotations
+
+KIB = 1024
+MIB = 1024 * KIB
+GIB = 1024 * MIB
+
+# --- codec: sizes of one multipart message -------------------------------------------
+MAX_HEADER_BYTES = 64 * KIB
+"""Largest accepted msgpack header frame (frame 0)."""
+MAX_FRAMES = 16
+"""Largest number of frames in one message, header included."""
+MAX_FRAME_BYTES = 1 * GIB
+"""Largest accepted array frame."""
+MAX_TOTAL_BYTES = 2 * GIB
+"""Largest accepted sum of all frame lengths of one message."""
+
+# --- codec: shapes of the msgpack header ------------------------------------------
+MAX_NDIM = 8
+"""Most dimensions an array may have on the wire."""
+MAX_DIM = MAX_FRAME_BYTES
+"""Largest single dimension (bounds shapes with a zero dimension, too)."""
+MAX_STR_LEN = 4 * KIB
+"""Longest string anywhere in a header (error messages, names, device fields)."""
+MAX_ARRAY_LEN = 256
+"""Longest msgpack array anywhere in a header."""
+MAX_MAP_LEN = 128
+"""Most entries in any msgpack map of a header."""
+MAX_NESTING_DEPTH = 6
+"""Deepest nesting of lists/maps inside a dict-typed field (e.g. ``Hello.device``)."""
+
+# --- transport: ZeroMQ socket options ---------------------------------------------
+DEFAULT_LINGER_MS = 500
+"""How long ``close()`` may wait to flush unsent messages; shutdown never hangs."""
+DEFAULT_SNDHWM = 64
+"""Send high-water mark in messages: a frozen peer cannot make us queue more."""
+DEFAULT_RCVHWM = 64
+"""Receive high-water mark in messages."""
+DEFAULT_SEND_TIMEOUT_MS = 10_000
+"""SNDTIMEO: a send that cannot be queued within this raises ``SendTimeout``."""
+HEARTBEAT_IVL_MS = 1_000
+"""ZMTP PING interval on every connection."""
+HEARTBEAT_TIMEOUT_MS = 5_000
+"""A connection with no traffic for this long after a PING is dropped."""
+HEARTBEAT_TTL_MS = 10_000
+"""TTL we ask the peer to apply to us (rounded by ZeroMQ to 100 ms)."""
+HANDSHAKE_IVL_MS = 10_000
+"""Longest ZMTP (and CURVE) handshake before the connection is dropped."""
+RECONNECT_IVL_MS = 100
+"""First reconnect delay of a worker's DEALER."""
+RECONNECT_IVL_MAX_MS = 5_000
+"""Exponential reconnect back-off stops growing at this delay."""
+MAX_MSG_SIZE_BYTES = MAX_FRAME_BYTES
+"""ZMQ_MAXMSGSIZE. libzmq applies it to each frame (message part), not to the whole
+multipart message, so the per-frame limit is the tight one; ``decode`` checks the
+total against ``MAX_TOTAL_BYTES``."""
+
+# --- application level: handshake and liveness ------------------------------------
+DEFAULT_HELLO_TIMEOUT_S = 10.0
+"""How long a worker waits for ``Welcome``/``Refuse`` after sending ``Hello``."""
+DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
+"""Interval of application ``Heartbeat`` messages (the master sends its value in
+``Welcome.heartbeat_interval_s``)."""
+DEFAULT_HEARTBEAT_LIVENESS = 5
+"""Missed heartbeat intervals before a peer is declared dead (Paranoid Pirate)."""
+DEFAULT_REQUEST_TIMEOUT_S = 120.0
+"""Default deadline for one request/reply exchange (forward, backward, snapshot)."""
+
+# --- security --------------------------------------------------------------------
+ZAP_DOMAIN = "hetconv"
+"""ZAP domain set on every CURVE listening socket, with domain enforcement on."""

@@ -1,0 +1,237 @@
+"""ZeroMQ socket helpers for the hetconv protocol: sockets, send, receive. No logic.
+
+The master binds one ROUTER; each worker connects one DEALER whose routing id is
+its identity. Both get bounded LINGER, small high-water marks, a send timeout,
+ZMTP heartbeats and a per-frame size limit (all from ``protocol.limits``), so that
+shutdown never hangs, a frozen peer cannot make us buffer without bound, and a dead
+TCP connection is noticed. ``recv_message`` always takes a deadline.
+
+CURVE: pass ``CurveServerKeys`` to ``master_socket`` and ``CurveClientKeys`` to
+``worker_socket``. The listening socket then sets ``ZAP_DOMAIN`` and
+``ZAP_ENFORCE_DOMAIN``, so without a running authenticator on the *same* context
+every connection is refused (fails closed). Start one with
+``start_curve_authenticator`` *before* ``master_socket`` binds, and stop it after
+the socket is closed.
+"""
+from __future__ import annotations
+
+import errno
+import math
+import time
+from dataclasses import dataclass
+from typing import Literal, overload
+
+import zmq
+from zmq.auth.thread import ThreadAuthenticator
+
+from protocol import limits
+from protocol.codec import decode, encode
+from protocol.errors import ProtocolError
+from protocol.messages import Message
+
+
+class TransportError(Exception):
+    """A message could not be handed to ZeroMQ."""
+
+
+class SendTimeout(TransportError):
+    """The send queue stayed full for ``DEFAULT_SEND_TIMEOUT_MS`` (peer frozen)."""
+
+
+class PeerUnreachable(TransportError):
+    """ROUTER: no connected peer has this identity (it left or never came)."""
+
+
+@dataclass(frozen=True)
+class CurveServerKeys:
+    """The master's CURVE key pair (z85 bytes) and the allowed worker public keys."""
+
+    public_key: bytes
+    secret_key: bytes
+    allowed_client_keys: frozenset[bytes]
+
+
+@dataclass(frozen=True)
+class CurveClientKeys:
+    """A worker's CURVE key pair and the master's public key (all z85 bytes)."""
+
+    public_key: bytes
+    secret_key: bytes
+    server_public_key: bytes
+
+
+def generate_curve_keypair() -> tuple[bytes, bytes]:
+    """A new CURVE key pair ``(public_key, secret_key)``, z85-encoded."""
+    public_key, secret_key = zmq.curve_keypair()
+    return public_key, secret_key
+
+
+class _AllowList:
+    """ZAP credentials provider: allow exactly the listed z85 public keys."""
+
+    def __init__(self, allowed_client_keys: frozenset[bytes]) -> None:
+        self.allowed_client_keys = allowed_client_keys
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return domain == limits.ZAP_DOMAIN and key in self.allowed_client_keys
+
+
+def start_curve_authenticator(
+    ctx: zmq.Context[zmq.Socket[bytes]], allowed_client_keys: frozenset[bytes]
+) -> ThreadAuthenticator:
+    """Start a ZAP handler on ``ctx`` that admits only ``allowed_client_keys``.
+
+    Call before ``master_socket(..., curve=...)``; call ``.stop()`` on the result
+    after closing the socket and before terminating the context.
+    """
+    authenticator = ThreadAuthenticator(ctx)
+    authenticator.start()
+    authenticator.configure_curve_callback(
+        domain=limits.ZAP_DOMAIN, credentials_provider=_AllowList(allowed_client_keys)
+    )
+    return authenticator
+
+
+def make_context(io_threads: int = 1) -> zmq.Context[zmq.Socket[bytes]]:
+    """A fresh ZeroMQ context (not the global instance) for one master or worker."""
+    return zmq.Context(io_threads=io_threads)
+
+
+def _apply_common_options(sock: zmq.Socket[bytes]) -> None:
+    sock.setsockopt(zmq.LINGER, limits.DEFAULT_LINGER_MS)
+    sock.setsockopt(zmq.SNDHWM, limits.DEFAULT_SNDHWM)
+    sock.setsockopt(zmq.RCVHWM, limits.DEFAULT_RCVHWM)
+    sock.setsockopt(zmq.SNDTIMEO, limits.DEFAULT_SEND_TIMEOUT_MS)
+    sock.setsockopt(zmq.MAXMSGSIZE, limits.MAX_MSG_SIZE_BYTES)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, limits.HEARTBEAT_IVL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, limits.HEARTBEAT_TIMEOUT_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, limits.HEARTBEAT_TTL_MS)
+    sock.setsockopt(zmq.HANDSHAKE_IVL, limits.HANDSHAKE_IVL_MS)
+
+
+def master_socket(
+    ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, *, curve: CurveServerKeys | None = None
+) -> zmq.Socket[bytes]:
+    """A ROUTER bound to ``endpoint`` (``tcp://host:*`` picks a free port; read it
+    back with ``bound_endpoint``). ROUTER_MANDATORY makes a send to an unknown
+    worker fail loudly; ROUTER_HANDOVER lets a restarted worker reuse its identity.
+    """
+    sock = ctx.socket(zmq.ROUTER)
+    try:
+        _apply_common_options(sock)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        if curve is not None:
+            sock.setsockopt(zmq.ZAP_DOMAIN, limits.ZAP_DOMAIN.encode())
+            sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+            sock.setsockopt(zmq.CURVE_SERVER, 1)
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, curve.public_key)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, curve.secret_key)
+        sock.bind(endpoint)
+    except BaseException:
+        sock.close(linger=0)
+        raise
+    return sock
+
+
+def worker_socket(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+    endpoint: str,
+    identity: bytes,
+    *,
+    curve: CurveClientKeys | None = None,
+) -> zmq.Socket[bytes]:
+    """A DEALER with routing id ``identity`` connected to the master's ``endpoint``;
+    ZeroMQ reconnects by itself with back-off RECONNECT_IVL → RECONNECT_IVL_MAX."""
+    if not 1 <= len(identity) <= 255 or identity[:1] == b"\0":
+        raise ValueError("identity must be 1-255 bytes and must not start with a zero byte")
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        _apply_common_options(sock)
+        sock.setsockopt(zmq.ROUTING_ID, identity)
+        sock.setsockopt(zmq.RECONNECT_IVL, limits.RECONNECT_IVL_MS)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, limits.RECONNECT_IVL_MAX_MS)
+        if curve is not None:
+            sock.setsockopt(zmq.CURVE_SERVERKEY, curve.server_public_key)
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, curve.public_key)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, curve.secret_key)
+        sock.connect(endpoint)
+    except BaseException:
+        sock.close(linger=0)
+        raise
+    return sock
+
+
+def bound_endpoint(sock: zmq.Socket[bytes]) -> str:
+    """The endpoint a socket actually bound (resolves a ``*`` port)."""
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def send_message(sock: zmq.Socket[bytes], msg: Message, identity: bytes | None = None) -> int:
+    """Encode and send ``msg`` (to ``identity`` on a ROUTER); return the bytes sent.
+
+    Array frames go without copying: do not mutate the message's arrays afterwards.
+    Raises ``ProtocolError`` (nothing sent) for an invalid message, ``SendTimeout``
+    when the peer's queue stays full, ``PeerUnreachable`` for an unknown identity.
+    """
+    frames = encode(msg)
+    parts: list[bytes | memoryview] = frames if identity is None else [identity, *frames]
+    try:
+        sock.send_multipart(parts, copy=False)
+    except zmq.Again:
+        raise SendTimeout(
+            f"send of {msg.TYPE} timed out after {limits.DEFAULT_SEND_TIMEOUT_MS} ms; "
+            "the peer is not reading"
+        ) from None
+    except zmq.ZMQError as exc:
+        if exc.errno == errno.EHOSTUNREACH:
+            raise PeerUnreachable(f"no connected peer with identity {identity!r}") from None
+        raise
+    return sum(len(frame) if isinstance(frame, bytes) else frame.nbytes for frame in frames)
+
+
+@overload
+def recv_message(
+    sock: zmq.Socket[bytes], timeout_s: float, with_identity: Literal[False] = False
+) -> Message | None: ...
+
+
+@overload
+def recv_message(
+    sock: zmq.Socket[bytes], timeout_s: float, with_identity: Literal[True]
+) -> tuple[bytes, Message] | None: ...
+
+
+def recv_message(
+    sock: zmq.Socket[bytes], timeout_s: float, with_identity: bool = False
+) -> Message | tuple[bytes, Message] | None:
+    """Wait at most ``timeout_s`` for one message and decode it (zero copy).
+
+    Returns the message, ``(identity, message)`` when ``with_identity`` (ROUTER),
+    or None on timeout. A message that fails to decode is consumed and raises
+    ``ProtocolError`` with ``.identity`` set (ROUTER), so the caller can answer with
+    an ``ErrorReply``; the socket stays usable.
+    """
+    if not (math.isfinite(timeout_s) and timeout_s >= 0):
+        raise ValueError(f"timeout_s must be a finite number >= 0, got {timeout_s!r}")
+    if with_identity != (sock.type == zmq.ROUTER):
+        raise ValueError("with_identity=True is for ROUTER sockets, and ROUTER needs it")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        remaining_ms = max(0, math.ceil((deadline - time.monotonic()) * 1000))
+        if sock.poll(remaining_ms, zmq.POLLIN):
+            try:
+                frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                break
+            except zmq.Again:
+                pass
+        if time.monotonic() >= deadline:
+            return None
+    if not with_identity:
+        return decode(frames)
+    identity = frames[0].bytes
+    try:
+        return identity, decode(frames[1:])
+    except ProtocolError as error:
+        error.identity = identity
+        raise

@@ -1,0 +1,64 @@
+"""Kernel partitioning: paper equation (1) and largest-remainder rounding."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hetconv.partition import (equal_counts, ideal_layer_seconds, kernel_counts, kernel_ranges,
+                               largest_remainder, predicted_layer_seconds, workload_fractions)
+
+
+def test_paper_example_two_devices() -> None:
+    # Section 4.1.1: device 1 twice as fast as device 2 -> 2/3 and 1/3.
+    assert workload_fractions([5.0, 10.0]) == pytest.approx([2 / 3, 1 / 3])
+    assert kernel_counts([5.0, 10.0], 300) == [200, 100]
+
+
+def test_equation_one_matches_formula() -> None:
+    times = [1.0, 2.0, 4.0, 8.0]
+    slowest = max(times)
+    expected = [(slowest / t) / sum(slowest / u for u in times) for t in times]
+    assert workload_fractions(times) == pytest.approx(expected)
+
+
+def test_largest_remainder_known_case() -> None:
+    # quotas 3.33, 3.33, 3.33 -> one extra to the first
+    assert largest_remainder([1 / 3] * 3, 10) == [4, 3, 3]
+    assert largest_remainder([0.5, 0.3, 0.2], 7) == [4, 2, 1]  # 3.5, 2.1, 1.4
+
+
+def test_slow_device_can_get_zero_kernels() -> None:
+    counts = kernel_counts([1.0, 1.0, 1000.0], 10)
+    assert counts == [5, 5, 0]
+    assert kernel_ranges(counts) == [(0, 5), (5, 10), (10, 10)]
+
+
+def test_equal_counts() -> None:
+    assert equal_counts(3, 8) == [3, 3, 2]
+
+
+def test_bad_times_rejected() -> None:
+    with pytest.raises(ValueError):
+        workload_fractions([1.0, 0.0])
+    with pytest.raises(ValueError):
+        workload_fractions([])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(0.001, 100.0), min_size=1, max_size=8), st.integers(0, 2000))
+def test_counts_sum_and_stay_close(times: list[float], kernels: int) -> None:
+    counts = kernel_counts(times, kernels)
+    assert sum(counts) == kernels
+    assert all(c >= 0 for c in counts)
+    for count, fraction in zip(counts, workload_fractions(times)):
+        assert abs(count - fraction * kernels) < 1.0 + 1e-9
+
+
+def test_predicted_and_ideal_seconds() -> None:
+    times = [1.0, 3.0]  # seconds for 100 kernels each
+    counts = kernel_counts(times, 100)  # 75 / 25
+    assert counts == [75, 25]
+    assert predicted_layer_seconds(times, 100, counts) == pytest.approx(0.75)
+    assert ideal_layer_seconds(times, 100, 100) == pytest.approx(0.75)
+    assert predicted_layer_seconds(times, 100, equal_counts(2, 100)) == pytest.approx(1.5)

@@ -1,0 +1,135 @@
+"""What a worker computes: request message in, reply message out (no sockets).
+
+The service keeps the kernel shards assigned to this worker between batches
+(weight-stationary), runs the calibration benchmark, the whole-block forward and
+backward (with the optimizer update) and hands shards back for snapshots. Every
+failure becomes an :class:`ErrorReply`, so one bad request never stops the worker.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+
+from hetconv.backend import array_module_for, on_device, synchronize, to_module, to_numpy
+from hetconv.calibration import time_block
+from hetconv.shard import STATE_NAMES, BlockSettings, ConvShard
+from protocol import (Ack, AssignShard, BackwardReply, BackwardRequest, CalibrateReply,
+                      CalibrateRequest, EndRun, ErrorReply, ForwardReply, ForwardRequest,
+                      Message, SnapshotReply, SnapshotRequest)
+
+log = logging.getLogger(__name__)
+
+MAX_CALIBRATION_REPEATS = 20
+
+
+class RequestError(Exception):
+    """A request this worker cannot serve; becomes an ErrorReply with ``code``."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class WorkerService:
+    """Serves compute requests for one device (``cpu`` or ``gpu:N``)."""
+
+    def __init__(self, device: str = "cpu"):
+        self.device = device
+        self.xp = array_module_for(device)
+        self.shards: dict[int, ConvShard] = {}
+        self.need_dx: dict[int, bool] = {}
+
+    def handle(self, message: Message) -> Message:
+        """The reply to ``message``; never raises."""
+        request_id = int(getattr(message, "request_id", 0))
+        try:
+            with on_device(self.device):
+                return self._dispatch(message)
+        except RequestError as error:
+            return ErrorReply(request_id=request_id, code=error.code, message=str(error))
+        except (ValueError, TypeError, IndexError) as error:
+            return ErrorReply(request_id=request_id, code="bad_request",
+                              message=f"{type(message).__name__}: {error}")
+        except Exception as error:  # keep serving whatever happens
+            log.exception("internal error serving %s", type(message).__name__)
+            return ErrorReply(request_id=request_id, code="internal",
+                              message=f"{type(error).__name__}: {error}")
+
+    def _dispatch(self, message: Message) -> Message:
+        match message:
+            case ForwardRequest():
+                return self._forward(message)
+            case BackwardRequest():
+                return self._backward(message)
+            case CalibrateRequest():
+                return self._calibrate(message)
+            case AssignShard():
+                return self._assign(message)
+            case SnapshotRequest():
+                return self._snapshot(message)
+            case EndRun():
+                self.shards.clear()
+                self.need_dx.clear()
+                return Ack(request_id=message.request_id)
+        raise RequestError("bad_request", f"a worker does not serve {type(message).__name__}")
+
+    def _shard(self, layer: int) -> ConvShard:
+        shard = self.shards.get(layer)
+        if shard is None:
+            raise RequestError("unknown_layer", f"no shard assigned for layer {layer}")
+        return shard
+
+    def _calibrate(self, request: CalibrateRequest) -> CalibrateReply:
+        if not 1 <= request.repeats <= MAX_CALIBRATION_REPEATS:
+            raise RequestError("bad_request", f"repeats must be 1..{MAX_CALIBRATION_REPEATS}")
+        seconds = time_block(request.batch, request.in_channels, request.height, request.width,
+                             request.kernels, request.kernel_size, padding=request.padding,
+                             stride=request.stride, repeats=request.repeats, xp=self.xp)
+        return CalibrateReply(request_id=request.request_id, layer=request.layer, seconds=seconds)
+
+    def _assign(self, request: AssignShard) -> Ack:
+        settings = BlockSettings(stride=request.stride, padding=request.padding,
+                                 bn_momentum=request.bn_momentum, bn_eps=request.bn_eps,
+                                 momentum=request.momentum, weight_decay=request.weight_decay)
+        state = {name: getattr(request, name) for name in STATE_NAMES}
+        if request.weight.ndim != 4:
+            raise RequestError("bad_request", "weight must be (K, C, k, k)")
+        self.shards[request.layer] = ConvShard(request.layer, request.kernel_start,
+                                               request.kernel_stop, settings, state, self.xp)
+        self.need_dx[request.layer] = request.need_dx
+        return Ack(request_id=request.request_id)
+
+    def _forward(self, request: ForwardRequest) -> ForwardReply:
+        shard = self._shard(request.layer)
+        x = request.x
+        if x.ndim != 4 or x.shape[1] != shard.state["weight"].shape[1]:
+            raise RequestError("bad_request", f"layer {request.layer}: input of shape "
+                               f"{tuple(x.shape)} does not match the shard's weights")
+        start = time.perf_counter()
+        y = shard.forward(to_module(x, self.xp), request.train)
+        synchronize(self.xp)
+        compute_s = time.perf_counter() - start
+        return ForwardReply(request_id=request.request_id, step=request.step,
+                            layer=request.layer, attempt=request.attempt, compute_s=compute_s,
+                            y=np.ascontiguousarray(to_numpy(y)))
+
+    def _backward(self, request: BackwardRequest) -> BackwardReply:
+        shard = self._shard(request.layer)
+        need_dx = self.need_dx.get(request.layer, True)
+        start = time.perf_counter()
+        dx: Any = shard.backward(to_module(request.dy, self.xp), need_dx, request.learning_rate)
+        synchronize(self.xp)
+        compute_s = time.perf_counter() - start
+        return BackwardReply(request_id=request.request_id, step=request.step,
+                             layer=request.layer, attempt=request.attempt, compute_s=compute_s,
+                             dx=None if dx is None else np.ascontiguousarray(to_numpy(dx)))
+
+    def _snapshot(self, request: SnapshotRequest) -> SnapshotReply:
+        shard = self._shard(request.layer)
+        state = shard.snapshot()
+        return SnapshotReply(request_id=request.request_id, layer=request.layer,
+                             kernel_start=shard.kernel_start, kernel_stop=shard.kernel_stop,
+                             **state)
