@@ -127,9 +127,11 @@ def _wire_array(name: str, value: object) -> np.ndarray:
                     f"{', '.join(WIRE_DTYPES)}")
     if value.ndim > limits.MAX_NDIM:
         raise _fail(f"array field {name!r} has {value.ndim} dims, at most {limits.MAX_NDIM}")
+    if any(dim > limits.MAX_DIM for dim in value.shape):
+        raise _fail(f"array field {name!r} has a dim over {limits.MAX_DIM}: {value.shape}")
     if value.dtype != wire_dtype:
         value = value.astype(wire_dtype)
-    return np.ascontiguousarray(value)
+    return value if value.flags.c_contiguous else value.copy(order="C")
 
 
 def encode(msg: Message) -> list[Frame]:

@@ -1,0 +1,143 @@
+"""Distributed training over real worker processes on loopback."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from hetconv.checkpoint import load_weights
+from hetconv.lab import wait_for
+from tests.integration.conftest import (SMALL_RUN, child_env, epoch_records, hetconv_command,
+                                        run_hetconv, step_losses)
+
+pytestmark = [pytest.mark.integration]
+
+
+def assert_reproduces(run_dir: Path, reference: Path) -> None:
+    local, distributed = step_losses(reference), step_losses(run_dir)
+    assert len(local) == len(distributed) > 0
+    n = min(100, len(local))
+    np.testing.assert_allclose(distributed[:n], local[:n], rtol=1e-4)
+    acc_local = epoch_records(reference)[0]["test_accuracy"]
+    acc_dist = epoch_records(run_dir)[0]["test_accuracy"]
+    assert abs(acc_local - acc_dist) <= 0.005
+
+
+@pytest.mark.timeout(180)
+def test_two_workers_reproduce_local_run(endpoint: str, workers: Any, tmp_path: Path,
+                                         local_reference: Path) -> None:
+    workers("w1", "w2")
+    run_dir = tmp_path / "dist"
+    result = run_hetconv("train", "--listen", endpoint, "--min-workers", "2", "--wait", "30",
+                         *SMALL_RUN, "--run-dir", str(run_dir))
+    assert result.returncode == 0, result.stderr
+    assert "split of 8 kernels" in result.stdout
+    assert_reproduces(run_dir, local_reference)
+    # the final weights have the local run's layout and (nearly) its values
+    local_w, dist_w = load_weights(local_reference / "weights.npz"), load_weights(run_dir / "weights.npz")
+    assert sorted(local_w) == sorted(dist_w)
+    for name in local_w:
+        assert local_w[name].shape == dist_w[name].shape
+        np.testing.assert_allclose(dist_w[name], local_w[name], rtol=1e-3, atol=1e-4)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    calibrations = [r for r in records if r["type"] == "calibration"]
+    assert len(calibrations) == 2
+    assert all(sum(d["kernels"] for d in c["devices"]) == c["kernels"] for c in calibrations)
+    steps = [r for r in records if r["type"] == "step"]
+    devices = {d["device"] for s in steps for layer in s["layers"] for d in layer["devices"]}
+    assert devices <= {"master", "w1", "w2"} and {"w1", "w2"} & devices
+
+
+@pytest.mark.timeout(180)
+def test_three_workers_no_local_equal_split(endpoint: str, workers: Any, tmp_path: Path,
+                                            local_reference: Path) -> None:
+    workers("w1", "w2", "w3")
+    run_dir = tmp_path / "dist"
+    result = run_hetconv("train", "--listen", endpoint, "--min-workers", "3", "--wait", "30",
+                         "--no-local", "--split", "equal", *SMALL_RUN, "--run-dir", str(run_dir))
+    assert result.returncode == 0, result.stderr
+    assert "w1 2 (50%), w2 1 (25%), w3 1 (25%)" in result.stdout  # equal split of 4
+    assert_reproduces(run_dir, local_reference)
+
+
+@pytest.mark.timeout(120)
+def test_worker_started_late_is_accepted(endpoint: str, workers: Any, tmp_path: Path) -> None:
+    run_dir = tmp_path / "dist"
+    master = subprocess.Popen(
+        hetconv_command("train", "--listen", endpoint, "--min-workers", "1", "--wait", "60",
+                        *SMALL_RUN, "--run-dir", str(run_dir)),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
+    try:
+        time.sleep(2.0)
+        assert master.poll() is None
+        workers("late")
+        out, err = master.communicate(timeout=100)
+        assert master.returncode == 0, err
+        assert "late" in out
+    finally:
+        if master.poll() is None:
+            master.kill()
+
+
+@pytest.mark.timeout(120)
+def test_killed_worker_is_named_within_ten_seconds(endpoint: str, workers: Any,
+                                                   tmp_path: Path) -> None:
+    started = workers("steady", "victim")
+    victim = started[1]
+    run_dir = tmp_path / "dist"
+    args = [a for a in SMALL_RUN]
+    args[args.index("--epochs") + 1] = "20"
+    master = subprocess.Popen(
+        hetconv_command("train", "--listen", endpoint, "--min-workers", "2", "--wait", "30",
+                        "--split", "equal", *args, "--run-dir", str(run_dir)),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        assert wait_for(lambda: metrics.exists() and '"type":"step"' in metrics.read_text(), 60)
+        os.kill(victim.process.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        _, err = master.communicate(timeout=30)
+        assert time.monotonic() - killed_at < 10
+        assert master.returncode != 0
+        lines = [line for line in err.splitlines() if line.startswith("hetconv: error:")]
+        assert len(lines) == 1 and "victim" in lines[0], err
+        assert "Traceback" not in err
+        end = json.loads(metrics.read_text().splitlines()[-1])
+        assert end["type"] == "run_end" and end["status"] == "failed" and "victim" in end["error"]
+    finally:
+        if master.poll() is None:
+            master.kill()
+
+
+@pytest.mark.timeout(60)
+def test_no_workers_is_a_clear_error(endpoint: str, tmp_path: Path) -> None:
+    start = time.monotonic()
+    result = run_hetconv("train", "--listen", endpoint, "--min-workers", "1", "--wait", "2",
+                         *SMALL_RUN, "--run-dir", str(tmp_path / "r"))
+    assert result.returncode == 2
+    assert time.monotonic() - start < 30
+    assert result.stderr.strip().splitlines()[-1].startswith("hetconv: error: only 0 of 1")
+
+
+@pytest.mark.timeout(60)
+def test_worker_survives_a_run_and_stops_on_sigterm(endpoint: str, workers: Any,
+                                                    tmp_path: Path) -> None:
+    (worker,) = workers("stay")
+    for run in range(2):
+        result = run_hetconv("train", "--listen", endpoint, "--min-workers", "1", "--wait", "30",
+                             "--data", "synthetic", "--limit", "128", "--test-limit", "64",
+                             "--arch", "2:4", "--epochs", "1", "--batch", "64", "--threads", "1",
+                             "--no-progress", "--run-dir", str(tmp_path / f"r{run}"))
+        assert result.returncode == 0, result.stderr
+    assert worker.process.poll() is None
+    start = time.monotonic()
+    worker.process.send_signal(signal.SIGTERM)
+    assert worker.process.wait(5) == 0
+    assert time.monotonic() - start < 2.0
