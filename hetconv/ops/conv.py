@@ -45,7 +45,6 @@ LAYOUTS = (BATCH_INNER, SAMPLE_MAJOR)
 SAMPLE_MAJOR_MIN_POSITIONS = 256  # Ho*Wo from which one GEMM per sample is cheaper
 PARALLEL_MIN_FLOP = 2e7  # below this a forward runs on the calling thread only
 TRANSPOSE_BLOCK_ELEMENTS = 1 << 15  # numbers per block of the y / dy transposes
-DCOL_BLOCK_BYTES = 4 << 20  # size of one block of dcol before its col2im
 SAMPLE_BLOCK = 8  # samples per GEMM batch in the sample-major layout
 
 _T = TypeVar("_T")
@@ -254,10 +253,10 @@ def _forward_chunk(xp: Any, g: ConvGeometry, layout: str, weight_matrix: Any, co
 
 
 def _col2im_add(g: ConvGeometry, dcol: Any, dx_padded: Any, batch_last: bool) -> None:
-    """dx_padded += col2im(dcol): kh*kw strided adds of (..., Ho, Wo[, nb]) blocks.
+    """dx_padded += col2im(dcol): kh*kw strided adds, each of one contiguous dcol block.
 
-    batch_last: dcol (c, kh, kw, Ho, Wo, nb) into dx_padded (c, Hp, Wp, nb);
-    otherwise dcol (nb, c, kh, kw, Ho, Wo) into dx_padded (nb, c, Hp, Wp).
+    batch_last: dcol (kh, kw, C, Ho, Wo, nb) into dx_padded (C, Hp, Wp, nb);
+    otherwise dcol (nb, kh, kw, C, Ho, Wo) into dx_padded (nb, C, Hp, Wp).
     """
     st = g.stride
     for i in range(g.kernel_h):
@@ -265,14 +264,18 @@ def _col2im_add(g: ConvGeometry, dcol: Any, dx_padded: Any, batch_last: bool) ->
         for j in range(g.kernel_w):
             cols = slice(j, j + st * (g.out_w - 1) + 1, st)
             if batch_last:
-                dx_padded[:, rows, cols, :] += dcol[:, i, j]
+                dx_padded[:, rows, cols, :] += dcol[i, j]
             else:
-                dx_padded[:, :, rows, cols] += dcol[:, :, i, j]
+                dx_padded[:, :, rows, cols] += dcol[:, i, j]
 
 
-def _backward_chunk(xp: Any, g: ConvGeometry, layout: str, weight_matrix: Any, columns: Any,
-                    dy_chunk: Any, dx_chunk: Any | None) -> tuple[Any, Any]:
-    """(dw (K, Q), db (K,)) of one batch chunk; writes dx_chunk (nb, C, H, W) when given."""
+def _backward_chunk(xp: Any, g: ConvGeometry, layout: str, offset_weights: Any | None,
+                    columns: Any, dy_chunk: Any, dx_chunk: Any | None) -> tuple[Any, Any]:
+    """(dw (K, Q), db (K,)) of one batch chunk; writes dx_chunk (nb, C, H, W) when given.
+
+    offset_weights: (K, kh*kw*C), the weights with taps ordered (i, j, c), so that the
+    rows of dcol for one kernel offset are contiguous (None when dx is not needed).
+    """
     nb, kernels, positions = dy_chunk.shape[0], g.kernels, g.positions
     kh, kw, ho, wo, pad = g.kernel_h, g.kernel_w, g.out_h, g.out_w, g.padding
     hp, wp = g.height + 2 * pad, g.width + 2 * pad
@@ -285,15 +288,9 @@ def _backward_chunk(xp: Any, g: ConvGeometry, layout: str, weight_matrix: Any, c
         db = dy_matrix.sum(axis=1)
         dw = dy_matrix @ columns.T
         if dx_chunk is not None:
+            dcol = (offset_weights.T @ dy_matrix).reshape(kh, kw, g.channels, ho, wo, nb)
             dx_padded = xp.zeros((g.channels, hp, wp, nb), dy_chunk.dtype)
-            taps_per_channel = kh * kw
-            channel_bytes = taps_per_channel * positions * nb * dy_chunk.itemsize
-            step = max(1, DCOL_BLOCK_BYTES // max(1, channel_bytes))
-            for c0 in range(0, g.channels, step):
-                c1 = min(g.channels, c0 + step)
-                weights = weight_matrix[:, c0 * taps_per_channel:c1 * taps_per_channel]
-                dcol = (weights.T @ dy_matrix).reshape(c1 - c0, kh, kw, ho, wo, nb)
-                _col2im_add(g, dcol, dx_padded[c0:c1], batch_last=True)
+            _col2im_add(g, dcol, dx_padded, batch_last=True)
             inner = dx_padded[:, pad:pad + g.height, pad:pad + g.width, :]
             dx_chunk[...] = inner.transpose(3, 0, 1, 2)
         return dw, db
@@ -304,8 +301,8 @@ def _backward_chunk(xp: Any, g: ConvGeometry, layout: str, weight_matrix: Any, c
         dy_block = dy3[start:stop]
         dw += xp.matmul(dy_block, columns[start:stop].transpose(0, 2, 1)).sum(axis=0)
         if dx_chunk is not None:
-            dcol = xp.matmul(weight_matrix.T, dy_block)
-            dcol = dcol.reshape(stop - start, g.channels, kh, kw, ho, wo)
+            dcol = xp.matmul(offset_weights.T, dy_block)
+            dcol = dcol.reshape(stop - start, kh, kw, g.channels, ho, wo)
             dx_padded = xp.zeros((stop - start, g.channels, hp, wp), dy_chunk.dtype)
             _col2im_add(g, dcol, dx_padded, batch_last=False)
             dx_chunk[start:stop] = dx_padded[:, :, pad:pad + g.height, pad:pad + g.width]
@@ -376,11 +373,15 @@ def conv2d_backward_cached(cache: ConvCache, dy: Any, need_dx: bool = True
     dw = xp.zeros((g.kernels, g.taps), dtype)
     db = xp.zeros((g.kernels,), dtype)
     if g.kernels and cache.chunks:
+        offset_weights = None
+        if need_dx:  # (K, C, kh, kw) -> (K, kh, kw, C): one small copy of the weights
+            weights4 = cache.weight_matrix.reshape(g.kernels, g.channels, g.kernel_h, g.kernel_w)
+            offset_weights = xp.ascontiguousarray(weights4.transpose(0, 2, 3, 1))
+            offset_weights = offset_weights.reshape(g.kernels, g.taps)
 
         def task(index: int) -> tuple[Any, Any]:
             start, stop = cache.chunks[index]
-            return _backward_chunk(xp, g, cache.layout, cache.weight_matrix,
-                                   cache.columns[index], dy[start:stop],
+            return _backward_chunk(xp, g, cache.layout, offset_weights, cache.columns[index], dy[start:stop],
                                    None if dx is None else dx[start:stop])
 
         parts = _run_chunks(task, len(cache.chunks))

@@ -2,10 +2,12 @@
 
 Four families of input: arbitrary frame lists, arbitrary msgpack values as a header,
 structurally plausible headers with wrong contents (the dangerous middle ground),
-and valid messages that were truncated or had bytes flipped.
+valid messages that were truncated or had bytes flipped, and valid headers with one
+entry changed, deleted or added. ``HETCONV_FUZZ_EXAMPLES=20000`` makes a long soak.
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import msgpack
@@ -17,7 +19,8 @@ from protocol.codec import WIRE_DTYPES, decode, encode
 from protocol.errors import ProtocolError
 from protocol.messages import MESSAGE_TYPES, SCHEMAS, AssignShard, ForwardRequest, Hello, Message
 
-FUZZ = settings(max_examples=400, deadline=None, database=None,
+EXAMPLES = int(os.environ.get("HETCONV_FUZZ_EXAMPLES", "400"))  # raise it for a long soak
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -76,7 +79,7 @@ plausible_headers = st.fixed_dictionaries({
 })
 
 
-@settings(FUZZ, max_examples=150)
+@settings(FUZZ, max_examples=max(1, EXAMPLES * 3 // 8))
 @given(plausible_headers, st.lists(st.binary(max_size=256), max_size=9))
 def test_plausible_headers_with_wrong_contents(header: dict[str, Any], arrays: list[bytes]) -> None:
     decodes_or_protocol_error([msgpack.packb(header, use_bin_type=True), *arrays])
