@@ -19,8 +19,14 @@ from hetconv.ops.block import conv_block_backward, conv_block_forward
 
 def time_block(batch: int, in_channels: int, height: int, width: int, kernels: int,
                kernel_size: int, padding: int = 0, stride: int = 1, need_dx: bool = True,
-               repeats: int = 3, xp: ArrayModule = np, seed: int = 0) -> float:
-    """Median seconds of one block forward + backward at this shape (after a warm-up)."""
+               repeats: int = 3, xp: ArrayModule = np, seed: int = 0,
+               min_total_s: float = 0.3, max_repeats: int = 50) -> float:
+    """Median seconds of one block forward + backward at this shape (after a warm-up).
+
+    Runs at least ``repeats`` times and keeps going (up to ``max_repeats``) until the
+    timed runs add up to ``min_total_s``, so short layers are not judged on a single
+    scheduler time slice.
+    """
     if min(batch, in_channels, height, width, kernels, kernel_size, repeats) < 1:
         raise ValueError("calibration shape and repeats must be positive")
     rng = np.random.default_rng(seed)
@@ -29,8 +35,9 @@ def time_block(batch: int, in_channels: int, height: int, width: int, kernels: i
                                        dtype=np.float32) * 0.1)
     gamma, beta = xp.ones(kernels, np.float32), xp.zeros(kernels, np.float32)
     mean, var = xp.zeros(kernels, np.float32), xp.ones(kernels, np.float32)
-    times = []
-    for attempt in range(repeats + 1):
+    times: list[float] = []
+    attempt = 0
+    while attempt <= repeats or (sum(times) < min_total_s and len(times) < max_repeats):
         synchronize(xp)
         start = time.perf_counter()
         y, cache, _, _ = conv_block_forward(x, w, gamma, beta, mean, var, True,
@@ -39,4 +46,5 @@ def time_block(batch: int, in_channels: int, height: int, width: int, kernels: i
         synchronize(xp)
         if attempt:  # the first run warms caches and allocators
             times.append(time.perf_counter() - start)
+        attempt += 1
     return statistics.median(times)

@@ -103,6 +103,15 @@ def _add_bench(sub: Any) -> None:
     conv.add_argument("--repeats", type=_positive_int, default=7)
     conv.add_argument("--batch", type=_positive_int, default=64)
     conv.add_argument("--threads", type=_positive_int, default=None)
+    split = bench.add_parser("split", help="one device vs equal vs calibrated split, one worker "
+                             "under a CPU quota (needs root for cgroups)")
+    split.add_argument("--slow-fraction", type=float, default=0.3,
+                       help="CPU share of the slow worker (default 0.3 of a core)")
+    split.add_argument("--arch", default="32:256")
+    split.add_argument("--batch", type=_positive_int, default=128)
+    split.add_argument("--limit", type=_positive_int, default=1152, help="images per run")
+    split.add_argument("--repeats", type=_positive_int, default=1)
+    split.add_argument("--work-dir", default=None, help="where the runs go (default a temp dir)")
 
 
 def _add_worker(sub: Any) -> None:
@@ -149,6 +158,14 @@ def _dispatch(args: argparse.Namespace) -> int:
         from hetconv.bench_conv import run_conv_bench
 
         run_conv_bench(repeats=args.repeats, threads=args.threads, batch=args.batch)
+        return 0
+    if args.command == "bench" and args.bench == "split":
+        from hetconv.bench_split import run_split_bench
+
+        if not 0.01 <= args.slow_fraction <= 1.0:
+            raise UserError("--slow-fraction must be within 0.01..1")
+        run_split_bench(slow_fraction=args.slow_fraction, arch=args.arch, batch=args.batch,
+                        limit=args.limit, repeats=args.repeats, work_dir=args.work_dir)
         return 0
     raise UserError(f"unknown command {args.command!r}")
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import IO, Any
 
 CGROUP_CPU_ROOT = Path("/sys/fs/cgroup/cpu")
-CFS_PERIOD_US = 100_000
+CFS_PERIOD_US = 10_000  # short periods: a throttled worker is slow at every scale
 
 
 def free_port() -> int:

@@ -14,7 +14,7 @@ import pytest
 
 from hetconv.checkpoint import load_weights
 from hetconv.lab import wait_for
-from tests.integration.conftest import (SMALL_RUN, child_env, epoch_records, hetconv_command,
+from tests.conftest import (SMALL_RUN, child_env, epoch_records, hetconv_command,
                                         run_hetconv, step_losses)
 
 pytestmark = [pytest.mark.integration]

@@ -17,7 +17,7 @@ import zmq
 
 from hetconv.lab import wait_for
 from protocol import ForwardReply, Hello, PROTOCOL_VERSION, encode
-from tests.integration.conftest import (REPO, SMALL_RUN, child_env, hetconv_command, run_hetconv,
+from tests.conftest import (REPO, SMALL_RUN, child_env, hetconv_command, run_hetconv,
                                         step_losses)
 
 pytestmark = [pytest.mark.integration]

@@ -12,7 +12,7 @@ import pytest
 
 from hetconv.lab import LocalWorkers, free_port
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 SMALL_RUN = ["--data", "synthetic", "--limit", "512", "--test-limit", "256", "--arch", "4:8",
              "--epochs", "1", "--batch", "64", "--threads", "1", "--no-progress", "--seed", "3"]
 

@@ -1,0 +1,418 @@
+"""The report's figures: pure functions from parsed records to a :class:`RunSummary`.
+
+No I/O here. Every per-step figure is a median over the *used* steps: all steps
+but the first of the run (warm-up: first-touch allocations, BLAS start-up) when
+more than one step exists. Notation used in the docstrings below:
+
+* ``K_l`` kernels of conv layer ``l``; ``k_dl`` kernels device ``d`` owns in it;
+* ``t_dlp`` device ``d``'s compute seconds in layer ``l``, phase ``p`` (forward or
+  backward, as measured on the device), ``t~_dlp`` its median over used steps;
+* ``c_dl = forward + backward`` seconds, ``c~_dl`` its median;
+* ``v_dlp = k_dl / t~_dlp`` the device's measured speed in kernels per second.
+
+Speeds are assumed linear in kernels (a device's time grows in proportion to the
+kernels it owns), the same model the calibrated split itself uses.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from master.report.records import DeviceTiming, EpochRecord, RunRecords, StepRecord
+
+PHASES = ("forward", "backward")
+_TINY_S = 1e-9  # floor for a measured time, so a speed is never infinite
+
+
+def median(values: Iterable[float]) -> float | None:
+    """The median, or None for no values."""
+    data = list(values)
+    return float(statistics.median(data)) if data else None
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    if numerator is None or denominator is None or denominator <= 0:
+        return None
+    return numerator / denominator
+
+
+@dataclass(frozen=True)
+class DeviceLayer:
+    """One device in one conv layer."""
+
+    layer: int
+    kernels: int
+    kernel_share: float  # kernels / layer kernels
+    calibration_s: float | None  # calibration block forward+backward time (equal share)
+    calibrated_speed: float | None  # fastest calibration time / this device's (1.0 = fastest)
+    compute_s: float | None  # median forward+backward compute seconds per step
+    throughput_share: float | None  # k/c~ over the sum of k/c~ of the layer's devices
+    speed_vs_calibration: float | None  # measured kernels/s over calibrated kernels/s
+
+
+@dataclass(frozen=True)
+class DeviceSummary:
+    id: str
+    kind: str
+    name: str
+    layers: tuple[DeviceLayer, ...]
+    compute_s: float | None  # median per step of forward+backward summed over layers
+    wait_s: float | None  # median per step of the time the master waited on it
+    bytes_sent: float | None  # median per step, master -> device
+    bytes_received: float | None  # median per step, device -> master
+    single_device_conv_s: float | None  # sum_l K_l * c~_dl / k_dl (None: not in every layer)
+
+
+@dataclass(frozen=True)
+class TimeSplit:
+    """Median step time and its parts (paper figures 6 and 8: Comm / Conv / Comp)."""
+
+    step_s: float
+    comm_s: float  # median comm_s
+    conv_s: float  # median (conv_s - comm_s): distributed conv compute
+    dense_s: float  # median dense_s
+    other_s: float  # median max(0, step_s - conv_s - dense_s)
+    comm_fraction: float  # each part over comm + conv + dense + other
+    conv_fraction: float
+    dense_fraction: float
+    other_fraction: float
+
+
+@dataclass(frozen=True)
+class LayerBalance:
+    layer: int
+    kernels: int
+    ideal_s: float | None  # sum_p K_l / sum_d v_dlp
+    slowest_s: float | None  # median over steps of sum_p max_d t_dlp
+    efficiency: float | None  # ideal_s / slowest_s
+    imbalance: float | None  # median over steps of max_d c_dl / mean_d c_dl
+
+
+@dataclass(frozen=True)
+class WhatIf:
+    step_s: float  # the measured median step time both predictions start from
+    extra_device: str | None  # the device a new one would be a copy of (the fastest)
+    extra_device_step_s: float | None
+    extra_device_speedup: float | None  # step_s / extra_device_step_s
+    fast_network_step_s: float
+    fast_network_speedup: float
+    notes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    run_dir: str
+    name: str
+    mode: str
+    status: str  # run_end status, or "in progress"
+    arch: tuple[int, ...]
+    batch: int | None
+    steps_total: int
+    steps_used: int
+    epochs_planned: int | None
+    devices: tuple[DeviceSummary, ...]
+    split: TimeSplit | None
+    layers: tuple[LayerBalance, ...]
+    conv_ideal_s: float | None
+    conv_slowest_s: float | None
+    balance_efficiency: float | None
+    imbalance: float | None  # the worst layer's
+    imbalance_layer: int | None
+    fastest_device: str | None
+    single_device_step_s: float | None
+    speedup: float | None
+    amdahl_bound: float | None
+    what_if: WhatIf | None
+    epochs: tuple[EpochRecord, ...]
+    final_test_accuracy: float | None
+    images_per_s: float | None
+    warnings: tuple[str, ...]
+
+
+def used_steps(steps: Sequence[StepRecord]) -> tuple[StepRecord, ...]:
+    """All steps but the run's first (warm-up) when more than one exists."""
+    return tuple(steps[1:]) if len(steps) > 1 else tuple(steps)
+
+
+def _timings(steps: Sequence[StepRecord]) -> dict[tuple[str, int], list[DeviceTiming]]:
+    """(device, layer) -> its timings over the steps, devices with kernels only."""
+    out: dict[tuple[str, int], list[DeviceTiming]] = {}
+    for step in steps:
+        for layer in step.layers:
+            for timing in layer.devices:
+                if timing.kernels > 0:
+                    out.setdefault((timing.device, layer.layer), []).append(timing)
+    return out
+
+
+def _device_order(records: RunRecords) -> list[str]:
+    order = [d.id for d in records.devices]
+    seen = set(order)
+    extra = [d.device for c in records.calibration for d in c.devices]
+    extra += [t.device for s in records.steps for layer in s.layers for t in layer.devices]
+    for device in extra:
+        if device not in seen:
+            seen.add(device)
+            order.append(device)
+    return order
+
+
+def _kernel_counts(records: RunRecords, steps: Sequence[StepRecord]) -> dict[tuple[str, int], int]:
+    """Kernels per (device, layer): as in the last used step, else the calibration split."""
+    if steps:
+        return {(t.device, layer.layer): t.kernels for layer in steps[-1].layers
+                for t in layer.devices}
+    return {(d.device, c.layer): d.kernels for c in records.calibration for d in c.devices}
+
+
+def _layer_kernels(records: RunRecords, counts: dict[tuple[str, int], int]) -> dict[int, int]:
+    """K_l per layer: from ``run_start``, else the sum of the devices' kernels."""
+    kernels = {shape.index: shape.kernels for shape in records.layers}
+    for (_, layer), count in counts.items():
+        if layer not in {shape.index for shape in records.layers}:
+            kernels[layer] = kernels.get(layer, 0) + count
+    return dict(sorted(kernels.items()))
+
+
+def compute_speeds(timings: dict[tuple[str, int], list[DeviceTiming]],
+                   layer: int) -> dict[str, float]:
+    """device -> k_dl / c~_dl (kernels per second, forward+backward) in one layer."""
+    return {device: samples[-1].kernels / max(median(t.compute_s for t in samples) or 0.0,
+                                              _TINY_S)
+            for (device, other), samples in timings.items() if other == layer}
+
+
+def time_split(steps: Sequence[StepRecord]) -> TimeSplit | None:
+    """Medians of step, comm, conv - comm, dense and the rest; fractions of their sum."""
+    if not steps:
+        return None
+    step_s = median(s.step_s for s in steps) or 0.0
+    comm_s = median(s.comm_s for s in steps) or 0.0
+    conv_s = median(max(0.0, s.conv_s - s.comm_s) for s in steps) or 0.0
+    dense_s = median(s.dense_s for s in steps) or 0.0
+    other_s = median(max(0.0, s.step_s - s.conv_s - s.dense_s) for s in steps) or 0.0
+    total = comm_s + conv_s + dense_s + other_s
+    parts = [part / total if total > 0 else 0.0 for part in (comm_s, conv_s, dense_s, other_s)]
+    return TimeSplit(step_s, comm_s, conv_s, dense_s, other_s, *parts)
+
+
+def phase_speeds(steps: Sequence[StepRecord]) -> dict[tuple[int, str], dict[str, float]]:
+    """(layer, phase) -> {device: v_dlp = k_dl / median t_dlp} for devices with kernels."""
+    speeds: dict[tuple[int, str], dict[str, float]] = {}
+    for (device, layer), timings in _timings(steps).items():
+        kernels = timings[-1].kernels
+        for phase in PHASES:
+            seconds = median(getattr(t, f"{phase}_s") for t in timings) or 0.0
+            speeds.setdefault((layer, phase), {})[device] = kernels / max(seconds, _TINY_S)
+    return speeds
+
+
+def _phase_times(timing: DeviceTiming) -> tuple[float, float]:
+    return timing.forward_s, timing.backward_s
+
+
+def layer_balance(steps: Sequence[StepRecord],
+                  layer_kernels: dict[int, int]) -> tuple[tuple[LayerBalance, ...],
+                                                          float | None, float | None]:
+    """Per-layer balance, and the whole conv stage's (ideal_s, slowest_s).
+
+    For every used step ``s``, layer ``l`` and phase ``p``, over the devices with
+    kernels (speeds ``v_dlps = k_dl / t_dlps`` of that very step):
+
+    * ``ideal_lps = K_l / sum_d v_dlps``: the layer's kernels divided among its
+      devices in proportion to their measured speeds, all finishing together;
+    * ``slowest_lps = max_d t_dlps``: the device compute on the critical path
+      (communication excluded: that is ``comm_s``).
+
+    Per layer, ``ideal_s = median_s sum_p ideal_lps``, ``slowest_s = median_s
+    sum_p slowest_lps`` and ``efficiency = ideal_s / slowest_s``; the stage
+    figures use the per-step sums over layers as well. A single device scores
+    exactly 1. ``imbalance = median_s (max_d c_dls / mean_d c_dls)`` with
+    ``c = forward + backward``; 1.0 is perfect, the number of devices the worst.
+    """
+    ideal_by_layer: dict[int, list[float]] = {}
+    slowest_by_layer: dict[int, list[float]] = {}
+    ratios_by_layer: dict[int, list[float]] = {}
+    stage_ideal: list[float] = []
+    stage_slowest: list[float] = []
+    for step in steps:
+        ideal_total = slowest_total = 0.0
+        for layer in step.layers:
+            active = [t for t in layer.devices if t.kernels > 0]
+            if not active:
+                continue
+            kernels = sum(t.kernels for t in active)
+            ideal = slowest = 0.0
+            for phase in range(len(PHASES)):
+                times = [max(_phase_times(t)[phase], _TINY_S) for t in active]
+                ideal += kernels / sum(t.kernels / s for t, s in zip(active, times))
+                slowest += max(times)
+            ideal_by_layer.setdefault(layer.layer, []).append(ideal)
+            slowest_by_layer.setdefault(layer.layer, []).append(slowest)
+            ideal_total += ideal
+            slowest_total += slowest
+            mean = sum(t.compute_s for t in active) / len(active)
+            if mean > 0:
+                ratios_by_layer.setdefault(layer.layer, []).append(
+                    max(t.compute_s for t in active) / mean)
+        stage_ideal.append(ideal_total)
+        stage_slowest.append(slowest_total)
+    rows = []
+    for layer, kernels in layer_kernels.items():
+        ideal_s = median(ideal_by_layer.get(layer, []))
+        slowest_s = median(slowest_by_layer.get(layer, []))
+        rows.append(LayerBalance(layer, kernels, ideal_s, slowest_s, _ratio(ideal_s, slowest_s),
+                                 median(ratios_by_layer.get(layer, []))))
+    if not ideal_by_layer:
+        return tuple(rows), None, None
+    return tuple(rows), median(stage_ideal), median(stage_slowest)
+
+
+def single_device_conv_s(timings: dict[tuple[str, int], list[DeviceTiming]], device: str,
+                         layer_kernels: dict[int, int]) -> float | None:
+    """``sum_l K_l * c~_dl / k_dl``: the device alone doing every layer's conv work,
+    extrapolated linearly from its measured share; None unless it has kernels in
+    every layer."""
+    total = 0.0
+    for layer, kernels in layer_kernels.items():
+        samples = timings.get((device, layer))
+        if not samples or kernels <= 0:
+            return None
+        total += kernels * (median(t.compute_s for t in samples) or 0.0) / samples[-1].kernels
+    return total
+
+
+def _device_layers(records: RunRecords, device: str,
+                   timings: dict[tuple[str, int], list[DeviceTiming]],
+                   layer_kernels: dict[int, int],
+                   counts: dict[tuple[str, int], int]) -> tuple[DeviceLayer, ...]:
+    calibration = {c.layer: c for c in records.calibration}
+    rows = []
+    for layer, kernels in layer_kernels.items():
+        compute = median(t.compute_s for t in timings.get((device, layer), []))
+        speeds = compute_speeds(timings, layer)
+        speed = speeds.get(device)
+        calib_s = calib_speed = versus = None
+        cal = calibration.get(layer)
+        entry = next((d for d in cal.devices if d.device == device), None) if cal else None
+        if cal is not None and entry is not None and entry.seconds > 0:
+            calib_s = entry.seconds
+            calib_speed = min(d.seconds for d in cal.devices) / entry.seconds
+            versus = _ratio(speed, cal.calibrated_kernels / entry.seconds)
+        own = counts.get((device, layer), 0)
+        rows.append(DeviceLayer(layer=layer, kernels=own,
+                                kernel_share=own / kernels if kernels else 0.0,
+                                calibration_s=calib_s, calibrated_speed=calib_speed,
+                                compute_s=compute,
+                                throughput_share=_ratio(speed, sum(speeds.values())),
+                                speed_vs_calibration=versus))
+    return tuple(rows)
+
+
+def _per_step(steps: Sequence[StepRecord], device: str, field: str) -> float | None:
+    """Median over steps (where the device took part) of a per-layer field summed."""
+    values = []
+    for step in steps:
+        entries = [t for layer in step.layers for t in layer.devices if t.device == device]
+        if entries:
+            values.append(sum(float(getattr(t, field)) for t in entries))
+    return median(values)
+
+
+def device_summaries(records: RunRecords, steps: Sequence[StepRecord],
+                     layer_kernels: dict[int, int]) -> tuple[DeviceSummary, ...]:
+    counts = _kernel_counts(records, steps)
+    info = {d.id: d for d in records.devices}
+    timings = _timings(steps)
+    out = []
+    for device in _device_order(records):
+        meta = info.get(device)
+        out.append(DeviceSummary(
+            id=device, kind=meta.kind if meta else "?", name=meta.name if meta else "?",
+            layers=_device_layers(records, device, timings, layer_kernels, counts),
+            compute_s=_per_step(steps, device, "compute_s"),
+            wait_s=_per_step(steps, device, "wait_s"),
+            bytes_sent=_per_step(steps, device, "bytes_sent"),
+            bytes_received=_per_step(steps, device, "bytes_received"),
+            single_device_conv_s=single_device_conv_s(timings, device, layer_kernels)))
+    return tuple(out)
+
+
+def what_if(split: TimeSplit, steps: Sequence[StepRecord], layer_kernels: dict[int, int],
+            fastest: str | None, workers: int) -> WhatIf:
+    """Two predictions of the median step time, each from the measured one.
+
+    * One more device like the fastest: every layer-phase's ideal time
+      ``K_l / sum_d v_dlp`` becomes ``K_l / (sum_d v_dlp + v_flp)``; the measured
+      conv part is scaled by ``rho = sum of the new ideals / sum of the old`` (the
+      present balance efficiency is kept). The forward input goes whole to every
+      worker and each returns a whole partial input gradient, so bytes on the
+      master's link, and comm, scale by ``(W + 1) / W`` for ``W`` workers (unchanged
+      when ``W = 0``: a local run's communication cannot be estimated).
+      ``step' = step - conv - comm + rho * conv + comm * (W + 1) / W``.
+    * A network twice as fast: ``step' = step - comm / 2``.
+    """
+    notes: list[str] = []
+    new_step = speedup = None
+    speeds = phase_speeds(steps)
+    if fastest is not None and speeds:
+        old = new = 0.0
+        for (layer, _), by_device in speeds.items():
+            combined = sum(by_device.values())
+            old += layer_kernels.get(layer, 0) / combined
+            new += layer_kernels.get(layer, 0) / (combined + by_device.get(fastest, 0.0))
+        rho = new / old if old > 0 else 1.0
+        comm_scale = (workers + 1) / workers if workers else 1.0
+        if not workers:
+            notes.append("no workers in this run: the new device's communication is not modelled")
+        new_step = (split.step_s - split.conv_s - split.comm_s + rho * split.conv_s
+                    + split.comm_s * comm_scale)
+        speedup = _ratio(split.step_s, new_step)
+    else:
+        notes.append("no device ran every layer: cannot model a copy of the fastest")
+    fast_network = split.step_s - split.comm_s / 2
+    return WhatIf(split.step_s, fastest, new_step, speedup, fast_network,
+                  _ratio(split.step_s, fast_network) or 1.0, tuple(notes))
+
+
+def summarize(records: RunRecords) -> RunSummary:
+    """Every figure of the report for one run (see the module docstring)."""
+    steps = used_steps(records.steps)
+    counts = _kernel_counts(records, steps)
+    layer_kernels = _layer_kernels(records, counts)
+    devices = device_summaries(records, steps, layer_kernels)
+    split = time_split(steps)
+    layers, ideal_s, slowest_s = layer_balance(steps, layer_kernels)
+    imbalanced = [row for row in layers if row.imbalance is not None]
+    worst = max(imbalanced, key=lambda row: row.imbalance or 0.0) if imbalanced else None
+    candidates = [d for d in devices if d.single_device_conv_s is not None]
+    fastest = min(candidates, key=lambda d: d.single_device_conv_s or 0.0) if candidates else None
+    single_step = speedup = amdahl = None
+    if fastest is not None and split is not None and fastest.single_device_conv_s is not None:
+        single_step = fastest.single_device_conv_s + split.dense_s
+        speedup = _ratio(single_step, split.step_s)
+        amdahl = _ratio(single_step, split.dense_s)
+    workers = len({device for (device, _), k in counts.items() if k > 0 and device != "master"})
+    warnings = list(records.warnings)
+    if not records.steps:
+        warnings.append("no step records yet: nothing to measure")
+    config = records.config
+    epochs = records.epochs
+    return RunSummary(
+        run_dir=records.run_dir, name=records.name, mode=records.mode,
+        status=records.status or "in progress",
+        arch=tuple(int(k) for k in config.get("arch") or layer_kernels.values()),
+        batch=config.get("batch"), steps_total=len(records.steps), steps_used=len(steps),
+        epochs_planned=config.get("epochs"), devices=devices, split=split, layers=layers,
+        conv_ideal_s=ideal_s, conv_slowest_s=slowest_s,
+        balance_efficiency=_ratio(ideal_s, slowest_s),
+        imbalance=worst.imbalance if worst else None,
+        imbalance_layer=worst.layer if worst else None,
+        fastest_device=fastest.id if fastest else None, single_device_step_s=single_step,
+        speedup=speedup, amdahl_bound=amdahl,
+        what_if=(what_if(split, steps, layer_kernels, fastest.id if fastest else None, workers)
+                 if split else None),
+        epochs=epochs,
+        final_test_accuracy=epochs[-1].test_accuracy if epochs else None,
+        images_per_s=epochs[-1].images_per_s if epochs else None, warnings=tuple(warnings))

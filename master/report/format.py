@@ -1,0 +1,162 @@
+"""Number formatting and the tables' contents, shared by the text and HTML renderers.
+
+Each table is built once here as a header row plus rows of short strings, so the
+terminal and the HTML page show the same figures with the same units. A missing
+figure (no steps yet, a device without kernels in a layer) is shown as ``-``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from master.report.analysis import RunSummary
+
+MISSING = "-"
+
+
+def ms(seconds: float | None) -> str:
+    return MISSING if seconds is None else f"{seconds * 1e3:.1f}"
+
+
+def pct(fraction: float | None) -> str:
+    return MISSING if fraction is None else f"{fraction * 100:.1f}%"
+
+
+def times(ratio: float | None) -> str:
+    return MISSING if ratio is None else f"{ratio:.2f}x"
+
+
+def num(value: float | None, digits: int = 2) -> str:
+    return MISSING if value is None else f"{value:.{digits}f}"
+
+
+def kib(size_bytes: float | None) -> str:
+    return MISSING if size_bytes is None else f"{size_bytes / 1024:.1f}"
+
+
+@dataclass(frozen=True)
+class Table:
+    """A titled table; ``headers`` and every row have one string per column."""
+
+    title: str
+    headers: tuple[str, ...]
+    rows: tuple[tuple[str, ...], ...]
+    left_columns: int = 1  # the first columns are text (left-aligned), the rest numbers
+
+
+def headline(summary: RunSummary) -> str:
+    arch = ":".join(str(k) for k in summary.arch) or "?"
+    epochs = f"{len(summary.epochs)}/{summary.epochs_planned or '?'} epochs"
+    skipped = ", first skipped as warm-up" if summary.steps_used < summary.steps_total else ""
+    return (f"{summary.mode} run, arch {arch}, batch {summary.batch or '?'}, "
+            f"{summary.status}; {summary.steps_total} steps ({summary.steps_used} used"
+            f"{skipped}), {epochs}")
+
+
+def overview_table(summary: RunSummary) -> Table:
+    """The main figures: time split, balance, speedup, bounds, what-if, accuracy."""
+    split = summary.split
+    rows: list[tuple[str, str, str]] = []
+    if split is not None:
+        rows += [("median step time", f"{ms(split.step_s)} ms", "100%"),
+                 ("  communication (comm_s)", f"{ms(split.comm_s)} ms", pct(split.comm_fraction)),
+                 ("  distributed conv (conv_s - comm_s)", f"{ms(split.conv_s)} ms",
+                  pct(split.conv_fraction)),
+                 ("  dense part (dense_s)", f"{ms(split.dense_s)} ms", pct(split.dense_fraction))]
+        if split.other_fraction >= 0.01:
+            rows.append(("  other", f"{ms(split.other_s)} ms", pct(split.other_fraction)))
+    rows += [
+        ("balance efficiency (ideal / slowest conv)", pct(summary.balance_efficiency),
+         f"{ms(summary.conv_ideal_s)} / {ms(summary.conv_slowest_s)} ms"),
+        ("imbalance (slowest / mean device)", times(summary.imbalance),
+         MISSING if summary.imbalance_layer is None else f"layer {summary.imbalance_layer + 1}"),
+        ("speedup over fastest device alone (est.)", times(summary.speedup),
+         MISSING if summary.fastest_device is None else
+         f"{summary.fastest_device}: {ms(summary.single_device_step_s)} ms"),
+        ("Amdahl bound of the dense part", times(summary.amdahl_bound), "conv, comm = 0"),
+    ]
+    what_if = summary.what_if
+    if what_if is not None:
+        rows += [(f"what if: + a device like {what_if.extra_device or '?'}",
+                  f"{ms(what_if.extra_device_step_s)} ms", times(what_if.extra_device_speedup)),
+                 ("what if: network twice as fast", f"{ms(what_if.fast_network_step_s)} ms",
+                  times(what_if.fast_network_speedup))]
+    rows += [("final test accuracy", pct(summary.final_test_accuracy),
+              MISSING if summary.images_per_s is None else f"{summary.images_per_s:.0f} images/s")]
+    return Table("Overview", ("figure", "value", "detail"), tuple(rows), left_columns=1)
+
+
+def devices_table(summary: RunSummary) -> Table:
+    rows = tuple((d.id, d.kind, d.name, ms(d.compute_s), ms(d.wait_s), kib(d.bytes_sent),
+                  kib(d.bytes_received)) for d in summary.devices)
+    return Table("Devices (medians per step)",
+                 ("device", "kind", "name", "compute ms", "waited on ms", "sent KiB",
+                  "received KiB"), rows, left_columns=3)
+
+
+def layers_table(summary: RunSummary) -> Table:
+    rows = []
+    for device in summary.devices:
+        for row in device.layers:
+            rows.append((str(row.layer + 1), device.id, str(row.kernels), pct(row.kernel_share),
+                         ms(row.calibration_s), num(row.calibrated_speed), ms(row.compute_s),
+                         pct(row.throughput_share), num(row.speed_vs_calibration)))
+    rows.sort(key=lambda r: int(r[0]))
+    return Table("Kernels per layer and device",
+                 ("layer", "device", "kernels", "kernel share", "calib. ms", "calib. speed",
+                  "compute ms", "throughput share", "measured / calib."),
+                 tuple(rows), left_columns=2)
+
+
+def balance_table(summary: RunSummary) -> Table:
+    rows = tuple((str(row.layer + 1), str(row.kernels), ms(row.ideal_s), ms(row.slowest_s),
+                  pct(row.efficiency), times(row.imbalance)) for row in summary.layers)
+    return Table("Balance per layer (forward + backward, medians)",
+                 ("layer", "kernels", "ideal ms", "slowest ms", "efficiency", "imbalance"), rows)
+
+
+def epochs_table(summary: RunSummary) -> Table:
+    rows = tuple((str(e.epoch + 1), num(e.train_loss, 4), pct(e.train_accuracy),
+                  num(e.test_loss, 4), pct(e.test_accuracy), num(e.epoch_s, 1),
+                  num(e.images_per_s, 0)) for e in summary.epochs)
+    return Table("Epochs", ("epoch", "train loss", "train acc.", "test loss", "test acc.",
+                            "time s", "images/s"), rows)
+
+
+def run_tables(summary: RunSummary) -> list[Table]:
+    return [overview_table(summary), devices_table(summary), layers_table(summary),
+            balance_table(summary), epochs_table(summary)]
+
+
+def display_names(summaries: Sequence[RunSummary]) -> list[str]:
+    """Run directory names, or whole paths where two runs share a name."""
+    names = [s.name for s in summaries]
+    return [s.run_dir if names.count(s.name) > 1 else s.name for s in summaries]
+
+
+def comparison_table(summaries: Sequence[RunSummary]) -> Table:
+    """The main figures of several runs side by side, one column per run."""
+    def split_cell(summary: RunSummary, part: str) -> str:
+        split = summary.split
+        if split is None:
+            return MISSING
+        return f"{ms(getattr(split, part + '_s'))} ({pct(getattr(split, part + '_fraction'))})"
+
+    figures: list[tuple[str, list[str]]] = [
+        ("mode", [s.mode for s in summaries]),
+        ("status", [s.status for s in summaries]),
+        ("devices", [str(sum(1 for d in s.devices if any(r.kernels for r in d.layers)))
+                     for s in summaries]),
+        ("steps used", [str(s.steps_used) for s in summaries]),
+        ("step time ms", [ms(s.split.step_s if s.split else None) for s in summaries]),
+        ("comm ms", [split_cell(s, "comm") for s in summaries]),
+        ("conv ms", [split_cell(s, "conv") for s in summaries]),
+        ("dense ms", [split_cell(s, "dense") for s in summaries]),
+        ("balance efficiency", [pct(s.balance_efficiency) for s in summaries]),
+        ("imbalance", [times(s.imbalance) for s in summaries]),
+        ("speedup vs fastest device", [times(s.speedup) for s in summaries]),
+        ("Amdahl bound", [times(s.amdahl_bound) for s in summaries]),
+        ("final test accuracy", [pct(s.final_test_accuracy) for s in summaries]),
+    ]
+    return Table("Comparison", ("figure", *display_names(summaries)),
+                 tuple((label, *values) for label, values in figures))

@@ -1,0 +1,326 @@
+"""A run directory parsed into typed records: the input of the report.
+
+Reads ``config.json`` (optional) and ``metrics.jsonl`` (schema in
+``docs/metrics.md``) through :func:`hetconv.metrics.iter_metrics`, which skips a
+cut-off or non-JSON line with a logging warning; those warnings are captured here
+too and kept in :attr:`RunRecords.warnings`, so the report can show them. Works on
+a run still in progress (no ``epoch`` or ``run_end`` yet) and on a local run (no
+``calibration`` records, one device ``"master"``). Nothing here computes figures;
+that is :mod:`master.report.analysis`.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from hetconv.errors import UserError
+from hetconv.metrics import iter_metrics
+
+METRICS_FILE = "metrics.jsonl"
+CONFIG_FILE = "config.json"
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """One participant as described by the ``devices`` record."""
+
+    id: str
+    kind: str = "?"
+    name: str = "?"
+    device: str = "?"
+    hostname: str = "?"
+    cores: int | None = None
+    threads: int | None = None
+
+
+@dataclass(frozen=True)
+class CalibratedDevice:
+    """One device in a layer's calibration: its timing and the kernels it was given."""
+
+    device: str
+    seconds: float
+    kernels: int
+    share: float
+
+
+@dataclass(frozen=True)
+class LayerCalibration:
+    layer: int
+    split: str
+    kernels: int
+    calibrated_kernels: int
+    devices: tuple[CalibratedDevice, ...]
+
+
+@dataclass(frozen=True)
+class DeviceTiming:
+    """One device's share of one conv layer in one step (seconds, bytes)."""
+
+    device: str
+    kernels: int
+    forward_s: float
+    backward_s: float
+    wait_s: float = 0.0
+    forward_latency_s: float | None = None
+    backward_latency_s: float | None = None
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+    @property
+    def compute_s(self) -> float:
+        """Forward plus backward compute seconds measured on the device."""
+        return self.forward_s + self.backward_s
+
+
+@dataclass(frozen=True)
+class LayerTiming:
+    layer: int
+    devices: tuple[DeviceTiming, ...]
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    epoch: int
+    step: int
+    loss: float
+    accuracy: float
+    images: int
+    step_s: float
+    conv_s: float
+    dense_s: float
+    comm_s: float
+    data_s: float
+    layers: tuple[LayerTiming, ...]
+
+
+@dataclass(frozen=True)
+class EpochRecord:
+    epoch: int
+    train_loss: float
+    train_accuracy: float
+    test_loss: float | None
+    test_accuracy: float | None
+    train_s: float | None
+    epoch_s: float | None
+    images_per_s: float | None
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """A conv block's shape from ``run_start`` (``kernels`` is what matters here)."""
+
+    index: int
+    kernels: int
+    in_channels: int | None = None
+    height: int | None = None
+    width: int | None = None
+    kernel_size: int | None = None
+
+
+@dataclass(frozen=True)
+class RunRecords:
+    """Everything the report needs from one run directory."""
+
+    run_dir: str
+    config: dict[str, Any]
+    layers: tuple[LayerShape, ...]
+    devices: tuple[DeviceInfo, ...]
+    calibration: tuple[LayerCalibration, ...]
+    steps: tuple[StepRecord, ...]
+    epochs: tuple[EpochRecord, ...]
+    status: str | None  # run_end status; None while the run is in progress
+    error: str | None
+    warnings: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        return Path(self.run_dir).name or self.run_dir
+
+    @property
+    def mode(self) -> str:
+        return str(self.config.get("mode") or ("distributed" if self.calibration else "local"))
+
+
+class _Collect(logging.Handler):
+    """Keeps the messages that ``iter_metrics`` logs about skipped lines."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _records_with_warnings(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    collector = _Collect()
+    logger = logging.getLogger("hetconv.metrics")
+    logger.addHandler(collector)
+    try:
+        records = list(iter_metrics(path))
+    finally:
+        logger.removeHandler(collector)
+    return records, collector.messages
+
+
+def _opt_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _opt_int(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def _device_info(raw: dict[str, Any]) -> DeviceInfo:
+    return DeviceInfo(id=str(raw["id"]), kind=str(raw.get("kind") or "?"),
+                      name=str(raw.get("name") or "?"), device=str(raw.get("device") or "?"),
+                      hostname=str(raw.get("hostname") or "?"), cores=_opt_int(raw.get("cores")),
+                      threads=_opt_int(raw.get("threads")))
+
+
+def _calibration(raw: dict[str, Any]) -> LayerCalibration:
+    devices = tuple(CalibratedDevice(device=str(d["device"]), seconds=float(d["seconds"]),
+                                     kernels=int(d["kernels"]), share=float(d.get("share", 0.0)))
+                    for d in raw["devices"])
+    return LayerCalibration(layer=int(raw["layer"]), split=str(raw.get("split", "?")),
+                            kernels=int(raw["kernels"]),
+                            calibrated_kernels=int(raw["calibrated_kernels"]), devices=devices)
+
+
+def _device_timing(raw: dict[str, Any]) -> DeviceTiming:
+    return DeviceTiming(device=str(raw["device"]), kernels=int(raw["kernels"]),
+                        forward_s=float(raw["forward_s"]), backward_s=float(raw["backward_s"]),
+                        wait_s=float(raw.get("wait_s", 0.0)),
+                        forward_latency_s=_opt_float(raw.get("forward_latency_s")),
+                        backward_latency_s=_opt_float(raw.get("backward_latency_s")),
+                        bytes_sent=int(raw.get("bytes_sent", 0)),
+                        bytes_received=int(raw.get("bytes_received", 0)))
+
+
+def _step(raw: dict[str, Any]) -> StepRecord:
+    layers = tuple(LayerTiming(layer=int(layer["layer"]),
+                               devices=tuple(_device_timing(d) for d in layer["devices"]))
+                   for layer in raw.get("layers", []))
+    return StepRecord(epoch=int(raw["epoch"]), step=int(raw["step"]), loss=float(raw["loss"]),
+                      accuracy=float(raw["accuracy"]), images=int(raw.get("images", 0)),
+                      step_s=float(raw["step_s"]), conv_s=float(raw["conv_s"]),
+                      dense_s=float(raw["dense_s"]), comm_s=float(raw.get("comm_s", 0.0)),
+                      data_s=float(raw.get("data_s", 0.0)), layers=layers)
+
+
+def _epoch(raw: dict[str, Any]) -> EpochRecord:
+    return EpochRecord(epoch=int(raw["epoch"]), train_loss=float(raw["train_loss"]),
+                       train_accuracy=float(raw["train_accuracy"]),
+                       test_loss=_opt_float(raw.get("test_loss")),
+                       test_accuracy=_opt_float(raw.get("test_accuracy")),
+                       train_s=_opt_float(raw.get("train_s")),
+                       epoch_s=_opt_float(raw.get("epoch_s")),
+                       images_per_s=_opt_float(raw.get("images_per_s")))
+
+
+def _layer_shape(raw: dict[str, Any]) -> LayerShape:
+    return LayerShape(index=int(raw["index"]), kernels=int(raw["kernels"]),
+                      in_channels=_opt_int(raw.get("in_channels")),
+                      height=_opt_int(raw.get("height")), width=_opt_int(raw.get("width")),
+                      kernel_size=_opt_int(raw.get("kernel_size")))
+
+
+def _read_config(run_dir: Path, warnings: list[str]) -> dict[str, Any]:
+    path = run_dir / CONFIG_FILE
+    if not path.exists():
+        return {}
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        warnings.append(f"{path}: unreadable ({error}); ignored")
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def check_run_dir(run_dir: str | Path) -> Path:
+    """The metrics file of a run directory, or a one-line :class:`UserError`."""
+    directory = Path(run_dir)
+    if not directory.is_dir():
+        raise UserError(f"{run_dir}: no such run directory")
+    metrics = directory / METRICS_FILE
+    if not metrics.is_file():
+        raise UserError(f"{run_dir}: no {METRICS_FILE} here; is this a run directory "
+                        "(made by 'hetconv train --run-dir')?")
+    return metrics
+
+
+def _dispatch(records: list[dict[str, Any]], warnings: list[str]) -> Iterator[tuple[str, Any]]:
+    """(record type, parsed object) per usable record; malformed ones become warnings."""
+    parsers = {"devices": lambda r: tuple(_device_info(d) for d in r["devices"]),
+               "calibration": _calibration, "step": _step, "epoch": _epoch,
+               "run_start": lambda r: r, "run_end": lambda r: r}
+    for number, raw in enumerate(records, start=1):
+        parser = parsers.get(raw["type"])
+        if parser is None:
+            continue  # a record type from a newer schema: not ours to judge
+        try:
+            yield raw["type"], parser(raw)
+        except (KeyError, TypeError, ValueError) as error:
+            warnings.append(f"record {number} ({raw['type']}) is malformed ({error!r}); skipped")
+
+
+def parse_run(run_dir: str | Path) -> RunRecords:
+    """Parse a run directory; raises :class:`UserError` when there is nothing to read."""
+    metrics_path = check_run_dir(run_dir)
+    directory = Path(run_dir)
+    raw_records, warnings = _records_with_warnings(metrics_path)
+    if not raw_records:
+        raise UserError(f"{metrics_path}: no metrics records yet (empty file); "
+                        "is the run still starting?")
+    config = _read_config(directory, warnings)
+    layers: tuple[LayerShape, ...] = ()
+    devices: tuple[DeviceInfo, ...] = ()
+    calibration: dict[int, LayerCalibration] = {}
+    steps: list[StepRecord] = []
+    epochs: list[EpochRecord] = []
+    status: str | None = None
+    error: str | None = None
+    for kind, item in _dispatch(raw_records, warnings):
+        if kind == "run_start":
+            config = {**config, **(item.get("config") or {})}
+            try:
+                layers = tuple(_layer_shape(layer) for layer in item.get("layers") or [])
+            except (KeyError, TypeError, ValueError) as problem:
+                warnings.append(f"run_start layers are malformed ({problem!r}); ignored")
+        elif kind == "devices":
+            devices = item
+        elif kind == "calibration":
+            calibration[item.layer] = item
+        elif kind == "step":
+            steps.append(item)
+        elif kind == "epoch":
+            epochs.append(item)
+        elif kind == "run_end":
+            status = str(item.get("status") or "?")
+            error = item.get("error")
+    if not layers:
+        layers = _layers_from(steps, calibration)
+    if status is None:
+        warnings.append("no run_end record: the run is in progress, or its master was killed")
+    elif status != "completed":
+        warnings.append(f"run ended with status {status}" + (f": {error}" if error else ""))
+    return RunRecords(run_dir=str(run_dir), config=config, layers=layers, devices=devices,
+                      calibration=tuple(calibration[k] for k in sorted(calibration)),
+                      steps=tuple(steps), epochs=tuple(epochs), status=status,
+                      error=None if error is None else str(error), warnings=tuple(warnings))
+
+
+def _layers_from(steps: list[StepRecord],
+                 calibration: dict[int, LayerCalibration]) -> tuple[LayerShape, ...]:
+    """Layer kernel counts when ``run_start`` is missing: calibration, else the last step."""
+    if calibration:
+        return tuple(LayerShape(index=c.layer, kernels=c.kernels)
+                     for _, c in sorted(calibration.items()))
+    if steps:
+        return tuple(LayerShape(index=layer.layer,
+                                kernels=sum(d.kernels for d in layer.devices))
+                     for layer in steps[-1].layers)
+    return ()

@@ -1,0 +1,74 @@
+"""The terminal report: plain aligned text that fits in 100 columns.
+
+One block per run (headline, warnings, then the tables of
+:mod:`master.report.format`), and for several runs a comparison table with one
+column per run, split into several tables when the runs do not fit side by side.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from master.report.analysis import RunSummary
+from master.report.format import Table, comparison_table, headline, run_tables
+
+WIDTH = 100
+GAP = "  "
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[:max(1, width - 1)] + "~"
+
+
+def _widths(table: Table, width: int) -> list[int]:
+    """Column widths; the widest text column shrinks until the table fits."""
+    columns = len(table.headers)
+    widths = [max(len(table.headers[i]), *(len(row[i]) for row in table.rows))
+              if table.rows else len(table.headers[i]) for i in range(columns)]
+    budget = width - len(GAP) * (columns - 1)
+    while sum(widths) > budget:
+        text_columns = range(min(table.left_columns, columns))
+        widest = max(text_columns, key=lambda i: widths[i])
+        if widths[widest] <= 8:
+            break  # the numbers themselves do not fit; let the line run long
+        widths[widest] -= 1
+    return widths
+
+
+def format_table(table: Table, width: int = WIDTH) -> list[str]:
+    """A table as lines: title, header, a rule, rows (numbers right-aligned)."""
+    widths = _widths(table, width)
+
+    def line(cells: Sequence[str]) -> str:
+        parts = [_clip(cell, w).ljust(w) if i < table.left_columns else _clip(cell, w).rjust(w)
+                 for i, (cell, w) in enumerate(zip(cells, widths))]
+        return GAP.join(parts).rstrip()
+
+    lines = [table.title, line(table.headers), GAP.join("-" * w for w in widths)]
+    if not table.rows:
+        return lines + ["(none yet)"]
+    return lines + [line(row) for row in table.rows]
+
+
+def render_run(summary: RunSummary, width: int = WIDTH) -> str:
+    """The whole terminal report of one run."""
+    title = f"== {summary.name} ({summary.run_dir}) "
+    lines = [_clip(title.ljust(width, "="), width), _clip(headline(summary), width)]
+    lines += [f"warning: {warning}" for warning in summary.warnings]
+    for table in run_tables(summary):
+        lines.append("")
+        lines += format_table(table, width)
+    return "\n".join(lines)
+
+
+def render_comparison(summaries: Sequence[RunSummary], width: int = WIDTH) -> str:
+    """The main figures of the runs side by side (several tables if they do not fit)."""
+    table = comparison_table(summaries)
+    label_width = max(len(row[0]) for row in table.rows)
+    per_table = max(1, (width - label_width) // 22)
+    lines = []
+    for start in range(1, len(table.headers), per_table):
+        stop = start + per_table
+        part = Table(table.title, (table.headers[0], *table.headers[start:stop]),
+                     tuple((row[0], *row[start:stop]) for row in table.rows))
+        lines += format_table(part, width) + [""]
+    return "\n".join(lines).rstrip()

@@ -1,0 +1,38 @@
+"""Unequal machines on one host: a worker under a cgroup v1 CPU quota."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hetconv.lab import cpu_quota_unavailable_reason
+from tests.conftest import run_hetconv
+
+pytestmark = [pytest.mark.lab, pytest.mark.integration]
+
+QUOTA = 0.3
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(cpu_quota_unavailable_reason() is not None,
+                    reason=f"cgroup CPU quotas unavailable: {cpu_quota_unavailable_reason()}")
+def test_calibrated_share_follows_the_cpu_quota(endpoint: str, workers: Any,
+                                                tmp_path: Path) -> None:
+    workers("fast", threads=1)
+    workers("slow", threads=1, cpu_fraction=QUOTA)
+    run_dir = tmp_path / "run"
+    result = run_hetconv("train", "--listen", endpoint, "--min-workers", "2", "--wait", "30",
+                         "--no-local", "--data", "synthetic", "--limit", "256",
+                         "--test-limit", "128", "--arch", "16:128", "--epochs", "1",
+                         "--batch", "64", "--threads", "1", "--no-progress",
+                         "--run-dir", str(run_dir))
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    layer2 = [r for r in records if r["type"] == "calibration"][1]
+    kernels = {d["device"]: d["kernels"] for d in layer2["devices"]}
+    # speeds 1 : QUOTA -> the slow worker's share is QUOTA / (1 + QUOTA) of the kernels
+    predicted = layer2["kernels"] * QUOTA / (1 + QUOTA)
+    assert abs(kernels["slow"] - predicted) <= 0.25 * predicted, (kernels, predicted)
+    assert kernels["fast"] + kernels["slow"] == layer2["kernels"]
