@@ -44,6 +44,8 @@ SAMPLE_MAJOR = "sample_major"
 LAYOUTS = (BATCH_INNER, SAMPLE_MAJOR)
 SAMPLE_MAJOR_MIN_POSITIONS = 256  # Ho*Wo from which one GEMM per sample is cheaper
 PARALLEL_MIN_FLOP = 2e7  # below this a forward runs on the calling thread only
+CHUNKS_PER_THREAD = 2  # more chunks than threads: a busy core does not hold the rest up
+MIN_CHUNK_COLUMNS = 1024  # ... but each chunk's GEMMs stay at least this wide (nb*Ho*Wo)
 TRANSPOSE_BLOCK_ELEMENTS = 1 << 15  # numbers per block of the y / dy transposes
 SAMPLE_BLOCK = 8  # samples per GEMM batch in the sample-major layout
 
@@ -98,7 +100,7 @@ class ConvCache:
     geometry: ConvGeometry
     layout: str
     weight_matrix: Any
-    chunks: list[tuple[int, int]]
+    plan: _Plan
     columns: list[Any]
 
 
@@ -124,7 +126,7 @@ def choose_layout(g: ConvGeometry) -> str:
 
 
 # ---------------------------------------------------------------- threads and chunks
-_pool: ThreadPoolExecutor | None = None
+_pools: dict[int, ThreadPoolExecutor] = {}
 _pool_lock = threading.Lock()
 _blas_lock = threading.Lock()
 _blas_users = 0
@@ -169,30 +171,40 @@ def _single_blas_thread() -> Iterator[None]:
                     lib.set_num_threads(count)
 
 
-def _thread_pool() -> ThreadPoolExecutor:
-    global _pool
+def _thread_pool(threads: int) -> ThreadPoolExecutor:
     with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1,
-                                       thread_name_prefix="hetconv-conv")
-        return _pool
+        if threads not in _pools:
+            _pools[threads] = ThreadPoolExecutor(max_workers=threads,
+                                                 thread_name_prefix="hetconv-conv")
+        return _pools[threads]
 
 
-def _plan_chunks(xp: Any, g: ConvGeometry) -> list[tuple[int, int]]:
-    """Batch ranges [start, stop), one per thread that will run (one on cupy)."""
-    count = 1
+@dataclass(frozen=True)
+class _Plan:
+    """How a call splits its batch: ranges [start, stop) and the threads that run them."""
+
+    chunks: list[tuple[int, int]]
+    threads: int
+
+
+def _plan_chunks(xp: Any, g: ConvGeometry) -> _Plan:
+    """One chunk on the calling thread for small work or cupy; else a few per BLAS thread."""
+    threads, count = 1, 1
     if xp is np and g.forward_flop >= PARALLEL_MIN_FLOP:
-        count = max(1, min(_blas_threads(), os.cpu_count() or 1, g.batch))
+        threads = max(1, min(_blas_threads(), os.cpu_count() or 1, g.batch))
+        widest = max(1, g.batch * g.positions // MIN_CHUNK_COLUMNS)
+        count = max(threads, min(threads * CHUNKS_PER_THREAD, widest, g.batch))
     edges = [g.batch * i // count for i in range(count + 1)]
-    return [(edges[i], edges[i + 1]) for i in range(count) if edges[i + 1] > edges[i]]
+    chunks = [(edges[i], edges[i + 1]) for i in range(count) if edges[i + 1] > edges[i]]
+    return _Plan(chunks, threads)
 
 
-def _run_chunks(task: Callable[[int], _T], count: int) -> list[_T]:
-    """task(0..count-1), in parallel with one BLAS thread each when count > 1."""
-    if count <= 1:
-        return [task(i) for i in range(count)]
+def _run_chunks(task: Callable[[int], _T], plan: _Plan) -> list[_T]:
+    """task(i) for every chunk i; on a pool with one BLAS thread each when threads > 1."""
+    if plan.threads <= 1 or len(plan.chunks) <= 1:
+        return [task(i) for i in range(len(plan.chunks))]
     with _single_blas_thread():
-        futures = [_thread_pool().submit(task, i) for i in range(count)]
+        futures = [_thread_pool(plan.threads).submit(task, i) for i in range(len(plan.chunks))]
         wait(futures)
         return [f.result() for f in futures]
 
@@ -341,14 +353,14 @@ def conv2d_forward_cached(x: Any, w: Any, b: Any | None = None, stride: int = 1,
     bias = None if b is None else xp.asarray(b, dtype=x.dtype).reshape(g.kernels)
 
     def task(index: int) -> Any:
-        start, stop = cache.chunks[index]
+        start, stop = cache.plan.chunks[index]
         columns = _unfold(xp, g, cache.layout, x[start:stop])
         if g.kernels:
             _forward_chunk(xp, g, cache.layout, cache.weight_matrix, columns, bias,
                            y[start:stop])
         return columns
 
-    cache.columns = _run_chunks(task, len(cache.chunks))
+    cache.columns = _run_chunks(task, cache.plan)
     return y, cache
 
 
@@ -372,7 +384,7 @@ def conv2d_backward_cached(cache: ConvCache, dy: Any, need_dx: bool = True
             (g.batch, g.channels, g.height, g.width), dtype)
     dw = xp.zeros((g.kernels, g.taps), dtype)
     db = xp.zeros((g.kernels,), dtype)
-    if g.kernels and cache.chunks:
+    if g.kernels and cache.plan.chunks:
         offset_weights = None
         if need_dx:  # (K, C, kh, kw) -> (K, kh, kw, C): one small copy of the weights
             weights4 = cache.weight_matrix.reshape(g.kernels, g.channels, g.kernel_h, g.kernel_w)
@@ -380,11 +392,11 @@ def conv2d_backward_cached(cache: ConvCache, dy: Any, need_dx: bool = True
             offset_weights = offset_weights.reshape(g.kernels, g.taps)
 
         def task(index: int) -> tuple[Any, Any]:
-            start, stop = cache.chunks[index]
+            start, stop = cache.plan.chunks[index]
             return _backward_chunk(xp, g, cache.layout, offset_weights, cache.columns[index], dy[start:stop],
                                    None if dx is None else dx[start:stop])
 
-        parts = _run_chunks(task, len(cache.chunks))
+        parts = _run_chunks(task, cache.plan)
         dw, db = parts[0]
         for part_dw, part_db in parts[1:]:
             dw += part_dw
@@ -410,6 +422,6 @@ def conv2d_backward(x: Any, w: Any, dy: Any, stride: int = 1, padding: int = 0,
     xp, x, cache = _prepare(x, w, stride, padding, None)
     g = cache.geometry
     cache.columns = _run_chunks(
-        lambda index: _unfold(xp, g, cache.layout, x[slice(*cache.chunks[index])]),
-        len(cache.chunks))
+        lambda index: _unfold(xp, g, cache.layout, x[slice(*cache.plan.chunks[index])]),
+        cache.plan)
     return conv2d_backward_cached(cache, dy, need_dx)

@@ -83,7 +83,7 @@ class TimeSplit:
 class LayerBalance:
     layer: int
     kernels: int
-    ideal_s: float | None  # sum_p K_l / sum_d v_dlp
+    ideal_s: float | None  # median over steps of sum_p K_l / sum_d v_dlps
     slowest_s: float | None  # median over steps of sum_p max_d t_dlp
     efficiency: float | None  # ideal_s / slowest_s
     imbalance: float | None  # median over steps of max_d c_dl / mean_d c_dl

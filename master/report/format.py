@@ -23,7 +23,9 @@ def pct(fraction: float | None) -> str:
 
 
 def times(ratio: float | None) -> str:
-    return MISSING if ratio is None else f"{ratio:.2f}x"
+    if ratio is None:
+        return MISSING
+    return f"{ratio:.0f}x" if ratio >= 100 else f"{ratio:.1f}x" if ratio >= 10 else f"{ratio:.2f}x"
 
 
 def num(value: float | None, digits: int = 2) -> str:
@@ -90,8 +92,8 @@ def devices_table(summary: RunSummary) -> Table:
     rows = tuple((d.id, d.kind, d.name, ms(d.compute_s), ms(d.wait_s), kib(d.bytes_sent),
                   kib(d.bytes_received)) for d in summary.devices)
     return Table("Devices (medians per step)",
-                 ("device", "kind", "name", "compute ms", "waited on ms", "sent KiB",
-                  "received KiB"), rows, left_columns=3)
+                 ("device", "kind", "name", "compute\nms", "waited on\nms", "sent\nKiB",
+                  "received\nKiB"), rows, left_columns=3)
 
 
 def layers_table(summary: RunSummary) -> Table:
@@ -103,8 +105,8 @@ def layers_table(summary: RunSummary) -> Table:
                          pct(row.throughput_share), num(row.speed_vs_calibration)))
     rows.sort(key=lambda r: int(r[0]))
     return Table("Kernels per layer and device",
-                 ("layer", "device", "kernels", "kernel share", "calib. ms", "calib. speed",
-                  "compute ms", "throughput share", "measured / calib."),
+                 ("layer", "device", "kernels", "kernel\nshare", "calib.\nms", "calib.\nspeed",
+                  "compute\nms", "throughput\nshare", "measured\n/ calib."),
                  tuple(rows), left_columns=2)
 
 
@@ -112,15 +114,25 @@ def balance_table(summary: RunSummary) -> Table:
     rows = tuple((str(row.layer + 1), str(row.kernels), ms(row.ideal_s), ms(row.slowest_s),
                   pct(row.efficiency), times(row.imbalance)) for row in summary.layers)
     return Table("Balance per layer (forward + backward, medians)",
-                 ("layer", "kernels", "ideal ms", "slowest ms", "efficiency", "imbalance"), rows)
+                 ("layer", "kernels", "ideal\nms", "slowest\nms", "efficiency", "imbalance"), rows)
 
 
 def epochs_table(summary: RunSummary) -> Table:
     rows = tuple((str(e.epoch + 1), num(e.train_loss, 4), pct(e.train_accuracy),
                   num(e.test_loss, 4), pct(e.test_accuracy), num(e.epoch_s, 1),
                   num(e.images_per_s, 0)) for e in summary.epochs)
-    return Table("Epochs", ("epoch", "train loss", "train acc.", "test loss", "test acc.",
-                            "time s", "images/s"), rows)
+    return Table("Epochs", ("epoch", "train\nloss", "train\naccuracy", "test\nloss",
+                            "test\naccuracy", "time\ns", "images/s"), rows)
+
+
+def notes(summary: RunSummary) -> list[str]:
+    """Short remarks that qualify the figures."""
+    out = []
+    if summary.what_if is not None:
+        out += [f"what-if: {note}" for note in summary.what_if.notes]
+    if summary.speedup is None and summary.split is not None:
+        out.append("speedup: no device computed kernels in every layer; nothing to compare to")
+    return out
 
 
 def run_tables(summary: RunSummary) -> list[Table]:

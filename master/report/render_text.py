@@ -6,10 +6,11 @@ column per run, split into several tables when the runs do not fit side by side.
 """
 from __future__ import annotations
 
+import textwrap
 from typing import Sequence
 
 from master.report.analysis import RunSummary
-from master.report.format import Table, comparison_table, headline, run_tables
+from master.report.format import Table, comparison_table, headline, notes, run_tables
 
 WIDTH = 100
 GAP = "  "
@@ -22,8 +23,8 @@ def _clip(text: str, width: int) -> str:
 def _widths(table: Table, width: int) -> list[int]:
     """Column widths; the widest text column shrinks until the table fits."""
     columns = len(table.headers)
-    widths = [max(len(table.headers[i]), *(len(row[i]) for row in table.rows))
-              if table.rows else len(table.headers[i]) for i in range(columns)]
+    widths = [max(*(len(part) for part in table.headers[i].split("\n")),
+                  *(len(row[i]) for row in table.rows)) for i in range(columns)]
     budget = width - len(GAP) * (columns - 1)
     while sum(widths) > budget:
         text_columns = range(min(table.left_columns, columns))
@@ -43,7 +44,12 @@ def format_table(table: Table, width: int = WIDTH) -> list[str]:
                  for i, (cell, w) in enumerate(zip(cells, widths))]
         return GAP.join(parts).rstrip()
 
-    lines = [table.title, line(table.headers), GAP.join("-" * w for w in widths)]
+    header_lines = max(header.count("\n") + 1 for header in table.headers)
+    split_headers = [[""] * (header_lines - header.count("\n") - 1) + header.split("\n")
+                     for header in table.headers]  # bottom-aligned
+    lines = [table.title] + [line([parts[i] for parts in split_headers])
+                             for i in range(header_lines)]
+    lines.append(GAP.join("-" * w for w in widths))
     if not table.rows:
         return lines + ["(none yet)"]
     return lines + [line(row) for row in table.rows]
@@ -52,11 +58,15 @@ def format_table(table: Table, width: int = WIDTH) -> list[str]:
 def render_run(summary: RunSummary, width: int = WIDTH) -> str:
     """The whole terminal report of one run."""
     title = f"== {summary.name} ({summary.run_dir}) "
-    lines = [_clip(title.ljust(width, "="), width), _clip(headline(summary), width)]
-    lines += [f"warning: {warning}" for warning in summary.warnings]
-    for table in run_tables(summary):
+    lines = [_clip(title.ljust(width, "="), width), *textwrap.wrap(headline(summary), width)]
+    for warning in summary.warnings:
+        lines += textwrap.wrap(f"warning: {warning}", width, subsequent_indent="  ")
+    for index, table in enumerate(run_tables(summary)):
         lines.append("")
         lines += format_table(table, width)
+        if index == 0:
+            for note in notes(summary):
+                lines += textwrap.wrap(f"note: {note}", width, subsequent_indent="  ")
     return "\n".join(lines)
 
 
