@@ -127,6 +127,24 @@ def _add_worker(sub: Any) -> None:
                    help="exit after one training run instead of waiting for the next")
 
 
+def _add_calibrate(sub: Any) -> None:
+    p = sub.add_parser("calibrate", help="wait for workers, calibrate, print the kernel split "
+                       "(no training)")
+    p.add_argument("--listen", required=True, metavar="ENDPOINT", help="e.g. tcp://*:5555")
+    p.add_argument("--min-workers", type=int, default=1)
+    p.add_argument("--wait", type=_non_negative_float, default=60.0)
+    p.add_argument("--no-local", action="store_true")
+    p.add_argument("--device", default=_env("DEVICE", "cpu"))
+    p.add_argument("--threads", type=_positive_int, default=None)
+    p.add_argument("--data", choices=("fashion-mnist", "cifar10", "synthetic"),
+                   default="fashion-mnist", help="sets the input shape")
+    p.add_argument("--input-shape", default=None, help="CxHxW, overrides --data")
+    p.add_argument("--arch", default="32:64")
+    p.add_argument("--kernel-size", type=_positive_int, default=5)
+    p.add_argument("--padding", type=int, default=0, choices=(0, 1, 2))
+    p.add_argument("--batch", type=_positive_int, default=128)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hetconv", description=__doc__.split("\n\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -134,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     _add_train(sub)
     _add_worker(sub)
+    _add_calibrate(sub)
     _add_bench(sub)
     return parser
 
@@ -143,6 +162,12 @@ def _dispatch(args: argparse.Namespace) -> int:
         from hetconv.train_command import run_train
 
         return run_train(args)
+    if args.command == "calibrate":
+        from hetconv.backend import set_blas_threads
+        from master.calibrate_command import run_calibrate
+
+        set_blas_threads(args.threads)
+        return run_calibrate(args)
     if args.command == "worker":
         from worker.daemon import WorkerConfig, run_worker
 
