@@ -11,6 +11,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from hetconv.errors import UserError
+
 try:  # cupy is optional: the `gpu` extra installs it.
     import cupy as _cupy  # type: ignore[import-not-found]
 except Exception:  # pragma: no cover - depends on the machine
@@ -53,12 +55,12 @@ def array_module_for(device: str) -> ArrayModule:
         return np
     if device.startswith("gpu"):
         if not gpu_available():
-            raise RuntimeError(
+            raise UserError(
                 f"device {device!r} needs cupy and a CUDA GPU; install the `gpu` extra "
                 "(pip install 'hetconv[gpu]') or use --device cpu"
             )
         return _cupy  # type: ignore[return-value]
-    raise ValueError(f"unknown device {device!r}: use 'cpu' or 'gpu:N'")
+    raise UserError(f"unknown device {device!r}: use 'cpu' or 'gpu:N'")
 
 
 @contextlib.contextmanager

@@ -145,6 +145,13 @@ def _add_calibrate(sub: Any) -> None:
     p.add_argument("--batch", type=_positive_int, default=128)
 
 
+def _add_report(sub: Any) -> None:
+    p = sub.add_parser("report", help="workload-balance report of one or more run directories")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories to report on")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    p.add_argument("--no-html", action="store_true", help="do not write report.html")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hetconv", description=__doc__.split("\n\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -152,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     _add_train(sub)
     _add_worker(sub)
+    _add_report(sub)
     _add_calibrate(sub)
     _add_bench(sub)
     return parser
@@ -179,6 +187,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         array_module_for(args.device)  # a clear error for a bad or unavailable device
         return run_worker(WorkerConfig(master=args.master, device=args.device, threads=threads,
                                        name=args.name, once=args.once))
+    if args.command == "report":
+        from master.report.command import run_report
+
+        return run_report(args.run_dirs, json_output=args.json, html=not args.no_html)
     if args.command == "bench" and args.bench == "conv":
         from hetconv.bench_conv import run_conv_bench
 

@@ -170,7 +170,9 @@ def test_send_times_out_when_peer_does_not_read(
         worker.close(linger=0)
 
 
-def test_socket_options_are_bounded(pair: tuple[zmq.Socket[bytes], zmq.Socket[bytes]]) -> None:
+def test_socket_options_are_bounded(
+    ctx: zmq.Context[zmq.Socket[bytes]], pair: tuple[zmq.Socket[bytes], zmq.Socket[bytes]]
+) -> None:
     for sock in pair:
         assert sock.getsockopt(zmq.LINGER) == limits.DEFAULT_LINGER_MS
         assert sock.getsockopt(zmq.SNDHWM) == limits.DEFAULT_SNDHWM
@@ -181,7 +183,7 @@ def test_socket_options_are_bounded(pair: tuple[zmq.Socket[bytes], zmq.Socket[by
     _, worker = pair
     assert worker.getsockopt(zmq.RECONNECT_IVL_MAX) == limits.RECONNECT_IVL_MAX_MS
     with pytest.raises(ValueError, match="identity"):
-        worker_socket(zmq.Context.instance(), "tcp://127.0.0.1:1", b"\0bad")
+        worker_socket(ctx, "tcp://127.0.0.1:1", b"\0bad")
 
 
 def test_curve_admits_only_allowed_keys_and_fails_closed(

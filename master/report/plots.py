@@ -1,0 +1,200 @@
+"""The report's pictures: matplotlib figures rendered to PNG bytes (Agg, no pyplot).
+
+Each function takes parsed records or a summary and returns PNG bytes, or None
+when there is nothing to draw (no steps yet). Figures are 10 inches wide at 100
+dpi so they fit the HTML page's column; every axis says its unit.
+"""
+from __future__ import annotations
+
+import io
+from typing import Sequence
+
+from matplotlib.figure import Figure
+
+from master.report.analysis import RunSummary
+from master.report.records import RunRecords, StepRecord
+
+DPI = 100
+WIDTH_IN = 10.0
+TIMELINE_STEPS = 20
+COLOURS = {"comm": "#d62728", "conv": "#1f77b4", "dense": "#2ca02c", "other": "#bbbbbb",
+           "forward": "#1f77b4", "backward": "#ff7f0e", "wait": "#c7c7c7",
+           "kernels": "#9467bd", "throughput": "#17becf", "loss": "#1f77b4",
+           "train": "#1f77b4", "test": "#d62728"}
+
+
+def _png(figure: Figure) -> bytes:
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=DPI)
+    return buffer.getvalue()
+
+
+def time_breakdown(records: RunRecords) -> bytes | None:
+    """Stacked per-step time: communication, distributed conv, dense (ms)."""
+    steps = records.steps
+    if not steps:
+        return None
+    x = [s.step for s in steps]
+    comm = [s.comm_s * 1e3 for s in steps]
+    conv = [max(0.0, s.conv_s - s.comm_s) * 1e3 for s in steps]
+    dense = [s.dense_s * 1e3 for s in steps]
+    figure = Figure(figsize=(WIDTH_IN, 3.6), layout="constrained")
+    axes = figure.add_subplot()
+    if len(steps) <= 300:
+        axes.bar(x, comm, width=1.0, color=COLOURS["comm"], label="communication (comm_s)")
+        axes.bar(x, conv, width=1.0, bottom=comm, color=COLOURS["conv"],
+                 label="distributed conv (conv_s - comm_s)")
+        axes.bar(x, dense, width=1.0, bottom=[a + b for a, b in zip(comm, conv)],
+                 color=COLOURS["dense"], label="dense part (dense_s)")
+    else:
+        axes.stackplot(x, comm, conv, dense, colors=[COLOURS[k] for k in ("comm", "conv", "dense")],
+                       labels=["communication (comm_s)", "distributed conv (conv_s - comm_s)",
+                               "dense part (dense_s)"])
+    axes.set_xlabel("training step (from 0; step 0 is warm-up)")
+    axes.set_ylabel("time per step (ms)")
+    axes.set_title("Where each step's time goes")
+    axes.legend(loc="upper right", fontsize="small")
+    axes.grid(axis="y", alpha=0.3)
+    return _png(figure)
+
+
+def kernel_vs_throughput(summary: RunSummary) -> bytes | None:
+    """Per layer, each device's kernel share next to its measured throughput share (%)."""
+    layers = [row.layer for row in summary.layers]
+    devices = [d for d in summary.devices if any(r.kernels for r in d.layers)]
+    if not layers or not devices or summary.steps_used == 0:
+        return None
+    columns = min(len(layers), 3)
+    rows = -(-len(layers) // columns)
+    figure = Figure(figsize=(WIDTH_IN, 3.4 * rows), layout="constrained")
+    width = 0.38
+    for index, layer in enumerate(layers):
+        axes = figure.add_subplot(rows, columns, index + 1)
+        positions = list(range(len(devices)))
+        kernel = [100 * d.layers[index].kernel_share for d in devices]
+        throughput = [100 * (d.layers[index].throughput_share or 0.0) for d in devices]
+        axes.bar([p - width / 2 for p in positions], kernel, width, color=COLOURS["kernels"],
+                 label="kernel share")
+        axes.bar([p + width / 2 for p in positions], throughput, width,
+                 color=COLOURS["throughput"], label="measured throughput share")
+        axes.set_xticks(positions, [d.id for d in devices], rotation=20 if len(devices) > 3 else 0)
+        axes.set_title(f"layer {layer + 1} ({summary.layers[index].kernels} kernels)")
+        axes.set_xlabel("device")
+        axes.set_ylabel("share of the layer (%)")
+        axes.set_ylim(0, 105)
+        axes.grid(axis="y", alpha=0.3)
+        if index == 0:
+            axes.legend(fontsize="small")
+    return _png(figure)
+
+
+def _phase_order(step: StepRecord) -> list[tuple[int, str]]:
+    layers = sorted(layer.layer for layer in step.layers)
+    return [(layer, "forward") for layer in layers] + \
+        [(layer, "backward") for layer in reversed(layers)]
+
+
+def timeline(records: RunRecords, last: int = TIMELINE_STEPS) -> bytes | None:
+    """Per device, the last steps laid out phase by phase (forward layers, dense,
+    backward layers): compute bars, then the time until its result reached the
+    master (transfer and queueing) in grey. A phase is as long as its latest device."""
+    steps = list(records.steps[-last:])
+    devices = sorted({t.device for s in steps for layer in s.layers for t in layer.devices},
+                     key=lambda d: (d != "master", d))
+    if not steps or not devices:
+        return None
+    if len(devices) > 4:
+        steps = steps[-10:]
+    height = 0.5 + 0.16 * len(steps)
+    figure = Figure(figsize=(WIDTH_IN, 0.8 + height * len(devices)), layout="constrained")
+    axes_list = figure.subplots(len(devices), 1, sharex=True, squeeze=False)[:, 0]
+    row_of = {device: axes for device, axes in zip(devices, axes_list)}
+    bars: dict[str, dict[tuple[str, int], list[tuple[float, float]]]] = {d: {} for d in devices}
+    for row, step in enumerate(steps):
+        cursor = 0.0
+        by_layer = {layer.layer: layer for layer in step.layers}
+        for layer_index, phase in _phase_order(step):
+            if phase == "backward" and layer_index == max(by_layer):
+                if "master" in bars:  # the dense part runs on the master between the phases
+                    bars["master"].setdefault(("dense", row), []).append(
+                        (cursor, step.dense_s * 1e3))
+                cursor += step.dense_s * 1e3
+            wall = 0.0
+            for timing in by_layer[layer_index].devices:
+                compute = getattr(timing, f"{phase}_s") * 1e3
+                latency = getattr(timing, f"{phase}_latency_s")
+                latency = compute if latency is None else max(latency * 1e3, compute)
+                bars[timing.device].setdefault((phase, row), []).append((cursor, compute))
+                if latency > compute:
+                    bars[timing.device].setdefault(("wait", row), []).append(
+                        (cursor + compute, latency - compute))
+                wall = max(wall, latency)
+            cursor += wall
+    labels = {"forward": "forward compute", "backward": "backward compute + update",
+              "wait": "until result at master (transfer, queue)", "dense": "dense part (master)"}
+    for device, axes in row_of.items():
+        seen: set[str] = set()
+        for (kind, row), spans in bars[device].items():
+            axes.broken_barh(spans, (row - 0.4, 0.8), facecolors=COLOURS[kind],
+                             edgecolor="white", linewidth=0.4,
+                             label=None if kind in seen else labels[kind])
+            seen.add(kind)
+        axes.set_yticks(range(len(steps)), [str(s.step) for s in steps], fontsize="x-small")
+        axes.set_ylim(len(steps) - 0.5, -0.5)
+        axes.set_ylabel(f"{device}\nstep")
+        axes.grid(axis="x", alpha=0.3)
+    figure.suptitle(f"Timeline of the last {len(steps)} steps, per device")
+    axes_list[-1].set_xlabel("time since the step started (ms)")
+    handles: dict[str, object] = {}
+    for axes in axes_list:
+        for handle, label in zip(*axes.get_legend_handles_labels()):
+            handles.setdefault(label, handle)
+    figure.legend(list(handles.values()), list(handles.keys()), fontsize="small",
+                  loc="outside upper center", ncols=len(handles))
+    return _png(figure)
+
+
+def _epoch_end_steps(steps: Sequence[StepRecord]) -> dict[int, int]:
+    ends: dict[int, int] = {}
+    for step in steps:
+        ends[step.epoch] = max(ends.get(step.epoch, step.step), step.step)
+    return ends
+
+
+def training_curves(records: RunRecords) -> bytes | None:
+    """Loss per step and per epoch; batch accuracy per step, test accuracy per epoch."""
+    steps = records.steps
+    if not steps:
+        return None
+    ends = _epoch_end_steps(steps)
+    epochs = [e for e in records.epochs if e.epoch in ends]
+    figure = Figure(figsize=(WIDTH_IN, 3.6), layout="constrained")
+    loss_axes, accuracy_axes = figure.subplots(1, 2)
+    x = [s.step for s in steps]
+    loss_axes.plot(x, [s.loss for s in steps], color=COLOURS["loss"], linewidth=0.8,
+                   label="batch loss")
+    if epochs:
+        loss_axes.plot([ends[e.epoch] for e in epochs], [e.train_loss for e in epochs], "o-",
+                       color=COLOURS["train"], label="epoch mean train loss")
+        loss_axes.plot([ends[e.epoch] for e in epochs if e.test_loss is not None],
+                       [e.test_loss for e in epochs if e.test_loss is not None], "s--",
+                       color=COLOURS["test"], label="test loss")
+    loss_axes.set_xlabel("training step")
+    loss_axes.set_ylabel("cross-entropy loss (nats)")
+    loss_axes.set_title("Loss")
+    loss_axes.legend(fontsize="small")
+    loss_axes.grid(alpha=0.3)
+    accuracy_axes.plot(x, [100 * s.accuracy for s in steps], color=COLOURS["train"],
+                       linewidth=0.6, alpha=0.6, label="batch accuracy")
+    tested = [e for e in epochs if e.test_accuracy is not None]
+    if tested:
+        accuracy_axes.plot([ends[e.epoch] for e in tested],
+                           [100 * (e.test_accuracy or 0.0) for e in tested], "s--",
+                           color=COLOURS["test"], label="test accuracy (end of epoch)")
+    accuracy_axes.set_xlabel("training step")
+    accuracy_axes.set_ylabel("accuracy (%)")
+    accuracy_axes.set_ylim(0, 102)
+    accuracy_axes.set_title("Accuracy")
+    accuracy_axes.legend(fontsize="small", loc="lower right")
+    accuracy_axes.grid(alpha=0.3)
+    return _png(figure)

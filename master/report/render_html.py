@@ -1,0 +1,168 @@
+"""The HTML report: one self-contained page per run, and a comparison page.
+
+Everything is inline: CSS in a ``<style>`` element, pictures as base64 PNG
+``data:`` URLs (see :mod:`master.report.plots`); no scripts, no web fonts, no
+links to anything outside the file. The tables are those of
+:mod:`master.report.format`. All text that comes from the run (device names,
+paths, warnings) is escaped with :func:`html.escape`.
+"""
+from __future__ import annotations
+
+import base64
+import html
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Sequence
+
+from master.report import plots
+from master.report.analysis import RunSummary
+from master.report.format import Table, comparison_table, headline, notes, run_tables
+from master.report.records import RunRecords
+
+REPORT_FILE = "report.html"
+COMPARISON_FILE = "comparison.html"
+
+STYLE = """
+body { margin: 0; background: #fafafa; color: #222;
+       font: 15px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; }
+main { max-width: 1040px; margin: 0 auto; padding: 1em 1.5em 3em; background: #fff; }
+h1 { font-size: 1.6em; margin: 0.4em 0; overflow-wrap: anywhere; }
+h2 { font-size: 1.25em; margin-top: 1.8em; border-bottom: 1px solid #ddd; }
+h3 { font-size: 1.05em; margin-top: 1.4em; }
+p.meta, p.path { color: #555; margin: 0.2em 0; overflow-wrap: anywhere; }
+table { border-collapse: collapse; width: 100%; margin: 0.6em 0; font-size: 0.92em; }
+caption { text-align: left; font-weight: 600; padding: 0.3em 0; }
+th, td { border: 1px solid #ddd; padding: 0.25em 0.5em; overflow-wrap: anywhere;
+         vertical-align: top; }
+th { background: #f0f0f0; text-align: left; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
+img { max-width: 100%; height: auto; display: block; margin: 0.5em 0; }
+ul.warnings { background: #fff4e5; border: 1px solid #f0c36d; padding: 0.5em 2em; }
+p.empty { color: #777; font-style: italic; }
+dl dt { font-weight: 600; margin-top: 0.5em; }
+dl dd { margin-left: 1.5em; }
+footer { margin-top: 3em; color: #777; font-size: 0.85em; }
+"""
+
+DEFINITIONS = [
+    ("communication", "comm_s: per layer and phase, the phase's wall time minus the slowest "
+     "device's compute time, summed (transfer and serialization on the critical path)."),
+    ("distributed conv", "conv_s - comm_s: the slowest device's compute, layer by layer."),
+    ("dense part", "dense_s: the master's fully connected layer, loss and its update."),
+    ("balance efficiency", "per step, layer and phase: ideal = K / sum over devices of "
+     "(kernels / seconds), the kernels divided in proportion to measured speeds; slowest = "
+     "the slowest device's seconds. Efficiency = median of the summed ideal over median of "
+     "the summed slowest (1.0 = perfectly balanced)."),
+    ("imbalance", "per step and layer, the slowest device's forward+backward time over the "
+     "devices' mean; the median over steps; the worst layer is shown."),
+    ("speedup over the fastest device", "estimate: each device alone would need sum over "
+     "layers of K * (its median seconds / its kernels); the fastest such device plus the "
+     "dense time, over the measured median step time."),
+    ("Amdahl bound", "(fastest single-device conv time + dense) / dense: the speedup if the "
+     "conv part and communication took no time at all."),
+    ("what if", "one more device like the fastest: the conv part scales as the ideal time "
+     "with that device's speed added (balance efficiency kept), communication by (W+1)/W "
+     "for W workers (the input goes to every worker). Network twice as fast: the median "
+     "step time minus half the median communication."),
+    ("medians", "all per-step figures are medians over the steps, skipping the run's first "
+     "step (warm-up) when there is more than one."),
+]
+
+
+def _esc(text: object) -> str:
+    return html.escape(str(text), quote=True)
+
+
+def _table(table: Table, caption: bool = False) -> str:
+    head = "".join(f"<th>{'<br>'.join(_esc(p) for p in h.split(chr(10)))}</th>"
+                   for h in table.headers)
+    body = []
+    for row in table.rows:
+        cells = "".join(f"<td>{_esc(c)}</td>" if i < table.left_columns
+                        else f'<td class="num">{_esc(c)}</td>' for i, c in enumerate(row))
+        body.append(f"<tr>{cells}</tr>")
+    if not body:
+        body.append(f'<tr><td colspan="{len(table.headers)}">(none yet)</td></tr>')
+    title = f"<caption>{_esc(table.title)}</caption>" if caption else ""
+    return (f"<table>{title}<thead><tr>{head}</tr></thead>"
+            f"<tbody>{''.join(body)}</tbody></table>")
+
+
+def _image(png: bytes | None, alt: str) -> str:
+    if png is None:
+        return '<p class="empty">No steps recorded yet: nothing to plot.</p>'
+    data = base64.b64encode(png).decode("ascii")
+    return f'<img src="data:image/png;base64,{data}" alt="{_esc(alt)}">'
+
+
+def run_body(records: RunRecords, summary: RunSummary, level: int = 2) -> str:
+    """The sections of one run's report, headings starting at ``<h{level}>``."""
+    h, sub = f"h{level}", f"h{level + 1}"
+    overview, devices, layers, balance, epochs = run_tables(summary)
+    parts = [f'<p class="meta">{_esc(headline(summary))}</p>',
+             f'<p class="path">run directory: {_esc(summary.run_dir)}</p>']
+    if summary.warnings:
+        items = "".join(f"<li>{_esc(w)}</li>" for w in summary.warnings)
+        parts.append(f'<ul class="warnings">{items}</ul>')
+    parts += [f"<{h}>Overview</{h}>", _table(overview)]
+    parts += [f"<p>Note: {_esc(note)}</p>" for note in notes(summary)]
+    parts += [f"<{h}>Time per step</{h}>",
+              _image(plots.time_breakdown(records), "stacked time per step: communication, "
+                     "distributed conv and dense part, in milliseconds")]
+    parts += [f"<{h}>Devices</{h}>", _table(devices, caption=True)]
+    parts += [f"<{h}>Kernel split against measured throughput</{h}>",
+              "<p>Balanced when each device's kernel share equals its share of the layer's "
+              "measured throughput (kernels per second).</p>",
+              _image(plots.kernel_vs_throughput(summary),
+                     "per layer, kernel share and measured throughput share of each device"),
+              _table(layers, caption=True), _table(balance, caption=True)]
+    parts += [f"<{h}>Timeline</{h}>",
+              "<p>Each step laid out phase by phase (forward layers, the dense part, backward "
+              "layers in reverse); a phase lasts as long as its latest device.</p>",
+              _image(plots.timeline(records), "per device timeline of the last steps: forward, "
+                     "backward and waiting time per layer")]
+    parts += [f"<{h}>Training</{h}>",
+              _image(plots.training_curves(records), "loss per step and accuracy per epoch"),
+              _table(epochs, caption=True)]
+    definitions = "".join(f"<dt>{_esc(term)}</dt><dd>{_esc(text)}</dd>"
+                          for term, text in DEFINITIONS)
+    parts += [f"<{sub}>How the figures are computed</{sub}>", f"<dl>{definitions}</dl>"]
+    return "\n".join(parts)
+
+
+def page(title: str, body: str) -> str:
+    generated = time.strftime("%Y-%m-%d %H:%M:%S")
+    return ("<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
+            "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n"
+            f"<title>{_esc(title)}</title>\n<style>{STYLE}</style>\n</head>\n<body>\n<main>\n"
+            f"<h1>{_esc(title)}</h1>\n{body}\n"
+            f"<footer>Generated by hetconv report on {_esc(generated)}.</footer>\n"
+            "</main>\n</body>\n</html>\n")
+
+
+def render_run_page(records: RunRecords, summary: RunSummary) -> str:
+    return page(f"hetconv report: {summary.name}", run_body(records, summary))
+
+
+def render_comparison_page(runs: Sequence[tuple[RunRecords, RunSummary]]) -> str:
+    summaries = [summary for _, summary in runs]
+    body = [_table(comparison_table(summaries))]
+    for records, summary in runs:
+        body.append(f"<h2>{_esc(summary.name)}</h2>")
+        body.append(run_body(records, summary, level=3))
+    return page("hetconv comparison: " + ", ".join(s.name for s in summaries), "\n".join(body))
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write a file through a temporary file in the same directory and a rename."""
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as file:
+            file.write(text)
+        os.chmod(temporary, 0o644)  # mkstemp makes it private; a report is for reading
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
