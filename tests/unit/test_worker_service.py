@@ -1,0 +1,70 @@
+"""The worker's request handling, without sockets."""
+from __future__ import annotations
+
+import numpy as np
+
+from hetconv.model import ModelConfig, init_parameters
+from hetconv.shard import BlockSettings, ConvShard
+from protocol import (Ack, AssignShard, BackwardReply, BackwardRequest, CalibrateReply,
+                      CalibrateRequest, EndRun, ErrorReply, ForwardReply, ForwardRequest,
+                      Heartbeat, SnapshotReply, SnapshotRequest)
+from worker.service import WorkerService
+
+
+def assign(layer: int = 0, start: int = 2, stop: int = 5) -> AssignShard:
+    params = init_parameters(ModelConfig((6, 4), (3, 16, 16)), 0)
+    state = {name: np.ascontiguousarray(params[f"conv0.{name}"][start:stop])
+             for name in ("weight", "gamma", "beta", "running_mean", "running_var")}
+    return AssignShard(request_id=1, layer=layer, kernel_start=start, kernel_stop=stop, stride=1,
+                       padding=0, need_dx=False, bn_momentum=0.1, bn_eps=1e-5, momentum=0.9,
+                       weight_decay=5e-4, velocity_weight=np.zeros_like(state["weight"]),
+                       velocity_gamma=np.zeros_like(state["gamma"]),
+                       velocity_beta=np.zeros_like(state["beta"]), **state)
+
+
+def test_full_cycle_matches_a_local_shard() -> None:
+    service = WorkerService("cpu")
+    message = assign()
+    assert isinstance(service.handle(message), Ack)
+    local = ConvShard(0, 2, 5, BlockSettings(), {n: getattr(message, n) for n in
+                                                 ("weight", "gamma", "beta", "running_mean",
+                                                  "running_var")})
+    x = np.random.default_rng(0).standard_normal((2, 3, 16, 16)).astype(np.float32)
+    reply = service.handle(ForwardRequest(request_id=2, step=0, layer=0, attempt=0, train=True, x=x))
+    assert isinstance(reply, ForwardReply) and reply.request_id == 2 and reply.compute_s > 0
+    np.testing.assert_array_equal(reply.y, local.forward(x, True))
+    dy = np.ones_like(reply.y)
+    back = service.handle(BackwardRequest(request_id=3, step=0, layer=0, attempt=0,
+                                          learning_rate=0.1, dy=dy))
+    assert isinstance(back, BackwardReply) and back.dx is None  # first layer: need_dx false
+    local.backward(dy, False, 0.1)
+    snap = service.handle(SnapshotRequest(request_id=4, layer=0))
+    assert isinstance(snap, SnapshotReply) and (snap.kernel_start, snap.kernel_stop) == (2, 5)
+    np.testing.assert_array_equal(snap.weight, local.snapshot()["weight"])
+    assert isinstance(service.handle(EndRun(request_id=5, reason="done")), Ack)
+    assert service.shards == {}
+
+
+def test_bad_requests_become_error_replies() -> None:
+    service = WorkerService("cpu")
+    missing = service.handle(ForwardRequest(request_id=7, step=0, layer=9, attempt=0, train=True,
+                                            x=np.zeros((1, 3, 16, 16), np.float32)))
+    assert isinstance(missing, ErrorReply) and missing.code == "unknown_layer"
+    assert missing.request_id == 7
+    service.handle(assign())
+    wrong = service.handle(ForwardRequest(request_id=8, step=0, layer=0, attempt=0, train=True,
+                                          x=np.zeros((1, 7, 16, 16), np.float32)))
+    assert isinstance(wrong, ErrorReply) and wrong.code == "bad_request"
+    early = service.handle(BackwardRequest(request_id=9, step=0, layer=0, attempt=0,
+                                           learning_rate=0.1, dy=np.zeros((1, 3, 6, 6), np.float32)))
+    assert isinstance(early, ErrorReply)
+    unexpected = service.handle(Heartbeat(sent_at=0.0))
+    assert isinstance(unexpected, ErrorReply) and unexpected.code == "bad_request"
+    silly = service.handle(CalibrateRequest(request_id=10, layer=0, batch=1, in_channels=1,
+                                            height=8, width=8, kernels=1, kernel_size=3,
+                                            stride=1, padding=0, repeats=1000))
+    assert isinstance(silly, ErrorReply)
+    ok = service.handle(CalibrateRequest(request_id=11, layer=0, batch=1, in_channels=1, height=8,
+                                         width=8, kernels=1, kernel_size=3, stride=1, padding=0,
+                                         repeats=1))
+    assert isinstance(ok, CalibrateReply) and ok.seconds > 0
