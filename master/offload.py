@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -38,6 +39,17 @@ class Part:
     @property
     def kernels(self) -> int:
         return self.stop - self.start
+
+
+@dataclass
+class LocalJob:
+    """The master's own share of one layer phase, computed in the helper thread."""
+
+    done: threading.Event = field(default_factory=threading.Event)
+    result: Any = None
+    error: BaseException | None = None
+    seconds: float = 0.0
+    finished_at: float = 0.0
 
 
 class DistributedConvStage:
@@ -66,15 +78,25 @@ class DistributedConvStage:
             self._wake_sender.connect(self._wake_endpoint)
         self._wake_sender.send(b"")
 
-    def _run_local(self, work: Callable[[], Any]) -> Future[tuple[Any, float, float]]:
-        def timed() -> tuple[Any, float, float]:
+    def _run_local(self, work: Callable[[], Any]) -> LocalJob:
+        """Run ``work`` in the helper thread; the job's ``done`` is set *before* the
+        main thread is woken, so the gather loop never sleeps on a finished job."""
+        job = LocalJob()
+
+        def timed() -> None:
             start = time.perf_counter()
             try:
-                result = work()
-                return result, time.perf_counter() - start, time.monotonic()
+                job.result = work()
+            except BaseException as error:  # re-raised in the main thread
+                job.error = error
             finally:
+                job.seconds = time.perf_counter() - start
+                job.finished_at = time.monotonic()
+                job.done.set()
                 self._notify()
-        return self._executor.submit(timed)
+
+        self._executor.submit(timed)
+        return job
 
     # --- bookkeeping -------------------------------------------------------------------
     def _entry(self, layer: int, part: Part) -> dict[str, Any]:
@@ -114,13 +136,19 @@ class DistributedConvStage:
             sent[part.device] = self.cluster.send(part.worker, message)
             pending[message.request_id] = part.worker
             by_rid[message.request_id] = part
-        future = self._run_local(local) if local is not None else None
-        replies = self.cluster.gather(pending, what, done=(lambda: future.done()) if future
-                                      else (lambda: True))
-        local_result, local_s, local_done = (future.result() if future
-                                             else (None, 0.0, time.monotonic()))
+        job = self._run_local(local) if local is not None else None
+        try:
+            replies = self.cluster.gather(pending, what,
+                                          done=job.done.is_set if job else (lambda: True))
+        finally:
+            if job is not None:
+                job.done.wait()  # never leave the helper thread running on shared state
+        if job is not None and job.error is not None:
+            raise job.error
+        local_result, local_s = (job.result, job.seconds) if job else (None, 0.0)
+        local_done = job.finished_at if job else started
         by_device = {by_rid[rid].device: reply for rid, reply in replies.items()}
-        return by_device, local_result, local_s, local_done if future else started, sent
+        return by_device, local_result, local_s, local_done, sent
 
     # --- the ConvStage interface --------------------------------------------------------------
     def forward(self, layer: int, x: np.ndarray, train: bool, step: int) -> np.ndarray:

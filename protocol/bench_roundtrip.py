@@ -1,14 +1,20 @@
 """Round-trip benchmark: our codec + transport against bare pyzmq, side by side.
 
-A ``ForwardRequest`` carrying an N MiB float32 array goes over loopback TCP from a
-ROUTER (the master side) to a DEALER echo peer in a thread, which answers with a
+A ``ForwardRequest`` carrying an N MiB float32 array goes over loopback TCP from the
+master's ROUTER to a DEALER echo peer in a thread, which answers with a
 ``ForwardReply`` whose ``y`` is the received array (sent on without a copy). The
-baseline sends the same header bytes and array buffer with plain
-``send_multipart(copy=False)`` / ``recv_multipart(copy=False)`` and echoes the frames
-back unchanged. A sample of a small size is the mean of a short batch of round
-trips (at least ``MIN_SAMPLE_S`` long) to tame scheduler noise. Both run in the same process and the same run, interleaved, and the
-medians are compared: the overhead is what encode, validation, decode and our
-socket helpers cost on top of moving the bytes.
+baseline ("bare") sends the same header bytes and array buffer with plain
+``send_multipart(copy=False)`` / ``recv_multipart(copy=False)``, and the echo sends
+the received buffers back the same way, as any pyzmq program sending numpy arrays
+does. A second baseline ("floor") re-sends the received ``zmq.Frame`` objects, which
+libzmq shares by reference count: cheaper, but only possible when the reply *is* the
+request's bytes, so it bounds what any codec could reach.
+
+All three paths share one TCP connection, one echo thread and one I/O thread (the
+echo tells them apart by the first bytes of frame 0), so that thread placement on a
+small machine cannot favour one path; samples are interleaved with the order
+rotating, and the medians are compared. A sample of a small size is the mean of a
+batch of round trips lasting at least ``MIN_SAMPLE_S``.
 
 Run: ``python -m protocol.bench_roundtrip --sizes 4 64 --repeats 9``.
 """
@@ -25,8 +31,8 @@ from typing import Any
 import numpy as np
 import zmq
 
-from protocol.codec import encode
-from protocol.messages import ForwardReply, ForwardRequest, Hello
+from protocol.codec import decode, encode
+from protocol.messages import ForwardReply, ForwardRequest
 from protocol.transport import (
     bound_endpoint,
     make_context,
@@ -35,89 +41,85 @@ from protocol.transport import (
     send_message,
     worker_socket,
 )
-from protocol.version import PROTOCOL_VERSION
 
 ECHO_IDENTITY = b"echo"
+BARE_MARK = b"\x00bare"  # frame 0 of a bare message starts with this (never msgpack map)
+FLOOR_MARK = b"\x00floor"
 POLL_MS = 50
 REPLY_TIMEOUT_S = 60.0
 MIN_SAMPLE_S = 0.05
 
+Runner = Callable[[int], float]
 
-def _codec_echo(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str,
-                stop: threading.Event) -> None:
+
+def _echo(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, stop: threading.Event) -> None:
+    """Echo peer: codec messages get a ForwardReply, bare ones their bytes back."""
     sock = worker_socket(ctx, endpoint, ECHO_IDENTITY)
-    try:
-        send_message(sock, Hello("echo", {"kind": "cpu"}, PROTOCOL_VERSION))
-        while not stop.is_set():
-            msg = recv_message(sock, POLL_MS / 1000)
-            if isinstance(msg, ForwardRequest):
-                send_message(sock, ForwardReply(msg.request_id, msg.step, msg.layer,
-                                                msg.attempt, 0.0, msg.x))
-    finally:
-        sock.close()
-
-
-def _bare_echo(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str,
-               stop: threading.Event) -> None:
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.ROUTING_ID, ECHO_IDENTITY)
-    sock.setsockopt(zmq.LINGER, 500)
-    sock.connect(endpoint)
     try:
         sock.send(b"ready")
         while not stop.is_set():
-            if sock.poll(POLL_MS, zmq.POLLIN):
-                sock.send_multipart(sock.recv_multipart(copy=False), copy=False)
+            if not sock.poll(POLL_MS, zmq.POLLIN):
+                continue
+            frames = sock.recv_multipart(copy=False)
+            head = frames[0].bytes[: len(FLOOR_MARK)]
+            if head.startswith(BARE_MARK):
+                sock.send_multipart([frame.buffer for frame in frames], copy=False)
+            elif head.startswith(FLOOR_MARK):
+                sock.send_multipart(frames, copy=False)
+            else:  # what recv_message does after its poll, then the reply
+                msg = decode(frames)
+                if isinstance(msg, ForwardRequest):
+                    send_message(sock, ForwardReply(msg.request_id, msg.step, msg.layer,
+                                                    msg.attempt, 0.0, msg.x))
     finally:
         sock.close()
 
 
-def _median_pair(
-    x: np.ndarray, repeats: int, codec_sock: zmq.Socket[bytes], bare_sock: zmq.Socket[bytes]
-) -> tuple[float, float]:
-    header = encode(ForwardRequest(0, 0, 0, 0, True, x))[0]
-    buffer = memoryview(x.reshape(-1).view(np.uint8))
-
-    def codec_once(request_id: int) -> float:
+def _codec_runner(sock: zmq.Socket[bytes], x: np.ndarray) -> Runner:
+    def run(batch: int) -> float:
         start = time.perf_counter()
-        for _ in range(batch):
-            send_message(codec_sock, ForwardRequest(request_id, request_id, 0, 0, True, x),
+        for request_id in range(batch):
+            send_message(sock, ForwardRequest(request_id, request_id, 0, 0, True, x),
                          identity=ECHO_IDENTITY)
-            reply = recv_message(codec_sock, REPLY_TIMEOUT_S, with_identity=True)
+            reply = recv_message(sock, REPLY_TIMEOUT_S, with_identity=True)
             if reply is None or not isinstance(reply[1], ForwardReply):
                 raise RuntimeError("codec echo did not answer")
             if reply[1].request_id != request_id or reply[1].y.shape != x.shape:
                 raise RuntimeError("codec echo answered the wrong thing")
         return (time.perf_counter() - start) / batch
 
-    def bare_once() -> float:
+    return run
+
+
+def _bare_runner(sock: zmq.Socket[bytes], x: np.ndarray, mark: bytes) -> Runner:
+    header = mark + encode(ForwardRequest(0, 0, 0, 0, True, x))[0]
+    buffer = x.reshape(-1).view(np.uint8).data
+
+    def run(batch: int) -> float:
         start = time.perf_counter()
         for _ in range(batch):
-            bare_sock.send_multipart([ECHO_IDENTITY, header, buffer], copy=False)
-            if not bare_sock.poll(int(REPLY_TIMEOUT_S * 1000), zmq.POLLIN):
+            sock.send_multipart([ECHO_IDENTITY, header, buffer], copy=False)
+            if not sock.poll(int(REPLY_TIMEOUT_S * 1000), zmq.POLLIN):
                 raise RuntimeError("bare echo did not answer")
-            frames = bare_sock.recv_multipart(copy=False)
+            frames = sock.recv_multipart(copy=False)
             if len(frames) != 3 or len(frames[2]) != x.nbytes:
                 raise RuntimeError("bare echo answered the wrong thing")
         return (time.perf_counter() - start) / batch
 
-    batch = 1
-    for warmup in range(2):
-        codec_once(warmup)
-        warm_s = bare_once()
-    # Short round trips are averaged over a batch per sample so that each sample
-    # lasts at least MIN_SAMPLE_S; scheduler noise on a small machine swamps them otherwise.
-    batch = max(1, math.ceil(MIN_SAMPLE_S / warm_s))
-    codec_times: list[float] = []
-    bare_times: list[float] = []
-    for repeat in range(repeats):  # interleaved, order alternating, to share the noise
-        if repeat % 2 == 0:
-            codec_times.append(codec_once(repeat))
-            bare_times.append(bare_once())
-        else:
-            bare_times.append(bare_once())
-            codec_times.append(codec_once(repeat))
-    return statistics.median(codec_times), statistics.median(bare_times)
+    return run
+
+
+def _median_times(runners: list[Runner], repeats: int) -> list[float]:
+    """Median seconds per round trip of each runner, sampled interleaved."""
+    for _ in range(2):  # warm up connection, allocator and caches
+        warm_s = [run(1) for run in runners]
+    batch = max(1, math.ceil(MIN_SAMPLE_S / min(warm_s)))
+    samples: list[list[float]] = [[] for _ in runners]
+    for repeat in range(repeats):  # rotate the order so that no path always goes first
+        for offset in range(len(runners)):
+            index = (repeat + offset) % len(runners)
+            samples[index].append(runners[index](batch))
+    return [statistics.median(times) for times in samples]
 
 
 def run_roundtrip_bench(
@@ -128,54 +130,51 @@ def run_roundtrip_bench(
     """Median round-trip seconds, codec vs bare pyzmq, for each array size.
 
     Returns one dict per size: ``size_mib``, ``repeats``, ``codec_median_s``,
-    ``bare_median_s``, ``overhead_pct`` (codec over bare, in percent) and
+    ``bare_median_s`` (bare pyzmq echoing the received buffers),
+    ``bare_frames_median_s`` (bare pyzmq re-sending the received frames),
+    ``overhead_pct`` (codec over bare, in percent), ``overhead_vs_frames_pct`` and
     ``codec_gib_per_s`` (payload bytes both ways per second).
     """
-    codec_ctx, bare_ctx = make_context(), zmq.Context()
+    ctx = make_context()
     stop = threading.Event()
-    codec_sock = master_socket(codec_ctx, "tcp://127.0.0.1:*")
-    bare_sock = bare_ctx.socket(zmq.ROUTER)
-    bare_sock.setsockopt(zmq.LINGER, 500)
-    bare_sock.bind("tcp://127.0.0.1:*")
-    threads = [
-        threading.Thread(target=_codec_echo, args=(codec_ctx, bound_endpoint(codec_sock), stop)),
-        threading.Thread(target=_bare_echo, args=(bare_ctx, bound_endpoint(bare_sock), stop)),
-    ]
-    for thread in threads:
-        thread.start()
+    sock = master_socket(ctx, "tcp://127.0.0.1:*")
+    thread = threading.Thread(target=_echo, args=(ctx, bound_endpoint(sock), stop))
+    thread.start()
     results: list[dict[str, float]] = []
     try:
-        if recv_message(codec_sock, REPLY_TIMEOUT_S, with_identity=True) is None:
-            raise RuntimeError("codec echo peer did not say hello")
-        if not bare_sock.poll(int(REPLY_TIMEOUT_S * 1000), zmq.POLLIN):
-            raise RuntimeError("bare echo peer did not say ready")
-        bare_sock.recv_multipart()
+        if not sock.poll(int(REPLY_TIMEOUT_S * 1000), zmq.POLLIN):
+            raise RuntimeError("the echo peer did not connect")
+        sock.recv_multipart()
         rng = np.random.default_rng(0)
-        out(f"round trip of a float32 array over loopback, median of {repeats}")
-        out(f"{'MiB':>8} {'codec ms':>10} {'bare ms':>10} {'overhead':>9} {'GiB/s':>7}")
+        out(f"round trip of a float32 array over loopback TCP, median of {repeats}; "
+            "bare = pyzmq echoing buffers, floor = pyzmq re-sending received frames")
+        out(f"{'MiB':>8} {'codec ms':>10} {'bare ms':>10} {'overhead':>9} "
+            f"{'floor ms':>10} {'vs floor':>9} {'GiB/s':>7}")
         for size_mib in sizes_mib:
             count = int(size_mib * 1024 * 1024) // 4
             x = rng.standard_normal(count, dtype=np.float32).reshape(-1, 256)
-            codec_s, bare_s = _median_pair(x, repeats, codec_sock, bare_sock)
+            runners = [_codec_runner(sock, x), _bare_runner(sock, x, BARE_MARK),
+                       _bare_runner(sock, x, FLOOR_MARK)]
+            codec_s, bare_s, floor_s = _median_times(runners, repeats)
             row = {
                 "size_mib": float(size_mib),
                 "repeats": float(repeats),
                 "codec_median_s": codec_s,
                 "bare_median_s": bare_s,
+                "bare_frames_median_s": floor_s,
                 "overhead_pct": 100.0 * (codec_s - bare_s) / bare_s,
+                "overhead_vs_frames_pct": 100.0 * (codec_s - floor_s) / floor_s,
                 "codec_gib_per_s": 2 * x.nbytes / codec_s / 2**30,
             }
             results.append(row)
             out(f"{size_mib:>8g} {codec_s * 1e3:>10.2f} {bare_s * 1e3:>10.2f} "
-                f"{row['overhead_pct']:>8.1f}% {row['codec_gib_per_s']:>7.2f}")
+                f"{row['overhead_pct']:>8.1f}% {floor_s * 1e3:>10.2f} "
+                f"{row['overhead_vs_frames_pct']:>8.1f}% {row['codec_gib_per_s']:>7.2f}")
     finally:
         stop.set()
-        for thread in threads:
-            thread.join(timeout=5)
-        codec_sock.close()
-        bare_sock.close()
-        codec_ctx.term()
-        bare_ctx.term()
+        thread.join(timeout=5)
+        sock.close()
+        ctx.term()
     return results
 
 
@@ -183,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Command-line entry: ``python -m protocol.bench_roundtrip``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--sizes", type=float, nargs="+", default=[4, 64], help="array MiB")
-    parser.add_argument("--repeats", type=int, default=9, help="timed round trips per size")
+    parser.add_argument("--repeats", type=int, default=9, help="timed samples per size")
     args = parser.parse_args(argv)
     run_roundtrip_bench(tuple(args.sizes), args.repeats)
 

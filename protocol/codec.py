@@ -21,7 +21,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-import msgpack
+import msgpack  # type: ignore[import-untyped]
 import numpy as np
 
 from protocol import limits
@@ -39,6 +39,17 @@ WIRE_DTYPES: dict[str, np.dtype[Any]] = {
 }
 """Allow-list of array dtypes on the wire: name in the header → little-endian dtype."""
 
+_DTYPE_NAMES: dict[np.dtype[Any], str] = {
+    dtype.newbyteorder(order): name
+    for name, dtype in WIRE_DTYPES.items()
+    for order in ("<", ">")
+}
+"""Either byte order of an allowed dtype → its wire name (a dict lookup is much
+faster than ``dtype.name``)."""
+
+_FIELD_NAMES = {
+    tag: frozenset(name for name, _ in schema.header_fields) for tag, schema in SCHEMAS.items()
+}
 HEADER_KEYS = frozenset({"v", "type", "fields", "arrays"})
 ARRAY_KEYS = frozenset({"name", "dtype", "shape", "nbytes"})
 
@@ -96,42 +107,44 @@ def _check_native(value: object, where: str, depth: int) -> None:
     raise _fail(f"{where} has a value of type {type(value).__name__}, not msgpack-native")
 
 
+_KIND_TYPES: dict[str, tuple[type, ...]] = {
+    "int": (int,), "float": (float, int), "bool": (bool,),
+    "str": (str,), "dict": (dict,), "list": (list,),
+}
+_DEEP_KINDS = frozenset({"str", "dict", "list"})
+
+
 def _check_field(name: str, kind: str, value: object, *, coerce_numpy: bool) -> object:
     """Return the field value if it has the kind's type (float accepts int)."""
     if coerce_numpy and isinstance(value, np.generic):
         value = value.item()
-    kind_ok = {
-        "int": type(value) is int,
-        "float": type(value) in (float, int),
-        "bool": type(value) is bool,
-        "str": type(value) is str,
-        "dict": type(value) is dict,
-        "list": type(value) is list,
-    }[kind]
-    if not kind_ok:
+    if type(value) not in _KIND_TYPES[kind]:  # exact types: a bool is not an int
         raise _fail(f"field {name!r} must be {kind}, got {type(value).__name__}")
     if kind == "float":
         return float(value)  # type: ignore[arg-type]
-    _check_native(value, f"field {name!r}", 0)
+    if kind in _DEEP_KINDS:
+        _check_native(value, f"field {name!r}", 0)
     return value
 
 
 # --- encode -----------------------------------------------------------------------------
-def _wire_array(name: str, value: object) -> np.ndarray:
-    """The array as it goes on the wire: allowed dtype, little-endian, C-contiguous."""
+def _wire_array(name: str, value: object) -> tuple[np.ndarray, str]:
+    """The array as it goes on the wire (allowed dtype, little-endian, C-contiguous)
+    and its dtype's wire name."""
     if not isinstance(value, np.ndarray):
         raise _fail(f"array field {name!r} must be a numpy array, got {type(value).__name__}")
-    wire_dtype = WIRE_DTYPES.get(value.dtype.name) if value.dtype.fields is None else None
-    if wire_dtype is None:
+    dtype_name = _DTYPE_NAMES.get(value.dtype)
+    if dtype_name is None:
         raise _fail(f"array field {name!r} has dtype {value.dtype}, allowed: "
                     f"{', '.join(WIRE_DTYPES)}")
     if value.ndim > limits.MAX_NDIM:
         raise _fail(f"array field {name!r} has {value.ndim} dims, at most {limits.MAX_NDIM}")
     if any(dim > limits.MAX_DIM for dim in value.shape):
         raise _fail(f"array field {name!r} has a dim over {limits.MAX_DIM}: {value.shape}")
+    wire_dtype = WIRE_DTYPES[dtype_name]
     if value.dtype != wire_dtype:
         value = value.astype(wire_dtype)
-    return value if value.flags.c_contiguous else value.copy(order="C")
+    return (value if value.flags.c_contiguous else value.copy(order="C")), dtype_name
 
 
 def encode(msg: Message) -> list[Frame]:
@@ -149,26 +162,26 @@ def encode(msg: Message) -> list[Frame]:
         for name, kind in schema.header_fields
     }
     descriptions: list[dict[str, Any] | None] = []
-    frames: list[Frame] = []
+    frames: list[memoryview] = []
     for name, optional in schema.array_fields:
         value = getattr(msg, name)
         if value is None and optional:
             descriptions.append(None)
             continue
-        array = _wire_array(name, value)
+        array, dtype_name = _wire_array(name, value)
         if array.nbytes > limits.MAX_FRAME_BYTES:
             raise _fail(f"array {name!r} has {array.nbytes} bytes, "
                         f"limit {limits.MAX_FRAME_BYTES}")
-        descriptions.append({"name": name, "dtype": array.dtype.name,
+        descriptions.append({"name": name, "dtype": dtype_name,
                              "shape": list(array.shape), "nbytes": array.nbytes})
-        frames.append(memoryview(array.reshape(-1).view(np.uint8)))
+        frames.append(array.reshape(-1).view(np.uint8).data)
     try:
         header = msgpack.packb(
             {"v": PROTOCOL_VERSION, "type": schema.cls.TYPE, "fields": fields,
              "arrays": descriptions},
             use_bin_type=True,
         )
-    except Exception as exc:  # defensive: the checks above should make this unreachable
+    except (TypeError, ValueError, OverflowError) as exc:  # defensive: checked above
         raise _fail(f"cannot pack header: {type(exc).__name__}: {_short(str(exc))}") from None
     if len(header) > limits.MAX_HEADER_BYTES:
         raise _fail(f"header has {len(header)} bytes, limit {limits.MAX_HEADER_BYTES}")
@@ -181,11 +194,16 @@ def encode(msg: Message) -> list[Frame]:
 def _byte_view(frame: object, index: int) -> memoryview:
     """A flat byte view of a frame: bytes, bytearray, memoryview or zmq.Frame."""
     try:
-        view = memoryview(getattr(frame, "buffer", frame))  # zmq.Frame has .buffer
+        buffer: Any = getattr(frame, "buffer", frame)  # zmq.Frame has .buffer
+        view = memoryview(buffer)
         if view.ndim != 1 or view.format != "B":
             view = view.cast("B")
-    except Exception as exc:  # any object that is not a contiguous buffer
-        raise _fail(f"frame {index} is not a contiguous byte buffer ({type(exc).__name__})")
+    # Deliberately broad: an arbitrary object may raise anything from its buffer or
+    # attribute hooks, and decode promises ProtocolError for every input.
+    except Exception as exc:  # noqa: BLE001
+        raise _fail(
+            f"frame {index} is not a contiguous byte buffer ({type(exc).__name__})"
+        ) from None
     return view
 
 
@@ -201,9 +219,13 @@ def _unpack_header(view: memoryview) -> dict[str, Any]:
             max_array_len=limits.MAX_ARRAY_LEN, max_map_len=limits.MAX_MAP_LEN,
             max_ext_len=0,
         )
-    except Exception as exc:  # msgpack raises several types; all mean "bad bytes"
-        raise _fail(f"header is not valid msgpack: {type(exc).__name__}: {_short(str(exc))}")
-    if type(header) is not dict or set(header) != HEADER_KEYS:
+    # Deliberately broad: msgpack raises several unrelated types (ValueError,
+    # OutOfData, FormatError, StackError, ...); all of them mean "bad bytes".
+    except Exception as exc:  # noqa: BLE001
+        raise _fail(
+            f"header is not valid msgpack: {type(exc).__name__}: {_short(str(exc))}"
+        ) from None
+    if type(header) is not dict or header.keys() != HEADER_KEYS:
         keys = sorted(map(str, header)) if type(header) is dict else type(header).__name__
         raise _fail(f"header must be a map with keys {sorted(HEADER_KEYS)}, got {keys}")
     return header
@@ -217,7 +239,7 @@ def _check_description(
         if optional:
             return None
         raise _fail(f"array {name!r} is required but described as None")
-    if type(entry) is not dict or set(entry) != ARRAY_KEYS:
+    if type(entry) is not dict or entry.keys() != ARRAY_KEYS:
         raise _fail(f"array {name!r}: description must be a map with keys {sorted(ARRAY_KEYS)}")
     if entry["name"] != name:
         raise _fail(f"array {name!r}: description names {_short(entry['name'])}")
@@ -245,9 +267,9 @@ def _decode_body(
     fields = header["fields"]
     if type(fields) is not dict:
         raise _fail(f"'fields' must be a map, got {type(fields).__name__}")
-    expected = [name for name, _ in schema.header_fields]
-    if set(fields) != set(expected):
-        missing, extra = set(expected) - set(fields), set(fields) - set(expected)
+    expected = _FIELD_NAMES[schema.cls.TYPE]
+    if fields.keys() != expected:
+        missing, extra = expected - fields.keys(), fields.keys() - expected
         raise _fail(f"{schema.cls.TYPE}: fields missing {sorted(missing)}, "
                     f"unexpected {sorted(map(str, extra))[:5]}")
     values: dict[str, Any] = {
@@ -262,14 +284,14 @@ def _decode_body(
                     f"{len(schema.array_fields)} descriptions")
     checked = [
         _check_description(entry, name, optional)
-        for entry, (name, optional) in zip(descriptions, schema.array_fields)
+        for entry, (name, optional) in zip(descriptions, schema.array_fields, strict=True)
     ]
     present = [item for item in checked if item is not None]
     if len(present) != len(views) - 1:
         raise _fail(f"{schema.cls.TYPE}: {len(present)} arrays described but "
                     f"{len(views) - 1} array frames received")
     frame_views = iter(views[1:])
-    for (name, _), item in zip(schema.array_fields, checked):
+    for (name, _), item in zip(schema.array_fields, checked, strict=True):
         if item is None:
             values[name] = None
             continue

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 from dataclasses import dataclass
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -248,11 +248,11 @@ class ErrorReply(Message):
     message: str
 
 
-AnyMessage = Union[
-    Hello, Welcome, Refuse, Heartbeat, Goodbye, CalibrateRequest, CalibrateReply,
-    AssignShard, Ack, ForwardRequest, ForwardReply, BackwardRequest, BackwardReply,
-    SnapshotRequest, SnapshotReply, EndRun, ErrorReply,
-]
+AnyMessage = (
+    Hello | Welcome | Refuse | Heartbeat | Goodbye | CalibrateRequest | CalibrateReply
+    | AssignShard | Ack | ForwardRequest | ForwardReply | BackwardRequest | BackwardReply
+    | SnapshotRequest | SnapshotReply | EndRun | ErrorReply
+)
 """Union of all message classes, for exhaustive ``match`` statements."""
 
 HANDSHAKE_TYPES: frozenset[str] = frozenset({Hello.TYPE, Welcome.TYPE, Refuse.TYPE})

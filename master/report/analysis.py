@@ -16,10 +16,17 @@ kernels it owns), the same model the calibrated split itself uses.
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
-from master.report.records import DeviceTiming, EpochRecord, RunRecords, StepRecord
+from master.report.records import DeviceTiming, RunRecords, StepRecord
+from master.report.summary import (
+    DeviceLayer,
+    DeviceSummary,
+    LayerBalance,
+    RunSummary,
+    TimeSplit,
+    WhatIf,
+)
 
 PHASES = ("forward", "backward")
 _TINY_S = 1e-9  # floor for a measured time, so a speed is never infinite
@@ -35,99 +42,6 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
     if numerator is None or denominator is None or denominator <= 0:
         return None
     return numerator / denominator
-
-
-@dataclass(frozen=True)
-class DeviceLayer:
-    """One device in one conv layer."""
-
-    layer: int
-    kernels: int
-    kernel_share: float  # kernels / layer kernels
-    calibration_s: float | None  # calibration block forward+backward time (equal share)
-    calibrated_speed: float | None  # fastest calibration time / this device's (1.0 = fastest)
-    compute_s: float | None  # median forward+backward compute seconds per step
-    throughput_share: float | None  # k/c~ over the sum of k/c~ of the layer's devices
-    speed_vs_calibration: float | None  # measured kernels/s over calibrated kernels/s
-
-
-@dataclass(frozen=True)
-class DeviceSummary:
-    id: str
-    kind: str
-    name: str
-    layers: tuple[DeviceLayer, ...]
-    compute_s: float | None  # median per step of forward+backward summed over layers
-    wait_s: float | None  # median per step of the time the master waited on it
-    bytes_sent: float | None  # median per step, master -> device
-    bytes_received: float | None  # median per step, device -> master
-    single_device_conv_s: float | None  # sum_l K_l * c~_dl / k_dl (None: not in every layer)
-
-
-@dataclass(frozen=True)
-class TimeSplit:
-    """Median step time and its parts (paper figures 6 and 8: Comm / Conv / Comp)."""
-
-    step_s: float
-    comm_s: float  # median comm_s
-    conv_s: float  # median (conv_s - comm_s): distributed conv compute
-    dense_s: float  # median dense_s
-    other_s: float  # median max(0, step_s - conv_s - dense_s)
-    comm_fraction: float  # each part over comm + conv + dense + other
-    conv_fraction: float
-    dense_fraction: float
-    other_fraction: float
-
-
-@dataclass(frozen=True)
-class LayerBalance:
-    layer: int
-    kernels: int
-    ideal_s: float | None  # median over steps of sum_p K_l / sum_d v_dlps
-    slowest_s: float | None  # median over steps of sum_p max_d t_dlp
-    efficiency: float | None  # ideal_s / slowest_s
-    imbalance: float | None  # median over steps of max_d c_dl / mean_d c_dl
-
-
-@dataclass(frozen=True)
-class WhatIf:
-    step_s: float  # the measured median step time both predictions start from
-    extra_device: str | None  # the device a new one would be a copy of (the fastest)
-    extra_device_step_s: float | None
-    extra_device_speedup: float | None  # step_s / extra_device_step_s
-    fast_network_step_s: float
-    fast_network_speedup: float
-    notes: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class RunSummary:
-    run_dir: str
-    name: str
-    mode: str
-    status: str  # run_end status, or "in progress"
-    arch: tuple[int, ...]
-    batch: int | None
-    steps_total: int
-    steps_used: int
-    epochs_planned: int | None
-    devices: tuple[DeviceSummary, ...]
-    split: TimeSplit | None
-    layers: tuple[LayerBalance, ...]
-    conv_ideal_s: float | None
-    conv_slowest_s: float | None
-    balance_efficiency: float | None
-    imbalance: float | None  # the worst layer's
-    imbalance_layer: int | None
-    fastest_device: str | None
-    single_device_step_s: float | None
-    speedup: float | None
-    amdahl_bound: float | None
-    what_if: WhatIf | None
-    epochs: tuple[EpochRecord, ...]
-    final_test_accuracy: float | None
-    images_per_s: float | None
-    warnings: tuple[str, ...]
 
 
 def used_steps(steps: Sequence[StepRecord]) -> tuple[StepRecord, ...]:
@@ -193,8 +107,37 @@ def time_split(steps: Sequence[StepRecord]) -> TimeSplit | None:
     dense_s = median(s.dense_s for s in steps) or 0.0
     other_s = median(max(0.0, s.step_s - s.conv_s - s.dense_s) for s in steps) or 0.0
     total = comm_s + conv_s + dense_s + other_s
-    parts = [part / total if total > 0 else 0.0 for part in (comm_s, conv_s, dense_s, other_s)]
-    return TimeSplit(step_s, comm_s, conv_s, dense_s, other_s, *parts)
+
+    def fraction(part: float) -> float:
+        return part / total if total > 0 else 0.0
+
+    return TimeSplit(step_s=step_s, comm_s=comm_s, conv_s=conv_s, dense_s=dense_s,
+                     other_s=other_s, comm_fraction=fraction(comm_s),
+                     conv_fraction=fraction(conv_s), dense_fraction=fraction(dense_s),
+                     other_fraction=fraction(other_s),
+                     after_results_s=median(_after_results(steps)))
+
+
+def latest_result_s(step: StepRecord) -> float | None:
+    """Sum over layers and phases of the latest device's latency (None for local runs)."""
+    total = 0.0
+    for layer in step.layers:
+        for phase in PHASES:
+            latencies = [getattr(t, f"{phase}_latency_s") for t in layer.devices]
+            if not latencies or any(value is None for value in latencies):
+                return None
+            total += max(float(value) for value in latencies if value is not None)
+    return total
+
+
+def _after_results(steps: Sequence[StepRecord]) -> list[float]:
+    """Per step, max(0, conv_s - latest_result_s) where latencies were recorded."""
+    gaps = []
+    for step in steps:
+        latest = latest_result_s(step)
+        if latest is not None:
+            gaps.append(max(0.0, step.conv_s - latest))
+    return gaps
 
 
 def phase_speeds(steps: Sequence[StepRecord]) -> dict[tuple[int, str], dict[str, float]]:
@@ -259,11 +202,11 @@ def layer_balance(steps: Sequence[StepRecord],
         stage_ideal.append(ideal_total)
         stage_slowest.append(slowest_total)
     rows = []
-    for layer, kernels in layer_kernels.items():
-        ideal_s = median(ideal_by_layer.get(layer, []))
-        slowest_s = median(slowest_by_layer.get(layer, []))
-        rows.append(LayerBalance(layer, kernels, ideal_s, slowest_s, _ratio(ideal_s, slowest_s),
-                                 median(ratios_by_layer.get(layer, []))))
+    for index, kernels in layer_kernels.items():
+        ideal_s = median(ideal_by_layer.get(index, []))
+        slowest_s = median(slowest_by_layer.get(index, []))
+        rows.append(LayerBalance(index, kernels, ideal_s, slowest_s, _ratio(ideal_s, slowest_s),
+                                 median(ratios_by_layer.get(index, []))))
     if not ideal_by_layer:
         return tuple(rows), None, None
     return tuple(rows), median(stage_ideal), median(stage_slowest)

@@ -9,14 +9,15 @@ file is a one-line :class:`hetconv.errors.UserError`.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from hetconv.errors import UserError
-from master.report.analysis import RunSummary, summarize
+from master.report.analysis import summarize
 from master.report.json_out import render_json
 from master.report.records import RunRecords, check_run_dir, parse_run
 from master.report.render_text import render_comparison, render_run
+from master.report.summary import RunSummary
 
 
 def _warn(message: str) -> None:

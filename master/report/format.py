@@ -6,10 +6,10 @@ figure (no steps yet, a device without kernels in a layer) is shown as ``-``.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
-from master.report.analysis import RunSummary
+from master.report.summary import RunSummary
 
 MISSING = "-"
 
@@ -62,6 +62,9 @@ def overview_table(summary: RunSummary) -> Table:
     if split is not None:
         rows += [("median step time", f"{ms(split.step_s)} ms", "100%"),
                  ("  communication (comm_s)", f"{ms(split.comm_s)} ms", pct(split.comm_fraction)),
+                 *([("    of which after the last result arrived",
+                     f"{ms(split.after_results_s)} ms", "master side")]
+                   if split.after_results_s is not None else []),
                  ("  distributed conv (conv_s - comm_s)", f"{ms(split.conv_s)} ms",
                   pct(split.conv_fraction)),
                  ("  dense part (dense_s)", f"{ms(split.dense_s)} ms", pct(split.dense_fraction))]

@@ -9,9 +9,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-from master.report.analysis import RunSummary
+from master.report.summary import RunSummary
 
 REPORT_SCHEMA = "hetconv-report/1"
 

@@ -7,18 +7,19 @@ dpi so they fit the HTML page's column; every axis says its unit.
 from __future__ import annotations
 
 import io
-from typing import Sequence
+from collections.abc import Sequence
 
+from matplotlib.artist import Artist
 from matplotlib.figure import Figure
 
-from master.report.analysis import RunSummary
 from master.report.records import RunRecords, StepRecord
+from master.report.summary import RunSummary
 
 DPI = 100
 WIDTH_IN = 10.0
 TIMELINE_STEPS = 20
 COLOURS = {"comm": "#d62728", "conv": "#1f77b4", "dense": "#2ca02c", "other": "#bbbbbb",
-           "forward": "#1f77b4", "backward": "#ff7f0e", "wait": "#c7c7c7",
+           "forward": "#1f77b4", "backward": "#ff7f0e", "wait": "#c7c7c7", "rest": "#f7b6d2",
            "kernels": "#9467bd", "throughput": "#17becf", "loss": "#1f77b4",
            "train": "#1f77b4", "test": "#d62728"}
 
@@ -130,8 +131,13 @@ def timeline(records: RunRecords, last: int = TIMELINE_STEPS) -> bytes | None:
                         (cursor + compute, latency - compute))
                 wall = max(wall, latency)
             cursor += wall
+        rest = (step.conv_s + step.dense_s) * 1e3 - cursor
+        if rest > 0:  # conv wall time after the results came in: not placed in the metrics
+            for device in devices:
+                bars[device].setdefault(("rest", row), []).append((cursor, rest))
     labels = {"forward": "forward compute", "backward": "backward compute + update",
-              "wait": "until result at master (transfer, queue)", "dense": "dense part (master)"}
+              "wait": "until result at master (transfer, queue)", "dense": "dense part (master)",
+              "rest": "rest of the conv wall time (master side, not placed)"}
     for device, axes in row_of.items():
         seen: set[str] = set()
         for (kind, row), spans in bars[device].items():
@@ -145,12 +151,12 @@ def timeline(records: RunRecords, last: int = TIMELINE_STEPS) -> bytes | None:
         axes.grid(axis="x", alpha=0.3)
     figure.suptitle(f"Timeline of the last {len(steps)} steps, per device")
     axes_list[-1].set_xlabel("time since the step started (ms)")
-    handles: dict[str, object] = {}
+    handles: dict[str, Artist] = {}
     for axes in axes_list:
         for handle, label in zip(*axes.get_legend_handles_labels()):
             handles.setdefault(label, handle)
     figure.legend(list(handles.values()), list(handles.keys()), fontsize="small",
-                  loc="outside upper center", ncols=len(handles))
+                  loc="outside lower center", ncols=min(3, len(handles)))
     return _png(figure)
 
 

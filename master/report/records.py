@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from hetconv.errors import UserError
 from hetconv.metrics import iter_metrics
@@ -163,7 +164,8 @@ def _records_with_warnings(path: Path) -> tuple[list[dict[str, Any]], list[str]]
         records = list(iter_metrics(path))
     finally:
         logger.removeHandler(collector)
-    return records, collector.messages
+    # the path is in the report's title already
+    return records, [message.replace(str(path), path.name) for message in collector.messages]
 
 
 def _opt_float(value: Any) -> float | None:
@@ -254,9 +256,10 @@ def check_run_dir(run_dir: str | Path) -> Path:
 
 def _dispatch(records: list[dict[str, Any]], warnings: list[str]) -> Iterator[tuple[str, Any]]:
     """(record type, parsed object) per usable record; malformed ones become warnings."""
-    parsers = {"devices": lambda r: tuple(_device_info(d) for d in r["devices"]),
-               "calibration": _calibration, "step": _step, "epoch": _epoch,
-               "run_start": lambda r: r, "run_end": lambda r: r}
+    parsers: dict[str, Callable[[dict[str, Any]], Any]] = {
+        "devices": lambda r: tuple(_device_info(d) for d in r["devices"]),
+        "calibration": _calibration, "step": _step, "epoch": _epoch,
+        "run_start": lambda r: r, "run_end": lambda r: r}
     for number, raw in enumerate(records, start=1):
         parser = parsers.get(raw["type"])
         if parser is None:

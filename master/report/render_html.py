@@ -13,13 +13,13 @@ import html
 import os
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from master.report import plots
-from master.report.analysis import RunSummary
 from master.report.format import Table, comparison_table, headline, notes, run_tables
 from master.report.records import RunRecords
+from master.report.summary import RunSummary
 
 REPORT_FILE = "report.html"
 COMPARISON_FILE = "comparison.html"
@@ -47,27 +47,31 @@ footer { margin-top: 3em; color: #777; font-size: 0.85em; }
 """
 
 DEFINITIONS = [
-    ("communication", "comm_s: per layer and phase, the phase's wall time minus the slowest "
-     "device's compute time, summed (transfer and serialization on the critical path)."),
+    ("communication", ("comm_s: per layer and phase, the phase's wall time minus the slowest "
+     "device's compute time, summed (transfer and serialization on the critical path).")),
+    ("after the last result arrived", ("conv_s minus, per layer and phase, the latest "
+     "device's latency (from the phase's start to its result in the master's hands), summed: "
+     "conv time the master spends once the results are in (waking up, gathering, summing, "
+     "concatenating); mostly counted in communication.")),
     ("distributed conv", "conv_s - comm_s: the slowest device's compute, layer by layer."),
     ("dense part", "dense_s: the master's fully connected layer, loss and its update."),
-    ("balance efficiency", "per step, layer and phase: ideal = K / sum over devices of "
+    ("balance efficiency", ("per step, layer and phase: ideal = K / sum over devices of "
      "(kernels / seconds), the kernels divided in proportion to measured speeds; slowest = "
      "the slowest device's seconds. Efficiency = median of the summed ideal over median of "
-     "the summed slowest (1.0 = perfectly balanced)."),
-    ("imbalance", "per step and layer, the slowest device's forward+backward time over the "
-     "devices' mean; the median over steps; the worst layer is shown."),
-    ("speedup over the fastest device", "estimate: each device alone would need sum over "
+     "the summed slowest (1.0 = perfectly balanced).")),
+    ("imbalance", ("per step and layer, the slowest device's forward+backward time over the "
+     "devices' mean; the median over steps; the worst layer is shown.")),
+    ("speedup over the fastest device", ("estimate: each device alone would need sum over "
      "layers of K * (its median seconds / its kernels); the fastest such device plus the "
-     "dense time, over the measured median step time."),
-    ("Amdahl bound", "(fastest single-device conv time + dense) / dense: the speedup if the "
-     "conv part and communication took no time at all."),
-    ("what if", "one more device like the fastest: the conv part scales as the ideal time "
+     "dense time, over the measured median step time.")),
+    ("Amdahl bound", ("(fastest single-device conv time + dense) / dense: the speedup if the "
+     "conv part and communication took no time at all.")),
+    ("what if", ("one more device like the fastest: the conv part scales as the ideal time "
      "with that device's speed added (balance efficiency kept), communication by (W+1)/W "
      "for W workers (the input goes to every worker). Network twice as fast: the median "
-     "step time minus half the median communication."),
-    ("medians", "all per-step figures are medians over the steps, skipping the run's first "
-     "step (warm-up) when there is more than one."),
+     "step time minus half the median communication.")),
+    ("medians", ("all per-step figures are medians over the steps, skipping the run's first "
+     "step (warm-up) when there is more than one.")),
 ]
 
 
@@ -75,12 +79,18 @@ def _esc(text: object) -> str:
     return html.escape(str(text), quote=True)
 
 
+def _indent(text: str) -> str:
+    """Escaped text whose leading spaces (sub-rows of a table) survive in HTML."""
+    stripped = text.lstrip(" ")
+    return "&nbsp;" * (len(text) - len(stripped)) + _esc(stripped)
+
+
 def _table(table: Table, caption: bool = False) -> str:
     head = "".join(f"<th>{'<br>'.join(_esc(p) for p in h.split(chr(10)))}</th>"
                    for h in table.headers)
     body = []
     for row in table.rows:
-        cells = "".join(f"<td>{_esc(c)}</td>" if i < table.left_columns
+        cells = "".join(f"<td>{_indent(c)}</td>" if i < table.left_columns
                         else f'<td class="num">{_esc(c)}</td>' for i, c in enumerate(row))
         body.append(f"<tr>{cells}</tr>")
     if not body:
@@ -113,14 +123,16 @@ def run_body(records: RunRecords, summary: RunSummary, level: int = 2) -> str:
                      "distributed conv and dense part, in milliseconds")]
     parts += [f"<{h}>Devices</{h}>", _table(devices, caption=True)]
     parts += [f"<{h}>Kernel split against measured throughput</{h}>",
-              "<p>Balanced when each device's kernel share equals its share of the layer's "
-              "measured throughput (kernels per second).</p>",
+              ("<p>Balanced when each device's kernel share equals its share of the layer's "
+              "measured throughput (kernels per second).</p>"),
               _image(plots.kernel_vs_throughput(summary),
                      "per layer, kernel share and measured throughput share of each device"),
               _table(layers, caption=True), _table(balance, caption=True)]
     parts += [f"<{h}>Timeline</{h}>",
-              "<p>Each step laid out phase by phase (forward layers, the dense part, backward "
-              "layers in reverse); a phase lasts as long as its latest device.</p>",
+              ("<p>Each step laid out phase by phase (forward layers, the dense part, backward "
+               "layers in reverse); a phase lasts as long as its latest device. What is left of "
+               "the step's conv wall time after that (master-side gaps, which the metrics do "
+               "not place) is drawn at the end.</p>"),
               _image(plots.timeline(records), "per device timeline of the last steps: forward, "
                      "backward and waiting time per layer")]
     parts += [f"<{h}>Training</{h}>",

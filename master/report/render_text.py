@@ -7,10 +7,10 @@ column per run, split into several tables when the runs do not fit side by side.
 from __future__ import annotations
 
 import textwrap
-from typing import Sequence
+from collections.abc import Sequence
 
-from master.report.analysis import RunSummary
 from master.report.format import Table, comparison_table, headline, notes, run_tables
+from master.report.summary import RunSummary
 
 WIDTH = 100
 GAP = "  "
@@ -23,8 +23,8 @@ def _clip(text: str, width: int) -> str:
 def _widths(table: Table, width: int) -> list[int]:
     """Column widths; the widest text column shrinks until the table fits."""
     columns = len(table.headers)
-    widths = [max(*(len(part) for part in table.headers[i].split("\n")),
-                  *(len(row[i]) for row in table.rows)) for i in range(columns)]
+    widths = [max([len(part) for part in table.headers[i].split("\n")]
+                  + [len(row[i]) for row in table.rows]) for i in range(columns)]
     budget = width - len(GAP) * (columns - 1)
     while sum(widths) > budget:
         text_columns = range(min(table.left_columns, columns))

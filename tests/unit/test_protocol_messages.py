@@ -29,7 +29,7 @@ def test_every_message_is_a_frozen_dataclass_with_a_unique_tag() -> None:
     assert len(MESSAGE_TYPES) == len({cls.TYPE for cls in MESSAGE_TYPES.values()}) == 17
     for tag, cls in MESSAGE_TYPES.items():
         assert dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen  # type: ignore[attr-defined]
-        assert cls.TYPE == tag and tag.isidentifier() and tag == tag.lower()
+        assert tag == cls.TYPE and tag.isidentifier() and tag == tag.lower()
         assert "TYPE" not in {field.name for field in dataclasses.fields(cls)}
         assert cls.__doc__
 

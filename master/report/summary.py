@@ -1,0 +1,109 @@
+"""The report's results as plain frozen dataclasses (what :mod:`master.report.analysis`
+computes and the renderers show).
+
+Times are seconds (``_s``), sizes bytes, shares and efficiencies fractions
+(0..1), ratios plain numbers (1.0 = equal). ``None`` means "cannot be computed
+from this run" (no steps yet, a device without kernels in a layer, a local run
+without calibration). Layers are numbered from 0, as in ``metrics.jsonl``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from master.report.records import EpochRecord
+
+
+@dataclass(frozen=True)
+class DeviceLayer:
+    """One device in one conv layer."""
+
+    layer: int
+    kernels: int
+    kernel_share: float  # kernels / layer kernels
+    calibration_s: float | None  # calibration block forward+backward time (equal share)
+    calibrated_speed: float | None  # fastest calibration time / this device's (1.0 = fastest)
+    compute_s: float | None  # median forward+backward compute seconds per step
+    throughput_share: float | None  # k/c~ over the sum of k/c~ of the layer's devices
+    speed_vs_calibration: float | None  # measured kernels/s over calibrated kernels/s
+
+
+@dataclass(frozen=True)
+class DeviceSummary:
+    id: str
+    kind: str
+    name: str
+    layers: tuple[DeviceLayer, ...]
+    compute_s: float | None  # median per step of forward+backward summed over layers
+    wait_s: float | None  # median per step of the time the master waited on it
+    bytes_sent: float | None  # median per step, master -> device
+    bytes_received: float | None  # median per step, device -> master
+    single_device_conv_s: float | None  # sum_l K_l * c~_dl / k_dl (None: not in every layer)
+
+
+@dataclass(frozen=True)
+class TimeSplit:
+    """Median step time and its parts (paper figures 6 and 8: Comm / Conv / Comp)."""
+
+    step_s: float
+    comm_s: float  # median comm_s
+    conv_s: float  # median (conv_s - comm_s): distributed conv compute
+    dense_s: float  # median dense_s
+    other_s: float  # median max(0, step_s - conv_s - dense_s)
+    comm_fraction: float  # each part over comm + conv + dense + other
+    conv_fraction: float
+    dense_fraction: float
+    other_fraction: float
+    # median of conv_s minus, per layer and phase, the latest device's latency summed:
+    # conv wall time after the last result was in the master's hands (None: no latencies)
+    after_results_s: float | None = None
+
+
+@dataclass(frozen=True)
+class LayerBalance:
+    layer: int
+    kernels: int
+    ideal_s: float | None  # median over steps of sum_p K_l / sum_d v_dlps
+    slowest_s: float | None  # median over steps of sum_p max_d t_dlp
+    efficiency: float | None  # ideal_s / slowest_s
+    imbalance: float | None  # median over steps of max_d c_dl / mean_d c_dl
+
+
+@dataclass(frozen=True)
+class WhatIf:
+    step_s: float  # the measured median step time both predictions start from
+    extra_device: str | None  # the device a new one would be a copy of (the fastest)
+    extra_device_step_s: float | None
+    extra_device_speedup: float | None  # step_s / extra_device_step_s
+    fast_network_step_s: float
+    fast_network_speedup: float
+    notes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    run_dir: str
+    name: str
+    mode: str
+    status: str  # run_end status, or "in progress"
+    arch: tuple[int, ...]
+    batch: int | None
+    steps_total: int
+    steps_used: int
+    epochs_planned: int | None
+    devices: tuple[DeviceSummary, ...]
+    split: TimeSplit | None
+    layers: tuple[LayerBalance, ...]
+    conv_ideal_s: float | None
+    conv_slowest_s: float | None
+    balance_efficiency: float | None
+    imbalance: float | None  # the worst layer's
+    imbalance_layer: int | None
+    fastest_device: str | None
+    single_device_step_s: float | None
+    speedup: float | None
+    amdahl_bound: float | None
+    what_if: WhatIf | None
+    epochs: tuple[EpochRecord, ...]
+    final_test_accuracy: float | None
+    images_per_s: float | None
+    warnings: tuple[str, ...]

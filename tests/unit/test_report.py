@@ -1,0 +1,291 @@
+"""The report (``hetconv report``): hand-written metrics files with known answers."""
+from __future__ import annotations
+
+import base64
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hetconv.errors import UserError
+from master.report.analysis import summarize
+from master.report.command import run_report
+from master.report.json_out import render_json
+from master.report.records import parse_run
+from master.report.render_text import WIDTH, render_comparison, render_run
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def device(name: str, kernels: int, forward_s: float, backward_s: float, wait_s: float = 0.0,
+           sent: int = 0, received: int = 0) -> dict[str, Any]:
+    return {"device": name, "kernels": kernels, "forward_s": forward_s, "backward_s": backward_s,
+            "wait_s": wait_s, "forward_latency_s": forward_s + wait_s,
+            "backward_latency_s": backward_s, "bytes_sent": sent, "bytes_received": received}
+
+
+def step(number: int, step_s: float, conv_s: float, comm_s: float, dense_s: float,
+         layers: list[list[dict[str, Any]]], epoch: int = 0) -> dict[str, Any]:
+    return {"type": "step", "time": 1000.0 + number, "epoch": epoch, "step": number,
+            "loss": 2.0 / (number + 1), "accuracy": min(1.0, 0.1 * (number + 1)), "images": 64,
+            "learning_rate": 0.05, "step_s": step_s, "conv_s": conv_s, "dense_s": dense_s,
+            "comm_s": comm_s, "data_s": 0.001,
+            "layers": [{"layer": i, "devices": devices} for i, devices in enumerate(layers)]}
+
+
+def run_start(mode: str = "distributed", arch: tuple[int, ...] = (4, 8)) -> dict[str, Any]:
+    return {"type": "run_start", "time": 999.0, "pid": 1,
+            "config": {"mode": mode, "arch": list(arch), "batch": 64, "epochs": 1},
+            "layers": [{"index": i, "kernels": k, "in_channels": 1, "height": 28, "width": 28,
+                        "kernel_size": 5} for i, k in enumerate(arch)]}
+
+
+def devices_record(*ids_kinds: tuple[str, str]) -> dict[str, Any]:
+    return {"type": "devices", "time": 999.1,
+            "devices": [{"id": i, "kind": k, "name": f"{k.upper()} model", "device": k,
+                         "hostname": "h", "pid": 1, "cores": 4, "threads": None,
+                         "memory_bytes": 1} for i, k in ids_kinds]}
+
+
+def calibration(layer: int, kernels: int, calibrated: int,
+                timings: list[tuple[str, float, int]]) -> dict[str, Any]:
+    start, entries = 0, []
+    for name, seconds, count in timings:
+        entries.append({"device": name, "seconds": seconds, "kernels": count,
+                        "kernel_start": start, "kernel_stop": start + count,
+                        "share": count / kernels})
+        start += count
+    return {"type": "calibration", "time": 999.2, "layer": layer, "split": "calibrated",
+            "kernels": kernels, "calibrated_kernels": calibrated, "devices": entries}
+
+
+def epoch_record(epoch: int = 0, test_accuracy: float = 0.75) -> dict[str, Any]:
+    return {"type": "epoch", "time": 2000.0, "epoch": epoch, "train_loss": 0.9,
+            "train_accuracy": 0.6, "test_loss": 0.8, "test_accuracy": test_accuracy,
+            "train_s": 1.0, "epoch_s": 1.2, "images_per_s": 256.0}
+
+
+def write_run(directory: Path, records: list[dict[str, Any]], tail: str = "") -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    text = "".join(json.dumps(r) + "\n" for r in records) + tail
+    (directory / "metrics.jsonl").write_text(text, encoding="utf-8")
+    return directory
+
+
+def two_device_layers(w1_layer1_forward_s: float) -> list[list[dict[str, Any]]]:
+    """Layer 0 (4 kernels): master 1, w1 3; layer 1 (8 kernels): master 2, w1 6."""
+    return [[device("master", 1, 0.005, 0.010),
+             device("w1", 3, 0.005, 0.005, wait_s=0.002, sent=1000, received=500)],
+            [device("master", 2, 0.010, 0.020),
+             device("w1", 6, w1_layer1_forward_s, 0.015, wait_s=0.003, sent=2000, received=700)]]
+
+
+def two_device_records(with_end: bool = True) -> list[dict[str, Any]]:
+    records = [run_start(), devices_record(("master", "cpu"), ("w1", "gpu")),
+               calibration(0, 4, 2, [("master", 0.02, 1), ("w1", 0.01, 3)]),
+               calibration(1, 8, 4, [("master", 0.04, 2), ("w1", 0.02, 6)]),
+               # step 0: warm-up, absurd numbers that must not count
+               step(0, 1.0, 0.9, 0.5, 0.1, two_device_layers(0.5)),
+               step(1, 0.100, 0.080, 0.010, 0.020, two_device_layers(0.015)),
+               step(2, 0.110, 0.085, 0.010, 0.025, two_device_layers(0.015)),
+               step(3, 0.150, 0.120, 0.020, 0.030, two_device_layers(0.030))]
+    if with_end:
+        records += [epoch_record(), {"type": "run_end", "time": 2001.0, "status": "completed",
+                                     "error": None}]
+    return records
+
+
+def test_two_devices_exact_figures(tmp_path: Path) -> None:
+    summary = summarize(parse_run(write_run(tmp_path / "run", two_device_records())))
+    assert (summary.steps_total, summary.steps_used, summary.status) == (4, 3, "completed")
+    split = summary.split
+    assert split is not None
+    assert split.step_s == pytest.approx(0.110)
+    assert split.comm_s == pytest.approx(0.010)
+    assert split.conv_s == pytest.approx(0.075)  # median of 0.070, 0.075, 0.100
+    assert split.dense_s == pytest.approx(0.025)
+    assert split.other_s == pytest.approx(0.0)
+    # conv_s minus the latest device's latency summed over layer-phases (0.055 or 0.070)
+    assert split.after_results_s == pytest.approx(0.030)
+    assert split.comm_fraction == pytest.approx(0.010 / 0.110)
+    assert split.conv_fraction == pytest.approx(0.075 / 0.110)
+    assert split.dense_fraction == pytest.approx(0.025 / 0.110)
+
+    # balance: per step sum over layer-phases of K / sum(k / t); slowest sum of max t
+    ideal_steps_1_2 = 4 / (1 / 0.005 + 3 / 0.005) + 4 / (1 / 0.010 + 3 / 0.005) \
+        + 8 / (2 / 0.010 + 6 / 0.015) + 8 / (2 / 0.020 + 6 / 0.015)
+    assert summary.conv_ideal_s == pytest.approx(ideal_steps_1_2)
+    assert summary.conv_slowest_s == pytest.approx(0.005 + 0.010 + 0.015 + 0.020)
+    assert summary.balance_efficiency == pytest.approx(ideal_steps_1_2 / 0.050)
+    layer0, layer1 = summary.layers
+    assert layer0.efficiency == pytest.approx((4 / 800 + 4 / 700) / 0.015)
+    # imbalance: layer 0 is 0.015 vs 0.010 every step -> 1.2; layer 1 median is 1.0
+    assert layer0.imbalance == pytest.approx(1.2)
+    assert layer1.imbalance == pytest.approx(1.0)
+    assert summary.imbalance == pytest.approx(1.2) and summary.imbalance_layer == 0
+
+    master, w1 = summary.devices
+    assert (master.id, master.kind, w1.id, w1.kind) == ("master", "cpu", "w1", "gpu")
+    assert master.compute_s == pytest.approx(0.045)
+    assert w1.compute_s == pytest.approx(0.040)  # median of 0.040, 0.040, 0.055
+    assert w1.wait_s == pytest.approx(0.005)
+    assert (w1.bytes_sent, w1.bytes_received) == (3000, 1200)
+    assert [row.kernels for row in w1.layers] == [3, 6]
+    assert w1.layers[0].kernel_share == pytest.approx(0.75)
+    assert master.layers[0].calibrated_speed == pytest.approx(0.5)
+    assert w1.layers[0].calibrated_speed == pytest.approx(1.0)
+    assert master.layers[0].throughput_share == pytest.approx((1 / 0.015) / (1 / 0.015 + 300))
+    # measured kernels/s over calibrated kernels/s: (1 / 0.015) / (2 / 0.02)
+    assert master.layers[0].speed_vs_calibration == pytest.approx((1 / 0.015) / 100)
+    assert w1.layers[1].speed_vs_calibration == pytest.approx((6 / 0.030) / (4 / 0.02))
+
+    # alone: w1 needs 4 * 0.010 / 3 + 8 * 0.030 / 6; the master 0.060 + 0.120
+    w1_alone = 4 * 0.010 / 3 + 8 * 0.030 / 6
+    assert w1.single_device_conv_s == pytest.approx(w1_alone)
+    assert master.single_device_conv_s == pytest.approx(0.180)
+    assert summary.fastest_device == "w1"
+    assert summary.speedup == pytest.approx((w1_alone + 0.025) / 0.110)
+    assert summary.amdahl_bound == pytest.approx((w1_alone + 0.025) / 0.025)
+
+    what_if = summary.what_if
+    assert what_if is not None and what_if.extra_device == "w1"
+    old = 4 / 800 + 4 / 700 + 8 / 600 + 8 / 500  # medians: w1 forward 0.015 in layer 1
+    new = 4 / 1400 + 4 / 1300 + 8 / 1000 + 8 / 900
+    expected = 0.110 - 0.075 - 0.010 + 0.075 * new / old + 0.010 * 2
+    assert what_if.extra_device_step_s == pytest.approx(expected)
+    assert what_if.fast_network_step_s == pytest.approx(0.105)
+    assert what_if.fast_network_speedup == pytest.approx(0.110 / 0.105)
+    assert summary.final_test_accuracy == pytest.approx(0.75)
+
+
+def test_text_report_fits_and_shows_figures(tmp_path: Path) -> None:
+    first = summarize(parse_run(write_run(tmp_path / "a", two_device_records())))
+    second = summarize(parse_run(write_run(tmp_path / "b", two_device_records(False))))
+    text = render_run(first) + "\n" + render_comparison([first, second])
+    assert max(len(line) for line in text.splitlines()) <= WIDTH
+    assert "110.0 ms" in text and "9.1%" in text and "1.20x" in text
+    comparison = render_comparison([first, second])
+    assert "completed" in comparison and "in progress" in comparison
+
+
+def test_in_progress_run_without_steps_or_epochs(tmp_path: Path) -> None:
+    records = two_device_records(with_end=False)[:4]  # started, calibrated, no step yet
+    summary = summarize(parse_run(write_run(tmp_path / "run", records)))
+    assert summary.status == "in progress" and summary.steps_total == 0
+    assert summary.split is None and summary.speedup is None and summary.what_if is None
+    assert [row.kernels for row in summary.devices[1].layers] == [3, 6]  # from calibration
+    assert any("no step records" in w for w in summary.warnings)
+    assert "in progress" in render_run(summary)
+    run_report([str(tmp_path / "run")], json_output=False, out=lambda _: None)
+    assert (tmp_path / "run" / "report.html").exists()
+
+
+def test_in_progress_run_with_steps(tmp_path: Path) -> None:
+    summary = summarize(parse_run(write_run(tmp_path / "run", two_device_records(False))))
+    assert summary.status == "in progress" and summary.steps_used == 3
+    assert summary.epochs == () and summary.final_test_accuracy is None
+    assert summary.split is not None and summary.split.step_s == pytest.approx(0.110)
+    assert any("no run_end" in w for w in summary.warnings)
+
+
+def test_truncated_last_line_is_skipped_with_a_visible_warning(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    records = two_device_records(with_end=False)
+    run_dir = write_run(tmp_path / "run", records, tail='{"type": "step", "time": 10')
+    summary = summarize(parse_run(run_dir))
+    assert summary.steps_total == 4
+    assert any("cut off" in w for w in summary.warnings)
+    assert any("cut off" in r.getMessage() for r in caplog.records)
+    assert any(line.startswith("warning:") and "cut off" in line
+               for line in render_run(summary).splitlines())
+
+
+def test_device_with_zero_kernels_in_a_layer(tmp_path: Path) -> None:
+    layers = [[device("master", 1, 0.005, 0.010), device("w1", 3, 0.005, 0.005)],
+              [device("w1", 8, 0.020, 0.020)]]  # the master got none of layer 1
+    records = [run_start(), devices_record(("master", "cpu"), ("w1", "gpu")),
+               calibration(0, 4, 2, [("master", 0.02, 1), ("w1", 0.01, 3)]),
+               calibration(1, 8, 4, [("master", 0.2, 0), ("w1", 0.02, 8)]),
+               *[step(n, 0.1, 0.08, 0.01, 0.02, layers) for n in range(3)]]
+    summary = summarize(parse_run(write_run(tmp_path / "run", records)))
+    master, w1 = summary.devices
+    assert master.layers[1].kernels == 0 and master.layers[1].compute_s is None
+    assert master.layers[1].throughput_share is None
+    assert master.layers[1].calibrated_speed == pytest.approx(0.1)
+    assert master.single_device_conv_s is None  # not in every layer
+    assert summary.fastest_device == "w1"
+    assert w1.layers[1].throughput_share == pytest.approx(1.0)
+    assert summary.layers[1].efficiency == pytest.approx(1.0)
+    assert summary.layers[1].imbalance == pytest.approx(1.0)
+    assert "layer" in render_run(summary)
+    run_report([str(tmp_path / "run")], json_output=False, out=lambda _: None)
+    assert (tmp_path / "run" / "report.html").exists()
+
+
+def test_local_run(tmp_path: Path) -> None:
+    layers = [[device("master", 4, 0.004, 0.006)], [device("master", 8, 0.010, 0.010)]]
+    records = [run_start("local"), devices_record(("master", "cpu")),
+               *[step(n, 0.035, 0.030, 0.0, 0.005, layers) for n in range(3)], epoch_record(),
+               {"type": "run_end", "time": 2001.0, "status": "completed", "error": None}]
+    summary = summarize(parse_run(write_run(tmp_path / "run", records)))
+    assert summary.mode == "local" and len(summary.devices) == 1
+    assert summary.balance_efficiency == pytest.approx(1.0)
+    assert summary.imbalance == pytest.approx(1.0)
+    assert summary.devices[0].layers[0].calibration_s is None
+    assert summary.fastest_device == "master"
+    assert summary.speedup == pytest.approx((0.030 + 0.005) / 0.035)
+    assert summary.amdahl_bound == pytest.approx(0.035 / 0.005)
+    assert summary.what_if is not None and summary.what_if.notes
+    assert summary.what_if.extra_device_step_s == pytest.approx(0.035 - 0.015)
+
+
+def test_json_output_has_the_same_figures(tmp_path: Path) -> None:
+    run_dir = write_run(tmp_path / "run", two_device_records())
+    lines: list[str] = []
+    run_report([str(run_dir)], json_output=True, html=False, out=lines.append)
+    data = json.loads("\n".join(lines))
+    summary = summarize(parse_run(run_dir))
+    assert data["split"]["step_s"] == pytest.approx(summary.split.step_s if summary.split else 0)
+    assert data["balance_efficiency"] == pytest.approx(summary.balance_efficiency)
+    assert [d["id"] for d in data["devices"]] == ["master", "w1"]
+    both = json.loads(render_json([summary, summary]))
+    assert isinstance(both, list) and len(both) == 2
+
+
+@pytest.mark.parametrize("setup, message", [
+    ("missing", "no such run directory"),
+    ("no-metrics", "no metrics.jsonl"),
+    ("empty", "no metrics records yet"),
+])
+def test_clear_errors(tmp_path: Path, setup: str, message: str) -> None:
+    run_dir = tmp_path / "run"
+    if setup != "missing":
+        run_dir.mkdir()
+    if setup == "empty":
+        (run_dir / "metrics.jsonl").write_text("\n")
+    with pytest.raises(UserError, match=message) as caught:
+        run_report([str(run_dir)], json_output=False, out=lambda _: None)
+    assert "\n" not in str(caught.value)
+
+
+def test_html_report_is_self_contained(tmp_path: Path) -> None:
+    records = two_device_records()
+    records[1]["devices"][1]["name"] = "<script>alert(1)</script> & GPU"
+    first = write_run(tmp_path / "a", records)
+    second = write_run(tmp_path / "b", two_device_records(with_end=False))
+    printed: list[str] = []
+    run_report([str(first), str(second)], json_output=False, out=printed.append)
+    assert any("Comparison" in text for text in printed)
+    for path in (first / "report.html", second / "report.html", tmp_path / "comparison.html"):
+        page = path.read_text(encoding="utf-8")
+        assert "<script" not in page
+        if path.parent != second:
+            assert "&lt;script&gt;alert(1)&lt;/script&gt; &amp; GPU" in page
+        assert "http://" not in page and "https://" not in page
+        assert not re.search(r"""(src|href)\s*=\s*["'](?!data:)""", page)
+        images = re.findall(r'<img src="data:image/png;base64,([^"]+)"', page)
+        assert len(images) >= 4
+        for encoded in images:
+            assert base64.b64decode(encoded, validate=True).startswith(PNG_MAGIC)
