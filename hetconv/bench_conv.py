@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -84,6 +85,13 @@ def _thread_limit(threads: int | None, torch: Any | None) -> Iterator[None]:
         finally:
             if torch is not None:
                 torch.set_num_threads(torch_before)
+
+
+def _blas_thread_count() -> int | str:
+    from threadpoolctl import threadpool_info
+
+    counts = {info["num_threads"] for info in threadpool_info() if info["user_api"] == "blas"}
+    return max(counts) if counts else "?"
 
 
 def matmul_ceiling_gflops(repeats: int, size: int = 4096) -> float:
@@ -158,7 +166,7 @@ def _bench_shape(shape: BenchShape, batch: int, repeats: int, torch: Any | None,
         "x_shape": [batch, shape.channels, shape.height, shape.width],
         "w_shape": [shape.kernels, shape.channels, shape.kernel_h, shape.kernel_w],
         "stride": shape.stride, "padding": shape.padding, "gflop": flop / 1e9,
-        "repeats": repeats, "ceiling_gflops": ceiling_gflops,
+        "batch": batch, "repeats": repeats, "ceiling_gflops": ceiling_gflops,
     }
     for name in ("hetconv", "plain", "torch"):
         pairs = np.array(times.get(name, []), dtype=np.float64).reshape(-1, 2) * 1e3
@@ -215,8 +223,9 @@ def run_conv_bench(repeats: int = 5, threads: int | None = None, batch: int = 64
     rows = []
     with _thread_limit(threads, torch):
         ceiling = matmul_ceiling_gflops(min(repeats, 5), ceiling_size)
+        torch_threads = torch.get_num_threads() if torch is not None else "-"
         out(f"float32 matmul {ceiling_size}x{ceiling_size}: {ceiling:.1f} GFLOP/s (the ceiling); "
-            f"threads: {'default' if threads is None else threads}; batch {batch}; "
+            f"BLAS threads {_blas_thread_count()}, torch threads {torch_threads}; batch {batch}; "
             f"median of {repeats} repeats; ratio = hetconv / torch (forward + backward)")
         if torch is None:
             out(TORCH_MISSING)

@@ -97,12 +97,14 @@ def _add_train(sub: Any) -> None:
 
 def _add_bench(sub: Any) -> None:
     p = sub.add_parser("bench", help="benchmarks (conv kernels against PyTorch, kernel splits)")
-    bench = p.add_subparsers(dest="bench", metavar="{conv,split}", parser_class=_Parser)
+    bench = p.add_subparsers(dest="bench", metavar="{conv,split,protocol}", parser_class=_Parser)
     bench.required = True
     conv = bench.add_parser("conv", help="conv forward+backward against PyTorch's CPU conv2d")
     conv.add_argument("--repeats", type=_positive_int, default=7)
     conv.add_argument("--batch", type=_positive_int, default=64)
     conv.add_argument("--threads", type=_positive_int, default=None)
+    proto = bench.add_parser("protocol", help="loopback round trip: hetconv codec vs bare pyzmq")
+    proto.add_argument("--repeats", type=_positive_int, default=9)
     split = bench.add_parser("split", help="one device vs equal vs calibrated split, one worker "
                              "under a CPU quota (needs root for cgroups)")
     split.add_argument("--slow-fraction", type=float, default=0.3,
@@ -195,6 +197,11 @@ def _dispatch(args: argparse.Namespace) -> int:
         from hetconv.bench_conv import run_conv_bench
 
         run_conv_bench(repeats=args.repeats, threads=args.threads, batch=args.batch)
+        return 0
+    if args.command == "bench" and args.bench == "protocol":
+        from protocol.bench_roundtrip import run_roundtrip_bench
+
+        run_roundtrip_bench(repeats=args.repeats)
         return 0
     if args.command == "bench" and args.bench == "split":
         from hetconv.bench_split import run_split_bench

@@ -12,9 +12,11 @@ request's bytes, so it bounds what any codec could reach.
 
 All three paths share one TCP connection, one echo thread and one I/O thread (the
 echo tells them apart by the first bytes of frame 0), so that thread placement on a
-small machine cannot favour one path; samples are interleaved with the order
-rotating, and the medians are compared. A sample of a small size is the mean of a
-batch of round trips lasting at least ``MIN_SAMPLE_S``.
+small machine cannot favour one path; samples are interleaved in a random order
+that changes every repeat, and the medians are compared. A sample of a small size
+is the mean of a batch of round trips lasting at least ``MIN_SAMPLE_S``. Besides
+wall time the process CPU time per round trip is reported: it is much less
+disturbed by other load on a shared machine.
 
 Run: ``python -m protocol.bench_roundtrip --sizes 4 64 --repeats 9``.
 """
@@ -109,17 +111,22 @@ def _bare_runner(sock: zmq.Socket[bytes], x: np.ndarray, mark: bytes) -> Runner:
     return run
 
 
-def _median_times(runners: list[Runner], repeats: int) -> list[float]:
-    """Median seconds per round trip of each runner, sampled interleaved."""
+def _median_times(runners: list[Runner], repeats: int) -> list[tuple[float, float]]:
+    """(median wall seconds, median process CPU seconds) per round trip of each
+    runner, sampled interleaved. CPU time counts every thread of this process (both
+    ends, ZeroMQ's I/O thread): it is less disturbed by other load than wall time."""
     for _ in range(2):  # warm up connection, allocator and caches
         warm_s = [run(1) for run in runners]
     batch = max(1, math.ceil(MIN_SAMPLE_S / min(warm_s)))
-    samples: list[list[float]] = [[] for _ in runners]
-    for repeat in range(repeats):  # rotate the order so that no path always goes first
-        for offset in range(len(runners)):
-            index = (repeat + offset) % len(runners)
-            samples[index].append(runners[index](batch))
-    return [statistics.median(times) for times in samples]
+    wall: list[list[float]] = [[] for _ in runners]
+    cpu: list[list[float]] = [[] for _ in runners]
+    order_rng = np.random.default_rng(len(runners) * 1000 + repeats)
+    for _ in range(repeats):  # a fresh random order each time: no path always goes
+        for index in order_rng.permutation(len(runners)):  # first or after the same one
+            cpu_start = time.process_time()
+            wall[index].append(runners[index](batch))
+            cpu[index].append((time.process_time() - cpu_start) / batch)
+    return [(statistics.median(w), statistics.median(c)) for w, c in zip(wall, cpu, strict=True)]
 
 
 def run_roundtrip_bench(
@@ -132,8 +139,9 @@ def run_roundtrip_bench(
     Returns one dict per size: ``size_mib``, ``repeats``, ``codec_median_s``,
     ``bare_median_s`` (bare pyzmq echoing the received buffers),
     ``bare_frames_median_s`` (bare pyzmq re-sending the received frames),
-    ``overhead_pct`` (codec over bare, in percent), ``overhead_vs_frames_pct`` and
-    ``codec_gib_per_s`` (payload bytes both ways per second).
+    ``overhead_pct`` (codec over bare, in percent), ``overhead_vs_frames_pct``,
+    ``codec_cpu_s`` / ``bare_cpu_s`` (process CPU seconds per round trip),
+    ``cpu_overhead_pct`` and ``codec_gib_per_s`` (payload bytes both ways per second).
     """
     ctx = make_context()
     stop = threading.Event()
@@ -149,13 +157,14 @@ def run_roundtrip_bench(
         out(f"round trip of a float32 array over loopback TCP, median of {repeats}; "
             "bare = pyzmq echoing buffers, floor = pyzmq re-sending received frames")
         out(f"{'MiB':>8} {'codec ms':>10} {'bare ms':>10} {'overhead':>9} "
-            f"{'floor ms':>10} {'vs floor':>9} {'GiB/s':>7}")
+            f"{'floor ms':>10} {'vs floor':>9} {'CPU ovh':>9} {'GiB/s':>7}")
         for size_mib in sizes_mib:
             count = int(size_mib * 1024 * 1024) // 4
             x = rng.standard_normal(count, dtype=np.float32).reshape(-1, 256)
             runners = [_codec_runner(sock, x), _bare_runner(sock, x, BARE_MARK),
                        _bare_runner(sock, x, FLOOR_MARK)]
-            codec_s, bare_s, floor_s = _median_times(runners, repeats)
+            (codec_s, codec_cpu), (bare_s, bare_cpu), (floor_s, _) = _median_times(
+                runners, repeats)
             row = {
                 "size_mib": float(size_mib),
                 "repeats": float(repeats),
@@ -164,12 +173,16 @@ def run_roundtrip_bench(
                 "bare_frames_median_s": floor_s,
                 "overhead_pct": 100.0 * (codec_s - bare_s) / bare_s,
                 "overhead_vs_frames_pct": 100.0 * (codec_s - floor_s) / floor_s,
+                "codec_cpu_s": codec_cpu,
+                "bare_cpu_s": bare_cpu,
+                "cpu_overhead_pct": 100.0 * (codec_cpu - bare_cpu) / bare_cpu,
                 "codec_gib_per_s": 2 * x.nbytes / codec_s / 2**30,
             }
             results.append(row)
             out(f"{size_mib:>8g} {codec_s * 1e3:>10.2f} {bare_s * 1e3:>10.2f} "
                 f"{row['overhead_pct']:>8.1f}% {floor_s * 1e3:>10.2f} "
-                f"{row['overhead_vs_frames_pct']:>8.1f}% {row['codec_gib_per_s']:>7.2f}")
+                f"{row['overhead_vs_frames_pct']:>8.1f}% {row['cpu_overhead_pct']:>8.1f}% "
+                f"{row['codec_gib_per_s']:>7.2f}")
     finally:
         stop.set()
         thread.join(timeout=5)

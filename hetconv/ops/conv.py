@@ -20,9 +20,9 @@ Two column layouts, chosen per shape by ``choose_layout``:
   place, so y and dy are never transposed. Best for large outputs (first layers),
   where P = Ho*Wo is already a good GEMM width and y is too big to transpose cheaply.
 
-On numpy the batch is split into one chunk per BLAS thread; the chunks run on a small
-thread pool while BLAS is held to one thread (numpy releases the GIL in copies, adds
-and BLAS calls), so the memory-bound copies run in parallel as well as the GEMMs.
+On numpy the batch is split into a few chunks per BLAS thread, run on a thread pool
+with one thread per BLAS thread while BLAS is held to one thread (numpy releases the
+GIL in copies, adds and BLAS calls), so the memory-bound copies run in parallel too.
 The cached pair keeps the unfolded input of the forward pass for the backward pass.
 Everything is dtype-generic and works on cupy through ``get_array_module`` (one chunk).
 """
@@ -31,9 +31,11 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import warnings
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any
 
 import numpy as np
 
@@ -42,15 +44,13 @@ from hetconv.backend import get_array_module
 BATCH_INNER = "batch_inner"
 SAMPLE_MAJOR = "sample_major"
 LAYOUTS = (BATCH_INNER, SAMPLE_MAJOR)
-SAMPLE_MAJOR_MIN_POSITIONS = 256  # Ho*Wo from which one GEMM per sample is cheaper
+SAMPLE_MAJOR_MIN_POSITIONS = 576  # Ho*Wo from which one GEMM per sample is cheaper ...
+SAMPLE_MAJOR_MIN_POSITIONS_FEW_TAPS = 144  # ... or from here when K >= Q (y is the big one)
 PARALLEL_MIN_FLOP = 2e7  # below this a forward runs on the calling thread only
 CHUNKS_PER_THREAD = 2  # more chunks than threads: a busy core does not hold the rest up
 MIN_CHUNK_COLUMNS = 1024  # ... but each chunk's GEMMs stay at least this wide (nb*Ho*Wo)
 TRANSPOSE_BLOCK_ELEMENTS = 1 << 15  # numbers per block of the y / dy transposes
 SAMPLE_BLOCK = 8  # samples per GEMM batch in the sample-major layout
-
-_T = TypeVar("_T")
-
 
 @dataclass(frozen=True)
 class ConvGeometry:
@@ -67,21 +67,19 @@ class ConvGeometry:
     padding: int
 
     @property
-    def out_h(self) -> int:
+    def out_h(self) -> int:  # Ho = (H + 2*padding - kh)//stride + 1
         return (self.height + 2 * self.padding - self.kernel_h) // self.stride + 1
 
     @property
-    def out_w(self) -> int:
+    def out_w(self) -> int:  # Wo, likewise
         return (self.width + 2 * self.padding - self.kernel_w) // self.stride + 1
 
     @property
-    def taps(self) -> int:
-        """Q = C*kh*kw, the rows of the column matrix."""
+    def taps(self) -> int:  # Q = C*kh*kw, the rows of the column matrix
         return self.channels * self.kernel_h * self.kernel_w
 
     @property
-    def positions(self) -> int:
-        """P = Ho*Wo, output positions per sample."""
+    def positions(self) -> int:  # P = Ho*Wo, output positions per sample
         return self.out_h * self.out_w
 
     @property
@@ -100,7 +98,8 @@ class ConvCache:
     geometry: ConvGeometry
     layout: str
     weight_matrix: Any
-    plan: _Plan
+    chunks: list[tuple[int, int]]  # batch ranges [start, stop)
+    threads: int  # threads that run the chunks
     columns: list[Any]
 
 
@@ -121,16 +120,21 @@ def make_geometry(x_shape: tuple[int, ...], w_shape: tuple[int, ...], stride: in
 
 
 def choose_layout(g: ConvGeometry) -> str:
-    """The column layout that is cheaper for this shape (see the module docstring)."""
-    return SAMPLE_MAJOR if g.positions >= SAMPLE_MAJOR_MIN_POSITIONS else BATCH_INNER
+    """The column layout that is cheaper for this shape (measured; see the module docstring).
+
+    The batch-inner layout pays for transposing y and dy (B*K*P numbers) and saves on
+    short copies in im2col/col2im (B*Q*P numbers in runs of Wo); with large outputs, or
+    with more kernels than taps (first layers), the transposes cost more.
+    """
+    few_taps = g.kernels >= g.taps and g.positions >= SAMPLE_MAJOR_MIN_POSITIONS_FEW_TAPS
+    return SAMPLE_MAJOR if few_taps or g.positions >= SAMPLE_MAJOR_MIN_POSITIONS else BATCH_INNER
 
 
 # ---------------------------------------------------------------- threads and chunks
-_pools: dict[int, ThreadPoolExecutor] = {}
-_pool_lock = threading.Lock()
-_blas_lock = threading.Lock()
-_blas_users = 0
-_blas_saved: list[tuple[Any, int]] = []
+_pools: dict[int, ThreadPoolExecutor] = {}  # one pool per thread count, made on first use
+_lock = threading.Lock()  # guards the pools and the BLAS thread setting below
+_blas_users = 0  # calls now running with BLAS held to one thread
+_blas_saved: list[tuple[Any, int]] = []  # (library, threads) to restore after the last one
 _blas_libs: list[Any] | None = None
 
 
@@ -140,10 +144,22 @@ def _blas_libraries() -> list[Any]:
         try:
             from threadpoolctl import ThreadpoolController
 
-            _blas_libs = list(ThreadpoolController().select(user_api="blas").lib_controllers)
+            with warnings.catch_warnings():  # e.g. about OpenMP runtimes: not ours to report
+                warnings.simplefilter("ignore")
+                controller = ThreadpoolController().select(user_api="blas")
+            _blas_libs = list(controller.lib_controllers)
         except Exception:  # pragma: no cover - threadpoolctl is a dependency
             _blas_libs = []
     return _blas_libs
+
+
+def _forget_threads_after_fork() -> None:  # a forked child has none of the pool threads
+    global _lock, _blas_users
+    _pools.clear()
+    _lock, _blas_users = threading.Lock(), 0
+
+
+os.register_at_fork(after_in_child=_forget_threads_after_fork)
 
 
 def _blas_threads() -> int:
@@ -155,7 +171,7 @@ def _blas_threads() -> int:
 def _single_blas_thread() -> Iterator[None]:
     """Hold BLAS to one thread (process-wide, reference-counted across callers)."""
     global _blas_users, _blas_saved
-    with _blas_lock:
+    with _lock:
         if _blas_users == 0:
             _blas_saved = [(lib, int(lib.num_threads)) for lib in _blas_libraries()]
             for lib, _ in _blas_saved:
@@ -164,31 +180,16 @@ def _single_blas_thread() -> Iterator[None]:
     try:
         yield
     finally:
-        with _blas_lock:
+        with _lock:
             _blas_users -= 1
             if _blas_users == 0:
                 for lib, count in _blas_saved:
                     lib.set_num_threads(count)
 
 
-def _thread_pool(threads: int) -> ThreadPoolExecutor:
-    with _pool_lock:
-        if threads not in _pools:
-            _pools[threads] = ThreadPoolExecutor(max_workers=threads,
-                                                 thread_name_prefix="hetconv-conv")
-        return _pools[threads]
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """How a call splits its batch: ranges [start, stop) and the threads that run them."""
-
-    chunks: list[tuple[int, int]]
-    threads: int
-
-
-def _plan_chunks(xp: Any, g: ConvGeometry) -> _Plan:
-    """One chunk on the calling thread for small work or cupy; else a few per BLAS thread."""
+def _plan_chunks(xp: Any, g: ConvGeometry) -> tuple[list[tuple[int, int]], int]:
+    """(batch ranges [start, stop), threads to run them): one range on the calling
+    thread for small work or cupy, else a few ranges per BLAS thread."""
     threads, count = 1, 1
     if xp is np and g.forward_flop >= PARALLEL_MIN_FLOP:
         threads = max(1, min(_blas_threads(), os.cpu_count() or 1, g.batch))
@@ -196,15 +197,19 @@ def _plan_chunks(xp: Any, g: ConvGeometry) -> _Plan:
         count = max(threads, min(threads * CHUNKS_PER_THREAD, widest, g.batch))
     edges = [g.batch * i // count for i in range(count + 1)]
     chunks = [(edges[i], edges[i + 1]) for i in range(count) if edges[i + 1] > edges[i]]
-    return _Plan(chunks, threads)
+    return chunks, threads
 
 
-def _run_chunks(task: Callable[[int], _T], plan: _Plan) -> list[_T]:
-    """task(i) for every chunk i; on a pool with one BLAS thread each when threads > 1."""
-    if plan.threads <= 1 or len(plan.chunks) <= 1:
-        return [task(i) for i in range(len(plan.chunks))]
+def _run_chunks(task: Callable[[int], Any], count: int, threads: int) -> list[Any]:
+    """task(i) for i < count; on a pool of ``threads`` with one BLAS thread each."""
+    if threads <= 1 or count <= 1:
+        return [task(i) for i in range(count)]
+    with _lock:
+        if threads not in _pools:
+            _pools[threads] = ThreadPoolExecutor(threads, "hetconv-conv")
+        pool = _pools[threads]
     with _single_blas_thread():
-        futures = [_thread_pool(plan.threads).submit(task, i) for i in range(len(plan.chunks))]
+        futures = [pool.submit(task, i) for i in range(count)]
         wait(futures)
         return [f.result() for f in futures]
 
@@ -239,7 +244,8 @@ def _unfold(xp: Any, g: ConvGeometry, layout: str, x_chunk: Any) -> Any:
 
 def _kernel_blocks(xp: Any, kernels: int, numbers_per_kernel: int) -> Iterator[slice]:
     """Kernel ranges whose slice of y holds about TRANSPOSE_BLOCK_ELEMENTS numbers."""
-    step = kernels if xp is not np else max(1, TRANSPOSE_BLOCK_ELEMENTS // max(1, numbers_per_kernel))
+    step = max(1, TRANSPOSE_BLOCK_ELEMENTS // max(1, numbers_per_kernel))
+    step = step if xp is np else kernels
     for start in range(0, kernels, step):
         yield slice(start, min(kernels, start + step))
 
@@ -248,7 +254,7 @@ def _forward_chunk(xp: Any, g: ConvGeometry, layout: str, weight_matrix: Any, co
                    bias: Any, y_chunk: Any) -> None:
     """Write y_chunk (nb, K, Ho, Wo) = conv of the chunk whose unfolding is ``columns``."""
     nb, kernels, positions = y_chunk.shape[0], g.kernels, g.positions
-    y3 = y_chunk.reshape(nb, kernels, positions)
+    y3 = y_chunk.reshape(nb, kernels, positions)  # a view: y_chunk is contiguous
     if layout == BATCH_INNER:
         product = (weight_matrix @ columns).reshape(kernels, positions, nb)
         for block in _kernel_blocks(xp, kernels, positions * nb):
@@ -299,7 +305,7 @@ def _backward_chunk(xp: Any, g: ConvGeometry, layout: str, offset_weights: Any |
         dy_matrix = dy_rows.reshape(kernels, positions * nb)
         db = dy_matrix.sum(axis=1)
         dw = dy_matrix @ columns.T
-        if dx_chunk is not None:
+        if dx_chunk is not None and offset_weights is not None:
             dcol = (offset_weights.T @ dy_matrix).reshape(kh, kw, g.channels, ho, wo, nb)
             dx_padded = xp.zeros((g.channels, hp, wp, nb), dy_chunk.dtype)
             _col2im_add(g, dcol, dx_padded, batch_last=True)
@@ -312,7 +318,7 @@ def _backward_chunk(xp: Any, g: ConvGeometry, layout: str, offset_weights: Any |
         stop = min(nb, start + SAMPLE_BLOCK)
         dy_block = dy3[start:stop]
         dw += xp.matmul(dy_block, columns[start:stop].transpose(0, 2, 1)).sum(axis=0)
-        if dx_chunk is not None:
+        if dx_chunk is not None and offset_weights is not None:
             dcol = xp.matmul(offset_weights.T, dy_block)
             dcol = dcol.reshape(stop - start, kh, kw, g.channels, ho, wo)
             dx_padded = xp.zeros((stop - start, g.channels, hp, wp), dy_chunk.dtype)
@@ -326,13 +332,13 @@ def _prepare(x: Any, w: Any, stride: int, padding: int, layout: str | None
              ) -> tuple[Any, Any, ConvCache]:
     """(xp, x cast to the common dtype, cache without columns)."""
     xp = get_array_module(x, w)
-    g = make_geometry(tuple(x.shape), tuple(w.shape), stride, padding)
     dtype = xp.result_type(x.dtype, w.dtype)
+    g = make_geometry(tuple(x.shape), tuple(w.shape), stride, padding)
     layout = layout or choose_layout(g)
     if layout not in LAYOUTS:
         raise ValueError(f"conv2d: unknown layout {layout!r}, use one of {LAYOUTS}")
     weight_matrix = xp.ascontiguousarray(w, dtype=dtype).reshape(g.kernels, g.taps)
-    cache = ConvCache(g, layout, weight_matrix, _plan_chunks(xp, g), [])
+    cache = ConvCache(g, layout, weight_matrix, *_plan_chunks(xp, g), [])
     return xp, x.astype(dtype, copy=False), cache
 
 
@@ -353,14 +359,14 @@ def conv2d_forward_cached(x: Any, w: Any, b: Any | None = None, stride: int = 1,
     bias = None if b is None else xp.asarray(b, dtype=x.dtype).reshape(g.kernels)
 
     def task(index: int) -> Any:
-        start, stop = cache.plan.chunks[index]
+        start, stop = cache.chunks[index]
         columns = _unfold(xp, g, cache.layout, x[start:stop])
         if g.kernels:
             _forward_chunk(xp, g, cache.layout, cache.weight_matrix, columns, bias,
                            y[start:stop])
         return columns
 
-    cache.columns = _run_chunks(task, cache.plan)
+    cache.columns = _run_chunks(task, len(cache.chunks), cache.threads)
     return y, cache
 
 
@@ -378,13 +384,10 @@ def conv2d_backward_cached(cache: ConvCache, dy: Any, need_dx: bool = True
     if tuple(dy.shape) != expected:
         raise ValueError(f"conv2d backward: dy has shape {tuple(dy.shape)}, expected {expected}")
     dy = xp.ascontiguousarray(dy, dtype=dtype)
-    dx = None
-    if need_dx:
-        dx = (xp.zeros if g.kernels == 0 else xp.empty)(
-            (g.batch, g.channels, g.height, g.width), dtype)
-    dw = xp.zeros((g.kernels, g.taps), dtype)
-    db = xp.zeros((g.kernels,), dtype)
-    if g.kernels and cache.plan.chunks:
+    dx_shape = (g.batch, g.channels, g.height, g.width)
+    dx = (xp.zeros if g.kernels == 0 else xp.empty)(dx_shape, dtype) if need_dx else None
+    dw, db = xp.zeros((g.kernels, g.taps), dtype), xp.zeros((g.kernels,), dtype)
+    if g.kernels and cache.chunks:
         offset_weights = None
         if need_dx:  # (K, C, kh, kw) -> (K, kh, kw, C): one small copy of the weights
             weights4 = cache.weight_matrix.reshape(g.kernels, g.channels, g.kernel_h, g.kernel_w)
@@ -392,11 +395,11 @@ def conv2d_backward_cached(cache: ConvCache, dy: Any, need_dx: bool = True
             offset_weights = offset_weights.reshape(g.kernels, g.taps)
 
         def task(index: int) -> tuple[Any, Any]:
-            start, stop = cache.plan.chunks[index]
-            return _backward_chunk(xp, g, cache.layout, offset_weights, cache.columns[index], dy[start:stop],
-                                   None if dx is None else dx[start:stop])
+            start, stop = cache.chunks[index]
+            return _backward_chunk(xp, g, cache.layout, offset_weights, cache.columns[index],
+                                   dy[start:stop], None if dx is None else dx[start:stop])
 
-        parts = _run_chunks(task, cache.plan)
+        parts = _run_chunks(task, len(cache.chunks), cache.threads)
         dw, db = parts[0]
         for part_dw, part_db in parts[1:]:
             dw += part_dw
@@ -422,6 +425,6 @@ def conv2d_backward(x: Any, w: Any, dy: Any, stride: int = 1, padding: int = 0,
     xp, x, cache = _prepare(x, w, stride, padding, None)
     g = cache.geometry
     cache.columns = _run_chunks(
-        lambda index: _unfold(xp, g, cache.layout, x[slice(*cache.plan.chunks[index])]),
-        cache.plan)
+        lambda index: _unfold(xp, g, cache.layout, x[slice(*cache.chunks[index])]),
+        len(cache.chunks), cache.threads)
     return conv2d_backward_cached(cache, dy, need_dx)

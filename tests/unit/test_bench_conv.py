@@ -12,7 +12,8 @@ FIELDS = {
 
 def test_bench_rows_have_every_field_and_the_table_prints() -> None:
     lines: list[str] = []
-    shapes = [BenchShape("tiny", 2, 8, 8, 3, 3, 3), BenchShape("tiny padded", 1, 6, 5, 2, 3, 2, 2, 1)]
+    shapes = [BenchShape("tiny", 2, 8, 8, 3, 3, 3),
+              BenchShape("tiny padded", 1, 6, 5, 2, 3, 2, 2, 1)]
     rows = run_conv_bench(repeats=1, threads=1, batch=2, out=lines.append, shapes=shapes,
                           ceiling_size=64)
     assert [row["shape"] for row in rows] == ["tiny", "tiny padded"]

@@ -112,7 +112,7 @@ def test_backwards_match_finite_differences(shape: tuple[int, ...]) -> None:
         candidates[layout] = conv2d_backward_cached(cache, dy)
     candidates["uncached"] = conv2d_backward(x, w, dy, stride, padding)
     for name, grads in candidates.items():
-        for got, want, what in zip(grads, expected, ("dx", "dw", "db")):
+        for got, want, what in zip(grads, expected, ("dx", "dw", "db"), strict=True):
             np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7, err_msg=f"{name} {what}")
 
 
@@ -120,7 +120,8 @@ def test_backwards_match_finite_differences(shape: tuple[int, ...]) -> None:
 @pytest.mark.parametrize("seed", range(4))
 def test_kernel_slices_add_up_to_the_whole_layer(layout: str, seed: int,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fast, "PARALLEL_MIN_FLOP", 0.0)  # exercise the thread pool too
+    monkeypatch.setattr(fast, "PARALLEL_MIN_FLOP", 0.0)  # exercise the thread pool too,
+    monkeypatch.setattr(fast, "MIN_CHUNK_COLUMNS", 1)  # with more chunks than threads
     rng = np.random.default_rng(seed)
     x, w, b, dy = _inputs((3, 3, 9, 8, 7, 3, 3, 1, 1), seed=seed)
     y_full, cache_full = conv2d_forward_cached(x, w, b, 1, 1, layout=layout)
@@ -128,7 +129,7 @@ def test_kernel_slices_add_up_to_the_whole_layer(layout: str, seed: int,
     points = sorted(rng.integers(0, w.shape[0] + 1, size=3).tolist())
     edges = [0, *points, points[-1], w.shape[0]]  # repeated point: an empty share
     ys, dws, dbs, dx_sum = [], [], [], np.zeros_like(x)
-    for start, stop in zip(edges[:-1], edges[1:]):
+    for start, stop in zip(edges[:-1], edges[1:], strict=True):
         y, cache = conv2d_forward_cached(x, w[start:stop], b[start:stop], 1, 1, layout=layout)
         dx, dw, db = conv2d_backward_cached(cache, dy[:, start:stop])
         assert y.shape == (3, stop - start, 9, 8) and dw.shape == (stop - start, 3, 3, 3)
@@ -157,7 +158,7 @@ def test_cached_pair_equals_uncached_functions(monkeypatch: pytest.MonkeyPatch) 
     y, cache = conv2d_forward_cached(x, w_strided, b, 2, 1)
     np.testing.assert_array_equal(y, conv2d(x, w_strided, b, 2, 1))
     for got, want in zip(conv2d_backward_cached(cache, dy),
-                         conv2d_backward(x, w_strided, dy, 2, 1)):
+                         conv2d_backward(x, w_strided, dy, 2, 1), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
     assert conv2d_backward(x, w, dy, 2, 1, need_dx=False)[0] is None
 
@@ -225,7 +226,7 @@ class TestOnGpu:
         y_gpu, cache_gpu = conv2d_forward_cached(gx, gw, gb, stride, padding, layout=layout)
         assert isinstance(y_gpu, cupy.ndarray)
         np.testing.assert_allclose(backend.to_numpy(y_gpu), y, rtol=1e-4, atol=1e-4)
-        for got, want in zip(conv2d_backward_cached(cache_gpu, gdy), grads):
+        for got, want in zip(conv2d_backward_cached(cache_gpu, gdy), grads, strict=True):
             np.testing.assert_allclose(backend.to_numpy(got), want, rtol=1e-4, atol=1e-4)
         y_ref = conv2d_reference(gx, gw, gb, stride, padding)
         np.testing.assert_allclose(backend.to_numpy(y_ref), y, rtol=1e-4, atol=1e-4)
