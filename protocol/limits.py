@@ -45,6 +45,8 @@ DEFAULT_RCVHWM = 64
 """Receive high-water mark in messages."""
 DEFAULT_SEND_TIMEOUT_MS = 10_000
 """SNDTIMEO: a send that cannot be queued within this raises ``SendTimeout``."""
+MAX_RECV_TIMEOUT_S = 86_400.0
+"""Longest wait ``recv_message`` accepts: a day is no deadline in practice, more is a bug."""
 HEARTBEAT_IVL_MS = 1_000
 """ZMTP PING interval on every connection."""
 HEARTBEAT_TIMEOUT_MS = 5_000

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import errno
 import math
-import time
 from dataclasses import dataclass
 from typing import Literal, overload
 
@@ -208,25 +207,23 @@ def recv_message(
     """Wait at most ``timeout_s`` for one message and decode it (zero copy).
 
     Returns the message, ``(identity, message)`` when ``with_identity`` (ROUTER),
-    or None on timeout. A message that fails to decode is consumed and raises
+    or None on timeout. The deadline is set as the socket's RCVTIMEO, which stays
+    set after the call. A message that fails to decode is consumed and raises
     ``ProtocolError`` with ``.identity`` set (ROUTER), so the caller can answer with
     an ``ErrorReply``; the socket stays usable.
     """
-    if not (math.isfinite(timeout_s) and timeout_s >= 0):
-        raise ValueError(f"timeout_s must be a finite number >= 0, got {timeout_s!r}")
+    if not (math.isfinite(timeout_s) and 0 <= timeout_s <= limits.MAX_RECV_TIMEOUT_S):
+        raise ValueError(
+            f"timeout_s must be a number in [0, {limits.MAX_RECV_TIMEOUT_S}], got {timeout_s!r}"
+        )
     if with_identity != (sock.type == zmq.ROUTER):
         raise ValueError("with_identity=True is for ROUTER sockets, and ROUTER needs it")
-    deadline = time.monotonic() + timeout_s
-    while True:
-        remaining_ms = max(0, math.ceil((deadline - time.monotonic()) * 1000))
-        if sock.poll(remaining_ms, zmq.POLLIN):
-            try:
-                frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-                break
-            except zmq.Again:
-                pass
-        if time.monotonic() >= deadline:
-            return None
+    # RCVTIMEO bounds the wait inside libzmq: one C call, cheaper than a Poller.
+    sock.setsockopt(zmq.RCVTIMEO, math.ceil(timeout_s * 1000))
+    try:
+        frames = sock.recv_multipart(copy=False)
+    except zmq.Again:
+        return None
     if not with_identity:
         return decode(frames)
     identity = frames[0].bytes

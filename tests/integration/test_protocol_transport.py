@@ -100,8 +100,8 @@ def test_recv_timeout_returns_none_promptly(
     start = time.monotonic()
     assert recv_message(worker, 0.0) is None
     assert time.monotonic() - start < 0.5
-    for bad in (float("inf"), float("nan"), -1.0):
-        with pytest.raises(ValueError, match="finite"):
+    for bad in (float("inf"), float("nan"), -1.0, 1e9):
+        with pytest.raises(ValueError, match="timeout_s"):
             recv_message(worker, bad)
     with pytest.raises(ValueError, match="ROUTER"):
         recv_message(master, 0.1)  # type: ignore[call-overload]
