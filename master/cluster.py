@@ -22,7 +22,7 @@ import zmq
 from hetconv.errors import UserError
 from protocol import (PROTOCOL_VERSION, Ack, EndRun, ErrorReply, Goodbye, Heartbeat, Hello,
                       Message, ProtocolError, Refuse, VersionMismatch, Welcome)
-from protocol import transport
+from protocol import limits, transport
 
 log = logging.getLogger("hetconv.master")
 
@@ -51,9 +51,12 @@ class WorkerHandle:
 
 @dataclass(frozen=True)
 class ClusterSettings:
-    heartbeat_interval_s: float = 0.5
-    liveness_timeout_s: float = 5.0
-    request_timeout_s: float = 900.0
+    """Deadlines of the master's side (defaults from ``protocol.limits``)."""
+
+    heartbeat_interval_s: float = limits.DEFAULT_HEARTBEAT_INTERVAL_S
+    liveness_timeout_s: float = (limits.DEFAULT_HEARTBEAT_INTERVAL_S
+                                 * limits.DEFAULT_HEARTBEAT_LIVENESS)
+    request_timeout_s: float = limits.DEFAULT_REQUEST_TIMEOUT_S
 
 
 @dataclass

@@ -21,7 +21,7 @@ import numpy as np
 import zmq
 
 from hetconv.shard import STATE_NAMES, ConvShard
-from master.cluster import Cluster, Reply, WorkerHandle
+from master.cluster import Cluster, Reply, WorkerHandle, WorkerLost
 from protocol import BackwardRequest, ForwardRequest, SnapshotRequest
 
 MASTER = "master"
@@ -147,6 +147,13 @@ class DistributedConvStage:
             raise job.error
         local_result, local_s = (job.result, job.seconds) if job else (None, 0.0)
         local_done = job.finished_at if job else started
+        for (part, message) in requests:
+            reply_message = replies[message.request_id].message
+            for key in ("step", "layer", "attempt"):
+                if hasattr(message, key) and getattr(reply_message, key) != getattr(message, key):
+                    raise WorkerLost(f"worker {part.device} answered {what} with {key} "
+                                     f"{getattr(reply_message, key)}, expected "
+                                     f"{getattr(message, key)}")
         by_device = {by_rid[rid].device: reply for rid, reply in replies.items()}
         return by_device, local_result, local_s, local_done, sent
 

@@ -67,13 +67,20 @@ total against ``MAX_TOTAL_BYTES``."""
 # --- application level: handshake and liveness ------------------------------------
 DEFAULT_HELLO_TIMEOUT_S = 10.0
 """How long a worker waits for ``Welcome``/``Refuse`` after sending ``Hello``."""
-DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
+DEFAULT_HEARTBEAT_INTERVAL_S = 0.5
 """Interval of application ``Heartbeat`` messages (the master sends its value in
 ``Welcome.heartbeat_interval_s``)."""
-DEFAULT_HEARTBEAT_LIVENESS = 5
-"""Missed heartbeat intervals before a peer is declared dead (Paranoid Pirate)."""
-DEFAULT_REQUEST_TIMEOUT_S = 120.0
-"""Default deadline for one request/reply exchange (forward, backward, snapshot)."""
+DEFAULT_HEARTBEAT_LIVENESS = 10
+"""Missed heartbeat intervals before the master declares a worker dead (Paranoid
+Pirate): 10 x 0.5 s = 5 s."""
+MASTER_SILENCE_TIMEOUT_S = 30.0
+"""A worker in a session drops its shards and says Hello again after this long
+without any message from the master (a new master is noticed at once anyway: it
+answers the worker's heartbeats with ``unknown_worker``)."""
+DEFAULT_REQUEST_TIMEOUT_S = 900.0
+"""Backstop deadline for one request/reply exchange (forward, backward, snapshot);
+a dead or silent worker is caught much sooner by the heartbeat liveness check. Big
+layers on slow CPUs (500:1500 at batch 1024) take minutes per phase."""
 
 # --- security --------------------------------------------------------------------
 ZAP_DOMAIN = "hetconv"

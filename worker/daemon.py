@@ -27,7 +27,7 @@ from hetconv.backend import set_blas_threads
 from hetconv.device_info import describe_device
 from protocol import (PROTOCOL_VERSION, EndRun, ErrorReply, Goodbye, Heartbeat, Hello, Message,
                       ProtocolError, Refuse, Welcome)
-from protocol import transport
+from protocol import limits, transport
 from worker.service import WorkerService
 
 log = logging.getLogger("hetconv.worker")
@@ -41,8 +41,8 @@ class WorkerConfig:
     device: str = "cpu"
     threads: int | None = None
     name: str | None = None
-    heartbeat_interval_s: float = 0.5
-    master_timeout_s: float = 30.0  # drop the session when the master is silent this long
+    heartbeat_interval_s: float = limits.DEFAULT_HEARTBEAT_INTERVAL_S
+    master_timeout_s: float = limits.MASTER_SILENCE_TIMEOUT_S
     hello_backoff_s: tuple[float, float] = (0.25, 5.0)  # first and longest retry delay
     poll_interval_s: float = 0.1
     once: bool = False  # exit after the first run instead of waiting for the next
@@ -115,6 +115,7 @@ class WorkerDaemon:
         next_hello = 0.0
         last_heard = last_beat = time.monotonic()
         busy = 0  # requests handed to the compute thread and not yet answered
+        beat_interval = cfg.heartbeat_interval_s
         while not self.stop_event.is_set():
             now = time.monotonic()
             if not in_session and now >= next_hello:
@@ -122,7 +123,7 @@ class WorkerDaemon:
                                        protocol_version=PROTOCOL_VERSION))
                 next_hello = now + hello_delay
                 hello_delay = min(hello_delay * 2, cfg.hello_backoff_s[1])
-            if in_session and now - last_beat >= cfg.heartbeat_interval_s:
+            if in_session and now - last_beat >= beat_interval:
                 self._send(sock, Heartbeat(sent_at=time.time()))
                 last_beat = now
             if in_session and busy == 0 and now - last_heard > cfg.master_timeout_s:
@@ -162,6 +163,7 @@ class WorkerDaemon:
                             log.info("joined run %s", message.run_id)
                         in_session = True
                         last_beat = 0.0
+                        beat_interval = min(5.0, max(0.05, message.heartbeat_interval_s))
                     case Refuse():
                         log.error("the master refused this worker: %s", message.reason)
                         return 3

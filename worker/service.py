@@ -41,6 +41,7 @@ class WorkerService:
         self.xp = array_module_for(device)
         self.shards: dict[int, ConvShard] = {}
         self.need_dx: dict[int, bool] = {}
+        self.last_step: dict[int, int] = {}  # last step whose update each layer applied
 
     def handle(self, message: Message) -> Message:
         """The reply to ``message``; never raises."""
@@ -73,6 +74,7 @@ class WorkerService:
             case EndRun():
                 self.shards.clear()
                 self.need_dx.clear()
+                self.last_step.clear()
                 return Ack(request_id=message.request_id)
         raise RequestError("bad_request", f"a worker does not serve {type(message).__name__}")
 
@@ -100,6 +102,7 @@ class WorkerService:
         self.shards[request.layer] = ConvShard(request.layer, request.kernel_start,
                                                request.kernel_stop, settings, state, self.xp)
         self.need_dx[request.layer] = request.need_dx
+        self.last_step.pop(request.layer, None)
         return Ack(request_id=request.request_id)
 
     def _forward(self, request: ForwardRequest) -> ForwardReply:
@@ -118,9 +121,14 @@ class WorkerService:
 
     def _backward(self, request: BackwardRequest) -> BackwardReply:
         shard = self._shard(request.layer)
+        last = self.last_step.get(request.layer)
+        if last is not None and request.step <= last:
+            raise RequestError("bad_request", f"layer {request.layer}: step {request.step} was "
+                               f"already applied (last {last}); a duplicate update is refused")
         need_dx = self.need_dx.get(request.layer, True)
         start = time.perf_counter()
         dx: Any = shard.backward(to_module(request.dy, self.xp), need_dx, request.learning_rate)
+        self.last_step[request.layer] = request.step
         synchronize(self.xp)
         compute_s = time.perf_counter() - start
         return BackwardReply(request_id=request.request_id, step=request.step,

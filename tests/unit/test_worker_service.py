@@ -68,3 +68,16 @@ def test_bad_requests_become_error_replies() -> None:
                                          width=8, kernels=1, kernel_size=3, stride=1, padding=0,
                                          repeats=1))
     assert isinstance(ok, CalibrateReply) and ok.seconds > 0
+
+
+def test_a_duplicate_update_is_refused() -> None:
+    service = WorkerService("cpu")
+    service.handle(assign())
+    x = np.ones((1, 3, 16, 16), np.float32)
+    for step, expect_error in [(0, False), (0, True), (1, False)]:
+        service.handle(ForwardRequest(request_id=20 + step, step=step, layer=0, attempt=0,
+                                      train=True, x=x))
+        reply = service.handle(BackwardRequest(request_id=30 + step, step=step, layer=0,
+                                               attempt=0, learning_rate=0.1,
+                                               dy=np.ones((1, 3, 6, 6), np.float32)))
+        assert isinstance(reply, ErrorReply) == expect_error
