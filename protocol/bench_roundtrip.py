@@ -5,13 +5,10 @@ master's ROUTER to a DEALER echo peer in a thread, which answers with a
 ``ForwardReply`` whose ``y`` is the received array (sent on without a copy). The
 baseline ("bare") sends the same header bytes and array buffer with plain
 ``send_multipart(copy=False)`` / ``recv_multipart(copy=False)``, and the echo sends
-the received buffers back the same way, as any pyzmq program sending numpy arrays
-does. A second baseline ("floor") re-sends the received ``zmq.Frame`` objects, which
-libzmq shares by reference count: cheaper, but only possible when the reply *is* the
-request's bytes, so it bounds what any codec could reach.
+the received buffers back the same way.
 
-All three paths share one TCP connection, one echo thread and one I/O thread (the
-echo tells them apart by the first bytes of frame 0), so that thread placement on a
+Both paths share one TCP connection, one echo thread and one I/O thread (the echo
+tells them apart by the first bytes of frame 0), so that thread placement on a
 small machine cannot favour one path; samples are interleaved in a random order
 that changes every repeat, and the medians are compared. A sample of a small size
 is the mean of a batch of round trips lasting at least ``MIN_SAMPLE_S``. Besides
@@ -46,7 +43,6 @@ from protocol.transport import (
 
 ECHO_IDENTITY = b"echo"
 BARE_MARK = b"\x00bare"  # frame 0 of a bare message starts with this (never msgpack map)
-FLOOR_MARK = b"\x00floor"
 POLL_MS = 50
 REPLY_TIMEOUT_S = 60.0
 MIN_SAMPLE_S = 0.05
@@ -63,16 +59,15 @@ def _echo(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, stop: threading.Ev
             if not sock.poll(POLL_MS, zmq.POLLIN):
                 continue
             frames = sock.recv_multipart(copy=False)
-            head = frames[0].bytes[: len(FLOOR_MARK)]
-            if head.startswith(BARE_MARK):
+            if frames[0].bytes[: len(BARE_MARK)] == BARE_MARK:
                 sock.send_multipart([frame.buffer for frame in frames], copy=False)
-            elif head.startswith(FLOOR_MARK):
-                sock.send_multipart(frames, copy=False)
-            else:  # what recv_message does after its poll, then the reply
+            else:  # what recv_message does after receiving, then the reply
                 msg = decode(frames)
                 if isinstance(msg, ForwardRequest):
                     send_message(sock, ForwardReply(msg.request_id, msg.step, msg.layer,
                                                     msg.attempt, 0.0, msg.x))
+                del msg  # as a worker would: let go of the request's buffer at once
+            del frames
     finally:
         sock.close()
 
@@ -88,13 +83,14 @@ def _codec_runner(sock: zmq.Socket[bytes], x: np.ndarray) -> Runner:
                 raise RuntimeError("codec echo did not answer")
             if reply[1].request_id != request_id or reply[1].y.shape != x.shape:
                 raise RuntimeError("codec echo answered the wrong thing")
+            del reply
         return (time.perf_counter() - start) / batch
 
     return run
 
 
-def _bare_runner(sock: zmq.Socket[bytes], x: np.ndarray, mark: bytes) -> Runner:
-    header = mark + encode(ForwardRequest(0, 0, 0, 0, True, x))[0]
+def _bare_runner(sock: zmq.Socket[bytes], x: np.ndarray) -> Runner:
+    header = BARE_MARK + encode(ForwardRequest(0, 0, 0, 0, True, x))[0]
     buffer = x.reshape(-1).view(np.uint8).data
 
     def run(batch: int) -> float:
@@ -106,6 +102,7 @@ def _bare_runner(sock: zmq.Socket[bytes], x: np.ndarray, mark: bytes) -> Runner:
             frames = sock.recv_multipart(copy=False)
             if len(frames) != 3 or len(frames[2]) != x.nbytes:
                 raise RuntimeError("bare echo answered the wrong thing")
+            del frames
         return (time.perf_counter() - start) / batch
 
     return run
@@ -138,8 +135,7 @@ def run_roundtrip_bench(
 
     Returns one dict per size: ``size_mib``, ``repeats``, ``codec_median_s``,
     ``bare_median_s`` (bare pyzmq echoing the received buffers),
-    ``bare_frames_median_s`` (bare pyzmq re-sending the received frames),
-    ``overhead_pct`` (codec over bare, in percent), ``overhead_vs_frames_pct``,
+    ``overhead_pct`` (codec over bare, in percent),
     ``codec_cpu_s`` / ``bare_cpu_s`` (process CPU seconds per round trip),
     ``cpu_overhead_pct`` and ``codec_gib_per_s`` (payload bytes both ways per second).
     """
@@ -154,25 +150,22 @@ def run_roundtrip_bench(
             raise RuntimeError("the echo peer did not connect")
         sock.recv_multipart()
         rng = np.random.default_rng(0)
-        out(f"round trip of a float32 array over loopback TCP, median of {repeats}; "
-            "bare = pyzmq echoing buffers, floor = pyzmq re-sending received frames")
+        out(f"round trip of a float32 array over loopback TCP, median of {repeats} "
+            "interleaved samples; codec = ForwardRequest/ForwardReply via protocol, "
+            "bare = pyzmq send_multipart/recv_multipart(copy=False)")
         out(f"{'MiB':>8} {'codec ms':>10} {'bare ms':>10} {'overhead':>9} "
-            f"{'floor ms':>10} {'vs floor':>9} {'CPU ovh':>9} {'GiB/s':>7}")
+            f"{'codec CPU ms':>13} {'bare CPU ms':>12} {'CPU ovh':>8} {'GiB/s':>7}")
         for size_mib in sizes_mib:
             count = int(size_mib * 1024 * 1024) // 4
             x = rng.standard_normal(count, dtype=np.float32).reshape(-1, 256)
-            runners = [_codec_runner(sock, x), _bare_runner(sock, x, BARE_MARK),
-                       _bare_runner(sock, x, FLOOR_MARK)]
-            (codec_s, codec_cpu), (bare_s, bare_cpu), (floor_s, _) = _median_times(
-                runners, repeats)
+            runners = [_codec_runner(sock, x), _bare_runner(sock, x)]
+            (codec_s, codec_cpu), (bare_s, bare_cpu) = _median_times(runners, repeats)
             row = {
                 "size_mib": float(size_mib),
                 "repeats": float(repeats),
                 "codec_median_s": codec_s,
                 "bare_median_s": bare_s,
-                "bare_frames_median_s": floor_s,
                 "overhead_pct": 100.0 * (codec_s - bare_s) / bare_s,
-                "overhead_vs_frames_pct": 100.0 * (codec_s - floor_s) / floor_s,
                 "codec_cpu_s": codec_cpu,
                 "bare_cpu_s": bare_cpu,
                 "cpu_overhead_pct": 100.0 * (codec_cpu - bare_cpu) / bare_cpu,
@@ -180,9 +173,8 @@ def run_roundtrip_bench(
             }
             results.append(row)
             out(f"{size_mib:>8g} {codec_s * 1e3:>10.2f} {bare_s * 1e3:>10.2f} "
-                f"{row['overhead_pct']:>8.1f}% {floor_s * 1e3:>10.2f} "
-                f"{row['overhead_vs_frames_pct']:>8.1f}% {row['cpu_overhead_pct']:>8.1f}% "
-                f"{row['codec_gib_per_s']:>7.2f}")
+                f"{row['overhead_pct']:>8.1f}% {codec_cpu * 1e3:>13.2f} {bare_cpu * 1e3:>12.2f} "
+                f"{row['cpu_overhead_pct']:>7.1f}% {row['codec_gib_per_s']:>7.2f}")
     finally:
         stop.set()
         thread.join(timeout=5)

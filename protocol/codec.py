@@ -11,14 +11,18 @@ frames are raw little-endian C-order bytes.
 frame is a byte ``memoryview`` of the caller's array, so the caller must not mutate
 that array until the message has been sent. ``decode`` validates everything (sizes,
 msgpack limits, type tag, version, field names and types, array descriptions) before
-building anything, and rebuilds arrays with ``np.frombuffer`` over the received
-frames: no copy, and the arrays are **read-only** (``.copy()`` to get a writable
-one). Any failure, for any input whatsoever, is a ``ProtocolError``.
+building anything, and builds arrays over the received frames: no copy, and the
+arrays are **read-only** (``.copy()`` to get a writable one). Any failure, for any
+input whatsoever, is a ``ProtocolError``.
+
+Both directions run once per message right after megabytes went through the CPU
+caches, so the success paths are kept short: per-class field specs are compiled
+once at import, and each check is a plain loop (no generators, no per-call dicts).
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
@@ -26,7 +30,7 @@ import numpy as np
 
 from protocol import limits
 from protocol.errors import ERR_BAD_MESSAGE, ProtocolError, VersionMismatch
-from protocol.messages import HANDSHAKE_TYPES, SCHEMAS, Message, MessageSchema
+from protocol.messages import HANDSHAKE_TYPES, SCHEMAS, Message
 from protocol.version import PROTOCOL_VERSION
 
 WIRE_DTYPES: dict[str, np.dtype[Any]] = {
@@ -39,21 +43,43 @@ WIRE_DTYPES: dict[str, np.dtype[Any]] = {
 }
 """Allow-list of array dtypes on the wire: name in the header → little-endian dtype."""
 
-_DTYPE_NAMES: dict[np.dtype[Any], str] = {
-    dtype.newbyteorder(order): name
+_DTYPE_NAMES: dict[np.dtype[Any], tuple[str, bool]] = {
+    dtype.newbyteorder(order): (name, order == ">" and dtype.itemsize > 1)
     for name, dtype in WIRE_DTYPES.items()
     for order in ("<", ">")
 }
-"""Either byte order of an allowed dtype → its wire name (a dict lookup is much
-faster than ``dtype.name``)."""
+"""Either byte order of an allowed dtype → (wire name, needs a byte swap)."""
 
-_FIELD_NAMES = {
-    tag: frozenset(name for name, _ in schema.header_fields) for tag, schema in SCHEMAS.items()
-}
 HEADER_KEYS = frozenset({"v", "type", "fields", "arrays"})
 ARRAY_KEYS = frozenset({"name", "dtype", "shape", "nbytes"})
+_KIND_TYPES: dict[str, tuple[type, ...]] = {
+    "int": (int,), "float": (float, int), "bool": (bool,),
+    "str": (str,), "dict": (dict,), "list": (list,),
+}
 
 Frame = bytes | memoryview
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """One message class compiled for the codec's loops."""
+
+    cls: type[Message]
+    tag: str
+    header: tuple[tuple[str, str, tuple[type, ...]], ...]  # (name, kind, accepted types)
+    names: frozenset[str]
+    arrays: tuple[tuple[str, bool], ...]  # (name, may be None)
+    handshake: bool
+
+
+_SPECS: dict[str, _Spec] = {
+    tag: _Spec(schema.cls, tag,
+               tuple((name, kind, _KIND_TYPES[kind]) for name, kind in schema.header_fields),
+               frozenset(name for name, _ in schema.header_fields),
+               schema.array_fields, tag in HANDSHAKE_TYPES)
+    for tag, schema in SCHEMAS.items()
+}
+_SPECS_BY_CLASS: dict[type, _Spec] = {spec.cls: spec for spec in _SPECS.values()}
 
 
 def _fail(message: str) -> ProtocolError:
@@ -107,44 +133,55 @@ def _check_native(value: object, where: str, depth: int) -> None:
     raise _fail(f"{where} has a value of type {type(value).__name__}, not msgpack-native")
 
 
-_KIND_TYPES: dict[str, tuple[type, ...]] = {
-    "int": (int,), "float": (float, int), "bool": (bool,),
-    "str": (str,), "dict": (dict,), "list": (list,),
-}
-_DEEP_KINDS = frozenset({"str", "dict", "list"})
-
-
-def _check_field(name: str, kind: str, value: object, *, coerce_numpy: bool) -> object:
-    """Return the field value if it has the kind's type (float accepts int)."""
-    if coerce_numpy and isinstance(value, np.generic):
-        value = value.item()
-    if type(value) not in _KIND_TYPES[kind]:  # exact types: a bool is not an int
-        raise _fail(f"field {name!r} must be {kind}, got {type(value).__name__}")
-    if kind == "float":
-        return float(value)  # type: ignore[arg-type]
-    if kind in _DEEP_KINDS:
-        _check_native(value, f"field {name!r}", 0)
-    return value
+def _wrong_type(name: str, kind: str, value: object) -> ProtocolError:
+    return _fail(f"field {name!r} must be {kind}, got {type(value).__name__}")
 
 
 # --- encode -----------------------------------------------------------------------------
-def _wire_array(name: str, value: object) -> tuple[np.ndarray, str]:
-    """The array as it goes on the wire (allowed dtype, little-endian, C-contiguous)
-    and its dtype's wire name."""
+def _encode_fields(spec: _Spec, msg: Message) -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    for name, kind, types in spec.header:
+        value = getattr(msg, name)
+        if type(value) not in types:
+            if not isinstance(value, np.generic):
+                raise _wrong_type(name, kind, value)
+            value = value.item()  # numpy scalar → Python scalar, then check again
+            if type(value) not in types:
+                raise _wrong_type(name, kind, value)
+        if kind == "float":
+            value = float(value)
+        elif kind == "str":
+            _check_str(value, f"field {name!r}")
+        elif kind != "int" and kind != "bool":
+            _check_native(value, f"field {name!r}", 0)
+        fields[name] = value
+    return fields
+
+
+def _encode_array(name: str, value: object) -> tuple[dict[str, Any], Frame]:
+    """The array's description and its frame (a view of its memory when possible)."""
     if not isinstance(value, np.ndarray):
         raise _fail(f"array field {name!r} must be a numpy array, got {type(value).__name__}")
-    dtype_name = _DTYPE_NAMES.get(value.dtype)
-    if dtype_name is None:
+    found = _DTYPE_NAMES.get(value.dtype)
+    if found is None:
         raise _fail(f"array field {name!r} has dtype {value.dtype}, allowed: "
                     f"{', '.join(WIRE_DTYPES)}")
-    if value.ndim > limits.MAX_NDIM:
-        raise _fail(f"array field {name!r} has {value.ndim} dims, at most {limits.MAX_NDIM}")
-    if any(dim > limits.MAX_DIM for dim in value.shape):
-        raise _fail(f"array field {name!r} has a dim over {limits.MAX_DIM}: {value.shape}")
-    wire_dtype = WIRE_DTYPES[dtype_name]
-    if value.dtype != wire_dtype:
-        value = value.astype(wire_dtype)
-    return (value if value.flags.c_contiguous else value.copy(order="C")), dtype_name
+    dtype_name, needs_swap = found
+    shape = value.shape
+    if len(shape) > limits.MAX_NDIM:
+        raise _fail(f"array field {name!r} has {len(shape)} dims, at most {limits.MAX_NDIM}")
+    for dim in shape:
+        if dim > limits.MAX_DIM:
+            raise _fail(f"array field {name!r} has a dim over {limits.MAX_DIM}: {shape}")
+    if needs_swap:
+        value = value.astype(WIRE_DTYPES[dtype_name])
+    if not value.flags.c_contiguous:
+        value = value.copy(order="C")
+    nbytes = value.nbytes
+    if nbytes > limits.MAX_FRAME_BYTES:
+        raise _fail(f"array {name!r} has {nbytes} bytes, limit {limits.MAX_FRAME_BYTES}")
+    description = {"name": name, "dtype": dtype_name, "shape": list(shape), "nbytes": nbytes}
+    return description, (value.data.cast("B") if nbytes else b"")
 
 
 def encode(msg: Message) -> list[Frame]:
@@ -154,40 +191,33 @@ def encode(msg: Message) -> list[Frame]:
     ``decode``: wrong field types, disallowed dtype, too many dims, over a limit.
     numpy scalars in header fields are converted to Python scalars.
     """
-    schema = SCHEMAS.get(getattr(type(msg), "TYPE", ""))
-    if schema is None or type(msg) is not schema.cls:
+    spec = _SPECS_BY_CLASS.get(type(msg))
+    if spec is None:
         raise _fail(f"cannot encode {type(msg).__name__}: not a protocol message class")
-    fields = {
-        name: _check_field(name, kind, getattr(msg, name), coerce_numpy=True)
-        for name, kind in schema.header_fields
-    }
+    fields = _encode_fields(spec, msg)
     descriptions: list[dict[str, Any] | None] = []
-    frames: list[memoryview] = []
-    for name, optional in schema.array_fields:
+    frames: list[Frame] = [b""]
+    total = 0
+    for name, optional in spec.arrays:
         value = getattr(msg, name)
         if value is None and optional:
             descriptions.append(None)
             continue
-        array, dtype_name = _wire_array(name, value)
-        if array.nbytes > limits.MAX_FRAME_BYTES:
-            raise _fail(f"array {name!r} has {array.nbytes} bytes, "
-                        f"limit {limits.MAX_FRAME_BYTES}")
-        descriptions.append({"name": name, "dtype": dtype_name,
-                             "shape": list(array.shape), "nbytes": array.nbytes})
-        frames.append(array.reshape(-1).view(np.uint8).data)
+        description, frame = _encode_array(name, value)
+        descriptions.append(description)
+        frames.append(frame)
+        total += description["nbytes"]
+    header = {"v": PROTOCOL_VERSION, "type": spec.tag, "fields": fields,
+              "arrays": descriptions}
     try:
-        header = msgpack.packb(
-            {"v": PROTOCOL_VERSION, "type": schema.cls.TYPE, "fields": fields,
-             "arrays": descriptions},
-            use_bin_type=True,
-        )
+        frames[0] = msgpack.packb(header, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as exc:  # defensive: checked above
         raise _fail(f"cannot pack header: {type(exc).__name__}: {_short(str(exc))}") from None
-    if len(header) > limits.MAX_HEADER_BYTES:
-        raise _fail(f"header has {len(header)} bytes, limit {limits.MAX_HEADER_BYTES}")
-    if len(header) + sum(frame.nbytes for frame in frames) > limits.MAX_TOTAL_BYTES:
+    if len(frames[0]) > limits.MAX_HEADER_BYTES:
+        raise _fail(f"header has {len(frames[0])} bytes, limit {limits.MAX_HEADER_BYTES}")
+    if len(frames[0]) + total > limits.MAX_TOTAL_BYTES:
         raise _fail(f"message exceeds {limits.MAX_TOTAL_BYTES} bytes in total")
-    return [header, *frames]
+    return frames
 
 
 # --- decode -----------------------------------------------------------------------------
@@ -250,60 +280,69 @@ def _check_description(
     shape = entry["shape"]
     if type(shape) is not list or len(shape) > limits.MAX_NDIM:
         raise _fail(f"array {name!r}: shape must be a list of at most {limits.MAX_NDIM} ints")
-    if not all(type(dim) is int and 0 <= dim <= limits.MAX_DIM for dim in shape):
-        raise _fail(f"array {name!r}: shape {_short(shape)} has a dim that is not an int "
-                    f"in [0, {limits.MAX_DIM}]")
+    expected = dtype.itemsize
+    for dim in shape:
+        if type(dim) is not int or not 0 <= dim <= limits.MAX_DIM:
+            raise _fail(f"array {name!r}: shape {_short(shape)} has a dim that is not an int "
+                        f"in [0, {limits.MAX_DIM}]")
+        expected *= dim
     nbytes = entry["nbytes"]
-    expected = math.prod(shape) * dtype.itemsize
     if type(nbytes) is not int or nbytes != expected:
         raise _fail(f"array {name!r}: nbytes {_short(nbytes)} != prod{tuple(shape)} * "
                     f"{dtype.itemsize} = {expected}")
     return dtype, tuple(shape), nbytes
 
 
-def _decode_body(
-    header: dict[str, Any], schema: MessageSchema, views: list[memoryview]
-) -> Message:
-    fields = header["fields"]
+def _decode_fields(spec: _Spec, fields: object, version: int) -> dict[str, Any]:
     if type(fields) is not dict:
         raise _fail(f"'fields' must be a map, got {type(fields).__name__}")
-    expected = _FIELD_NAMES[schema.cls.TYPE]
-    if fields.keys() != expected:
-        missing, extra = expected - fields.keys(), fields.keys() - expected
-        raise _fail(f"{schema.cls.TYPE}: fields missing {sorted(missing)}, "
+    if fields.keys() != spec.names:
+        missing, extra = spec.names - fields.keys(), fields.keys() - spec.names
+        raise _fail(f"{spec.tag}: fields missing {sorted(missing)}, "
                     f"unexpected {sorted(map(str, extra))[:5]}")
-    values: dict[str, Any] = {
-        name: _check_field(name, kind, fields[name], coerce_numpy=False)
-        for name, kind in schema.header_fields
-    }
-    if schema.cls.TYPE in HANDSHAKE_TYPES and values["protocol_version"] != header["v"]:
-        raise _fail(f"protocol_version {values['protocol_version']} != header v {header['v']}")
+    values: dict[str, Any] = {}
+    for name, kind, types in spec.header:
+        value = fields[name]
+        if type(value) not in types:  # exact types: a bool is not an int
+            raise _wrong_type(name, kind, value)
+        if kind == "float":
+            value = float(value)
+        elif kind == "dict" or kind == "list":  # msgpack already bounded str fields
+            _check_native(value, f"field {name!r}", 0)
+        values[name] = value
+    if spec.handshake and values["protocol_version"] != version:
+        raise _fail(f"protocol_version {values['protocol_version']} != header v {version}")
+    return values
+
+
+def _decode_body(header: dict[str, Any], spec: _Spec, views: list[memoryview]) -> Message:
+    values = _decode_fields(spec, header["fields"], header["v"])
     descriptions = header["arrays"]
-    if type(descriptions) is not list or len(descriptions) != len(schema.array_fields):
-        raise _fail(f"{schema.cls.TYPE}: 'arrays' must be a list of "
-                    f"{len(schema.array_fields)} descriptions")
-    checked = [
-        _check_description(entry, name, optional)
-        for entry, (name, optional) in zip(descriptions, schema.array_fields, strict=True)
-    ]
-    present = [item for item in checked if item is not None]
-    if len(present) != len(views) - 1:
-        raise _fail(f"{schema.cls.TYPE}: {len(present)} arrays described but "
+    if type(descriptions) is not list or len(descriptions) != len(spec.arrays):
+        raise _fail(f"{spec.tag}: 'arrays' must be a list of {len(spec.arrays)} descriptions")
+    checked = []
+    present = 0
+    for entry, (name, optional) in zip(descriptions, spec.arrays, strict=True):
+        item = _check_description(entry, name, optional)
+        checked.append(item)
+        present += item is not None
+    if present != len(views) - 1:
+        raise _fail(f"{spec.tag}: {present} arrays described but "
                     f"{len(views) - 1} array frames received")
-    frame_views = iter(views[1:])
-    for (name, _), item in zip(schema.array_fields, checked, strict=True):
+    index = 1
+    for (name, _), item in zip(spec.arrays, checked, strict=True):
         if item is None:
             values[name] = None
             continue
         dtype, shape, nbytes = item
-        view = next(frame_views)
+        view = views[index]
+        index += 1
         if view.nbytes != nbytes:
             raise _fail(f"array {name!r}: frame has {view.nbytes} bytes, described {nbytes}")
-        array = np.empty(shape, dtype) if nbytes == 0 else np.frombuffer(view, dtype)
-        array = array.reshape(shape)
+        array = np.ndarray(shape, dtype, view) if nbytes else np.empty(shape, dtype)
         array.flags.writeable = False
         values[name] = array
-    return schema.cls(**values)
+    return spec.cls(**values)
 
 
 def decode(frames: Sequence[object]) -> Message:
@@ -317,13 +356,17 @@ def decode(frames: Sequence[object]) -> Message:
     if not isinstance(frames, (list, tuple)) or not 1 <= len(frames) <= limits.MAX_FRAMES:
         count = len(frames) if isinstance(frames, (list, tuple)) else type(frames).__name__
         raise _fail(f"a message has 1 to {limits.MAX_FRAMES} frames, got {count}")
-    views = [_byte_view(frame, index) for index, frame in enumerate(frames)]
-    if views[0].nbytes > limits.MAX_HEADER_BYTES:
-        raise _fail(f"header has {views[0].nbytes} bytes, limit {limits.MAX_HEADER_BYTES}")
-    for index, view in enumerate(views[1:], start=1):
-        if view.nbytes > limits.MAX_FRAME_BYTES:
+    views: list[memoryview] = []
+    total = 0
+    for index, frame in enumerate(frames):
+        view = _byte_view(frame, index)
+        if index == 0 and view.nbytes > limits.MAX_HEADER_BYTES:
+            raise _fail(f"header has {view.nbytes} bytes, limit {limits.MAX_HEADER_BYTES}")
+        if index and view.nbytes > limits.MAX_FRAME_BYTES:
             raise _fail(f"frame {index} has {view.nbytes} bytes, limit {limits.MAX_FRAME_BYTES}")
-    if sum(view.nbytes for view in views) > limits.MAX_TOTAL_BYTES:
+        total += view.nbytes
+        views.append(view)
+    if total > limits.MAX_TOTAL_BYTES:
         raise _fail(f"message exceeds {limits.MAX_TOTAL_BYTES} bytes in total")
     header = _unpack_header(views[0])
     tag, version, fields = header["type"], header["v"], header["fields"]
@@ -335,11 +378,11 @@ def decode(frames: Sequence[object]) -> Message:
             raise _fail(f"header 'v' must be an int, got {type(version).__name__}")
         if version != PROTOCOL_VERSION and message_type not in HANDSHAKE_TYPES:
             raise VersionMismatch(PROTOCOL_VERSION, version, message_type=message_type)
-        schema = SCHEMAS.get(message_type) if message_type is not None else None
-        if schema is None:
+        spec = _SPECS.get(message_type) if message_type is not None else None
+        if spec is None:
             raise _fail(f"unknown message type {_short(tag)}")
         try:
-            return _decode_body(header, schema, views)
+            return _decode_body(header, spec, views)
         except ProtocolError as error:
             if version == PROTOCOL_VERSION:
                 raise
