@@ -5,7 +5,9 @@ see DESIGN.md section 7), then runs the same short training three times through
 the real ``hetconv train`` command, side by side in one invocation:
 
 (a) the fast worker alone, (b) both workers with an equal kernel split,
-(c) both with the calibrated split; the master computes no kernels (``--no-local``)
+(c) both with the paper's calibrated split (equation 1), (d) both with hetconv's
+cost-model split (fixed + per-kernel cost per device, equal finish times); the
+master computes no kernels (``--no-local``)
 so that only the two workers share the machine's cores. It reads each run's
 ``metrics.jsonl`` and prints median conv-phase and step times (first step skipped),
 the ratios between the runs, and the ideal conv time for the devices' combined
@@ -69,8 +71,10 @@ def run_split_bench(slow_fraction: float = 0.3, arch: str = "32:256", batch: int
 
     out(f"hetconv bench split: arch {arch}, batch {batch}, {limit} images per run, workers "
         f"'fast' (1 thread) and 'slow' (1 thread, {slow_fraction:.0%} of a core); runs in {base}")
-    figures: dict[str, list[dict[str, float]]] = {"one": [], "equal": [], "calibrated": []}
+    figures: dict[str, list[dict[str, float]]] = {"one": [], "equal": [], "calibrated": [],
+                                                  "model": []}
     calibration: list[dict[str, Any]] = []
+    model_split: list[dict[str, Any]] = []
     for repeat in range(repeats):
         with LocalWorkers(endpoint, [{"name": "fast", "threads": 1}], log_dir=base):
             figures["one"].append(_median_phase_times(train(f"one-{repeat}", 1, "equal")))
@@ -81,6 +85,9 @@ def run_split_bench(slow_fraction: float = 0.3, arch: str = "32:256", batch: int
                 run_dir = train(f"calibrated-{repeat}", 2, "calibrated")
                 figures["calibrated"].append(_median_phase_times(run_dir))
                 calibration = _calibration(run_dir)
+                run_dir = train(f"model-{repeat}", 2, "model")
+                figures["model"].append(_median_phase_times(run_dir))
+                model_split = _calibration(run_dir)
     med = {name: {key: statistics.median(f[key] for f in runs) for key in runs[0]}
            for name, runs in figures.items()}
     # combined speed from calibration: sum over layers of per-device seconds for equal work
@@ -92,19 +99,26 @@ def run_split_bench(slow_fraction: float = 0.3, arch: str = "32:256", batch: int
               "equal_over_calibrated_conv": med["equal"]["conv_s"] / med["calibrated"]["conv_s"],
               "equal_over_calibrated_step": med["equal"]["step_s"] / med["calibrated"]["step_s"],
               "one_over_calibrated_step": med["one"]["step_s"] / med["calibrated"]["step_s"],
+              "model_over_ideal": med["model"]["conv_s"] / ideal_conv,
+              "equal_over_model_conv": med["equal"]["conv_s"] / med["model"]["conv_s"],
+              "one_over_model_step": med["one"]["step_s"] / med["model"]["step_s"],
+              "model_split": [{"layer": c["layer"], **{d["device"]: d["kernels"]
+                                                      for d in c["devices"]}}
+                              for c in model_split],
               "calibrated_slow_speed": fast_s / slow_s,
               "split": [{"layer": c["layer"], **{d["device"]: d["kernels"] for d in c["devices"]}}
                         for c in calibration]}
     out(f"{'run':<28}{'conv phase ms':>15}{'comm ms':>10}{'step ms':>10}")
     labels = {"one": "(a) fast worker alone", "equal": "(b) equal split",
-              "calibrated": "(c) calibrated split"}
+              "calibrated": "(c) calibrated (eq. 1)", "model": "(d) cost-model split"}
     for name, label in labels.items():
         m = med[name]
         out(f"{label:<28}{m['conv_s'] * 1e3:>15.1f}{m['comm_s'] * 1e3:>10.1f}"
             f"{m['step_s'] * 1e3:>10.1f}")
-    out(f"calibrated kernel split: " + "; ".join(
-        f"layer {s['layer'] + 1}: fast {s.get('fast', 0)}, slow {s.get('slow', 0)}"
-        for s in result["split"]))
+    for key, label in (("split", "calibrated (eq. 1)"), ("model_split", "cost-model")):
+        out(f"{label} kernel split: " + "; ".join(
+            f"layer {s['layer'] + 1}: fast {s.get('fast', 0)}, slow {s.get('slow', 0)}"
+            for s in result[key]))
     out(f"slow worker's calibrated speed: {result['calibrated_slow_speed']:.2f} of the fast one "
         f"(quota {slow_fraction:.2f})")
     out(f"ideal conv phase for the combined speed: {ideal_conv * 1e3:.1f} ms; calibrated / ideal "
@@ -112,4 +126,7 @@ def run_split_bench(slow_fraction: float = 0.3, arch: str = "32:256", batch: int
     out(f"equal / calibrated: conv phase {result['equal_over_calibrated_conv']:.2f}x, step "
         f"{result['equal_over_calibrated_step']:.2f}x; one device / calibrated step "
         f"{result['one_over_calibrated_step']:.2f}x")
+    out(f"cost model / ideal = {result['model_over_ideal']:.2f}x; equal / cost model: conv "
+        f"phase {result['equal_over_model_conv']:.2f}x; one device / cost model step "
+        f"{result['one_over_model_step']:.2f}x")
     return result

@@ -61,8 +61,10 @@ def _add_train(sub: Any) -> None:
                    help="distributed: seconds to wait for --min-workers (default 60)")
     p.add_argument("--no-local", action="store_true",
                    help="distributed: the master's own device computes no kernels")
-    p.add_argument("--split", choices=("calibrated", "equal"), default="calibrated",
-                   help="distributed: kernel split by calibration (default) or equal shares")
+    p.add_argument("--split", choices=("model", "calibrated", "equal"), default="model",
+                   help="distributed: 'model' (default) balances each device's calibrated "
+                   "fixed + per-kernel cost; 'calibrated' is the paper's equation (1); "
+                   "'equal' gives every device the same share")
     p.add_argument("--device", default=_env("DEVICE", "cpu"),
                    help="the master's own device: cpu or gpu:N (default cpu)")
     p.add_argument("--data", default=_env("DATA", "fashion-mnist"),

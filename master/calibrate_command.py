@@ -1,8 +1,8 @@
 """``hetconv calibrate``: membership and calibration only, no training.
 
 Waits for the workers, calibrates every device on every conv layer of the given
-architecture and batch, and prints the split each layer would get, with the
-predicted conv time of the calibrated split against an equal one.
+architecture and batch, and prints the split each layer would get under every split mode, with the
+conv time each split is predicted to take (from the fitted cost models).
 """
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from typing import Callable
 from hetconv.backend import array_module_for
 from hetconv.errors import UserError
 from hetconv.model import ModelConfig, conv_layer_shapes, parse_arch
-from hetconv.partition import equal_counts, kernel_counts, predicted_layer_seconds
-from master.calibration import calibrate
+from hetconv.partition import predicted_affine_seconds
+from master.calibration import SPLIT_MODES, calibrate, layer_counts
 from master.session import open_cluster
 
 INPUT_SHAPES = {"fashion-mnist": (1, 28, 28), "synthetic": (1, 28, 28), "cifar10": (3, 32, 32)}
@@ -50,13 +50,13 @@ def run_calibrate(args: argparse.Namespace, report: Callable[[str], None] = prin
     report(f"{'layer':<8}{'':<14}" + "".join(f"{n:>{width}}" for n in names)
            + f"{'predicted ms':>14}")
     for layer, result in zip(layers, results):
-        calibrated = kernel_counts(result.seconds, layer.kernels)
-        equal = equal_counts(len(participants), layer.kernels)
+        costs = result.cost_models()
         rows = [("calib. ms", [f"{s * 1e3:.1f}" for s in result.seconds], ""),
-                ("calibrated", [str(c) for c in calibrated],
-                 f"{predicted_layer_seconds(result.seconds, result.calibrated_kernels, calibrated) * 1e3:.1f}"),
-                ("equal", [str(c) for c in equal],
-                 f"{predicted_layer_seconds(result.seconds, result.calibrated_kernels, equal) * 1e3:.1f}")]
+                ("fixed ms", [f"{a * 1e3:.1f}" for a, _ in costs], "")]
+        for mode in SPLIT_MODES:
+            counts = layer_counts(mode, result, layer.kernels)
+            predicted = predicted_affine_seconds(costs, counts)
+            rows.append((mode, [str(c) for c in counts], f"{predicted * 1e3:.1f}"))
         for index, (label, cells, predicted) in enumerate(rows):
             head = f"{layer.index + 1} ({layer.kernels})" if index == 0 else ""
             report(f"{head:<8}{label:<14}" + "".join(f"{c:>{width}}" for c in cells)

@@ -3,8 +3,10 @@
 Each participant (the master's own device unless ``--no-local``, then the workers)
 times one block forward + backward at the layer's real shape: the run's batch,
 input channels and spatial size, with an equal share of the layer's kernels (the
-size a device will roughly own). Devices calibrate concurrently, as they will
-compute during training. The split itself is pure (``hetconv.partition``).
+size a device will roughly own) and with a quarter of that share, which separates
+the fixed cost of a share (unfolding the input, folding dx back) from the cost per
+kernel. Devices calibrate concurrently, as they will compute during training. The
+split itself is pure (``hetconv.partition``).
 """
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ from typing import Any, Callable
 
 from hetconv.calibration import time_block
 from hetconv.model import ConvLayerShape
-from hetconv.partition import equal_counts, kernel_counts, kernel_ranges
+from hetconv.partition import (balanced_counts, equal_counts, fit_affine, kernel_counts,
+                               kernel_ranges)
 from master.cluster import Cluster, WorkerHandle
 from master.offload import MASTER, Part
 from protocol import CalibrateRequest
@@ -31,9 +34,18 @@ class Participant:
 
 @dataclass(frozen=True)
 class LayerCalibration:
+    """Block forward+backward seconds per participant at two kernel counts."""
+
     layer: int
-    calibrated_kernels: int
-    seconds: list[float]  # per participant, same order
+    calibrated_kernels: int  # an equal share of the layer
+    seconds: list[float]  # per participant, at calibrated_kernels
+    small_kernels: int  # a quarter of that, for the fixed-cost fit
+    small_seconds: list[float]
+
+    def cost_models(self) -> list[tuple[float, float]]:
+        """(fixed seconds, seconds per kernel) per participant."""
+        return [fit_affine(self.small_kernels, small, self.calibrated_kernels, large)
+                for small, large in zip(self.small_seconds, self.seconds)]
 
 
 def calibrate(cluster: Cluster, participants: list[Participant], shapes: list[ConvLayerShape],
@@ -43,44 +55,68 @@ def calibrate(cluster: Cluster, participants: list[Participant], shapes: list[Co
     results = []
     for shape in shapes:
         kernels = max(1, math.ceil(shape.kernels / len(participants)))
+        small = max(1, kernels // 4)
         pending: dict[int, WorkerHandle] = {}
-        order: dict[int, int] = {}
+        order: dict[int, tuple[int, int]] = {}
         for index, participant in enumerate(participants):
             if participant.worker is None:
                 continue
-            rid = cluster.request_id()
-            cluster.send(participant.worker, CalibrateRequest(
-                request_id=rid, layer=shape.index, batch=batch, in_channels=shape.in_channels,
-                height=shape.height, width=shape.width, kernels=kernels,
-                kernel_size=shape.kernel_size, stride=1, padding=shape.padding,
-                repeats=repeats))
-            pending[rid] = participant.worker
-            order[rid] = index
-        seconds = [0.0] * len(participants)
+            for count in (kernels, small):
+                rid = cluster.request_id()
+                cluster.send(participant.worker, CalibrateRequest(
+                    request_id=rid, layer=shape.index, batch=batch,
+                    in_channels=shape.in_channels, height=shape.height, width=shape.width,
+                    kernels=count, kernel_size=shape.kernel_size, stride=1,
+                    padding=shape.padding, repeats=repeats))
+                pending[rid] = participant.worker
+                order[rid] = (index, count)
+        timings: dict[tuple[int, int], float] = {}
         local_index = next((i for i, p in enumerate(participants) if p.worker is None), None)
         if local_index is not None:
             # Timed while the workers calibrate too: that is how training will run.
-            seconds[local_index] = time_block(batch, shape.in_channels, shape.height,
-                                              shape.width, kernels, shape.kernel_size,
-                                              padding=shape.padding, repeats=repeats,
-                                              xp=local_device_xp)
+            for count in (kernels, small):
+                timings[(local_index, count)] = time_block(
+                    batch, shape.in_channels, shape.height, shape.width, count,
+                    shape.kernel_size, padding=shape.padding, repeats=repeats,
+                    xp=local_device_xp)
         replies = cluster.gather(pending, f"calibration of layer {shape.index + 1}")
         for rid, reply in replies.items():
-            seconds[order[rid]] = float(reply.message.seconds)
-        results.append(LayerCalibration(shape.index, kernels, seconds))
-        report(f"hetconv: calibrated layer {shape.index + 1} ({shape.kernels} kernels, "
-               f"{kernels} per device timed): " + ", ".join(
-                   f"{p.device} {s * 1000:.1f} ms" for p, s in zip(participants, seconds)))
+            timings[order[rid]] = float(reply.message.seconds)
+        seconds = [timings[(i, kernels)] for i in range(len(participants))]
+        small_seconds = [timings[(i, small)] for i in range(len(participants))]
+        results.append(LayerCalibration(shape.index, kernels, seconds, small, small_seconds))
+        report(f"hetconv: calibrated layer {shape.index + 1} ({shape.kernels} kernels; "
+               f"{kernels} / {small} per device timed): " + ", ".join(
+                   f"{p.device} {s * 1000:.1f} / {t * 1000:.1f} ms"
+                   for p, s, t in zip(participants, seconds, small_seconds)))
     return results
+
+
+SPLIT_MODES = ("model", "calibrated", "equal")
+
+
+def layer_counts(mode: str, calibration: LayerCalibration, kernels: int) -> list[int]:
+    """Kernels per participant for one layer.
+
+    ``model``: equal finish times under each device's fitted fixed + per-kernel cost;
+    ``calibrated``: the paper's equation (1) on the equal-share timings;
+    ``equal``: the same number for everyone.
+    """
+    if mode == "model":
+        return balanced_counts(calibration.cost_models(), kernels)
+    if mode == "calibrated":
+        return kernel_counts(calibration.seconds, kernels)
+    if mode == "equal":
+        return equal_counts(len(calibration.seconds), kernels)
+    raise ValueError(f"unknown split {mode!r}: choose from {', '.join(SPLIT_MODES)}")
 
 
 def split_layers(participants: list[Participant], shapes: list[ConvLayerShape],
                  calibration: list[LayerCalibration], mode: str) -> list[list[Part]]:
-    """Kernel ranges per layer per participant ('calibrated' or 'equal' split)."""
+    """Kernel ranges per layer per participant (see :func:`layer_counts`)."""
     plan = []
     for shape, cal in zip(shapes, calibration):
-        counts = (kernel_counts(cal.seconds, shape.kernels) if mode == "calibrated"
-                  else equal_counts(len(participants), shape.kernels))
+        counts = layer_counts(mode, cal, shape.kernels)
         plan.append([Part(p.device, p.worker, start, stop)
                      for p, (start, stop) in zip(participants, kernel_ranges(counts))])
     return plan
@@ -97,4 +133,4 @@ def format_split(plan: list[list[Part]], shapes: list[ConvLayerShape]) -> list[s
 
 
 __all__ = ["MASTER", "Participant", "LayerCalibration", "calibrate", "split_layers",
-           "format_split"]
+           "format_split", "layer_counts", "SPLIT_MODES"]

@@ -90,10 +90,15 @@ def open_distributed_stage(args: argparse.Namespace, model: ModelConfig,
         for shape, cal, parts in zip(shapes, calibration, plan):
             metrics.write("calibration", layer=shape.index, split=args.split,
                           calibrated_kernels=cal.calibrated_kernels, kernels=shape.kernels,
-                          devices=[{"device": p.device, "seconds": s, "kernels": part.kernels,
-                                    "kernel_start": part.start, "kernel_stop": part.stop,
+                          small_kernels=cal.small_kernels,
+                          devices=[{"device": p.device, "seconds": s, "small_seconds": small,
+                                    "fixed_s": model[0], "per_kernel_s": model[1],
+                                    "kernels": part.kernels, "kernel_start": part.start,
+                                    "kernel_stop": part.stop,
                                     "share": part.kernels / shape.kernels}
-                                   for p, s, part in zip(participants, cal.seconds, parts)])
+                                   for p, s, small, model, part in zip(
+                                       participants, cal.seconds, cal.small_seconds,
+                                       cal.cost_models(), parts)])
         for line in format_split(plan, shapes):
             report(line)
         local = assign_shards(cluster, plan, params, settings, xp)

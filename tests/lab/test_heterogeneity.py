@@ -24,7 +24,8 @@ def test_calibrated_share_follows_the_cpu_quota(endpoint: str, workers: Any,
     workers("slow", threads=1, cpu_fraction=QUOTA)
     run_dir = tmp_path / "run"
     result = run_hetconv("train", "--listen", endpoint, "--min-workers", "2", "--wait", "30",
-                         "--no-local", "--data", "synthetic", "--limit", "256",
+                         "--no-local", "--split", "calibrated", "--data", "synthetic",
+                         "--limit", "256",
                          "--test-limit", "128", "--arch", "16:128", "--epochs", "1",
                          "--batch", "64", "--threads", "1", "--no-progress",
                          "--run-dir", str(run_dir))

@@ -62,3 +62,46 @@ def test_predicted_and_ideal_seconds() -> None:
     assert predicted_layer_seconds(times, 100, counts) == pytest.approx(0.75)
     assert ideal_layer_seconds(times, 100, 100) == pytest.approx(0.75)
     assert predicted_layer_seconds(times, 100, equal_counts(2, 100)) == pytest.approx(1.5)
+
+
+def test_fit_affine() -> None:
+    from hetconv.partition import fit_affine
+
+    assert fit_affine(10, 2.0, 30, 4.0) == pytest.approx((1.0, 0.1))
+    assert fit_affine(10, 2.0, 30, 1.0) == pytest.approx((0.0, 1.0 / 30))  # noisy: proportional
+    assert fit_affine(10, 0.5, 30, 3.0) == pytest.approx((0.0, 0.1))  # negative intercept
+
+
+def test_balanced_counts_equalise_finish_times() -> None:
+    from hetconv.partition import balanced_counts, predicted_affine_seconds
+
+    # no fixed costs: the same as equation (1)
+    assert balanced_counts([(0.0, 1.0), (0.0, 3.0)], 100) == [75, 25]
+    # fixed costs shift kernels to the device with the smaller overhead
+    counts = balanced_counts([(0.0, 1.0), (20.0, 1.0)], 100)
+    assert counts == [60, 40]
+    assert predicted_affine_seconds([(0.0, 1.0), (20.0, 1.0)], counts) == pytest.approx(60.0)
+    # a device whose overhead alone is slower than doing everything elsewhere gets nothing
+    assert balanced_counts([(0.0, 1.0), (500.0, 1.0)], 100) == [100, 0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 10.0), st.floats(0.01, 5.0)), min_size=1, max_size=6),
+       st.integers(0, 500))
+def test_balanced_counts_are_optimal_to_one_kernel(costs: list[tuple[float, float]],
+                                                   kernels: int) -> None:
+    from hetconv.partition import balanced_counts, predicted_affine_seconds
+
+    counts = balanced_counts(costs, kernels)
+    assert sum(counts) == kernels and min(counts) >= 0
+    best = predicted_affine_seconds(costs, counts)
+    # the continuous optimum is a lower bound; whole kernels lose at most one kernel's cost
+    assert best <= min(a + b * kernels for a, b in costs) + 1e-9
+    low, high = 0.0, best
+    for _ in range(60):
+        mid = (low + high) / 2
+        if sum(max(0.0, (mid - a) / b) for a, b in costs) < kernels:
+            low = mid
+        else:
+            high = mid
+    assert best <= high + max(b for _, b in costs) + 1e-6
