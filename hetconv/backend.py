@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import types
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 

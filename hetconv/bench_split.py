@@ -22,8 +22,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from hetconv.errors import UserError
 from hetconv.lab import LocalWorkers, cpu_quota_unavailable_reason, free_port

@@ -12,7 +12,8 @@ import argparse
 import logging
 import os
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from hetconv.errors import UserError
 

@@ -9,7 +9,7 @@ exactly; a device may get none.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def workload_fractions(calibration_seconds: Sequence[float]) -> list[float]:

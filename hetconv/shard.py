@@ -13,11 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from hetconv.backend import ArrayModule, to_module, to_numpy
 from hetconv.ops.block import conv_block_backward, conv_block_forward
 from hetconv.optim import sgd_update
-
-import numpy as np
 
 STATE_NAMES = ("weight", "gamma", "beta", "running_mean", "running_var",
                "velocity_weight", "velocity_gamma", "velocity_beta")

@@ -7,7 +7,7 @@ conv time each split is predicted to take (from the fitted cost models).
 from __future__ import annotations
 
 import argparse
-from typing import Callable
+from collections.abc import Callable
 
 from hetconv.backend import array_module_for
 from hetconv.errors import UserError

@@ -11,13 +11,19 @@ split itself is pure (``hetconv.partition``).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from hetconv.calibration import time_block
 from hetconv.model import ConvLayerShape
-from hetconv.partition import (balanced_counts, equal_counts, fit_affine, kernel_counts,
-                               kernel_ranges)
+from hetconv.partition import (
+    balanced_counts,
+    equal_counts,
+    fit_affine,
+    kernel_counts,
+    kernel_ranges,
+)
 from master.cluster import Cluster, WorkerHandle
 from master.offload import MASTER, Part
 from protocol import CalibrateRequest
@@ -132,5 +138,13 @@ def format_split(plan: list[list[Part]], shapes: list[ConvLayerShape]) -> list[s
     return lines
 
 
-__all__ = ["MASTER", "Participant", "LayerCalibration", "calibrate", "split_layers",
-           "format_split", "layer_counts", "SPLIT_MODES"]
+__all__ = [
+    "MASTER",
+    "SPLIT_MODES",
+    "LayerCalibration",
+    "Participant",
+    "calibrate",
+    "format_split",
+    "layer_counts",
+    "split_layers",
+]

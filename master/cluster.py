@@ -13,16 +13,30 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import zmq
 
 from hetconv.errors import UserError
-from protocol import (PROTOCOL_VERSION, Ack, EndRun, ErrorReply, Goodbye, Heartbeat, Hello,
-                      Message, ProtocolError, Refuse, VersionMismatch, Welcome)
-from protocol import limits, transport
+from protocol import (
+    PROTOCOL_VERSION,
+    Ack,
+    EndRun,
+    ErrorReply,
+    Goodbye,
+    Heartbeat,
+    Hello,
+    Message,
+    ProtocolError,
+    Refuse,
+    VersionMismatch,
+    Welcome,
+    limits,
+    transport,
+)
 
 log = logging.getLogger("hetconv.master")
 

@@ -10,12 +10,13 @@ gradient; the master sums them (the first block needs none).
 """
 from __future__ import annotations
 
+import threading
 import time
 import uuid
-import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import zmq
@@ -191,10 +192,12 @@ class DistributedConvStage:
                                                                 dtype=np.float32)))
                     for p in parts if p.worker is not None]
         shard = self.local_shards.get(layer)
-        local = None
+        local: Callable[[], Any] | None = None
         if shard is not None and shard.kernels:
             local_dy = np.ascontiguousarray(dy[:, shard.kernel_start:shard.kernel_stop])
-            local = lambda: shard.backward(local_dy, need_dx, learning_rate)  # noqa: E731
+
+            def local() -> Any:
+                return shard.backward(local_dy, need_dx, learning_rate)
         started = time.monotonic()
         replies, local_dx, local_s, local_done, sent = self._exchange(
             layer, f"backward of layer {layer + 1} (step {step})", requests, local)

@@ -8,7 +8,8 @@ returns the :class:`DistributedConvStage` the trainer drives.
 from __future__ import annotations
 
 import argparse
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -18,7 +19,7 @@ from hetconv.errors import UserError
 from hetconv.metrics import MetricsWriter
 from hetconv.model import ModelConfig, conv_layer_shapes
 from hetconv.shard import BlockSettings, ConvShard
-from master.calibration import (MASTER, Participant, calibrate, format_split, split_layers)
+from master.calibration import MASTER, Participant, calibrate, format_split, split_layers
 from master.cluster import Cluster, ClusterSettings
 from master.offload import DistributedConvStage, Part
 from protocol import AssignShard

@@ -5,15 +5,16 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
 from hetconv.lab import LocalWorkers, free_port
 
 REPO = Path(__file__).resolve().parents[1]
-SMALL_RUN = ["--data", "synthetic", "--limit", "512", "--test-limit", "256", "--arch", "4:8",
+SMALL_RUN = ["--data", "synthetic", "--limit", "6400", "--test-limit", "256", "--arch", "4:8",
              "--epochs", "1", "--batch", "64", "--threads", "1", "--no-progress", "--seed", "3"]
 
 

@@ -25,9 +25,20 @@ import zmq
 
 from hetconv.backend import set_blas_threads
 from hetconv.device_info import describe_device
-from protocol import (PROTOCOL_VERSION, EndRun, ErrorReply, Goodbye, Heartbeat, Hello, Message,
-                      ProtocolError, Refuse, Welcome)
-from protocol import limits, transport
+from protocol import (
+    PROTOCOL_VERSION,
+    EndRun,
+    ErrorReply,
+    Goodbye,
+    Heartbeat,
+    Hello,
+    Message,
+    ProtocolError,
+    Refuse,
+    Welcome,
+    limits,
+    transport,
+)
 from worker.service import WorkerService
 
 log = logging.getLogger("hetconv.worker")

@@ -16,9 +16,21 @@ import numpy as np
 from hetconv.backend import array_module_for, on_device, synchronize, to_module, to_numpy
 from hetconv.calibration import time_block
 from hetconv.shard import STATE_NAMES, BlockSettings, ConvShard
-from protocol import (Ack, AssignShard, BackwardReply, BackwardRequest, CalibrateReply,
-                      CalibrateRequest, EndRun, ErrorReply, ForwardReply, ForwardRequest,
-                      Message, SnapshotReply, SnapshotRequest)
+from protocol import (
+    Ack,
+    AssignShard,
+    BackwardReply,
+    BackwardRequest,
+    CalibrateReply,
+    CalibrateRequest,
+    EndRun,
+    ErrorReply,
+    ForwardReply,
+    ForwardRequest,
+    Message,
+    SnapshotReply,
+    SnapshotRequest,
+)
 
 log = logging.getLogger(__name__)
 

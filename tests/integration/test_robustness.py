@@ -1,7 +1,6 @@
 """Bad peers: garbage on the master's port, version mismatches, malformed requests."""
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
@@ -15,10 +14,8 @@ import numpy as np
 import pytest
 import zmq
 
-from hetconv.lab import wait_for
-from protocol import ForwardReply, Hello, PROTOCOL_VERSION, encode
-from tests.conftest import (REPO, SMALL_RUN, child_env, hetconv_command, run_hetconv,
-                                        step_losses)
+from protocol import PROTOCOL_VERSION, ForwardReply, Hello, encode
+from tests.conftest import REPO, SMALL_RUN, child_env, hetconv_command, step_losses
 
 pytestmark = [pytest.mark.integration]
 
@@ -114,8 +111,15 @@ def test_protocol_version_mismatch_is_refused_on_both_sides(endpoint: str, tmp_p
 def test_worker_answers_bad_requests_and_keeps_serving(endpoint: str, workers: Any) -> None:
     """A fake master sends malformed and unexpected messages; the worker replies with
     errors, then still serves a real calibration request."""
-    from protocol import (CalibrateReply, CalibrateRequest, ErrorReply, ForwardRequest, Welcome,
-                          recv_message, send_message)
+    from protocol import (
+        CalibrateReply,
+        CalibrateRequest,
+        ErrorReply,
+        ForwardRequest,
+        Welcome,
+        recv_message,
+        send_message,
+    )
     from protocol.transport import make_context, master_socket
 
     ctx = make_context()

@@ -6,7 +6,8 @@ service relies on: a slice of kernels computes exactly the slice of the result.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest

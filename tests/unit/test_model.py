@@ -10,7 +10,13 @@ import pytest
 from hetconv.checkpoint import load_weights, save_json, save_weights
 from hetconv.errors import UserError
 from hetconv.metrics import MetricsWriter, read_metrics
-from hetconv.model import ModelConfig, conv_layer_shapes, dense_features, init_parameters, parse_arch
+from hetconv.model import (
+    ModelConfig,
+    conv_layer_shapes,
+    dense_features,
+    init_parameters,
+    parse_arch,
+)
 from hetconv.optim import OptimizerConfig, learning_rate_at, sgd_update
 
 PAPER_ARCHS = ["50:500", "150:800", "300:1000", "500:1500"]

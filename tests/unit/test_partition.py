@@ -5,8 +5,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hetconv.partition import (equal_counts, ideal_layer_seconds, kernel_counts, kernel_ranges,
-                               largest_remainder, predicted_layer_seconds, workload_fractions)
+from hetconv.partition import (
+    equal_counts,
+    ideal_layer_seconds,
+    kernel_counts,
+    kernel_ranges,
+    largest_remainder,
+    predicted_layer_seconds,
+    workload_fractions,
+)
 
 
 def test_paper_example_two_devices() -> None:

@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hetconv.cli import main
 from hetconv.checkpoint import load_weights
+from hetconv.cli import main
 from hetconv.model import ModelConfig, init_parameters
 from hetconv.shard import BlockSettings, ConvShard
 from hetconv.stage import LocalConvStage

@@ -5,9 +5,21 @@ import numpy as np
 
 from hetconv.model import ModelConfig, init_parameters
 from hetconv.shard import BlockSettings, ConvShard
-from protocol import (Ack, AssignShard, BackwardReply, BackwardRequest, CalibrateReply,
-                      CalibrateRequest, EndRun, ErrorReply, ForwardReply, ForwardRequest,
-                      Heartbeat, SnapshotReply, SnapshotRequest)
+from protocol import (
+    Ack,
+    AssignShard,
+    BackwardReply,
+    BackwardRequest,
+    CalibrateReply,
+    CalibrateRequest,
+    EndRun,
+    ErrorReply,
+    ForwardReply,
+    ForwardRequest,
+    Heartbeat,
+    SnapshotReply,
+    SnapshotRequest,
+)
 from worker.service import WorkerService
 
 
