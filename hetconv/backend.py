@@ -15,7 +15,7 @@ import numpy as np
 from hetconv.errors import UserError
 
 try:  # cupy is optional: the `gpu` extra installs it.
-    import cupy as _cupy  # type: ignore[import-not-found]
+    import cupy as _cupy
 except Exception:  # pragma: no cover - depends on the machine
     _cupy = None
 
@@ -24,7 +24,7 @@ ArrayModule = types.ModuleType
 
 def cupy_or_none() -> ArrayModule | None:
     """The cupy module when it imported, else None."""
-    return _cupy
+    return _cupy  # type: ignore[no-any-return]
 
 
 def gpu_count() -> int:
@@ -46,7 +46,7 @@ def get_array_module(*arrays: Any) -> ArrayModule:
     if _cupy is not None:
         for a in arrays:
             if isinstance(a, _cupy.ndarray):
-                return _cupy
+                return _cupy  # type: ignore[no-any-return]
     return np
 
 
@@ -60,7 +60,7 @@ def array_module_for(device: str) -> ArrayModule:
                 f"device {device!r} needs cupy and a CUDA GPU; install the `gpu` extra "
                 "(pip install 'hetconv[gpu]') or use --device cpu"
             )
-        return _cupy  # type: ignore[return-value]
+        return _cupy  # type: ignore[no-any-return]
     raise UserError(f"unknown device {device!r}: use 'cpu' or 'gpu:N'")
 
 
@@ -78,7 +78,7 @@ def on_device(device: str) -> Iterator[None]:
 def to_numpy(a: Any) -> np.ndarray:
     """A host numpy array (copies from the GPU when needed)."""
     if _cupy is not None and isinstance(a, _cupy.ndarray):
-        return _cupy.asnumpy(a)
+        return _cupy.asnumpy(a)  # type: ignore[no-any-return]
     return np.asarray(a)
 
 

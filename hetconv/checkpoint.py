@@ -37,7 +37,7 @@ def save_weights(path: str | Path, arrays: dict[str, np.ndarray]) -> None:
         if array.dtype == object:
             raise TypeError(f"{name}: object arrays are not allowed in checkpoints")
         clean[name] = array
-    _atomic_write(Path(path), lambda handle: np.savez(handle, **clean))
+    _atomic_write(Path(path), lambda handle: np.savez(handle, **clean))  # type: ignore[arg-type]
 
 
 def load_weights(path: str | Path) -> dict[str, np.ndarray]:

@@ -21,7 +21,7 @@ from hetconv.errors import UserError
 class _Parser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line."""
 
-    def error(self, message: str) -> Any:  # type: ignore[override]
+    def error(self, message: str) -> Any:
         raise UserError(f"{message} (see '{self.prog} --help')")
 
 

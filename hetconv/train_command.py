@@ -20,7 +20,7 @@ from hetconv.errors import UserError
 from hetconv.metrics import SCHEMA_VERSION, MetricsWriter
 from hetconv.model import ModelConfig, conv_layer_shapes, init_parameters, parse_arch
 from hetconv.optim import OptimizerConfig
-from hetconv.stage import LocalConvStage, block_settings
+from hetconv.stage import ConvStage, LocalConvStage, block_settings
 from hetconv.training import LoopConfig, Trainer
 
 
@@ -88,7 +88,7 @@ def run_train(args: argparse.Namespace) -> int:
         if args.listen:
             from master.session import open_distributed_stage
 
-            stage = open_distributed_stage(args, model, params, settings, metrics)
+            stage: ConvStage = open_distributed_stage(args, model, params, settings, metrics)
         else:
             stage = LocalConvStage(model, params, settings, device=args.device)
             device = describe_device(args.device, threads=args.threads)

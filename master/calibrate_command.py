@@ -55,8 +55,8 @@ def run_calibrate(args: argparse.Namespace, report: Callable[[str], None] = prin
                 ("fixed ms", [f"{a * 1e3:.1f}" for a, _ in costs], "")]
         for mode in SPLIT_MODES:
             counts = layer_counts(mode, result, layer.kernels)
-            predicted = predicted_affine_seconds(costs, counts)
-            rows.append((mode, [str(c) for c in counts], f"{predicted * 1e3:.1f}"))
+            seconds = predicted_affine_seconds(costs, counts)
+            rows.append((mode, [str(c) for c in counts], f"{seconds * 1e3:.1f}"))
         for index, (label, cells, predicted) in enumerate(rows):
             head = f"{layer.index + 1} ({layer.kernels})" if index == 0 else ""
             report(f"{head:<8}{label:<14}" + "".join(f"{c:>{width}}" for c in cells)

@@ -26,7 +26,7 @@ from hetconv.partition import (
 )
 from master.cluster import Cluster, WorkerHandle
 from master.offload import MASTER, Part
-from protocol import CalibrateRequest
+from protocol import CalibrateReply, CalibrateRequest
 
 CALIBRATION_REPEATS = 2
 
@@ -87,6 +87,7 @@ def calibrate(cluster: Cluster, participants: list[Participant], shapes: list[Co
                     xp=local_device_xp)
         replies = cluster.gather(pending, f"calibration of layer {shape.index + 1}")
         for rid, reply in replies.items():
+            assert isinstance(reply.message, CalibrateReply)
             timings[order[rid]] = float(reply.message.seconds)
         seconds = [timings[(i, kernels)] for i in range(len(participants))]
         small_seconds = [timings[(i, small)] for i in range(len(participants))]

@@ -23,7 +23,7 @@ import zmq
 
 from hetconv.shard import STATE_NAMES, ConvShard
 from master.cluster import Cluster, Reply, WorkerHandle, WorkerLost
-from protocol import BackwardRequest, ForwardRequest, SnapshotRequest
+from protocol import BackwardReply, BackwardRequest, ForwardReply, ForwardRequest, SnapshotRequest
 
 MASTER = "master"
 
@@ -177,8 +177,10 @@ class DistributedConvStage:
                 results.append((part, local_s, local_done, 0, 0))
             else:
                 reply = replies[part.device]
-                outputs.append(reply.message.y)
-                results.append((part, reply.message.compute_s, reply.received_at,
+                forward = reply.message
+                assert isinstance(forward, ForwardReply)
+                outputs.append(forward.y)
+                results.append((part, forward.compute_s, reply.received_at,
                                 sent[part.device], reply.payload_bytes))
         self._account(layer, "forward", started, local_done, results, train)
         return np.concatenate(outputs, axis=1) if len(outputs) > 1 else np.asarray(outputs[0])
@@ -209,8 +211,10 @@ class DistributedConvStage:
                 results.append((part, local_s, local_done, 0, 0))
             else:
                 reply = replies[part.device]
-                partial = reply.message.dx
-                results.append((part, reply.message.compute_s, reply.received_at,
+                backward = reply.message
+                assert isinstance(backward, BackwardReply)
+                partial = backward.dx
+                results.append((part, backward.compute_s, reply.received_at,
                                 sent[part.device], reply.payload_bytes))
             if need_dx and partial is not None:
                 total = np.array(partial, dtype=np.float32) if total is None else total + partial

@@ -65,7 +65,7 @@ def max_pool2x2(x: Array) -> tuple[Array, MaxPoolCache]:
     bottom_index = (bottom_right > bottom_left).astype(xp.uint8)
     bottom_index += xp.uint8(2)
     argmax = xp.where(bottom > top, bottom_index, top_index)
-    return y, MaxPoolCache(argmax=argmax, input_shape=tuple(x.shape))  # type: ignore[arg-type]
+    return y, MaxPoolCache(argmax=argmax, input_shape=tuple(x.shape))
 
 
 def max_pool2x2_backward(cache: MaxPoolCache, dy: Array) -> Array:
