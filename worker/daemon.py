@@ -43,6 +43,8 @@ from worker.service import WorkerService
 
 log = logging.getLogger("hetconv.worker")
 
+WAITING_LOG_INTERVAL_S = 30.0  # how often a worker without a master says it is still trying
+
 
 @dataclass(frozen=True)
 class WorkerConfig:
@@ -127,9 +129,14 @@ class WorkerDaemon:
         last_heard = last_beat = time.monotonic()
         busy = 0  # requests handed to the compute thread and not yet answered
         beat_interval = cfg.heartbeat_interval_s
+        last_waiting_log = 0.0
         while not self.stop_event.is_set():
             now = time.monotonic()
             if not in_session and now >= next_hello:
+                if now - last_waiting_log >= WAITING_LOG_INTERVAL_S:
+                    if last_waiting_log:
+                        log.info("no master at %s yet; still trying", cfg.master)
+                    last_waiting_log = now
                 self._send(sock, Hello(worker_id=self.worker_id, device=self.device,
                                        protocol_version=PROTOCOL_VERSION))
                 next_hello = now + hello_delay
@@ -172,6 +179,7 @@ class WorkerDaemon:
                             return 3
                         if not in_session:
                             log.info("joined run %s", message.run_id)
+                            last_waiting_log = 0.0
                         in_session = True
                         last_beat = 0.0
                         beat_interval = min(5.0, max(0.05, message.heartbeat_interval_s))
