@@ -85,16 +85,17 @@ def run_train(args: argparse.Namespace) -> int:
     with MetricsWriter(run_dir / "metrics.jsonl") as metrics:
         metrics.write("run_start", pid=os.getpid(), config=config,
                       layers=[shape.__dict__ for shape in shapes])
-        if args.listen:
-            from master.session import open_distributed_stage
-
-            stage: ConvStage = open_distributed_stage(args, model, params, settings, metrics)
-        else:
-            stage = LocalConvStage(model, params, settings, device=args.device)
-            device = describe_device(args.device, threads=args.threads)
-            metrics.write("devices", devices=[{"id": "master", **device}])
         status, error_text = "failed", None
+        stage: ConvStage | None = None
         try:
+            if args.listen:
+                from master.session import open_distributed_stage
+
+                stage = open_distributed_stage(args, model, params, settings, metrics)
+            else:
+                stage = LocalConvStage(model, params, settings, device=args.device)
+                device = describe_device(args.device, threads=args.threads)
+                metrics.write("devices", devices=[{"id": "master", **device}])
             trainer = Trainer(model, params, stage, loop, metrics, run_dir)
             result = trainer.fit(data)
             status = "completed"
@@ -104,9 +105,13 @@ def run_train(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             status, error_text = "interrupted", "interrupted by the user"
             raise
+        except Exception as error:  # recorded, then shown as a traceback: a bug
+            error_text = f"{type(error).__name__}: {error}"
+            raise
         finally:
             metrics.write("run_end", status=status, error=error_text)
-            stage.close()
+            if stage is not None:
+                stage.close()
     print(f"hetconv: done: test accuracy {result.test_accuracy:.4f}; "
           f"weights in {run_dir / 'weights.npz'}", flush=True)
     return 0

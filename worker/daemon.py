@@ -109,10 +109,7 @@ class WorkerDaemon:
             return self._serve(sock, wake)
         finally:
             self._requests.put(None)
-            try:
-                transport.send_message(sock, Goodbye(worker_id=self.worker_id, reason="stopping"))
-            except Exception:
-                pass
+            self._send(sock, Goodbye(worker_id=self.worker_id, reason="stopping"))
             sock.close(linger=200)
             wake.close()
             compute.join(timeout=1.0)
@@ -219,6 +216,10 @@ class WorkerDaemon:
         return 0
 
     def _send(self, sock: zmq.Socket[Any], message: Message) -> None:
+        """Send; hellos, heartbeats and goodbyes are dropped rather than queued behind a
+        missing master (SNDTIMEO 0), replies may wait for ``DEFAULT_SEND_TIMEOUT_MS``."""
+        control = isinstance(message, (Hello, Heartbeat, Goodbye))
+        sock.setsockopt(zmq.SNDTIMEO, 0 if control else limits.DEFAULT_SEND_TIMEOUT_MS)
         try:
             transport.send_message(sock, message)
         except transport.TransportError as error:

@@ -147,3 +147,27 @@ def test_worker_survives_a_run_and_stops_on_sigterm(endpoint: str, workers: Any,
     worker.process.send_signal(signal.SIGTERM)
     assert worker.process.wait(5) == 0
     assert time.monotonic() - start < 2.0
+
+
+@pytest.mark.timeout(60)
+def test_failed_start_is_recorded(endpoint: str, tmp_path: Path) -> None:
+    run_dir = tmp_path / "r"
+    result = run_hetconv("train", "--listen", endpoint, "--min-workers", "1", "--wait", "1",
+                         *SMALL_RUN, "--run-dir", str(run_dir))
+    assert result.returncode == 2
+    last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["type"] == "run_end" and last["status"] == "failed"
+    assert last["error"].startswith("only 0 of 1 worker")
+
+
+@pytest.mark.timeout(30)
+def test_worker_without_master_keeps_trying_and_stops_on_sigterm(endpoint: str,
+                                                                 workers: Any) -> None:
+    (worker,) = workers("lonely")
+    time.sleep(1.5)
+    assert worker.process.poll() is None  # no master yet: still trying
+    start = time.monotonic()
+    worker.process.send_signal(signal.SIGTERM)
+    assert worker.process.wait(5) == 0
+    assert time.monotonic() - start < 2.0
+    assert "connecting to" in worker.output()
