@@ -96,6 +96,7 @@ def _add_train(sub: Any) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="allow a --run-dir that already holds a run")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_curve_master(p)
 
 
 def _add_bench(sub: Any) -> None:
@@ -130,6 +131,10 @@ def _add_worker(sub: Any) -> None:
                    help="worker name shown in reports (default host-pid-device)")
     p.add_argument("--once", action="store_true",
                    help="exit after one training run instead of waiting for the next")
+    p.add_argument("--curve-secret", default=_env("CURVE_SECRET", None), metavar="FILE",
+                   help="encrypt and authenticate: this worker's NAME.key_secret")
+    p.add_argument("--master-key", default=_env("MASTER_KEY", None), metavar="FILE",
+                   help="with --curve-secret: the master's public NAME.key")
 
 
 def _add_calibrate(sub: Any) -> None:
@@ -148,6 +153,7 @@ def _add_calibrate(sub: Any) -> None:
     p.add_argument("--kernel-size", type=_positive_int, default=5)
     p.add_argument("--padding", type=int, default=0, choices=(0, 1, 2))
     p.add_argument("--batch", type=_positive_int, default=128)
+    _add_curve_master(p)
 
 
 def _add_report(sub: Any) -> None:
@@ -155,6 +161,19 @@ def _add_report(sub: Any) -> None:
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories to report on")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.add_argument("--no-html", action="store_true", help="do not write report.html")
+
+
+def _add_curve_master(p: Any) -> None:
+    p.add_argument("--curve-secret", default=_env("CURVE_SECRET", None), metavar="FILE",
+                   help="encrypt and authenticate: the master's NAME.key_secret")
+    p.add_argument("--curve-allow", default=_env("CURVE_ALLOW", None), metavar="DIR",
+                   help="with --curve-secret: directory of allowed workers' NAME.key files")
+
+
+def _add_keygen(sub: Any) -> None:
+    p = sub.add_parser("keygen", help="create a CURVE key pair (NAME.key, NAME.key_secret)")
+    p.add_argument("--dir", default="keys", help="where to write the files (default keys/)")
+    p.add_argument("--name", required=True, help="e.g. master or worker-a")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -166,6 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_worker(sub)
     _add_report(sub)
     _add_calibrate(sub)
+    _add_keygen(sub)
     _add_bench(sub)
     return parser
 
@@ -181,6 +201,13 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         set_blas_threads(args.threads)
         return run_calibrate(args)
+    if args.command == "keygen":
+        from hetconv.keys import create_keypair
+
+        public, secret = create_keypair(args.dir, args.name)
+        print(f"hetconv: wrote {public} (public: copy it to the peers) and {secret} "
+              "(secret: keep it on this machine)")
+        return 0
     if args.command == "worker":
         from worker.daemon import WorkerConfig, run_worker
 
@@ -190,8 +217,16 @@ def _dispatch(args: argparse.Namespace) -> int:
         from hetconv.backend import array_module_for
 
         array_module_for(args.device)  # a clear error for a bad or unavailable device
+        curve = None
+        if args.curve_secret or args.master_key:
+            if not (args.curve_secret and args.master_key):
+                raise UserError("CURVE needs both --curve-secret (this worker's "
+                                "NAME.key_secret) and --master-key (the master's NAME.key)")
+            from hetconv.keys import client_keys
+
+            curve = client_keys(args.curve_secret, args.master_key)
         return run_worker(WorkerConfig(master=args.master, device=args.device, threads=threads,
-                                       name=args.name, once=args.once))
+                                       name=args.name, once=args.once, curve=curve))
     if args.command == "report":
         from master.report.command import run_report
 

@@ -90,13 +90,20 @@ def payload_bytes(message: Message) -> int:
 class Cluster:
     endpoint: str
     settings: ClusterSettings = field(default_factory=ClusterSettings)
+    curve: transport.CurveServerKeys | None = None  # None: plain ZMTP (trusted LAN)
 
     def __post_init__(self) -> None:
         self.run_id = uuid.uuid4().hex[:12]
         self.ctx = transport.make_context()
+        self._authenticator: Any = None
+        if self.curve is not None:  # the ZAP handler must run before the socket binds
+            self._authenticator = transport.start_curve_authenticator(
+                self.ctx, self.curve.allowed_client_keys)
         try:
-            self.sock = transport.master_socket(self.ctx, self.endpoint)
+            self.sock = transport.master_socket(self.ctx, self.endpoint, curve=self.curve)
         except zmq.ZMQError as error:
+            if self._authenticator is not None:
+                self._authenticator.stop()
             self.ctx.term()
             raise UserError(f"cannot listen on {self.endpoint}: {error.strerror}; use another "
                             "port or address (e.g. --listen tcp://*:5556)") from None
@@ -312,4 +319,6 @@ class Cluster:
         self.sock.close(linger=200)
         for extra in self.extra_sockets:
             extra.close(linger=0)
+        if self._authenticator is not None:
+            self._authenticator.stop()
         self.ctx.term()

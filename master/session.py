@@ -16,6 +16,7 @@ import numpy as np
 from hetconv.backend import array_module_for
 from hetconv.device_info import describe_device
 from hetconv.errors import UserError
+from hetconv.keys import server_keys
 from hetconv.metrics import MetricsWriter
 from hetconv.model import ModelConfig, conv_layer_shapes
 from hetconv.shard import BlockSettings, ConvShard
@@ -32,7 +33,13 @@ def open_cluster(args: argparse.Namespace, report: Callable[[str], None] = print
         raise UserError("--min-workers must be >= 0")
     if args.no_local and args.min_workers < 1:
         raise UserError("--no-local needs at least one worker (--min-workers 1 or more)")
-    cluster = Cluster(args.listen, ClusterSettings())
+    curve = None
+    if getattr(args, "curve_secret", None) or getattr(args, "curve_allow", None):
+        if not (args.curve_secret and args.curve_allow):
+            raise UserError("CURVE needs both --curve-secret (the master's NAME.key_secret) "
+                            "and --curve-allow (a directory of worker NAME.key files)")
+        curve = server_keys(args.curve_secret, args.curve_allow)
+    cluster = Cluster(args.listen, ClusterSettings(), curve)
     try:
         members = cluster.wait_for_workers(args.min_workers, args.wait, report)
     except BaseException:

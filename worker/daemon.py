@@ -59,6 +59,7 @@ class WorkerConfig:
     hello_backoff_s: tuple[float, float] = (0.25, 5.0)  # first and longest retry delay
     poll_interval_s: float = 0.1
     once: bool = False  # exit after the first run instead of waiting for the next
+    curve: transport.CurveClientKeys | None = None  # None: plain ZMTP (trusted LAN)
 
 
 class WorkerDaemon:
@@ -102,7 +103,8 @@ class WorkerDaemon:
         compute = threading.Thread(target=self._compute_loop, args=(ctx, wake_endpoint),
                                    name="hetconv-compute", daemon=True)
         compute.start()
-        sock = transport.worker_socket(ctx, self.config.master, self.identity)
+        sock = transport.worker_socket(ctx, self.config.master, self.identity,
+                                       curve=self.config.curve)
         log.info("worker %s (%s: %s) connecting to %s", self.worker_id, self.config.device,
                  self.device.get("name"), self.config.master)
         try:
@@ -132,7 +134,10 @@ class WorkerDaemon:
             if not in_session and now >= next_hello:
                 if now - last_waiting_log >= WAITING_LOG_INTERVAL_S:
                     if last_waiting_log:
-                        log.info("no master at %s yet; still trying", cfg.master)
+                        log.info("no master at %s yet; still trying%s", cfg.master,
+                                 " (with CURVE: check that the master allows this "
+                                 "worker's key and that --master-key is the master's)"
+                                 if cfg.curve else "")
                     last_waiting_log = now
                 self._send(sock, Hello(worker_id=self.worker_id, device=self.device,
                                        protocol_version=PROTOCOL_VERSION))
