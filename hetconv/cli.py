@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from hetconv import __version__
 from hetconv.errors import UserError
 
 
@@ -177,8 +178,12 @@ def _add_keygen(sub: Any) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="hetconv", description=__doc__.split("\n\n")[0])
+    parser = _Parser(prog="hetconv", description=(
+        "Train convolutional networks with every conv layer's kernels spread over CPU and "
+        "GPU worker daemons on mismatched machines. Start 'hetconv worker' on each machine, "
+        "'hetconv train --listen' on the master, then read 'hetconv report RUN_DIR'."))
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=f"hetconv {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
     _add_train(sub)
