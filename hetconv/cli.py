@@ -69,6 +69,9 @@ def _add_train(sub: Any) -> None:
                    "'equal' gives every device the same share")
     p.add_argument("--device", default=_env("DEVICE", "cpu"),
                    help="the master's own device: cpu or gpu:N (default cpu)")
+    p.add_argument("--wire-dtype", choices=("float32", "float16"), default="float32",
+                   help="distributed: activations and gradients on the wire; float16 halves "
+                   "the traffic for slow links (computation stays float32)")
     p.add_argument("--data", default=_env("DATA", "fashion-mnist"),
                    choices=("fashion-mnist", "cifar10", "synthetic"), help="dataset")
     p.add_argument("--data-dir", default=_env("DATA_DIR", None),

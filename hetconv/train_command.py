@@ -52,7 +52,7 @@ def _config_record(args: argparse.Namespace, model: ModelConfig) -> dict[str, An
         "lr": args.lr, "momentum": args.momentum, "weight_decay": args.weight_decay,
         "schedule": args.schedule, "seed": args.seed, "threads": args.threads,
         "device": args.device, "listen": args.listen, "min_workers": args.min_workers,
-        "no_local": args.no_local, "split": args.split,
+        "no_local": args.no_local, "split": args.split, "wire_dtype": args.wire_dtype,
     }
 
 

@@ -57,8 +57,10 @@ class DistributedConvStage:
     """A :class:`hetconv.stage.ConvStage` over a :class:`Cluster` and a local shard set."""
 
     def __init__(self, cluster: Cluster, parts: list[list[Part]],
-                 local_shards: dict[int, ConvShard], on_close: Callable[[], None]):
+                 local_shards: dict[int, ConvShard], on_close: Callable[[], None],
+                 wire_dtype: str = "float32"):
         self.cluster = cluster
+        self.wire_dtype = np.dtype(wire_dtype)  # activations and gradients on the wire
         self.parts = parts  # parts[layer] in kernel order, empty ranges included
         self.local_shards = local_shards
         self._on_close = on_close
@@ -161,9 +163,10 @@ class DistributedConvStage:
     # --- the ConvStage interface --------------------------------------------------------------
     def forward(self, layer: int, x: np.ndarray, train: bool, step: int) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)
+        wire_x = x.astype(self.wire_dtype, copy=False)
         parts = [p for p in self.parts[layer] if p.kernels > 0]
         requests = [(p, ForwardRequest(request_id=self.cluster.request_id(), step=step,
-                                       layer=layer, attempt=0, train=train, x=x))
+                                       layer=layer, attempt=0, train=train, x=wire_x))
                     for p in parts if p.worker is not None]
         shard = self.local_shards.get(layer)
         local = (lambda: shard.forward(x, train)) if shard is not None and shard.kernels else None
@@ -183,7 +186,8 @@ class DistributedConvStage:
                 results.append((part, forward.compute_s, reply.received_at,
                                 sent[part.device], reply.payload_bytes))
         self._account(layer, "forward", started, local_done, results, train)
-        return np.concatenate(outputs, axis=1) if len(outputs) > 1 else np.asarray(outputs[0])
+        joined = np.concatenate(outputs, axis=1) if len(outputs) > 1 else outputs[0]
+        return np.asarray(joined, dtype=np.float32)
 
     def backward(self, layer: int, dy: np.ndarray, need_dx: bool, learning_rate: float,
                  step: int) -> np.ndarray | None:
@@ -191,7 +195,7 @@ class DistributedConvStage:
         requests = [(p, BackwardRequest(request_id=self.cluster.request_id(), step=step,
                                         layer=layer, attempt=0, learning_rate=learning_rate,
                                         dy=np.ascontiguousarray(dy[:, p.start:p.stop],
-                                                                dtype=np.float32)))
+                                                                dtype=self.wire_dtype)))
                     for p in parts if p.worker is not None]
         shard = self.local_shards.get(layer)
         local: Callable[[], Any] | None = None

@@ -119,4 +119,5 @@ def open_distributed_stage(args: argparse.Namespace, model: ModelConfig,
         cluster.end_run("training finished")
         cluster.close()
 
-    return DistributedConvStage(cluster, plan, local, finish)
+    return DistributedConvStage(cluster, plan, local, finish,
+                                wire_dtype=getattr(args, "wire_dtype", "float32"))

@@ -45,6 +45,14 @@ class RequestError(Exception):
         self.code = code
 
 
+WIRE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
+
+
+def _check_wire_dtype(array: np.ndarray, name: str) -> None:
+    if array.dtype not in WIRE_DTYPES:
+        raise RequestError("bad_request", f"{name} must be float32 or float16, got {array.dtype}")
+
+
 class WorkerService:
     """Serves compute requests for one device (``cpu`` or ``gpu:N``)."""
 
@@ -120,16 +128,17 @@ class WorkerService:
     def _forward(self, request: ForwardRequest) -> ForwardReply:
         shard = self._shard(request.layer)
         x = request.x
+        _check_wire_dtype(x, "x")
         if x.ndim != 4 or x.shape[1] != shard.state["weight"].shape[1]:
             raise RequestError("bad_request", f"layer {request.layer}: input of shape "
                                f"{tuple(x.shape)} does not match the shard's weights")
         start = time.perf_counter()
-        y = shard.forward(to_module(x, self.xp), request.train)
+        y = shard.forward(to_module(x.astype(np.float32, copy=False), self.xp), request.train)
         synchronize(self.xp)
         compute_s = time.perf_counter() - start
         return ForwardReply(request_id=request.request_id, step=request.step,
                             layer=request.layer, attempt=request.attempt, compute_s=compute_s,
-                            y=np.ascontiguousarray(to_numpy(y)))
+                            y=np.ascontiguousarray(to_numpy(y), dtype=x.dtype))
 
     def _backward(self, request: BackwardRequest) -> BackwardReply:
         shard = self._shard(request.layer)
@@ -139,13 +148,17 @@ class WorkerService:
                                f"already applied (last {last}); a duplicate update is refused")
         need_dx = self.need_dx.get(request.layer, True)
         start = time.perf_counter()
-        dx: Any = shard.backward(to_module(request.dy, self.xp), need_dx, request.learning_rate)
+        _check_wire_dtype(request.dy, "dy")
+        wire = request.dy.dtype  # answer in the dtype the master chose for the wire
+        dy = to_module(request.dy.astype(np.float32, copy=False), self.xp)
+        dx: Any = shard.backward(dy, need_dx, request.learning_rate)
         self.last_step[request.layer] = request.step
         synchronize(self.xp)
         compute_s = time.perf_counter() - start
         return BackwardReply(request_id=request.request_id, step=request.step,
                              layer=request.layer, attempt=request.attempt, compute_s=compute_s,
-                             dx=None if dx is None else np.ascontiguousarray(to_numpy(dx)))
+                             dx=None if dx is None else np.ascontiguousarray(to_numpy(dx),
+                                                                             dtype=wire))
 
     def _snapshot(self, request: SnapshotRequest) -> SnapshotReply:
         shard = self._shard(request.layer)

@@ -171,3 +171,23 @@ def test_worker_without_master_keeps_trying_and_stops_on_sigterm(endpoint: str,
     assert worker.process.wait(5) == 0
     assert time.monotonic() - start < 2.0
     assert "connecting to" in worker.output()
+
+
+@pytest.mark.timeout(120)
+def test_float16_on_the_wire_halves_traffic_and_still_trains(endpoint: str, workers: Any,
+                                                              tmp_path: Path,
+                                                              local_reference: Path) -> None:
+    workers("w1", "w2")
+    run_dir = tmp_path / "fp16"
+    result = run_hetconv("train", "--listen", endpoint, "--min-workers", "2", "--wait", "30",
+                         "--wire-dtype", "float16", *SMALL_RUN, "--run-dir", str(run_dir))
+    assert result.returncode == 0, result.stderr
+    local, half = step_losses(local_reference), step_losses(run_dir)
+    np.testing.assert_allclose(half[:20], local[:20], rtol=2e-2)  # fp16 rounding, no more
+    assert abs(epoch_records(run_dir)[0]["test_accuracy"]
+               - epoch_records(local_reference)[0]["test_accuracy"]) <= 0.02
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    step = next(r for r in records if r["type"] == "step" and r["step"] == 1)
+    first = next(d for d in step["layers"][0]["devices"] if d["device"] != "master")
+    layer_input = 64 * 1 * 28 * 28  # batch 64 of 1x28x28 images
+    assert first["bytes_sent"] == layer_input * 2 + 64 * first["kernels"] * 12 * 12 * 2

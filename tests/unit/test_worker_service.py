@@ -93,3 +93,17 @@ def test_a_duplicate_update_is_refused() -> None:
                                                attempt=0, learning_rate=0.1,
                                                dy=np.ones((1, 3, 6, 6), np.float32)))
         assert isinstance(reply, ErrorReply) == expect_error
+
+
+def test_wire_dtypes() -> None:
+    service = WorkerService("cpu")
+    service.handle(assign())
+    half = service.handle(ForwardRequest(request_id=40, step=0, layer=0, attempt=0, train=True,
+                                         x=np.ones((1, 3, 16, 16), np.float16)))
+    assert isinstance(half, ForwardReply) and half.y.dtype == np.float16
+    back = service.handle(BackwardRequest(request_id=41, step=0, layer=0, attempt=0,
+                                          learning_rate=0.1, dy=np.ones((1, 3, 6, 6), np.float16)))
+    assert isinstance(back, BackwardReply)
+    bad = service.handle(ForwardRequest(request_id=42, step=1, layer=0, attempt=0, train=True,
+                                        x=np.ones((1, 3, 16, 16), np.int32)))
+    assert isinstance(bad, ErrorReply) and "float32 or float16" in bad.message
