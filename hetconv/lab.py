@@ -1,13 +1,17 @@
-"""A LAN of unequal machines on one host: local worker processes and CPU quotas.
+"""A LAN of unequal machines on one host: local worker processes, CPU quotas, links.
 
 Used by the integration tests and by ``hetconv bench split``. Worker daemons run
 as real subprocesses (``python -m hetconv.cli worker``), optionally inside a
 cgroup v1 CPU quota (``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``) so one of them
-runs at, say, 30% of a core. Everything started here is stopped on exit.
+runs at, say, 30% of a core, and optionally inside a network namespace joined to
+the host by a veth pair with a ``tc tbf`` bandwidth cap (:class:`LanHost`), so
+their traffic crosses a real, slower link. Everything started here is stopped and
+removed on exit.
 """
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -69,17 +73,76 @@ class CpuQuota:
             pass
 
 
+def netns_unavailable_reason() -> str | None:
+    """Why network namespaces with veth links cannot be made here, or None."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "iproute2 (ip, tc) is not installed"
+    probe = f"hcprobe{os.getpid() % 100000}"
+    result = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True,
+                            check=False)
+    if result.returncode != 0:
+        return f"ip netns add failed: {result.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True, check=False)
+    return None
+
+
+class LanHost:
+    """A network namespace reached from the host over a veth pair at ``rate``.
+
+    The host side gets ``10.77.<index>.1``, the namespace ``10.77.<index>.2``; both
+    directions are capped with ``tc tbf`` when ``rate`` (e.g. ``"200mbit"``) is given.
+    """
+
+    def __init__(self, index: int, rate: str | None = None):
+        if not 1 <= index <= 250:
+            raise ValueError("index must be within 1..250")
+        tag = f"{os.getpid() % 10000}x{index}"
+        self.netns, self.host_if, self.peer_if = f"hc{tag}", f"hch{tag}", f"hcp{tag}"
+        self.host_address, self.address = f"10.77.{index}.1", f"10.77.{index}.2"
+        commands = [
+            ["ip", "netns", "add", self.netns],
+            ["ip", "link", "add", self.host_if, "type", "veth", "peer", "name", self.peer_if],
+            ["ip", "link", "set", self.peer_if, "netns", self.netns],
+            ["ip", "addr", "add", f"{self.host_address}/24", "dev", self.host_if],
+            ["ip", "link", "set", self.host_if, "up"],
+            ["ip", "netns", "exec", self.netns, "ip", "addr", "add", f"{self.address}/24",
+             "dev", self.peer_if],
+            ["ip", "netns", "exec", self.netns, "ip", "link", "set", self.peer_if, "up"],
+            ["ip", "netns", "exec", self.netns, "ip", "link", "set", "lo", "up"],
+        ]
+        if rate:
+            tbf = ["root", "tbf", "rate", rate, "burst", "256kb", "latency", "100ms"]
+            commands += [["tc", "qdisc", "add", "dev", self.host_if, *tbf],
+                         ["ip", "netns", "exec", self.netns, "tc", "qdisc", "add", "dev",
+                          self.peer_if, *tbf]]
+        try:
+            for command in commands:
+                subprocess.run(command, capture_output=True, text=True, check=True)
+        except subprocess.CalledProcessError as error:
+            self.remove()
+            raise RuntimeError(f"{' '.join(error.cmd)}: {error.stderr.strip()}") from None
+
+    def remove(self) -> None:
+        subprocess.run(["ip", "link", "del", self.host_if], capture_output=True, check=False)
+        subprocess.run(["ip", "netns", "del", self.netns], capture_output=True, check=False)
+
+
 class LocalWorker:
     """One ``hetconv worker`` subprocess; ``stop()`` always ends it."""
 
     def __init__(self, master: str, name: str, threads: int = 1, cpu_fraction: float | None = None,
-                 log_path: Path | None = None, extra_args: tuple[str, ...] = ()):
+                 log_path: Path | None = None, extra_args: tuple[str, ...] = (),
+                 netns: str | None = None):
         self.name = name
         self.quota = CpuQuota(cpu_fraction) if cpu_fraction is not None else None
         self.log_path = log_path
         self._log: IO[bytes] | int = open(log_path, "wb") if log_path else subprocess.DEVNULL
         command = [sys.executable, "-m", "hetconv.cli", "worker", "--master", master,
                    "--threads", str(threads), "--name", name, *extra_args]
+        if netns is not None:  # run it on the emulated LAN host
+            command = ["ip", "netns", "exec", netns, *command]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads)}
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
                                         env=env)

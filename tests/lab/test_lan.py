@@ -1,0 +1,53 @@
+"""Workers on other 'machines': network namespaces joined by bandwidth-capped veth links."""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hetconv.lab import LanHost, LocalWorkers, free_port, netns_unavailable_reason
+from tests.conftest import SMALL_RUN, epoch_records, run_hetconv, step_losses
+
+pytestmark = [pytest.mark.lab, pytest.mark.integration]
+REASON = netns_unavailable_reason()
+
+
+@pytest.fixture
+def lan() -> Iterator[list[LanHost]]:
+    hosts: list[LanHost] = []
+    try:
+        hosts = [LanHost(1, rate="200mbit"), LanHost(2, rate="100mbit")]
+        yield hosts
+    finally:
+        for host in hosts:
+            host.remove()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(REASON is not None, reason=f"cannot emulate a LAN here: {REASON}")
+def test_training_over_capped_links_reproduces_the_local_run(
+        lan: list[LanHost], tmp_path: Path, local_reference: Path) -> None:
+    port = free_port()
+    specs = [{"name": f"lan{index}", "netns": host.netns} for index, host in enumerate(lan)]
+    groups = [LocalWorkers(f"tcp://{host.host_address}:{port}", [spec], log_dir=tmp_path)
+              for host, spec in zip(lan, specs)]
+    try:
+        for group in groups:
+            group.__enter__()
+        run_dir = tmp_path / "run"
+        result = run_hetconv("train", "--listen", f"tcp://*:{port}", "--min-workers", "2",
+                             "--wait", "30", *SMALL_RUN, "--run-dir", str(run_dir))
+    finally:
+        for group in groups:
+            group.__exit__()
+    assert result.returncode == 0, result.stderr
+    np.testing.assert_allclose(step_losses(run_dir)[:100], step_losses(local_reference)[:100],
+                               rtol=1e-4)
+    assert abs(epoch_records(run_dir)[0]["test_accuracy"]
+               - epoch_records(local_reference)[0]["test_accuracy"]) <= 0.005
+    devices = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+               if '"type":"devices"' in line][0]["devices"]
+    assert {d["id"] for d in devices} == {"master", "lan0", "lan1"}
