@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 from hetconv.backend import ArrayModule, synchronize
-from hetconv.ops.block import conv_block_backward, conv_block_forward
+from hetconv.ops.conv_layer import conv_layer_backward, conv_layer_forward
 
 
 def time_block(batch: int, in_channels: int, height: int, width: int, kernels: int,
@@ -40,9 +40,9 @@ def time_block(batch: int, in_channels: int, height: int, width: int, kernels: i
     while attempt <= repeats or (sum(times) < min_total_s and len(times) < max_repeats):
         synchronize(xp)
         start = time.perf_counter()
-        y, cache, _, _ = conv_block_forward(x, w, gamma, beta, mean, var, True,
+        y, cache, _, _ = conv_layer_forward(x, w, gamma, beta, mean, var, True,
                                             stride=stride, padding=padding)
-        conv_block_backward(cache, xp.ones_like(y), need_dx)
+        conv_layer_backward(cache, xp.ones_like(y), need_dx)
         synchronize(xp)
         if attempt:  # the first run warms caches and allocators
             times.append(time.perf_counter() - start)

@@ -16,7 +16,7 @@ from pathlib import Path
 import zmq.auth
 
 from hetconv.errors import UserError
-from protocol.transport import CurveClientKeys, CurveServerKeys
+from hetconv.protocol.transport import CurveClientKeys, CurveServerKeys
 
 
 def create_keypair(directory: str | Path, name: str) -> tuple[Path, Path]:

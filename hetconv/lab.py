@@ -1,7 +1,7 @@
 """A LAN of unequal machines on one host: local worker processes, CPU quotas, links.
 
 Used by the integration tests and by ``hetconv bench split``. Worker daemons run
-as real subprocesses (``python -m hetconv.cli worker``), optionally inside a
+as real subprocesses (``python -m hetconv worker``), optionally inside a
 cgroup v1 CPU quota (``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``) so one of them
 runs at, say, 30% of a core, and optionally inside a network namespace joined to
 the host by a veth pair with a ``tc tbf`` bandwidth cap (:class:`LanHost`), so
@@ -139,7 +139,7 @@ class LocalWorker:
         self.quota = CpuQuota(cpu_fraction) if cpu_fraction is not None else None
         self.log_path = log_path
         self._log: IO[bytes] | int = open(log_path, "wb") if log_path else subprocess.DEVNULL
-        command = [sys.executable, "-m", "hetconv.cli", "worker", "--master", master,
+        command = [sys.executable, "-m", "hetconv", "worker", "--master", master,
                    "--threads", str(threads), "--name", name, *extra_args]
         if netns is not None:  # run it on the emulated LAN host
             command = ["ip", "netns", "exec", netns, *command]

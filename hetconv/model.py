@@ -1,15 +1,13 @@
-"""The paper's network, described as data: conv blocks then one dense layer.
+"""The paper's network, described as data: conv layers then one dense layer.
 
-A conv block is ``conv kxk -> batch norm -> ReLU -> max pool 2x2`` (section 5.2 of
+A conv layer is ``conv kxk -> batch norm -> ReLU -> max pool 2x2`` (section 5.2 of
 the paper, with batch norm as the per-channel normalization). After the blocks come
 a fully connected layer and a softmax loss. :func:`parse_arch` turns ``--arch
 50:500`` into kernel counts, :func:`conv_layer_shapes` derives every block's
 input/output shape, and :func:`init_parameters` draws seeded He-initialised
 weights, so the same seed always gives the same network.
 
-Parameter names: ``conv{i}.weight`` (K, C, k, k), ``conv{i}.gamma`` (K,),
-``conv{i}.beta`` (K,), ``conv{i}.running_mean`` (K,), ``conv{i}.running_var`` (K,),
-``fc.weight`` (classes, features), ``fc.bias`` (classes,).
+Parameter names: see :mod:`hetconv.names`.
 """
 from __future__ import annotations
 
@@ -18,14 +16,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from hetconv.errors import UserError
-
-BLOCK_PARAMETERS = ("weight", "gamma", "beta", "running_mean", "running_var")
-TRAINABLE_BLOCK_PARAMETERS = ("weight", "gamma", "beta")
+from hetconv.names import DENSE_BIAS, DENSE_WEIGHT, PARAMETER_NAMES, layer_key
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """What the network looks like: kernels per conv block, kernel size, input."""
+    """What the network looks like: kernels per conv layer, kernel size, input."""
 
     conv_kernels: tuple[int, ...]
     input_shape: tuple[int, int, int]  # (channels, height, width)
@@ -38,7 +34,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class ConvLayerShape:
-    """Shapes of one conv block for a single image (multiply by the batch)."""
+    """Shapes of one conv layer for a single image (multiply by the batch)."""
 
     index: int
     in_channels: int
@@ -65,7 +61,7 @@ class ConvLayerShape:
 
 
 def parse_arch(text: str) -> tuple[int, ...]:
-    """``"50:500"`` -> ``(50, 500)``: kernels of each conv block, in order."""
+    """``"50:500"`` -> ``(50, 500)``: kernels of each conv layer, in order."""
     parts = text.split(":")
     try:
         kernels = tuple(int(p) for p in parts)
@@ -85,7 +81,7 @@ def conv_layer_shapes(config: ModelConfig) -> list[ConvLayerShape]:
         conv_h, conv_w = height + 2 * p - k + 1, width + 2 * p - k + 1
         if conv_h < 2 or conv_w < 2:
             raise UserError(
-                f"conv block {index + 1} gets a {height}x{width} input, too small for a "
+                f"conv layer {index + 1} gets a {height}x{width} input, too small for a "
                 f"{k}x{k} kernel and 2x2 pooling; use fewer blocks, --padding or a smaller --kernel-size"
             )
         shapes.append(ConvLayerShape(index, channels, height, width, kernels, k, p,
@@ -108,19 +104,19 @@ def init_parameters(config: ModelConfig, seed: int) -> dict[str, np.ndarray]:
         fan_in = shape.in_channels * shape.kernel_size**2
         w = rng.standard_normal((shape.kernels, shape.in_channels, shape.kernel_size,
                                  shape.kernel_size)) * np.sqrt(2.0 / fan_in)
-        name = f"conv{shape.index}"
-        params[f"{name}.weight"] = w.astype(np.float32)
-        params[f"{name}.gamma"] = np.ones(shape.kernels, np.float32)
-        params[f"{name}.beta"] = np.zeros(shape.kernels, np.float32)
-        params[f"{name}.running_mean"] = np.zeros(shape.kernels, np.float32)
-        params[f"{name}.running_var"] = np.ones(shape.kernels, np.float32)
+        i = shape.index
+        params[layer_key(i, "weight")] = w.astype(np.float32)
+        params[layer_key(i, "gamma")] = np.ones(shape.kernels, np.float32)
+        params[layer_key(i, "beta")] = np.zeros(shape.kernels, np.float32)
+        params[layer_key(i, "running_mean")] = np.zeros(shape.kernels, np.float32)
+        params[layer_key(i, "running_var")] = np.ones(shape.kernels, np.float32)
     features = dense_features(config)
     fc = rng.standard_normal((config.classes, features)) * np.sqrt(1.0 / features)
-    params["fc.weight"] = fc.astype(np.float32)
-    params["fc.bias"] = np.zeros(config.classes, np.float32)
+    params[DENSE_WEIGHT] = fc.astype(np.float32)
+    params[DENSE_BIAS] = np.zeros(config.classes, np.float32)
     return params
 
 
-def block_parameters(params: dict[str, np.ndarray], layer: int) -> dict[str, np.ndarray]:
-    """The five arrays of conv block ``layer`` keyed by their short names."""
-    return {name: params[f"conv{layer}.{name}"] for name in BLOCK_PARAMETERS}
+def layer_parameters(params: dict[str, np.ndarray], layer: int) -> dict[str, np.ndarray]:
+    """The five arrays of conv layer ``layer`` keyed by their short names."""
+    return {name: params[layer_key(layer, name)] for name in PARAMETER_NAMES}

@@ -1,4 +1,4 @@
-"""A conv block's kernel shard: the parameters a device keeps between batches.
+"""A conv layer's kernel shard: the parameters a device keeps between batches.
 
 A device that owns kernels ``kernel_start..kernel_stop-1`` of a block holds their
 weights, batch-norm parameters and running statistics plus the SGD velocities
@@ -16,16 +16,14 @@ from typing import Any
 import numpy as np
 
 from hetconv.backend import ArrayModule, to_module, to_numpy
-from hetconv.ops.block import conv_block_backward, conv_block_forward
+from hetconv.names import PARAMETER_NAMES, TRAINABLE_NAMES, velocity_name
+from hetconv.ops.conv_layer import conv_layer_backward, conv_layer_forward
 from hetconv.optim import sgd_update
-
-STATE_NAMES = ("weight", "gamma", "beta", "running_mean", "running_var",
-               "velocity_weight", "velocity_gamma", "velocity_beta")
 
 
 @dataclass(frozen=True)
-class BlockSettings:
-    """Per-block hyper-parameters shared by every shard of the block."""
+class LayerSettings:
+    """Per-layer hyper-parameters shared by every shard of the layer."""
 
     stride: int = 1
     padding: int = 0
@@ -36,14 +34,14 @@ class BlockSettings:
 
 
 class ConvShard:
-    """Kernels [kernel_start, kernel_stop) of one conv block on one device.
+    """Kernels [kernel_start, kernel_stop) of one conv layer on one device.
 
     Arrays: weight (K, C, k, k); gamma, beta, running_mean, running_var (K,);
     velocities shaped like the trainable arrays. K may be 0 (an empty share).
     """
 
     def __init__(self, layer: int, kernel_start: int, kernel_stop: int,
-                 settings: BlockSettings, state: dict[str, Any], xp: ArrayModule = np):
+                 settings: LayerSettings, state: dict[str, Any], xp: ArrayModule = np):
         self.layer = layer
         self.kernel_start = kernel_start
         self.kernel_stop = kernel_stop
@@ -51,14 +49,14 @@ class ConvShard:
         self.xp = xp
         kernels = kernel_stop - kernel_start
         self.state: dict[str, Any] = {}
-        for name in STATE_NAMES[:5]:
+        for name in PARAMETER_NAMES:
             array = to_module(np.ascontiguousarray(state[name], dtype=np.float32), xp)
             if array.shape[0] != kernels:
                 raise ValueError(f"{name} has {array.shape[0]} kernels, expected {kernels}")
             self.state[name] = array.copy()
-        for name in ("weight", "gamma", "beta"):
-            velocity = state.get(f"velocity_{name}")
-            self.state[f"velocity_{name}"] = (
+        for name in TRAINABLE_NAMES:
+            velocity = state.get(velocity_name(name))
+            self.state[velocity_name(name)] = (
                 xp.zeros_like(self.state[name]) if velocity is None
                 else to_module(np.array(velocity, dtype=np.float32), xp))
         self._cache: Any = None
@@ -70,7 +68,7 @@ class ConvShard:
     def forward(self, x: Any, train: bool) -> Any:
         """x (B, C, H, W) -> pooled block output (B, K, H', W'); keeps the cache when training."""
         s = self.state
-        y, cache, mean, var = conv_block_forward(
+        y, cache, mean, var = conv_layer_forward(
             x, s["weight"], s["gamma"], s["beta"], s["running_mean"], s["running_var"],
             train, stride=self.settings.stride, padding=self.settings.padding,
             bn_momentum=self.settings.bn_momentum, bn_eps=self.settings.bn_eps)
@@ -83,7 +81,7 @@ class ConvShard:
         """dy (B, K, H', W') -> partial dx (B, C, H, W) or None; updates parameters in place."""
         if self._cache is None:
             raise RuntimeError(f"layer {self.layer}: backward without a training forward")
-        dx, dweight, dgamma, dbeta = conv_block_backward(self._cache, dy, need_dx)
+        dx, dweight, dgamma, dbeta = conv_layer_backward(self._cache, dy, need_dx)
         self._cache = None
         s, cfg = self.state, self.settings
         sgd_update(s["weight"], dweight, s["velocity_weight"], learning_rate,

@@ -1,6 +1,6 @@
-"""The conv stage: where a network's conv blocks run.
+"""The conv stage: where a network's conv layers run.
 
-The trainer talks to its conv blocks only through the :class:`ConvStage`
+The trainer talks to its conv layers only through the :class:`ConvStage`
 interface, so the same training loop runs them on the master's own device
 (:class:`LocalConvStage`, here) or spread over worker daemons (the distributed
 stage in ``master/``). Inputs and outputs cross this interface as host numpy
@@ -14,12 +14,14 @@ from typing import Any, Protocol
 import numpy as np
 
 from hetconv.backend import array_module_for, on_device, synchronize, to_module, to_numpy
-from hetconv.model import BLOCK_PARAMETERS, ModelConfig, block_parameters, conv_layer_shapes
-from hetconv.shard import BlockSettings, ConvShard
+from hetconv.config import MASTER_PARTICIPANT
+from hetconv.model import ModelConfig, conv_layer_shapes, layer_parameters
+from hetconv.names import PARAMETER_NAMES, layer_key, split_key
+from hetconv.shard import ConvShard, LayerSettings
 
 
 class ConvStage(Protocol):
-    """What the trainer needs from whatever runs the conv blocks."""
+    """What the trainer needs from whatever runs the conv layers."""
 
     def forward(self, layer: int, x: np.ndarray, train: bool, step: int) -> np.ndarray: ...
 
@@ -36,29 +38,29 @@ class ConvStage(Protocol):
     def close(self) -> None: ...
 
 
-def block_settings(model: ModelConfig, momentum: float, weight_decay: float) -> BlockSettings:
-    return BlockSettings(stride=1, padding=model.padding, bn_momentum=model.bn_momentum,
+def layer_settings(model: ModelConfig, momentum: float, weight_decay: float) -> LayerSettings:
+    return LayerSettings(stride=1, padding=model.padding, bn_momentum=model.bn_momentum,
                          bn_eps=model.bn_eps, momentum=momentum, weight_decay=weight_decay)
 
 
 class LocalConvStage:
-    """Every conv block whole on the master's own device (``cpu`` or ``gpu:N``)."""
+    """Every conv layer whole on the master's own device (``cpu`` or ``gpu:N``)."""
 
     def __init__(self, model: ModelConfig, params: dict[str, np.ndarray],
-                 settings: BlockSettings, device: str = "cpu"):
+                 settings: LayerSettings, device: str = "cpu"):
         self.device = device
         self.xp = array_module_for(device)
         with on_device(device):
             self.shards = [
                 ConvShard(shape.index, 0, shape.kernels, settings,
-                          block_parameters(params, shape.index), self.xp)
+                          layer_parameters(params, shape.index), self.xp)
                 for shape in conv_layer_shapes(model)
             ]
         self._timings: dict[int, dict[str, Any]] = {}
 
     def _record(self, layer: int, key: str, seconds: float) -> None:
         entry = self._timings.setdefault(layer, {
-            "device": "master", "kernels": self.shards[layer].kernels, "forward_s": 0.0,
+            "device": MASTER_PARTICIPANT, "kernels": self.shards[layer].kernels, "forward_s": 0.0,
             "backward_s": 0.0, "wait_s": 0.0, "bytes_sent": 0, "bytes_received": 0})
         entry[key] += seconds
 
@@ -93,7 +95,7 @@ class LocalConvStage:
         for shard in self.shards:
             state = shard.snapshot()
             for name, value in state.items():
-                out[f"conv{shard.layer}.{name}"] = value
+                out[layer_key(shard.layer, name)] = value
         return out
 
     def close(self) -> None:
@@ -103,6 +105,7 @@ class LocalConvStage:
 def split_snapshot(snapshot: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray],
                                                              dict[str, np.ndarray]]:
     """(model parameters, optimizer velocities) from a stage snapshot."""
-    params = {k: v for k, v in snapshot.items() if k.rsplit(".", 1)[1] in BLOCK_PARAMETERS}
+    params = {k: v for k, v in snapshot.items()
+              if (parsed := split_key(k)) is not None and parsed[1] in PARAMETER_NAMES}
     velocities = {k: v for k, v in snapshot.items() if k not in params}
     return params, velocities

@@ -1,4 +1,4 @@
-"""The training loop: conv blocks through a :class:`ConvStage`, dense part here.
+"""The training loop: conv layers through a :class:`ConvStage`, dense part here.
 
 One step: the conv stage runs every block forward; the master flattens the last
 block output, runs the fully connected layer and the softmax loss, back-propagates

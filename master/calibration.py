@@ -16,26 +16,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from hetconv.calibration import time_block
+from hetconv.master.cluster import Cluster, WorkerHandle
+from hetconv.master.plan import Participant
 from hetconv.model import ConvLayerShape
-from hetconv.partition import (
-    balanced_counts,
-    equal_counts,
-    fit_affine,
-    kernel_counts,
-    kernel_ranges,
-)
-from master.cluster import Cluster, WorkerHandle
-from master.offload import MASTER, Part
-from protocol import CalibrateReply, CalibrateRequest
+from hetconv.partition import fit_affine
+from hetconv.protocol import CalibrateReply, CalibrateRequest
 
 CALIBRATION_REPEATS = 2
-
-
-@dataclass(frozen=True)
-class Participant:
-    device: str  # "master" or the worker id
-    worker: WorkerHandle | None
-    description: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -94,58 +81,6 @@ def calibrate(cluster: Cluster, participants: list[Participant], shapes: list[Co
         results.append(LayerCalibration(shape.index, kernels, seconds, small, small_seconds))
         report(f"hetconv: calibrated layer {shape.index + 1} ({shape.kernels} kernels; "
                f"{kernels} / {small} per device timed): " + ", ".join(
-                   f"{p.device} {s * 1000:.1f} / {t * 1000:.1f} ms"
+                   f"{p.participant} {s * 1000:.1f} / {t * 1000:.1f} ms"
                    for p, s, t in zip(participants, seconds, small_seconds)))
     return results
-
-
-SPLIT_MODES = ("model", "calibrated", "equal")
-
-
-def layer_counts(mode: str, calibration: LayerCalibration, kernels: int) -> list[int]:
-    """Kernels per participant for one layer.
-
-    ``model``: equal finish times under each device's fitted fixed + per-kernel cost;
-    ``calibrated``: the paper's equation (1) on the equal-share timings;
-    ``equal``: the same number for everyone.
-    """
-    if mode == "model":
-        return balanced_counts(calibration.cost_models(), kernels)
-    if mode == "calibrated":
-        return kernel_counts(calibration.seconds, kernels)
-    if mode == "equal":
-        return equal_counts(len(calibration.seconds), kernels)
-    raise ValueError(f"unknown split {mode!r}: choose from {', '.join(SPLIT_MODES)}")
-
-
-def split_layers(participants: list[Participant], shapes: list[ConvLayerShape],
-                 calibration: list[LayerCalibration], mode: str) -> list[list[Part]]:
-    """Kernel ranges per layer per participant (see :func:`layer_counts`)."""
-    plan = []
-    for shape, cal in zip(shapes, calibration):
-        counts = layer_counts(mode, cal, shape.kernels)
-        plan.append([Part(p.device, p.worker, start, stop)
-                     for p, (start, stop) in zip(participants, kernel_ranges(counts))])
-    return plan
-
-
-def format_split(plan: list[list[Part]], shapes: list[ConvLayerShape]) -> list[str]:
-    """Human-readable lines: the kernels each device got per layer."""
-    lines = []
-    for shape, parts in zip(shapes, plan):
-        cells = ", ".join(f"{p.device} {p.kernels} ({100 * p.kernels / shape.kernels:.0f}%)"
-                          for p in parts)
-        lines.append(f"hetconv: layer {shape.index + 1} split of {shape.kernels} kernels: {cells}")
-    return lines
-
-
-__all__ = [
-    "MASTER",
-    "SPLIT_MODES",
-    "LayerCalibration",
-    "Participant",
-    "calibrate",
-    "format_split",
-    "layer_counts",
-    "split_layers",
-]

@@ -21,7 +21,7 @@ import numpy as np
 import zmq
 
 from hetconv.errors import UserError
-from protocol import (
+from hetconv.protocol import (
     PROTOCOL_VERSION,
     Ack,
     EndRun,

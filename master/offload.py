@@ -1,4 +1,4 @@
-"""The distributed conv stage: every conv block's kernels spread over devices.
+"""The distributed conv stage: every conv layer's kernels spread over devices.
 
 For each block the kernels are cut into consecutive ranges, one per participant
 (the master's own device first, then the workers in a fixed order). Forward: the
@@ -21,25 +21,17 @@ from typing import Any
 import numpy as np
 import zmq
 
-from hetconv.shard import STATE_NAMES, ConvShard
-from master.cluster import Cluster, Reply, WorkerHandle, WorkerLost
-from protocol import BackwardReply, BackwardRequest, ForwardReply, ForwardRequest, SnapshotRequest
-
-MASTER = "master"
-
-
-@dataclass(frozen=True)
-class Part:
-    """Kernels [start, stop) of one block on one participant (worker None = master)."""
-
-    device: str
-    worker: WorkerHandle | None
-    start: int
-    stop: int
-
-    @property
-    def kernels(self) -> int:
-        return self.stop - self.start
+from hetconv.master.cluster import Cluster, Reply, WorkerHandle, WorkerLost
+from hetconv.master.plan import Shard
+from hetconv.names import STATE_NAMES, layer_key
+from hetconv.protocol import (
+    BackwardReply,
+    BackwardRequest,
+    ForwardReply,
+    ForwardRequest,
+    SnapshotRequest,
+)
+from hetconv.shard import ConvShard
 
 
 @dataclass
@@ -56,12 +48,12 @@ class LocalJob:
 class DistributedConvStage:
     """A :class:`hetconv.stage.ConvStage` over a :class:`Cluster` and a local shard set."""
 
-    def __init__(self, cluster: Cluster, parts: list[list[Part]],
+    def __init__(self, cluster: Cluster, shards: list[list[Shard]],
                  local_shards: dict[int, ConvShard], on_close: Callable[[], None],
                  wire_dtype: str = "float32"):
         self.cluster = cluster
         self.wire_dtype = np.dtype(wire_dtype)  # activations and gradients on the wire
-        self.parts = parts  # parts[layer] in kernel order, empty ranges included
+        self.shards = shards  # shards[layer] in kernel order, empty ranges included
         self.local_shards = local_shards
         self._on_close = on_close
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hetconv-local")
@@ -102,43 +94,44 @@ class DistributedConvStage:
         return job
 
     # --- bookkeeping -------------------------------------------------------------------
-    def _entry(self, layer: int, part: Part) -> dict[str, Any]:
+    def _entry(self, layer: int, shard: Shard) -> dict[str, Any]:
         devices = self._timings.setdefault(layer, {})
-        return devices.setdefault(part.device, {
-            "device": part.device, "kernels": part.kernels, "forward_s": 0.0, "backward_s": 0.0,
+        return devices.setdefault(shard.participant, {
+            "device": shard.participant, "kernels": shard.kernels, "forward_s": 0.0,
+            "backward_s": 0.0,
             "wait_s": 0.0, "forward_latency_s": 0.0, "backward_latency_s": 0.0,
             "bytes_sent": 0, "bytes_received": 0})
 
     def _account(self, layer: int, phase: str, started: float, local_done: float,
-                 results: list[tuple[Part, float, float, int, int]], record: bool) -> None:
-        """results: (part, compute_s, arrival monotonic, bytes_sent, bytes_received)."""
+                 results: list[tuple[Shard, float, float, int, int]], record: bool) -> None:
+        """results: (shard, compute_s, arrival monotonic, bytes_sent, bytes_received)."""
         if not record:
             return
         wall = time.monotonic() - started
         slowest = 0.0
-        for part, compute_s, arrival, sent, received in results:
-            entry = self._entry(layer, part)
+        for shard, compute_s, arrival, sent, received in results:
+            entry = self._entry(layer, shard)
             entry[f"{phase}_s"] += compute_s
             entry[f"{phase}_latency_s"] += arrival - started
-            entry["wait_s"] += max(0.0, arrival - local_done) if part.worker else 0.0
+            entry["wait_s"] += max(0.0, arrival - local_done) if shard.worker else 0.0
             entry["bytes_sent"] += sent
             entry["bytes_received"] += received
             slowest = max(slowest, compute_s)
         self._comm_s += max(0.0, wall - slowest)
 
-    def _exchange(self, layer: int, what: str, requests: list[tuple[Part, Any]],
+    def _exchange(self, layer: int, what: str, requests: list[tuple[Shard, Any]],
                   local: Callable[[], Any] | None) -> tuple[dict[str, Reply], Any, float, float,
                                                            dict[str, int]]:
         """Send requests, run ``local`` meanwhile, gather; returns replies by device."""
         started = time.monotonic()
         pending: dict[int, WorkerHandle] = {}
         sent: dict[str, int] = {}
-        by_rid: dict[int, Part] = {}
-        for part, message in requests:
-            assert part.worker is not None
-            sent[part.device] = self.cluster.send(part.worker, message)
-            pending[message.request_id] = part.worker
-            by_rid[message.request_id] = part
+        by_rid: dict[int, Shard] = {}
+        for shard, message in requests:
+            assert shard.worker is not None
+            sent[shard.participant] = self.cluster.send(shard.worker, message)
+            pending[message.request_id] = shard.worker
+            by_rid[message.request_id] = shard
         job = self._run_local(local) if local is not None else None
         try:
             replies = self.cluster.gather(pending, what,
@@ -150,76 +143,78 @@ class DistributedConvStage:
             raise job.error
         local_result, local_s = (job.result, job.seconds) if job else (None, 0.0)
         local_done = job.finished_at if job else started
-        for (part, message) in requests:
+        for (shard, message) in requests:
             reply_message = replies[message.request_id].message
             for key in ("step", "layer", "attempt"):
                 if hasattr(message, key) and getattr(reply_message, key) != getattr(message, key):
-                    raise WorkerLost(f"worker {part.device} answered {what} with {key} "
+                    raise WorkerLost(f"worker {shard.participant} answered {what} with {key} "
                                      f"{getattr(reply_message, key)}, expected "
                                      f"{getattr(message, key)}")
-        by_device = {by_rid[rid].device: reply for rid, reply in replies.items()}
-        return by_device, local_result, local_s, local_done, sent
+        by_participant = {by_rid[rid].participant: reply for rid, reply in replies.items()}
+        return by_participant, local_result, local_s, local_done, sent
 
     # --- the ConvStage interface --------------------------------------------------------------
     def forward(self, layer: int, x: np.ndarray, train: bool, step: int) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)
         wire_x = x.astype(self.wire_dtype, copy=False)
-        parts = [p for p in self.parts[layer] if p.kernels > 0]
-        requests = [(p, ForwardRequest(request_id=self.cluster.request_id(), step=step,
+        shards = [s for s in self.shards[layer] if s.kernels > 0]
+        requests = [(s, ForwardRequest(request_id=self.cluster.request_id(), step=step,
                                        layer=layer, attempt=0, train=train, x=wire_x))
-                    for p in parts if p.worker is not None]
-        shard = self.local_shards.get(layer)
-        local = (lambda: shard.forward(x, train)) if shard is not None and shard.kernels else None
+                    for s in shards if s.worker is not None]
+        local_shard = self.local_shards.get(layer)
+        local = ((lambda: local_shard.forward(x, train))
+                 if local_shard is not None and local_shard.kernels else None)
         started = time.monotonic()
         replies, local_y, local_s, local_done, sent = self._exchange(
             layer, f"forward of layer {layer + 1} (step {step})", requests, local)
         outputs, results = [], []
-        for part in parts:
-            if part.worker is None:
+        for shard in shards:
+            if shard.worker is None:
                 outputs.append(local_y)
-                results.append((part, local_s, local_done, 0, 0))
+                results.append((shard, local_s, local_done, 0, 0))
             else:
-                reply = replies[part.device]
+                reply = replies[shard.participant]
                 forward = reply.message
                 assert isinstance(forward, ForwardReply)
                 outputs.append(forward.y)
-                results.append((part, forward.compute_s, reply.received_at,
-                                sent[part.device], reply.payload_bytes))
+                results.append((shard, forward.compute_s, reply.received_at,
+                                sent[shard.participant], reply.payload_bytes))
         self._account(layer, "forward", started, local_done, results, train)
         joined = np.concatenate(outputs, axis=1) if len(outputs) > 1 else outputs[0]
         return np.asarray(joined, dtype=np.float32)
 
     def backward(self, layer: int, dy: np.ndarray, need_dx: bool, learning_rate: float,
                  step: int) -> np.ndarray | None:
-        parts = [p for p in self.parts[layer] if p.kernels > 0]
-        requests = [(p, BackwardRequest(request_id=self.cluster.request_id(), step=step,
+        shards = [s for s in self.shards[layer] if s.kernels > 0]
+        requests = [(s, BackwardRequest(request_id=self.cluster.request_id(), step=step,
                                         layer=layer, attempt=0, learning_rate=learning_rate,
-                                        dy=np.ascontiguousarray(dy[:, p.start:p.stop],
+                                        dy=np.ascontiguousarray(dy[:, s.start:s.stop],
                                                                 dtype=self.wire_dtype)))
-                    for p in parts if p.worker is not None]
-        shard = self.local_shards.get(layer)
+                    for s in shards if s.worker is not None]
+        local_shard = self.local_shards.get(layer)
         local: Callable[[], Any] | None = None
-        if shard is not None and shard.kernels:
-            local_dy = np.ascontiguousarray(dy[:, shard.kernel_start:shard.kernel_stop])
+        if local_shard is not None and local_shard.kernels:
+            local_dy = np.ascontiguousarray(
+                dy[:, local_shard.kernel_start:local_shard.kernel_stop])
 
             def local() -> Any:
-                return shard.backward(local_dy, need_dx, learning_rate)
+                return local_shard.backward(local_dy, need_dx, learning_rate)
         started = time.monotonic()
         replies, local_dx, local_s, local_done, sent = self._exchange(
             layer, f"backward of layer {layer + 1} (step {step})", requests, local)
         total: np.ndarray | None = None
         results = []
-        for part in parts:
-            if part.worker is None:
+        for shard in shards:
+            if shard.worker is None:
                 partial = local_dx
-                results.append((part, local_s, local_done, 0, 0))
+                results.append((shard, local_s, local_done, 0, 0))
             else:
-                reply = replies[part.device]
+                reply = replies[shard.participant]
                 backward = reply.message
                 assert isinstance(backward, BackwardReply)
                 partial = backward.dx
-                results.append((part, backward.compute_s, reply.received_at,
-                                sent[part.device], reply.payload_bytes))
+                results.append((shard, backward.compute_s, reply.received_at,
+                                sent[shard.participant], reply.payload_bytes))
             if need_dx and partial is not None:
                 total = np.array(partial, dtype=np.float32) if total is None else total + partial
         self._account(layer, "backward", started, local_done, results, True)
@@ -234,24 +229,24 @@ class DistributedConvStage:
     def snapshot(self) -> dict[str, np.ndarray]:
         """Pull every shard (parameters, statistics, velocities) and assemble whole layers."""
         out: dict[str, np.ndarray] = {}
-        for layer, parts in enumerate(self.parts):
-            remote = [(p, SnapshotRequest(request_id=self.cluster.request_id(), layer=layer))
-                      for p in parts if p.worker is not None and p.kernels > 0]
+        for layer, shards in enumerate(self.shards):
+            remote = [(s, SnapshotRequest(request_id=self.cluster.request_id(), layer=layer))
+                      for s in shards if s.worker is not None and s.kernels > 0]
             replies, _, _, _, _ = self._exchange(layer, f"snapshot of layer {layer + 1}",
                                                  remote, None)
             pieces: dict[str, list[np.ndarray]] = {name: [] for name in STATE_NAMES}
-            for part in parts:
-                if part.kernels == 0:
+            for shard in shards:
+                if shard.kernels == 0:
                     continue
-                if part.worker is None:
+                if shard.worker is None:
                     state = self.local_shards[layer].snapshot()
                 else:
-                    state = {name: getattr(replies[part.device].message, name)
+                    state = {name: getattr(replies[shard.participant].message, name)
                              for name in STATE_NAMES}
                 for name in STATE_NAMES:
                     pieces[name].append(np.asarray(state[name]))
             for name, arrays in pieces.items():
-                out[f"conv{layer}.{name}"] = np.concatenate(arrays, axis=0)
+                out[layer_key(layer, name)] = np.concatenate(arrays, axis=0)
         return out
 
     def close(self) -> None:

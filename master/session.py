@@ -7,70 +7,63 @@ returns the :class:`DistributedConvStage` the trainer drives.
 """
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from hetconv.backend import array_module_for
+from hetconv.config import MASTER_PARTICIPANT, MasterConfig
 from hetconv.device_info import describe_device
-from hetconv.errors import UserError
 from hetconv.keys import server_keys
+from hetconv.master.calibration import calibrate
+from hetconv.master.cluster import Cluster, ClusterSettings
+from hetconv.master.offload import DistributedConvStage
+from hetconv.master.plan import Participant, Shard, format_split, split_layers
 from hetconv.metrics import MetricsWriter
 from hetconv.model import ModelConfig, conv_layer_shapes
-from hetconv.shard import BlockSettings, ConvShard
-from master.calibration import MASTER, Participant, calibrate, format_split, split_layers
-from master.cluster import Cluster, ClusterSettings
-from master.offload import DistributedConvStage, Part
-from protocol import AssignShard
+from hetconv.names import PARAMETER_NAMES, layer_key
+from hetconv.protocol import AssignShard
+from hetconv.shard import ConvShard, LayerSettings
 
 
-def open_cluster(args: argparse.Namespace, report: Callable[[str], None] = print) -> tuple[
-        Cluster, list[Participant]]:
-    """Bind, wait for ``--min-workers`` and list the participants (master first)."""
-    if args.min_workers < 0:
-        raise UserError("--min-workers must be >= 0")
-    if args.no_local and args.min_workers < 1:
-        raise UserError("--no-local needs at least one worker (--min-workers 1 or more)")
+def open_cluster(config: MasterConfig, device: str, threads: int | None,
+                 report: Callable[[str], None] = print) -> tuple[Cluster, list[Participant]]:
+    """Bind, wait for ``min_workers`` and list the participants (master first)."""
     curve = None
-    if getattr(args, "curve_secret", None) or getattr(args, "curve_allow", None):
-        if not (args.curve_secret and args.curve_allow):
-            raise UserError("CURVE needs both --curve-secret (the master's NAME.key_secret) "
-                            "and --curve-allow (a directory of worker NAME.key files)")
-        curve = server_keys(args.curve_secret, args.curve_allow)
-    cluster = Cluster(args.listen, ClusterSettings(), curve)
+    if config.curve_secret and config.curve_allow:
+        curve = server_keys(config.curve_secret, config.curve_allow)
+    cluster = Cluster(config.listen, ClusterSettings(), curve)
     try:
-        members = cluster.wait_for_workers(args.min_workers, args.wait, report)
+        members = cluster.wait_for_workers(config.min_workers, config.wait_s, report)
     except BaseException:
         cluster.close()
         raise
     participants = []
-    if not args.no_local:
-        participants.append(Participant(MASTER, None,
-                                        describe_device(args.device, threads=args.threads)))
+    if config.use_local_device:
+        participants.append(Participant(MASTER_PARTICIPANT, None,
+                                        describe_device(device, threads=threads)))
     participants += [Participant(w.worker_id, w, w.device) for w in members]
     return cluster, participants
 
 
-def assign_shards(cluster: Cluster, plan: list[list[Part]], params: dict[str, np.ndarray],
-                  settings: BlockSettings, xp: Any) -> dict[int, ConvShard]:
-    """Send each worker its kernel slices; build the master's own shards."""
+def assign_shards(cluster: Cluster, plan: list[list[Shard]], params: dict[str, np.ndarray],
+                  settings: LayerSettings, xp: Any) -> dict[int, ConvShard]:
+    """Send each worker its shards; build the master's own shards."""
     local: dict[int, ConvShard] = {}
     pending = {}
-    for layer, parts in enumerate(plan):
-        prefix = f"conv{layer}."
-        for part in parts:
-            state = {name: params[prefix + name][part.start:part.stop]
-                     for name in ("weight", "gamma", "beta", "running_mean", "running_var")}
-            if part.worker is None:
-                local[layer] = ConvShard(layer, part.start, part.stop, settings, state, xp)
+    for layer, shards in enumerate(plan):
+        for shard in shards:
+            state = {name: params[layer_key(layer, name)][shard.start:shard.stop]
+                     for name in PARAMETER_NAMES}
+            if shard.worker is None:
+                local[layer] = ConvShard(layer, shard.start, shard.stop, settings, state, xp)
                 continue
-            if part.kernels == 0:
+            if shard.kernels == 0:
                 continue
             rid = cluster.request_id()
-            cluster.send(part.worker, AssignShard(
-                request_id=rid, layer=layer, kernel_start=part.start, kernel_stop=part.stop,
+            cluster.send(shard.worker, AssignShard(
+                request_id=rid, layer=layer, kernel_start=shard.start, kernel_stop=shard.stop,
                 stride=settings.stride, padding=settings.padding, need_dx=layer > 0,
                 bn_momentum=settings.bn_momentum, bn_eps=settings.bn_eps,
                 momentum=settings.momentum, weight_decay=settings.weight_decay,
@@ -78,35 +71,37 @@ def assign_shards(cluster: Cluster, plan: list[list[Part]], params: dict[str, np
                 velocity_gamma=np.zeros_like(state["gamma"]),
                 velocity_beta=np.zeros_like(state["beta"]),
                 **{k: np.ascontiguousarray(v) for k, v in state.items()}))
-            pending[rid] = part.worker
+            pending[rid] = shard.worker
     cluster.gather(pending, "shard assignment")
     return local
 
 
-def open_distributed_stage(args: argparse.Namespace, model: ModelConfig,
-                           params: dict[str, np.ndarray], settings: BlockSettings,
-                           metrics: MetricsWriter,
+def open_distributed_stage(config: MasterConfig, model: ModelConfig,
+                           params: dict[str, np.ndarray], settings: LayerSettings,
+                           metrics: MetricsWriter, batch: int, device: str = "cpu",
+                           threads: int | None = None,
                            report: Callable[[str], None] = print) -> DistributedConvStage:
+    """Membership, calibration, split and shard assignment; the stage the trainer drives."""
     shapes = conv_layer_shapes(model)
-    cluster, participants = open_cluster(args, report)
+    cluster, participants = open_cluster(config, device, threads, report)
     try:
-        metrics.write("devices", devices=[{"id": p.device, **p.description}
+        metrics.write("devices", devices=[{"id": p.participant, **p.description}
                                           for p in participants])
-        xp = array_module_for(args.device)
-        calibration = calibrate(cluster, participants, shapes, args.batch, xp, report=report)
-        plan = split_layers(participants, shapes, calibration, args.split)
-        for shape, cal, parts in zip(shapes, calibration, plan):
-            metrics.write("calibration", layer=shape.index, split=args.split,
+        xp = array_module_for(device)
+        calibration = calibrate(cluster, participants, shapes, batch, xp, report=report)
+        plan = split_layers(participants, shapes, calibration, config.split)
+        for shape, cal, shards in zip(shapes, calibration, plan):
+            metrics.write("calibration", layer=shape.index, split=config.split,
                           calibrated_kernels=cal.calibrated_kernels, kernels=shape.kernels,
                           small_kernels=cal.small_kernels,
-                          devices=[{"device": p.device, "seconds": s, "small_seconds": small,
-                                    "fixed_s": model[0], "per_kernel_s": model[1],
-                                    "kernels": part.kernels, "kernel_start": part.start,
-                                    "kernel_stop": part.stop,
-                                    "share": part.kernels / shape.kernels}
-                                   for p, s, small, model, part in zip(
+                          devices=[{"device": p.participant, "seconds": s,
+                                    "small_seconds": small, "fixed_s": cost[0],
+                                    "per_kernel_s": cost[1], "kernels": shard.kernels,
+                                    "kernel_start": shard.start, "kernel_stop": shard.stop,
+                                    "share": shard.kernels / shape.kernels}
+                                   for p, s, small, cost, shard in zip(
                                        participants, cal.seconds, cal.small_seconds,
-                                       cal.cost_models(), parts)])
+                                       cal.cost_models(), shards)])
         for line in format_split(plan, shapes):
             report(line)
         local = assign_shards(cluster, plan, params, settings, xp)
@@ -120,4 +115,4 @@ def open_distributed_stage(args: argparse.Namespace, model: ModelConfig,
         cluster.close()
 
     return DistributedConvStage(cluster, plan, local, finish,
-                                wire_dtype=getattr(args, "wire_dtype", "float32"))
+                                wire_dtype=config.wire_dtype)

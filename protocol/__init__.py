@@ -10,20 +10,21 @@ docs/protocol.md.
 """
 from __future__ import annotations
 
-from protocol.codec import WIRE_DTYPES, decode, encode
-from protocol.errors import (
+from hetconv.protocol.codec import WIRE_DTYPES, decode, encode
+from hetconv.protocol.errors import (
     ERR_BAD_MESSAGE,
     ERR_BAD_REQUEST,
     ERR_INTERNAL,
     ERR_NOT_READY,
     ERR_UNEXPECTED,
     ERR_UNKNOWN_LAYER,
+    ERR_UNKNOWN_WORKER,
     ERR_VERSION_MISMATCH,
     ERROR_CODES,
     ProtocolError,
     VersionMismatch,
 )
-from protocol.messages import (
+from hetconv.protocol.messages import (
     HANDSHAKE_TYPES,
     MESSAGE_TYPES,
     NO_REQUEST_ID,
@@ -48,7 +49,7 @@ from protocol.messages import (
     Welcome,
     message_equal,
 )
-from protocol.transport import (
+from hetconv.protocol.transport import (
     CurveClientKeys,
     CurveServerKeys,
     PeerUnreachable,
@@ -63,7 +64,7 @@ from protocol.transport import (
     start_curve_authenticator,
     worker_socket,
 )
-from protocol.version import PROTOCOL_VERSION
+from hetconv.protocol.version import PROTOCOL_VERSION
 
 __all__ = [
     "ERROR_CODES",
@@ -73,6 +74,7 @@ __all__ = [
     "ERR_NOT_READY",
     "ERR_UNEXPECTED",
     "ERR_UNKNOWN_LAYER",
+    "ERR_UNKNOWN_WORKER",
     "ERR_VERSION_MISMATCH",
     "HANDSHAKE_TYPES",
     "MESSAGE_TYPES",

@@ -24,6 +24,9 @@ ERR_NOT_READY = "not_ready"
 """The receiver is not ready for the request yet (e.g. no ``Welcome`` received)."""
 ERR_INTERNAL = "internal"
 """The receiver failed while handling a valid request (a bug or resource failure)."""
+ERR_UNKNOWN_WORKER = "unknown_worker"
+"""The master does not know the sending worker (no Hello yet, or declared gone):
+the worker must say Hello again."""
 
 ERROR_CODES: frozenset[str] = frozenset(
     {
@@ -34,6 +37,7 @@ ERROR_CODES: frozenset[str] = frozenset(
         ERR_VERSION_MISMATCH,
         ERR_NOT_READY,
         ERR_INTERNAL,
+        ERR_UNKNOWN_WORKER,
     }
 )
 """Codes defined by this protocol version. ``ErrorReply.code`` is not restricted to

@@ -23,10 +23,10 @@ from typing import Literal, overload
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from protocol import limits
-from protocol.codec import decode, encode
-from protocol.errors import ProtocolError
-from protocol.messages import Message
+from hetconv.protocol import limits
+from hetconv.protocol.codec import decode, encode
+from hetconv.protocol.errors import ProtocolError
+from hetconv.protocol.messages import Message
 
 
 class TransportError(Exception):

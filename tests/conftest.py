@@ -19,7 +19,7 @@ SMALL_RUN = ["--data", "synthetic", "--limit", "6400", "--test-limit", "256", "-
 
 
 def hetconv_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "hetconv.cli", *args]
+    return [sys.executable, "-m", "hetconv", *args]
 
 
 def child_env() -> dict[str, str]:

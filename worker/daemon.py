@@ -18,14 +18,14 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
 from hetconv.backend import set_blas_threads
+from hetconv.config import WorkerConfig
 from hetconv.device_info import describe_device
-from protocol import (
+from hetconv.protocol import (
     PROTOCOL_VERSION,
     EndRun,
     ErrorReply,
@@ -39,27 +39,11 @@ from protocol import (
     limits,
     transport,
 )
-from worker.service import WorkerService
+from hetconv.worker.service import WorkerService
 
 log = logging.getLogger("hetconv.worker")
 
 WAITING_LOG_INTERVAL_S = 30.0  # how often a worker without a master says it is still trying
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    """Settings of one worker daemon (flags > HETCONV_* variables > defaults)."""
-
-    master: str
-    device: str = "cpu"
-    threads: int | None = None
-    name: str | None = None
-    heartbeat_interval_s: float = limits.DEFAULT_HEARTBEAT_INTERVAL_S
-    master_timeout_s: float = limits.MASTER_SILENCE_TIMEOUT_S
-    hello_backoff_s: tuple[float, float] = (0.25, 5.0)  # first and longest retry delay
-    poll_interval_s: float = 0.1
-    once: bool = False  # exit after the first run instead of waiting for the next
-    curve: transport.CurveClientKeys | None = None  # None: plain ZMTP (trusted LAN)
 
 
 class WorkerDaemon:

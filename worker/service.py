@@ -15,8 +15,8 @@ import numpy as np
 
 from hetconv.backend import array_module_for, on_device, synchronize, to_module, to_numpy
 from hetconv.calibration import time_block
-from hetconv.shard import STATE_NAMES, BlockSettings, ConvShard
-from protocol import (
+from hetconv.names import STATE_NAMES
+from hetconv.protocol import (
     Ack,
     AssignShard,
     BackwardReply,
@@ -31,6 +31,7 @@ from protocol import (
     SnapshotReply,
     SnapshotRequest,
 )
+from hetconv.shard import ConvShard, LayerSettings
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +114,7 @@ class WorkerService:
         return CalibrateReply(request_id=request.request_id, layer=request.layer, seconds=seconds)
 
     def _assign(self, request: AssignShard) -> Ack:
-        settings = BlockSettings(stride=request.stride, padding=request.padding,
+        settings = LayerSettings(stride=request.stride, padding=request.padding,
                                  bn_momentum=request.bn_momentum, bn_eps=request.bn_eps,
                                  momentum=request.momentum, weight_decay=request.weight_decay)
         state = {name: getattr(request, name) for name in STATE_NAMES}

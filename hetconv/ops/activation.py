@@ -1,6 +1,6 @@
 """Elementwise activations: ReLU forward and backward.
 
-ReLU is applied after batch norm in every conv block. The backward pass needs
+ReLU is applied after batch norm in every conv layer. The backward pass needs
 only the forward *output* (the mask ``y > 0``), so callers can drop the input.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Per-channel batch normalization over (B, C, H, W) activations, forward and backward.
 
-Batch norm is the one op in a conv block that reduces over the batch, so it is
+Batch norm is the one op in a conv layer that reduces over the batch, so it is
 written to be strictly *per channel*: every statistic of channel ``c`` is computed
 from channel ``c`` alone, in an order that does not depend on how many other
 channels are present. A device that owns kernels ``a..b-1`` of a conv layer can

@@ -18,8 +18,8 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterable, Sequence
 
-from master.report.records import DeviceTiming, RunRecords, StepRecord
-from master.report.summary import (
+from hetconv.master.report.records import DeviceTiming, RunRecords, StepRecord
+from hetconv.master.report.summary import (
     DeviceLayer,
     DeviceSummary,
     LayerBalance,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from master.report.summary import RunSummary
+from hetconv.master.report.summary import RunSummary
 
 MISSING = "-"
 

@@ -12,7 +12,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from master.report.summary import RunSummary
+from hetconv.master.report.summary import RunSummary
 
 REPORT_SCHEMA = "hetconv-report/1"
 

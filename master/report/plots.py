@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from matplotlib.artist import Artist
 from matplotlib.figure import Figure
 
-from master.report.records import RunRecords, StepRecord
-from master.report.summary import RunSummary
+from hetconv.master.report.records import RunRecords, StepRecord
+from hetconv.master.report.summary import RunSummary
 
 DPI = 100
 WIDTH_IN = 10.0

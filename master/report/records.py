@@ -111,7 +111,7 @@ class EpochRecord:
 
 @dataclass(frozen=True)
 class LayerShape:
-    """A conv block's shape from ``run_start`` (``kernels`` is what matters here)."""
+    """A conv layer's shape from ``run_start`` (``kernels`` is what matters here)."""
 
     index: int
     kernels: int

@@ -16,10 +16,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from master.report import plots
-from master.report.format import Table, comparison_table, headline, notes, run_tables
-from master.report.records import RunRecords
-from master.report.summary import RunSummary
+from hetconv.master.report import plots
+from hetconv.master.report.format import Table, comparison_table, headline, notes, run_tables
+from hetconv.master.report.records import RunRecords
+from hetconv.master.report.summary import RunSummary
 
 REPORT_FILE = "report.html"
 COMPARISON_FILE = "comparison.html"

@@ -9,8 +9,8 @@ from __future__ import annotations
 import textwrap
 from collections.abc import Sequence
 
-from master.report.format import Table, comparison_table, headline, notes, run_tables
-from master.report.summary import RunSummary
+from hetconv.master.report.format import Table, comparison_table, headline, notes, run_tables
+from hetconv.master.report.summary import RunSummary
 
 WIDTH = 100
 GAP = "  "

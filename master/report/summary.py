@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from master.report.records import EpochRecord
+from hetconv.master.report.records import EpochRecord
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import zmq
 
-from protocol import limits
-from protocol.bench_roundtrip import run_roundtrip_bench
-from protocol.codec import encode
-from protocol.errors import ERR_BAD_MESSAGE, ProtocolError, VersionMismatch
-from protocol.messages import (
+from hetconv.bench.protocol_roundtrip import run_roundtrip_bench
+from hetconv.protocol import limits
+from hetconv.protocol.codec import encode
+from hetconv.protocol.errors import ERR_BAD_MESSAGE, ProtocolError, VersionMismatch
+from hetconv.protocol.messages import (
     ErrorReply,
     ForwardReply,
     ForwardRequest,
@@ -22,7 +22,7 @@ from protocol.messages import (
     Welcome,
     message_equal,
 )
-from protocol.transport import (
+from hetconv.protocol.transport import (
     CurveClientKeys,
     CurveServerKeys,
     PeerUnreachable,
@@ -36,7 +36,7 @@ from protocol.transport import (
     start_curve_authenticator,
     worker_socket,
 )
-from protocol.version import PROTOCOL_VERSION
+from hetconv.protocol.version import PROTOCOL_VERSION
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(30)]
 

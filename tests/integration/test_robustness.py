@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import zmq
 
-from protocol import PROTOCOL_VERSION, ForwardReply, Hello, encode
+from hetconv.protocol import PROTOCOL_VERSION, ForwardReply, Hello, encode
 from tests.conftest import REPO, SMALL_RUN, child_env, hetconv_command, step_losses
 
 pytestmark = [pytest.mark.integration]
@@ -80,10 +80,11 @@ def test_garbage_during_training_changes_nothing(endpoint: str, workers: Any, tm
 
 OLD_WORKER = """
 import sys
-import protocol.codec, protocol.version, worker.daemon
-protocol.codec.PROTOCOL_VERSION = protocol.version.PROTOCOL_VERSION = 99
-worker.daemon.PROTOCOL_VERSION = 99
-from hetconv.cli import main
+from hetconv.commands.cli import main
+import hetconv.worker.daemon
+for module in list(sys.modules.values()):  # every module that imported the version
+    if getattr(module, "__name__", "").startswith("hetconv") and hasattr(module, "PROTOCOL_VERSION"):
+        module.PROTOCOL_VERSION = 99
 sys.exit(main(["worker", "--master", sys.argv[1], "--name", "old", "--threads", "1"]))
 """
 
@@ -111,7 +112,7 @@ def test_protocol_version_mismatch_is_refused_on_both_sides(endpoint: str, tmp_p
 def test_worker_answers_bad_requests_and_keeps_serving(endpoint: str, workers: Any) -> None:
     """A fake master sends malformed and unexpected messages; the worker replies with
     errors, then still serves a real calibration request."""
-    from protocol import (
+    from hetconv.protocol import (
         CalibrateReply,
         CalibrateRequest,
         ErrorReply,
@@ -120,7 +121,7 @@ def test_worker_answers_bad_requests_and_keeps_serving(endpoint: str, workers: A
         recv_message,
         send_message,
     )
-    from protocol.transport import make_context, master_socket
+    from hetconv.protocol.transport import make_context, master_socket
 
     ctx = make_context()
     router = master_socket(ctx, endpoint)

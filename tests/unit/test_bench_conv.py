@@ -1,7 +1,7 @@
 """``hetconv bench conv`` runs end to end on tiny shapes (timings are never asserted)."""
 from __future__ import annotations
 
-from hetconv.bench_conv import PAPER_SHAPES, BenchShape, format_table, run_conv_bench
+from hetconv.bench.conv import PAPER_SHAPES, BenchShape, format_table, run_conv_bench
 
 FIELDS = {
     "shape", "x_shape", "w_shape", "gflop", "ceiling_gflops", "ratio", "plain_ratio",

@@ -1,7 +1,7 @@
 """Layer ops against float64 finite differences, naive references and PyTorch.
 
 Covers batch norm (train and eval), ReLU, 2x2 max pooling, linear, softmax
-cross-entropy and the whole conv block, plus the property the distributed
+cross-entropy and the whole conv layer, plus the property the distributed
 service relies on: a slice of kernels computes exactly the slice of the result.
 """
 from __future__ import annotations
@@ -285,13 +285,13 @@ def test_batch_norm_channel_slices_are_exact(seed: int) -> None:
             np.testing.assert_array_equal(ours, whole[:, part] if ours.ndim == 4 else whole[part])
 
 
-# ------------------------------------------------------------------ conv block
+# ------------------------------------------------------------------ conv layer
 
 
 @pytest.fixture(scope="module")
 def block() -> Any:
-    """hetconv.ops.block (skips when the conv module it builds on is not importable)."""
-    import hetconv.ops.block as block_module
+    """hetconv.ops.conv_layer (skips when the conv module it builds on is not importable)."""
+    import hetconv.ops.conv_layer as block_module
 
     return block_module
 
@@ -315,7 +315,7 @@ def test_conv_block_finite_differences(block: Any, train: bool, stride: int,
     x, weight, gamma, beta, running_mean, running_var = block_inputs(rng, size=7)
 
     def forward() -> Any:
-        return block.conv_block_forward(x, weight, gamma, beta, running_mean, running_var,
+        return block.conv_layer_forward(x, weight, gamma, beta, running_mean, running_var,
                                         train, stride=stride, padding=padding)
 
     weights = rng.standard_normal(forward()[0].shape)
@@ -323,7 +323,7 @@ def test_conv_block_finite_differences(block: Any, train: bool, stride: int,
     def loss() -> float:
         return float((forward()[0] * weights).sum())
 
-    dx, dweight, dgamma, dbeta = block.conv_block_backward(forward()[1], weights, True)
+    dx, dweight, dgamma, dbeta = block.conv_layer_backward(forward()[1], weights, True)
     assert_gradient(dx, numerical_gradient(loss, x))
     assert_gradient(dweight, numerical_gradient(loss, weight))
     assert_gradient(dgamma, numerical_gradient(loss, gamma))
@@ -336,10 +336,10 @@ def test_conv_block_matches_torch(block: Any, train: bool) -> None:
     rng = np.random.default_rng(12)
     x, weight, gamma, beta, running_mean, running_var = block_inputs(rng, batch=3, size=9,
                                                                      kernels=4)
-    y, cache, new_mean, new_var = block.conv_block_forward(
+    y, cache, new_mean, new_var = block.conv_layer_forward(
         x, weight, gamma, beta, running_mean, running_var, train, padding=1, bn_momentum=0.3)
     dy = rng.standard_normal(y.shape)
-    dx, dweight, dgamma, dbeta = block.conv_block_backward(cache, dy, True)
+    dx, dweight, dgamma, dbeta = block.conv_layer_backward(cache, dy, True)
 
     tensors = [torch.from_numpy(a.copy()).requires_grad_() for a in (x, weight, gamma, beta)]
     torch_mean = torch.from_numpy(running_mean.copy())
@@ -361,18 +361,18 @@ def test_conv_block_empty_share_and_need_dx(block: Any) -> None:
     rng = np.random.default_rng(13)
     x, weight, gamma, beta, running_mean, running_var = block_inputs(rng, size=8)
     empty = slice(0, 0)
-    y, cache, new_mean, new_var = block.conv_block_forward(
+    y, cache, new_mean, new_var = block.conv_layer_forward(
         x, weight[empty], gamma[empty], beta[empty], running_mean[empty], running_var[empty],
         True, padding=1)
     assert y.shape == (2, 0, 4, 4) and new_mean.shape == (0,) and new_var.shape == (0,)
-    dx, dweight, dgamma, dbeta = block.conv_block_backward(cache, np.zeros(y.shape), True)
+    dx, dweight, dgamma, dbeta = block.conv_layer_backward(cache, np.zeros(y.shape), True)
     assert dx.shape == x.shape and not dx.any()
     assert dweight.shape == (0, 2, 3, 3) and dgamma.shape == (0,) and dbeta.shape == (0,)
-    assert block.conv_block_backward(cache, np.zeros(y.shape), False)[0] is None
+    assert block.conv_layer_backward(cache, np.zeros(y.shape), False)[0] is None
 
-    _, cache, _, _ = block.conv_block_forward(x, weight, gamma, beta, running_mean,
+    _, cache, _, _ = block.conv_layer_forward(x, weight, gamma, beta, running_mean,
                                               running_var, True)
-    dx, dweight, _, _ = block.conv_block_backward(cache, np.ones((2, 3, 3, 3)), False)
+    dx, dweight, _, _ = block.conv_layer_backward(cache, np.ones((2, 3, 3, 3)), False)
     assert dx is None and dweight.shape == weight.shape
 
 
@@ -383,20 +383,20 @@ def test_conv_block_kernel_shares_compose_to_full_block(block: Any, seed: int) -
     x, weight, gamma, beta, running_mean, running_var = block_inputs(
         rng, batch=4, channels=3, size=10, kernels=kernels)
     train = seed != 1
-    full_y, full_cache, full_mean, full_var = block.conv_block_forward(
+    full_y, full_cache, full_mean, full_var = block.conv_layer_forward(
         x, weight, gamma, beta, running_mean, running_var, train, padding=1)
     dy = rng.standard_normal(full_y.shape)
-    full_dx, full_dweight, full_dgamma, full_dbeta = block.conv_block_backward(full_cache, dy,
+    full_dx, full_dweight, full_dgamma, full_dbeta = block.conv_layer_backward(full_cache, dy,
                                                                                True)
     shares = random_splits(rng, kernels, 4) + [(2, 2)]
     outputs, means, variances, dweights, dgammas, dbetas = [], [], [], [], [], []
     dx_sum = np.zeros_like(x)
     for begin, end in shares[:-1]:
         part = slice(begin, end)
-        y, cache, new_mean, new_var = block.conv_block_forward(
+        y, cache, new_mean, new_var = block.conv_layer_forward(
             x, weight[part], gamma[part], beta[part], running_mean[part], running_var[part],
             train, padding=1)
-        dx, dweight, dgamma, dbeta = block.conv_block_backward(cache, dy[:, part], True)
+        dx, dweight, dgamma, dbeta = block.conv_layer_backward(cache, dy[:, part], True)
         outputs.append(y)
         means.append(new_mean)
         variances.append(new_var)
@@ -417,7 +417,7 @@ def test_conv_block_kernel_shares_compose_to_full_block(block: Any, seed: int) -
 def test_conv_block_keeps_float32(block: Any) -> None:
     rng = np.random.default_rng(14)
     arrays = [a.astype(np.float32) for a in block_inputs(rng, size=8)]
-    y, cache, new_mean, new_var = block.conv_block_forward(*arrays, True, padding=1)
-    grads = block.conv_block_backward(cache, np.ones_like(y), True)
+    y, cache, new_mean, new_var = block.conv_layer_forward(*arrays, True, padding=1)
+    grads = block.conv_layer_backward(cache, np.ones_like(y), True)
     for array in (y, new_mean, new_var, *grads):
         assert array.dtype == np.float32

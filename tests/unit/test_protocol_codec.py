@@ -8,10 +8,15 @@ import msgpack
 import numpy as np
 import pytest
 
-from protocol import limits
-from protocol.codec import WIRE_DTYPES, decode, encode
-from protocol.errors import ERR_BAD_MESSAGE, ERR_VERSION_MISMATCH, ProtocolError, VersionMismatch
-from protocol.messages import (
+from hetconv.protocol import limits
+from hetconv.protocol.codec import WIRE_DTYPES, decode, encode
+from hetconv.protocol.errors import (
+    ERR_BAD_MESSAGE,
+    ERR_VERSION_MISMATCH,
+    ProtocolError,
+    VersionMismatch,
+)
+from hetconv.protocol.messages import (
     MESSAGE_TYPES,
     SCHEMAS,
     AssignShard,
@@ -24,7 +29,7 @@ from protocol.messages import (
     Refuse,
     message_equal,
 )
-from protocol.version import PROTOCOL_VERSION
+from hetconv.protocol.version import PROTOCOL_VERSION
 
 
 def sample_message(cls: type[Message], rng: np.random.Generator, *, empty: bool = False,

@@ -15,9 +15,16 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from protocol.codec import WIRE_DTYPES, decode, encode
-from protocol.errors import ProtocolError
-from protocol.messages import MESSAGE_TYPES, SCHEMAS, AssignShard, ForwardRequest, Hello, Message
+from hetconv.protocol.codec import WIRE_DTYPES, decode, encode
+from hetconv.protocol.errors import ProtocolError
+from hetconv.protocol.messages import (
+    MESSAGE_TYPES,
+    SCHEMAS,
+    AssignShard,
+    ForwardRequest,
+    Hello,
+    Message,
+)
 
 EXAMPLES = int(os.environ.get("HETCONV_FUZZ_EXAMPLES", "400"))  # raise it for a long soak
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None,

@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import protocol
-from protocol.errors import ERROR_CODES, ProtocolError, VersionMismatch
-from protocol.messages import (
+from hetconv import protocol
+from hetconv.protocol.errors import ERROR_CODES, ProtocolError, VersionMismatch
+from hetconv.protocol.messages import (
     HANDSHAKE_TYPES,
     MESSAGE_TYPES,
     SCHEMAS,
@@ -88,20 +88,25 @@ def test_public_names_are_exported() -> None:
         assert cls.__name__ in protocol.__all__
 
 
+def _top(module: str) -> str:
+    """The top package, or ``hetconv.protocol`` for the protocol package's own modules."""
+    return "hetconv.protocol" if module.startswith("hetconv.protocol") else module.split(".")[0]
+
+
 def _imported_modules(path: Path) -> set[str]:
     tree = ast.parse(path.read_text(encoding="utf-8"))
     names: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            names.update(alias.name.split(".")[0] for alias in node.names)
+            names.update(_top(alias.name) for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module.split(".")[0])
+            names.add(_top(node.module))
     return names
 
 
 @pytest.mark.parametrize("path", sorted(PROTOCOL_DIR.glob("*.py")), ids=lambda p: p.name)
 def test_protocol_imports_only_stdlib_numpy_msgpack_zmq(path: Path) -> None:
-    allowed = set(sys.stdlib_module_names) | {"numpy", "msgpack", "zmq", "protocol"}
+    allowed = set(sys.stdlib_module_names) | {"numpy", "msgpack", "zmq", "hetconv.protocol"}
     assert _imported_modules(path) <= allowed
 
 

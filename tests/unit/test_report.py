@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 
+from hetconv.commands.report import run_report
 from hetconv.errors import UserError
-from master.report.analysis import summarize
-from master.report.command import run_report
-from master.report.json_out import render_json
-from master.report.records import parse_run
-from master.report.render_text import WIDTH, render_comparison, render_run
+from hetconv.master.report.analysis import summarize
+from hetconv.master.report.json_out import render_json
+from hetconv.master.report.records import parse_run
+from hetconv.master.report.render_text import WIDTH, render_comparison, render_run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

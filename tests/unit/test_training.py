@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from hetconv.checkpoint import load_weights
-from hetconv.cli import main
+from hetconv.commands.cli import main
 from hetconv.model import ModelConfig, init_parameters
-from hetconv.shard import BlockSettings, ConvShard
+from hetconv.shard import ConvShard, LayerSettings
 from hetconv.stage import LocalConvStage
 
 RUN = ["train", "--local", "--data", "synthetic", "--limit", "256", "--test-limit", "128",
@@ -73,7 +73,7 @@ def test_bad_input_is_one_line(argv: list[str], expected: str, tmp_path: Path,
 def test_stage_snapshot_has_full_layers() -> None:
     model = ModelConfig((3, 5), (1, 16, 16))
     params = init_parameters(model, 0)
-    stage = LocalConvStage(model, params, BlockSettings())
+    stage = LocalConvStage(model, params, LayerSettings())
     snap = stage.snapshot()
     assert snap["conv1.weight"].shape == (5, 3, 5, 5)
     np.testing.assert_array_equal(snap["conv0.weight"], params["conv0.weight"])
@@ -86,8 +86,8 @@ def test_shards_of_a_block_reproduce_the_whole_block() -> None:
     model = ModelConfig((6,), (2, 10, 10))
     params = init_parameters(model, 0)
     state = {k.split(".", 1)[1]: v for k, v in params.items() if k.startswith("conv0.")}
-    whole = ConvShard(0, 0, 6, BlockSettings(), state)
-    parts = [ConvShard(0, a, b, BlockSettings(), {k: v[a:b] for k, v in state.items()})
+    whole = ConvShard(0, 0, 6, LayerSettings(), state)
+    parts = [ConvShard(0, a, b, LayerSettings(), {k: v[a:b] for k, v in state.items()})
              for a, b in [(0, 4), (4, 4), (4, 6)]]
     x = rng.standard_normal((3, 2, 10, 10)).astype(np.float32)
     for _ in range(2):

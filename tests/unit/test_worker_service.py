@@ -4,8 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from hetconv.model import ModelConfig, init_parameters
-from hetconv.shard import BlockSettings, ConvShard
-from protocol import (
+from hetconv.protocol import (
     Ack,
     AssignShard,
     BackwardReply,
@@ -20,7 +19,8 @@ from protocol import (
     SnapshotReply,
     SnapshotRequest,
 )
-from worker.service import WorkerService
+from hetconv.shard import ConvShard, LayerSettings
+from hetconv.worker.service import WorkerService
 
 
 def assign(layer: int = 0, start: int = 2, stop: int = 5) -> AssignShard:
@@ -38,7 +38,7 @@ def test_full_cycle_matches_a_local_shard() -> None:
     service = WorkerService("cpu")
     message = assign()
     assert isinstance(service.handle(message), Ack)
-    local = ConvShard(0, 2, 5, BlockSettings(), {n: getattr(message, n) for n in
+    local = ConvShard(0, 2, 5, LayerSettings(), {n: getattr(message, n) for n in
                                                  ("weight", "gamma", "beta", "running_mean",
                                                   "running_var")})
     x = np.random.default_rng(0).standard_normal((2, 3, 16, 16)).astype(np.float32)

@@ -1,4 +1,4 @@
-"""One conv block, conv (no bias) -> batch norm -> ReLU -> 2x2 max pool, forward and backward.
+"""One conv layer, conv (no bias) -> batch norm -> ReLU -> 2x2 max pool, forward and backward.
 
 This is the unit of work that the master and every worker daemon run: a device
 that owns kernels ``a..b-1`` of a layer calls these functions with
@@ -30,7 +30,7 @@ Array = Any  # a numpy or cupy ndarray
 
 @dataclass(frozen=True)
 class ConvBlockCache:
-    """Everything ``conv_block_backward`` needs from the forward pass.
+    """Everything ``conv_layer_backward`` needs from the forward pass.
 
     conv, batch_norm, pool: the caches of the three ops (None for 0 kernels).
     output: (B, K, H'', W'') the block output, used as the ReLU mask.
@@ -50,7 +50,7 @@ def conv_output_size(size: int, kernel: int, stride: int, padding: int) -> int:
     return (size + 2 * padding - kernel) // stride + 1
 
 
-def conv_block_forward(
+def conv_layer_forward(
     x: Array,
     weight: Array,
     gamma: Array,
@@ -71,7 +71,7 @@ def conv_block_forward(
     """
     if x.ndim != 4 or weight.ndim != 4 or weight.shape[1] != x.shape[1]:
         raise ValueError(
-            f"conv block: x {x.shape} and weight {weight.shape} must be (B, C, H, W) and "
+            f"conv layer: x {x.shape} and weight {weight.shape} must be (B, C, H, W) and "
             "(K, C, kh, kw) with the same C"
         )
     xp = get_array_module(x, weight)
@@ -96,7 +96,7 @@ def conv_block_forward(
     return y, cache, new_mean, new_var
 
 
-def conv_block_backward(
+def conv_layer_backward(
     cache: ConvBlockCache, dy: Array, need_dx: bool
 ) -> tuple[Array | None, Array, Array, Array]:
     """Back-propagate dy (B, K, Ho // 2, Wo // 2) through the block.

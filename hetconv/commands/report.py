@@ -8,16 +8,18 @@ file is a one-line :class:`hetconv.errors.UserError`.
 """
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from hetconv.errors import UserError
-from master.report.analysis import summarize
-from master.report.json_out import render_json
-from master.report.records import RunRecords, check_run_dir, parse_run
-from master.report.render_text import render_comparison, render_run
-from master.report.summary import RunSummary
+from hetconv.master.report.analysis import summarize
+from hetconv.master.report.json_out import render_json
+from hetconv.master.report.records import RunRecords, check_run_dir, parse_run
+from hetconv.master.report.render_text import render_comparison, render_run
+from hetconv.master.report.summary import RunSummary
 
 
 def _warn(message: str) -> None:
@@ -26,7 +28,7 @@ def _warn(message: str) -> None:
 
 def write_html(runs: list[tuple[RunRecords, RunSummary]]) -> list[Path]:
     """report.html in every run directory, comparison.html next to the first run."""
-    from master.report import render_html  # matplotlib is imported only when needed
+    from hetconv.master.report import render_html  # matplotlib is imported only when needed
 
     written = []
     for records, summary in runs:
@@ -73,3 +75,14 @@ def run_report(run_dirs: list[str], json_output: bool, html: bool = True,
             for path in written:
                 out(f"wrote {path}")
     return 0
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("report", help="workload-balance report of one or more run directories")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories to report on")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    p.add_argument("--no-html", action="store_true", help="do not write report.html")
+
+
+def run(args: argparse.Namespace) -> int:
+    return run_report(args.run_dirs, json_output=args.json, html=not args.no_html)

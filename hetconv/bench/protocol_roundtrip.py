@@ -30,9 +30,9 @@ from typing import Any
 import numpy as np
 import zmq
 
-from protocol.codec import decode, encode
-from protocol.messages import ForwardReply, ForwardRequest
-from protocol.transport import (
+from hetconv.protocol.codec import decode, encode
+from hetconv.protocol.messages import ForwardReply, ForwardRequest
+from hetconv.protocol.transport import (
     bound_endpoint,
     make_context,
     master_socket,

@@ -1,0 +1,1 @@
+"""Benchmarks behind ``hetconv bench``: conv kernels, kernel splits, the protocol codec."""

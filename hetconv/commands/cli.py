@@ -1,0 +1,59 @@
+"""The ``hetconv`` command: the top-level parser and dispatch to one module per subcommand.
+
+Subcommands (each a module of this package with ``add_parser`` and ``run``):
+``train``, ``worker``, ``report``, ``calibrate``, ``keygen`` and ``bench``. Settings
+come from flags, then ``HETCONV_*`` environment variables, then defaults; every
+subcommand turns its flags into a typed configuration (``hetconv.config``) before
+anything else sees them. A :class:`UserError` (or a bad flag) prints one line,
+``hetconv: error: ...``, and exits with status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from types import ModuleType
+
+from hetconv import __version__
+from hetconv.commands import bench, calibrate, keygen, report, train, worker
+from hetconv.commands.options import Parser
+from hetconv.errors import UserError
+
+SUBCOMMANDS: dict[str, ModuleType] = {
+    "train": train, "worker": worker, "report": report, "calibrate": calibrate,
+    "keygen": keygen, "bench": bench,
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="hetconv", description=(
+        "Train convolutional networks with every conv layer's kernels spread over CPU and "
+        "GPU worker daemons on mismatched machines. Start 'hetconv worker' on each machine, "
+        "'hetconv train --listen' on the master, then read 'hetconv report RUN_DIR'."))
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=f"hetconv {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
+    sub.required = True
+    for module in SUBCOMMANDS.values():
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                            format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+        run: Callable[[argparse.Namespace], int] = SUBCOMMANDS[args.command].run
+        return run(args)
+    except UserError as error:
+        print(f"hetconv: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("hetconv: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

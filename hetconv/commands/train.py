@@ -1,0 +1,202 @@
+"""``hetconv train``: flags -> :class:`TrainConfig` -> model, run directory, trainer.
+
+Local runs build a :class:`LocalConvStage`; distributed runs (``--listen``) ask
+``hetconv.master`` for its distributed stage. Either way the run directory gets
+``config.json``, ``metrics.jsonl`` (schema in docs/metrics.md) and ``weights.npz``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from hetconv.backend import set_blas_threads
+from hetconv.checkpoint import save_json
+from hetconv.commands.options import (
+    add_curve_master,
+    add_membership,
+    env,
+    env_positive_int,
+    non_negative_float,
+    positive_int,
+)
+from hetconv.config import (
+    DATASETS,
+    MASTER_PARTICIPANT,
+    PADDINGS,
+    SCHEDULES,
+    SPLIT_MODES,
+    WIRE_DTYPES,
+    DataConfig,
+    MasterConfig,
+    TrainConfig,
+)
+from hetconv.data import DatasetError, load_dataset
+from hetconv.device_info import describe_device
+from hetconv.errors import UserError
+from hetconv.metrics import SCHEMA_VERSION, MetricsWriter
+from hetconv.model import ModelConfig, conv_layer_shapes, init_parameters, parse_arch
+from hetconv.optim import OptimizerConfig
+from hetconv.stage import ConvStage, LocalConvStage, layer_settings
+from hetconv.training import LoopConfig, Trainer
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("train", help="train the network (locally or over worker daemons)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--local", action="store_true",
+                       help="train on this machine's own device only (the default without --listen)")
+    where.add_argument("--listen", metavar="ENDPOINT", default=env("LISTEN", None),
+                       help="distributed: bind here and wait for workers, e.g. tcp://*:5555")
+    add_membership(p, listen_required=False)
+    p.add_argument("--split", choices=SPLIT_MODES, default=SPLIT_MODES[0],
+                   help="distributed: 'model' (default) balances each participant's calibrated "
+                   "fixed + per-kernel cost; 'calibrated' is the paper's equation (1); "
+                   "'equal' gives every participant the same share")
+    p.add_argument("--device", default=env("DEVICE", "cpu"),
+                   help="the master's own device: cpu or gpu:N (default cpu)")
+    p.add_argument("--wire-dtype", choices=WIRE_DTYPES, default=WIRE_DTYPES[0],
+                   help="distributed: activations and gradients on the wire; float16 halves "
+                   "the traffic for slow links (computation stays float32)")
+    p.add_argument("--data", default=env("DATA", DATASETS[0]), choices=DATASETS, help="dataset")
+    p.add_argument("--data-dir", default=env("DATA_DIR", None),
+                   help="dataset directory (default: Debian's /usr/share/datasets/fashion-mnist)")
+    p.add_argument("--limit", type=positive_int, default=None,
+                   help="train on the first N training images only")
+    p.add_argument("--test-limit", type=positive_int, default=None,
+                   help="evaluate on the first N test images only")
+    p.add_argument("--arch", default="32:64",
+                   help="kernels per conv layer, e.g. 50:500 (default 32:64)")
+    p.add_argument("--kernel-size", type=positive_int, default=5, help="conv kernel size (5)")
+    p.add_argument("--padding", type=int, default=0, choices=PADDINGS,
+                   help="conv zero padding (default 0: valid convolution as in the paper)")
+    p.add_argument("--epochs", type=positive_int, default=3)
+    p.add_argument("--batch", type=positive_int, default=128)
+    p.add_argument("--eval-batch", type=positive_int, default=1000)
+    p.add_argument("--lr", type=non_negative_float, default=0.05, help="base learning rate")
+    p.add_argument("--momentum", type=non_negative_float, default=0.9)
+    p.add_argument("--weight-decay", type=non_negative_float, default=5e-4)
+    p.add_argument("--schedule", choices=SCHEDULES, default=SCHEDULES[0])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=positive_int, default=env_positive_int("THREADS"),
+                   help="BLAS threads on the master (default: all cores)")
+    p.add_argument("--run-dir", default=None,
+                   help="where config.json, metrics.jsonl and weights.npz go (default runs/<time>)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="allow a --run-dir that already holds a run")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_curve_master(p)
+
+
+def master_config(args: argparse.Namespace) -> MasterConfig:
+    return MasterConfig(listen=args.listen, min_workers=args.min_workers, wait_s=args.wait,
+                        use_local_device=not args.no_local,
+                        split=getattr(args, "split", SPLIT_MODES[0]),
+                        wire_dtype=getattr(args, "wire_dtype", WIRE_DTYPES[0]),
+                        curve_secret=args.curve_secret, curve_allow=args.curve_allow)
+
+
+def train_config(args: argparse.Namespace) -> TrainConfig:
+    """The typed configuration of ``hetconv train`` from parsed flags."""
+    return TrainConfig(
+        data=DataConfig(name=args.data, data_dir=args.data_dir, limit=args.limit,
+                        test_limit=args.test_limit),
+        arch=args.arch, kernel_size=args.kernel_size, padding=args.padding, epochs=args.epochs,
+        batch=args.batch, eval_batch=args.eval_batch, learning_rate=args.lr,
+        momentum=args.momentum, weight_decay=args.weight_decay, schedule=args.schedule,
+        seed=args.seed, threads=args.threads, device=args.device, run_dir=args.run_dir,
+        overwrite=args.overwrite, progress=not args.no_progress,
+        master=master_config(args) if args.listen and not args.local else None)
+
+
+def prepare_run_dir(run_dir: str | None, overwrite: bool) -> Path:
+    """Create the run directory; refuse to mix a new run into an old one."""
+    path = Path(run_dir) if run_dir else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    if path.exists() and not path.is_dir():
+        raise UserError(f"--run-dir {path} exists and is not a directory")
+    if (path / "metrics.jsonl").exists():
+        if not overwrite:
+            raise UserError(f"--run-dir {path} already holds a run; choose another directory "
+                            "or pass --overwrite")
+        for name in ("metrics.jsonl", "weights.npz", "config.json", "report.html"):
+            if (path / name).exists():
+                (path / name).unlink()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _config_record(config: TrainConfig, model: ModelConfig) -> dict[str, Any]:
+    return {"schema_version": SCHEMA_VERSION, **config.record(),
+            "arch": list(model.conv_kernels), "kernel_size": model.kernel_size,
+            "padding": model.padding, "input_shape": list(model.input_shape),
+            "classes": model.classes}
+
+
+def run(args: argparse.Namespace) -> int:
+    return run_training(train_config(args))
+
+
+def run_training(config: TrainConfig) -> int:
+    """One whole training run as configured; returns the exit status."""
+    arch = parse_arch(config.arch)
+    set_blas_threads(config.threads)
+    try:
+        data = load_dataset(config.data.name, config.data.data_dir, limit=config.data.limit)
+    except DatasetError as error:
+        raise UserError(str(error)) from None
+    if config.data.test_limit:
+        data.test_images = data.test_images[:config.data.test_limit]
+        data.test_labels = data.test_labels[:config.data.test_limit]
+    model = ModelConfig(conv_kernels=arch, input_shape=tuple(data.train_images.shape[1:]),
+                        classes=int(data.classes), kernel_size=config.kernel_size,
+                        padding=config.padding)
+    shapes = conv_layer_shapes(model)
+    run_dir = prepare_run_dir(config.run_dir, config.overwrite)
+    record = _config_record(config, model)
+    save_json(run_dir / "config.json", record)
+    params = init_parameters(model, config.seed)
+    optimizer = OptimizerConfig(learning_rate=config.learning_rate, momentum=config.momentum,
+                                weight_decay=config.weight_decay, schedule=config.schedule)
+    loop = LoopConfig(epochs=config.epochs, batch=config.batch, eval_batch=config.eval_batch,
+                      seed=config.seed, optimizer=optimizer, progress=config.progress)
+    settings = layer_settings(model, optimizer.momentum, optimizer.weight_decay)
+    print(f"hetconv: {data.name} ({len(data.train_images)} train / {len(data.test_images)} test "
+          f"images of {'x'.join(map(str, model.input_shape))}), arch {config.arch}, "
+          f"batch {config.batch}, {config.epochs} epochs -> {run_dir}", flush=True)
+    with MetricsWriter(run_dir / "metrics.jsonl") as metrics:
+        metrics.write("run_start", pid=os.getpid(), config=record,
+                      layers=[shape.__dict__ for shape in shapes])
+        status, error_text = "failed", None
+        stage: ConvStage | None = None
+        try:
+            if config.master is not None:
+                from hetconv.master.session import open_distributed_stage
+
+                stage = open_distributed_stage(config.master, model, params, settings, metrics,
+                                               batch=config.batch, device=config.device,
+                                               threads=config.threads)
+            else:
+                stage = LocalConvStage(model, params, settings, device=config.device)
+                device = describe_device(config.device, threads=config.threads)
+                metrics.write("devices", devices=[{"id": MASTER_PARTICIPANT, **device}])
+            trainer = Trainer(model, params, stage, loop, metrics, run_dir)
+            result = trainer.fit(data)
+            status = "completed"
+        except UserError as error:
+            error_text = str(error)
+            raise
+        except KeyboardInterrupt:
+            status, error_text = "interrupted", "interrupted by the user"
+            raise
+        except Exception as error:  # recorded, then shown as a traceback: a bug
+            error_text = f"{type(error).__name__}: {error}"
+            raise
+        finally:
+            metrics.write("run_end", status=status, error=error_text)
+            if stage is not None:
+                stage.close()
+    print(f"hetconv: done: test accuracy {result.test_accuracy:.4f}; "
+          f"weights in {run_dir / 'weights.npz'}", flush=True)
+    return 0

@@ -1,0 +1,47 @@
+"""``hetconv worker``: flags -> :class:`WorkerConfig` -> a worker daemon in this process."""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from hetconv.backend import array_module_for
+from hetconv.commands.options import env, env_positive_int, positive_int
+from hetconv.config import WorkerConfig
+from hetconv.errors import UserError
+from hetconv.keys import client_keys
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("worker", help="run a worker daemon that serves a master")
+    p.add_argument("--master", default=env("MASTER", None), required=env("MASTER", None) is None,
+                   help="the master's endpoint, e.g. tcp://192.168.1.10:5555")
+    p.add_argument("--device", default=env("DEVICE", "cpu"), help="cpu or gpu:N (default cpu)")
+    p.add_argument("--threads", type=positive_int, default=env_positive_int("THREADS"),
+                   help="BLAS threads for this worker (default: all cores)")
+    p.add_argument("--name", default=env("WORKER_NAME", None),
+                   help="worker name shown in reports (default host-pid-device)")
+    p.add_argument("--once", action="store_true",
+                   help="exit after one training run instead of waiting for the next")
+    p.add_argument("--curve-secret", default=env("CURVE_SECRET", None), metavar="FILE",
+                   help="encrypt and authenticate: this worker's NAME.key_secret")
+    p.add_argument("--master-key", default=env("MASTER_KEY", None), metavar="FILE",
+                   help="with --curve-secret: the master's public NAME.key")
+
+
+def worker_config(args: argparse.Namespace) -> WorkerConfig:
+    """The typed configuration of ``hetconv worker`` from parsed flags."""
+    array_module_for(args.device)  # a clear error for a bad or unavailable device
+    curve = None
+    if args.curve_secret or args.master_key:
+        if not (args.curve_secret and args.master_key):
+            raise UserError("CURVE needs both --curve-secret (this worker's "
+                            "NAME.key_secret) and --master-key (the master's NAME.key)")
+        curve = client_keys(args.curve_secret, args.master_key)
+    return WorkerConfig(master=args.master, device=args.device, threads=args.threads,
+                        name=args.name, once=args.once, curve=curve)
+
+
+def run(args: argparse.Namespace) -> int:
+    from hetconv.worker.daemon import run_worker
+
+    return run_worker(worker_config(args))

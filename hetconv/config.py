@@ -1,0 +1,155 @@
+"""Typed configuration: every setting a run or a daemon reads, and every choice.
+
+The command line (``hetconv.commands``) builds these frozen dataclasses from flags,
+then ``HETCONV_*`` environment variables, then defaults; nothing below the command
+line sees an ``argparse.Namespace``. The tuples of choices (datasets, schedules,
+split modes, wire dtypes) are defined here once and used by the flags, the
+configuration checks and the code that acts on them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hetconv.errors import UserError
+from hetconv.protocol import limits
+from hetconv.protocol.transport import CurveClientKeys
+
+DATASETS = ("fashion-mnist", "cifar10", "synthetic")
+SCHEDULES = ("cosine", "step", "constant")
+SPLIT_MODES = ("model", "calibrated", "equal")
+WIRE_DTYPES = ("float32", "float16")
+PADDINGS = (0, 1, 2)
+
+MASTER_PARTICIPANT = "master"  # the participant id of the master's own device
+
+
+def check_choice(flag: str, value: str, choices: tuple[str, ...]) -> str:
+    """``value`` if it is one of ``choices``, else a one-line :class:`UserError`."""
+    if value not in choices:
+        raise UserError(f"{flag} {value!r}: choose one of {', '.join(choices)}")
+    return value
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Which dataset, where it lies and how much of it to use."""
+
+    name: str = "fashion-mnist"
+    data_dir: str | None = None
+    limit: int | None = None  # train on the first N images
+    test_limit: int | None = None  # evaluate on the first N test images
+
+    def __post_init__(self) -> None:
+        check_choice("--data", self.name, DATASETS)
+
+
+@dataclass(frozen=True)
+class MasterConfig:
+    """How a distributed run finds, checks and uses its workers."""
+
+    listen: str
+    min_workers: int = 1
+    wait_s: float = 60.0
+    use_local_device: bool = True  # the master's own device computes a shard too
+    split: str = "model"
+    wire_dtype: str = "float32"
+    curve_secret: str | None = None  # the master's NAME.key_secret
+    curve_allow: str | None = None  # directory of allowed workers' NAME.key
+
+    def __post_init__(self) -> None:
+        check_choice("--split", self.split, SPLIT_MODES)
+        check_choice("--wire-dtype", self.wire_dtype, WIRE_DTYPES)
+        if self.min_workers < 0:
+            raise UserError("--min-workers must be >= 0")
+        if not self.use_local_device and self.min_workers < 1:
+            raise UserError("--no-local needs at least one worker (--min-workers 1 or more)")
+        if bool(self.curve_secret) != bool(self.curve_allow):
+            raise UserError("CURVE needs both --curve-secret (the master's NAME.key_secret) "
+                            "and --curve-allow (a directory of worker NAME.key files)")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run: data, network, optimisation, where results go."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    arch: str = "32:64"
+    kernel_size: int = 5
+    padding: int = 0
+    epochs: int = 3
+    batch: int = 128
+    eval_batch: int = 1000
+    learning_rate: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    schedule: str = "cosine"
+    seed: int = 0
+    threads: int | None = None  # BLAS threads on the master (None: all cores)
+    device: str = "cpu"  # the master's own device
+    run_dir: str | None = None
+    overwrite: bool = False
+    progress: bool = True
+    master: MasterConfig | None = None  # None: a local run
+
+    def __post_init__(self) -> None:
+        check_choice("--schedule", self.schedule, SCHEDULES)
+        if self.padding not in PADDINGS:
+            raise UserError(f"--padding {self.padding}: choose one of 0, 1, 2")
+
+    @property
+    def distributed(self) -> bool:
+        return self.master is not None
+
+    def record(self) -> dict[str, Any]:
+        """The flat ``config.json`` / ``run_start`` record (schema: docs/metrics.md)."""
+        master = self.master
+        return {
+            "mode": "distributed" if master else "local",
+            "data": self.data.name, "data_dir": self.data.data_dir, "limit": self.data.limit,
+            "test_limit": self.data.test_limit,
+            "epochs": self.epochs, "batch": self.batch, "eval_batch": self.eval_batch,
+            "lr": self.learning_rate, "momentum": self.momentum,
+            "weight_decay": self.weight_decay, "schedule": self.schedule, "seed": self.seed,
+            "threads": self.threads, "device": self.device,
+            "listen": master.listen if master else None,
+            "min_workers": master.min_workers if master else 0,
+            "no_local": not master.use_local_device if master else False,
+            "split": master.split if master else "model",
+            "wire_dtype": master.wire_dtype if master else "float32",
+        }
+
+
+@dataclass(frozen=True)
+class CalibrateConfig:
+    """``hetconv calibrate``: membership and calibration only, for one input shape."""
+
+    master: MasterConfig
+    input_shape: tuple[int, int, int]
+    arch: str = "32:64"
+    kernel_size: int = 5
+    padding: int = 0
+    batch: int = 128
+    device: str = "cpu"
+    threads: int | None = None
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Settings of one worker daemon (flags > HETCONV_* variables > defaults)."""
+
+    master: str
+    device: str = "cpu"
+    threads: int | None = None
+    name: str | None = None
+    heartbeat_interval_s: float = limits.DEFAULT_HEARTBEAT_INTERVAL_S
+    master_timeout_s: float = limits.MASTER_SILENCE_TIMEOUT_S
+    hello_backoff_s: tuple[float, float] = (0.25, 5.0)  # first and longest retry delay
+    poll_interval_s: float = 0.1
+    once: bool = False  # exit after the first run instead of waiting for the next
+    curve: CurveClientKeys | None = None  # None: plain ZMTP (trusted LAN)
+
+    def __post_init__(self) -> None:
+        if not self.master.startswith(("tcp://", "ipc://", "inproc://")):
+            raise UserError(f"--master {self.master!r}: expected an endpoint like "
+                            "tcp://host:5555")

@@ -1,0 +1,84 @@
+"""The kernel plan: which participant holds which shard of every conv layer.
+
+Vocabulary (used everywhere in ``hetconv.master``):
+
+- a *participant* is the master's own device (id ``"master"``) or one worker
+  (id: the worker's name); a *device* is what a participant computes on
+  (``cpu``, ``gpu:N``);
+- a *shard* is kernels ``[start, stop)`` of one conv layer held by one participant;
+  its *share* is the fraction ``(stop - start) / kernels`` of the layer.
+
+Everything here is pure: calibration results in, shards out.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from hetconv.config import SPLIT_MODES
+from hetconv.model import ConvLayerShape
+from hetconv.partition import balanced_counts, equal_counts, kernel_counts, kernel_ranges
+
+if TYPE_CHECKING:
+    from hetconv.master.calibration import LayerCalibration
+    from hetconv.master.cluster import WorkerHandle
+
+
+@dataclass(frozen=True)
+class Participant:
+    """The master's own device (``worker`` None) or one worker."""
+
+    participant: str  # "master" or the worker id
+    worker: WorkerHandle | None
+    description: dict[str, Any]  # the device description (hetconv.device_info)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Kernels [start, stop) of one conv layer on one participant (worker None = master)."""
+
+    participant: str
+    worker: WorkerHandle | None
+    start: int
+    stop: int
+
+    @property
+    def kernels(self) -> int:
+        return self.stop - self.start
+
+
+def layer_counts(mode: str, calibration: LayerCalibration, kernels: int) -> list[int]:
+    """Kernels per participant for one layer.
+
+    ``model``: equal finish times under each participant's fitted fixed + per-kernel
+    cost; ``calibrated``: the paper's equation (1) on the equal-share timings;
+    ``equal``: the same number for everyone.
+    """
+    if mode == "model":
+        return balanced_counts(calibration.cost_models(), kernels)
+    if mode == "calibrated":
+        return kernel_counts(calibration.seconds, kernels)
+    if mode == "equal":
+        return equal_counts(len(calibration.seconds), kernels)
+    raise ValueError(f"unknown split {mode!r}: choose from {', '.join(SPLIT_MODES)}")
+
+
+def split_layers(participants: list[Participant], shapes: list[ConvLayerShape],
+                 calibration: list[LayerCalibration], mode: str) -> list[list[Shard]]:
+    """Shards per layer, one per participant in participant order (see :func:`layer_counts`)."""
+    plan = []
+    for shape, cal in zip(shapes, calibration):
+        counts = layer_counts(mode, cal, shape.kernels)
+        plan.append([Shard(p.participant, p.worker, start, stop)
+                     for p, (start, stop) in zip(participants, kernel_ranges(counts))])
+    return plan
+
+
+def format_split(plan: list[list[Shard]], shapes: list[ConvLayerShape]) -> list[str]:
+    """Human-readable lines: the kernels each participant got per layer."""
+    lines = []
+    for shape, shards in zip(shapes, plan):
+        cells = ", ".join(f"{s.participant} {s.kernels} ({100 * s.kernels / shape.kernels:.0f}%)"
+                          for s in shards)
+        lines.append(f"hetconv: layer {shape.index + 1} split of {shape.kernels} kernels: {cells}")
+    return lines
