@@ -1,0 +1,246 @@
+"""``hetconv bench scale``: N machines on an emulated switched LAN against one machine.
+
+Every machine, the master's included, is a network namespace attached to one Linux
+bridge by a veth capped with ``tc tbf`` at ``--rate`` in both directions
+(:class:`hetconv.lab.SwitchedLan`), and every process runs in a CPU quota of its
+machine's fraction of a core (:class:`hetconv.lab.CpuQuota`) with one BLAS thread.
+The first fraction of a configuration is the master's machine, which also computes
+a shard. The baseline is the fastest machine alone (``hetconv train --local`` under
+its quota). Configurations are interleaved within every repeat; medians are
+reported. Every run keeps its run directory, so ``hetconv report`` works on it.
+
+Per configuration it prints: median step time, speedup over the baseline, the share
+of the ideal speedup (sum of fractions / fastest fraction), array bytes per step on
+the master's link and on the busiest worker link (from the run's metrics), and the
+performance model's prediction (:mod:`hetconv.perf_model`) beside the measurement.
+Needs root (namespaces, cgroup v1 quotas); everything is torn down on exit, also on
+Ctrl-C or SIGTERM.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from hetconv.errors import UserError
+from hetconv.lab import CpuQuota, LocalWorker, cpu_quota_unavailable_reason, free_port
+from hetconv.lab.network import SwitchedLan, netns_unavailable_reason, parse_rate_bits
+from hetconv.metrics import read_metrics
+from hetconv.perf_model import ParticipantCost, ideal_speedup, star_step_seconds
+
+RUN_TIMEOUT_S = 600.0
+
+
+def parse_machines(text: str) -> tuple[float, ...]:
+    """``"0.6,0.4,0.2"`` -> fractions of a core per machine (master's machine first)."""
+    try:
+        fractions = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise UserError(f"--machines {text!r}: expected fractions of a core like "
+                        "0.45,0.45,0.45,0.45") from None
+    if not fractions or any(not 0.05 <= f <= 1.0 for f in fractions):
+        raise UserError(f"--machines {text!r}: every fraction must be within 0.05..1")
+    return fractions
+
+
+@dataclass(frozen=True)
+class RunFigures:
+    """What one run's metrics say (seconds, bytes per step; medians over steps after the first)."""
+
+    step_s: float
+    dense_s: float
+    master_link_bytes: float
+    busiest_worker_link_bytes: float
+    predicted_step_s: float | None
+
+
+def run_figures(run_dir: Path, link_bytes_per_s: float | None) -> RunFigures:
+    """Medians from ``metrics.jsonl`` and the model's prediction from its calibration."""
+    records = read_metrics(run_dir / "metrics.jsonl")
+    steps = [r for r in records if r.get("type") == "step"]
+    steps = steps[1:] if len(steps) > 1 else steps
+    if not steps:
+        raise UserError(f"{run_dir}: the run recorded no steps")
+    master_bytes, busiest = [], []
+    for step in steps:
+        per_worker: dict[str, int] = {}
+        for layer in step.get("layers", []):
+            for timing in layer.get("devices", []):
+                if timing["device"] == "master":
+                    continue
+                traffic = int(timing.get("bytes_sent", 0)) + int(timing.get("bytes_received", 0))
+                per_worker[timing["device"]] = per_worker.get(timing["device"], 0) + traffic
+        master_bytes.append(sum(per_worker.values()))
+        busiest.append(max(per_worker.values(), default=0))
+    dense_s = statistics.median(float(s["dense_s"]) for s in steps)
+    calibration = [r for r in records if r.get("type") == "calibration"]
+    predicted = None
+    if calibration and link_bytes_per_s:
+        layers = [[ParticipantCost(float(d["fixed_s"]), float(d["per_kernel_s"]),
+                                   int(d["kernels"])) for d in c["devices"]]
+                  for c in sorted(calibration, key=lambda c: int(c["layer"]))]
+        predicted = star_step_seconds(layers, dense_s, statistics.median(master_bytes),
+                                      link_bytes_per_s)
+    return RunFigures(step_s=statistics.median(float(s["step_s"]) for s in steps),
+                      dense_s=dense_s, master_link_bytes=statistics.median(master_bytes),
+                      busiest_worker_link_bytes=statistics.median(busiest),
+                      predicted_step_s=predicted)
+
+
+@contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt here, so teardown runs as on Ctrl-C."""
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run_in_quota(command: list[str], fraction: float, log_path: Path) -> int:
+    quota = CpuQuota(fraction)
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            quota.add(process.pid)
+            return process.wait(RUN_TIMEOUT_S)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+            quota.remove()
+
+
+def run_scale_bench(configurations: list[tuple[float, ...]], rate: str = "1gbit",
+                    arch: str = "32:64", batch: int = 128, limit: int | None = None,
+                    repeats: int = 3, work_dir: str | None = None,
+                    out: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run every configuration and its baseline ``repeats`` times, interleaved."""
+    for reason in (netns_unavailable_reason(), cpu_quota_unavailable_reason()):
+        if reason:
+            raise UserError(f"hetconv bench scale needs root features: {reason}")
+    try:
+        link_bytes_per_s = parse_rate_bits(rate) / 8
+    except ValueError as error:
+        raise UserError(f"--rate: {error}") from None
+    root = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="hetconv-scale-"))
+    root.mkdir(parents=True, exist_ok=True)
+    python = sys.executable
+    common = ["--data", "synthetic", "--arch", arch, "--batch", str(batch), "--epochs", "1",
+              "--threads", "1", "--no-progress", "--overwrite"]
+    if limit:
+        common += ["--limit", str(limit)]
+    baselines = sorted({max(config) for config in configurations})
+    results: dict[str, list[RunFigures]] = {}
+
+    def label(config: tuple[float, ...]) -> str:
+        return f"{len(config)}x[{','.join(f'{f:g}' for f in config)}]"
+
+    out(f"hetconv bench scale: rate {rate}, arch {arch}, batch {batch}, {repeats} repeat(s), "
+        f"runs in {root}")
+    size = max(len(config) for config in configurations)
+    with _terminate_as_interrupt(), SwitchedLan(size, rate) as lan:
+        master = lan.machines[0]
+        for repeat in range(repeats):
+            for fraction in baselines:
+                name = f"baseline-{fraction:g}"
+                run_dir = root / name / f"repeat{repeat}"
+                run_dir.mkdir(parents=True, exist_ok=True)
+                status = _run_in_quota(master.command([python, "-m", "hetconv", "train",
+                                                       "--local", *common, "--run-dir",
+                                                       str(run_dir)]),
+                                       fraction, run_dir.parent / f"repeat{repeat}.log")
+                if status != 0:
+                    raise UserError(f"baseline run failed (status {status}); see "
+                                    f"{run_dir.parent / f'repeat{repeat}.log'}")
+                results.setdefault(name, []).append(run_figures(run_dir, None))
+                out(f"  repeat {repeat + 1}: {name}: median step "
+                    f"{results[name][-1].step_s * 1e3:.1f} ms")
+            for config in configurations:
+                name = label(config)
+                run_dir = root / name / f"repeat{repeat}"
+                run_dir.mkdir(parents=True, exist_ok=True)
+                port = free_port()
+                endpoint = f"tcp://{master.address}:{port}"
+                workers = []
+                try:
+                    for index, fraction in enumerate(config[1:], start=1):
+                        machine = lan.machines[index]
+                        workers.append(LocalWorker(
+                            endpoint, f"m{index}", threads=1, cpu_fraction=fraction,
+                            log_path=run_dir.parent / f"repeat{repeat}-m{index}.log",
+                            netns=machine.netns, extra_args=("--once",)))
+                    train = [python, "-m", "hetconv", "train", "--listen",
+                             f"tcp://{master.address}:{port}", "--min-workers",
+                             str(len(config) - 1), "--wait", "60", *common, "--run-dir",
+                             str(run_dir)]
+                    if len(config) == 1:
+                        train[train.index("--min-workers") + 1] = "0"
+                    status = _run_in_quota(master.command(train), config[0],
+                                           run_dir.parent / f"repeat{repeat}.log")
+                finally:
+                    for worker in workers:
+                        worker.stop()
+                if status != 0:
+                    raise UserError(f"run {name} failed (status {status}); see "
+                                    f"{run_dir.parent / f'repeat{repeat}.log'}")
+                results.setdefault(name, []).append(run_figures(run_dir, link_bytes_per_s))
+                out(f"  repeat {repeat + 1}: {name}: median step "
+                    f"{results[name][-1].step_s * 1e3:.1f} ms")
+                time.sleep(0.2)
+    summary = summarize(configurations, results, label)
+    for line in format_table(summary, rate):
+        out(line)
+    (root / "scale.json").write_text(json.dumps(
+        {"rate": rate, "arch": arch, "batch": batch, "repeats": repeats, "rows": summary,
+         "runs": {k: [asdict(f) for f in v] for k, v in results.items()}}, indent=1))
+    return {"rows": summary, "work_dir": str(root)}
+
+
+def summarize(configurations: list[tuple[float, ...]], results: dict[str, list[RunFigures]],
+              label: Callable[[tuple[float, ...]], str]) -> list[dict[str, Any]]:
+    """One row per configuration: medians over repeats, speedup and share of the ideal."""
+    rows = []
+    for config in configurations:
+        runs = results[label(config)]
+        baseline = statistics.median(r.step_s for r in results[f"baseline-{max(config):g}"])
+        step_s = statistics.median(r.step_s for r in runs)
+        predictions = [r.predicted_step_s for r in runs if r.predicted_step_s is not None]
+        ideal = ideal_speedup(config)
+        rows.append({
+            "machines": label(config), "step_s": step_s, "baseline_step_s": baseline,
+            "speedup": baseline / step_s, "ideal": ideal,
+            "of_ideal": baseline / step_s / ideal,
+            "master_link_bytes": statistics.median(r.master_link_bytes for r in runs),
+            "busiest_worker_link_bytes": statistics.median(
+                r.busiest_worker_link_bytes for r in runs),
+            "predicted_step_s": statistics.median(predictions) if predictions else None,
+        })
+    return rows
+
+
+def format_table(rows: list[dict[str, Any]], rate: str) -> list[str]:
+    lines = ["", "| machines (core each) | link | step ms | predicted ms | one machine ms | "
+             "speedup | of ideal | master link MB/step | busiest worker link MB/step |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        predicted = ("-" if row["predicted_step_s"] is None
+                     else f"{row['predicted_step_s'] * 1e3:.1f}")
+        lines.append(
+            f"| {row['machines']} | {rate} | {row['step_s'] * 1e3:.1f} | {predicted} | "
+            f"{row['baseline_step_s'] * 1e3:.1f} | {row['speedup']:.2f}x | "
+            f"{100 * row['of_ideal']:.0f}% | {row['master_link_bytes'] / 1e6:.2f} | "
+            f"{row['busiest_worker_link_bytes'] / 1e6:.2f} |")
+    return lines

@@ -1,0 +1,98 @@
+"""Local processes of the lab: worker daemons as real subprocesses, always stopped.
+
+A :class:`LocalWorker` is one ``python -m hetconv worker`` subprocess, optionally in
+a CPU quota (:mod:`hetconv.lab.quota`) and a network namespace
+(:mod:`hetconv.lab.network`). Everything started here is stopped on exit.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from hetconv.lab.quota import CpuQuota
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class LocalWorker:
+    """One ``hetconv worker`` subprocess; ``stop()`` always ends it."""
+
+    def __init__(self, master: str, name: str, threads: int = 1, cpu_fraction: float | None = None,
+                 log_path: Path | None = None, extra_args: tuple[str, ...] = (),
+                 netns: str | None = None):
+        self.name = name
+        self.quota = CpuQuota(cpu_fraction) if cpu_fraction is not None else None
+        self.log_path = log_path
+        self._log: IO[bytes] | int = open(log_path, "wb") if log_path else subprocess.DEVNULL
+        command = [sys.executable, "-m", "hetconv", "worker", "--master", master,
+                   "--threads", str(threads), "--name", name, *extra_args]
+        if netns is not None:  # run it on the emulated LAN host
+            command = ["ip", "netns", "exec", netns, *command]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads)}
+        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
+                                        env=env)
+        if self.quota is not None:
+            try:
+                self.quota.add(self.process.pid)
+            except BaseException:
+                self.stop()
+                raise
+
+    def stop(self, timeout_s: float = 3.0) -> int | None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout_s)
+        if self.quota is not None:
+            self.quota.remove()
+        if not isinstance(self._log, int):
+            self._log.close()
+        return self.process.returncode
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path else ""
+
+
+class LocalWorkers:
+    """Several local workers as a context manager: ``with LocalWorkers(...) as ws:``."""
+
+    def __init__(self, master: str, specs: list[dict[str, Any]], log_dir: Path | None = None):
+        self.master, self.specs, self.log_dir = master, specs, log_dir
+        self.workers: list[LocalWorker] = []
+
+    def __enter__(self) -> list[LocalWorker]:
+        try:
+            for spec in self.specs:
+                log_path = self.log_dir / f"{spec['name']}.log" if self.log_dir else None
+                self.workers.append(LocalWorker(self.master, log_path=log_path, **spec))
+        except BaseException:
+            self.__exit__()
+            raise
+        return self.workers
+
+    def __exit__(self, *exc: object) -> None:
+        for worker in self.workers:
+            worker.stop()
+
+
+def wait_for(predicate: Any, timeout_s: float, interval_s: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return bool(predicate())

@@ -1,0 +1,55 @@
+"""CPU quotas: a process runs at a fraction of one core (cgroup v1 ``cpu`` controller).
+
+``cpu.cfs_quota_us`` / ``cpu.cfs_period_us`` with a short 10 ms period, so a
+throttled process is slow at every time scale (DESIGN.md section 7). Needs root
+and a cgroup v1 cpu hierarchy at /sys/fs/cgroup/cpu.
+"""
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+CGROUP_CPU_ROOT = Path("/sys/fs/cgroup/cpu")
+CFS_PERIOD_US = 10_000  # short periods: a throttled worker is slow at every scale
+
+
+def cpu_quota_unavailable_reason() -> str | None:
+    """Why cgroup v1 CPU quotas cannot be used here, or None when they can."""
+    if not (CGROUP_CPU_ROOT / "cpu.cfs_quota_us").exists():
+        return f"no cgroup v1 cpu controller at {CGROUP_CPU_ROOT}"
+    if not os.access(CGROUP_CPU_ROOT, os.W_OK):
+        return f"{CGROUP_CPU_ROOT} is not writable (needs root)"
+    return None
+
+
+class CpuQuota:
+    """A cgroup v1 cpu group limited to ``fraction`` of one core."""
+
+    def __init__(self, fraction: float):
+        if not 0.01 <= fraction <= 64:
+            raise ValueError(f"CPU fraction must be within 0.01..64, got {fraction}")
+        reason = cpu_quota_unavailable_reason()
+        if reason:
+            raise RuntimeError(f"CPU quotas unavailable: {reason}")
+        self.path = CGROUP_CPU_ROOT / f"hetconv-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.path.mkdir()
+        (self.path / "cpu.cfs_period_us").write_text(str(CFS_PERIOD_US))
+        (self.path / "cpu.cfs_quota_us").write_text(str(int(CFS_PERIOD_US * fraction)))
+
+    def add(self, pid: int) -> None:
+        (self.path / "cgroup.procs").write_text(str(pid))
+
+    def remove(self) -> None:
+        if not self.path.exists():
+            return
+        procs = (self.path / "cgroup.procs").read_text().split()
+        for pid in procs:  # move survivors back to the root group
+            try:
+                (CGROUP_CPU_ROOT / "cgroup.procs").write_text(pid)
+            except OSError:
+                pass
+        try:
+            self.path.rmdir()
+        except OSError:
+            pass
