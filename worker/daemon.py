@@ -6,7 +6,9 @@ to one compute thread, whose replies come back through an inproc socket. So the
 worker keeps heartbeating while it computes, and the master can tell a busy
 worker from a dead one. After a run ends, or when the master goes silent, the
 daemon drops its shards and waits for the next master. SIGTERM/SIGINT stop it
-within a second or two.
+within a second or two. What to do when is decided by :class:`WorkerSession`
+(worker/session.py, no I/O); this module only polls, decodes, feeds it events
+and carries out its actions.
 """
 from __future__ import annotations
 
@@ -26,24 +28,30 @@ from hetconv.backend import set_blas_threads
 from hetconv.config import WorkerConfig
 from hetconv.device_info import describe_device
 from hetconv.protocol import (
-    PROTOCOL_VERSION,
-    EndRun,
-    ErrorReply,
     Goodbye,
     Heartbeat,
     Hello,
     Message,
     ProtocolError,
-    Refuse,
-    Welcome,
     limits,
     transport,
 )
 from hetconv.worker.service import WorkerService
+from hetconv.worker.session import (
+    BadMessage,
+    Compute,
+    Event,
+    Exit,
+    Log,
+    MessageReceived,
+    ReplyReady,
+    Send,
+    StopRequested,
+    Tick,
+    WorkerSession,
+)
 
 log = logging.getLogger("hetconv.worker")
-
-WAITING_LOG_INTERVAL_S = 30.0  # how often a worker without a master says it is still trying
 
 
 class WorkerDaemon:
@@ -102,107 +110,66 @@ class WorkerDaemon:
             ctx.term() if not compute.is_alive() else None
 
     def _serve(self, sock: zmq.Socket[Any], wake: zmq.Socket[Any]) -> int:
-        cfg = self.config
+        """Poll, decode, feed the session, perform its actions; the exit status."""
+        session = WorkerSession(self.config, self.worker_id, self.device)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(wake, zmq.POLLIN)
-        in_session = False
-        hello_delay = cfg.hello_backoff_s[0]
-        next_hello = 0.0
-        last_heard = last_beat = time.monotonic()
-        busy = 0  # requests handed to the compute thread and not yet answered
-        beat_interval = cfg.heartbeat_interval_s
-        last_waiting_log = 0.0
-        while not self.stop_event.is_set():
+        poll_timeout_ms = int(self.config.poll_interval_s * 1000)
+        stop_fed = False
+        while True:
             now = time.monotonic()
-            if not in_session and now >= next_hello:
-                if now - last_waiting_log >= WAITING_LOG_INTERVAL_S:
-                    if last_waiting_log:
-                        log.info("no master at %s yet; still trying%s", cfg.master,
-                                 " (with CURVE: check that the master allows this "
-                                 "worker's key and that --master-key is the master's)"
-                                 if cfg.curve else "")
-                    last_waiting_log = now
-                self._send(sock, Hello(worker_id=self.worker_id, device=self.device,
-                                       protocol_version=PROTOCOL_VERSION))
-                next_hello = now + hello_delay
-                hello_delay = min(hello_delay * 2, cfg.hello_backoff_s[1])
-            if in_session and now - last_beat >= beat_interval:
-                self._send(sock, Heartbeat(sent_at=time.time()))
-                last_beat = now
-            if in_session and busy == 0 and now - last_heard > cfg.master_timeout_s:
-                log.warning("master silent for %.0f s; dropping shards, waiting for a master",
-                            now - last_heard)
-                in_session, hello_delay, next_hello = False, cfg.hello_backoff_s[0], 0.0
-                self._requests.put(EndRun(request_id=0, reason="master silent"))
-                busy += 1
-            events = dict(poller.poll(timeout=int(cfg.poll_interval_s * 1000)))
-            if wake in events:
+            events: list[Event] = []
+            if self.stop_event.is_set() and not stop_fed:
+                events.append(StopRequested(now))
+                stop_fed = True
+            events.append(Tick(now, time.time()))
+            status = self._feed(session, sock, events)
+            if status is not None:
+                return status
+            ready = dict(poller.poll(timeout=poll_timeout_ms))
+            events = []
+            if wake in ready:
                 while wake.poll(0):
                     wake.recv()
                 while not self._replies.empty():
-                    reply = self._replies.get()
-                    busy -= 1
-                    self._send(sock, reply)
-            if sock not in events:
+                    events.append(ReplyReady(self._replies.get()))
+            if sock in ready:
+                events += self._receive(sock)
+            status = self._feed(session, sock, events)
+            if status is not None:
+                return status
+
+    def _feed(self, session: WorkerSession, sock: zmq.Socket[Any],
+              events: list[Event]) -> int | None:
+        """Feed ``events`` to the session and carry out its actions in order; the exit
+        status once an action says to exit."""
+        for event in events:
+            for action in session.handle(event):
+                match action:
+                    case Send():
+                        self._send(sock, action.message)
+                    case Compute():
+                        self._requests.put(action.request)
+                    case Log():
+                        log.log(action.level, "%s", action.text)
+                    case Exit():
+                        return action.status
+        return None
+
+    def _receive(self, sock: zmq.Socket[Any]) -> list[Event]:
+        """Every message waiting on ``sock``, decoded, as session events."""
+        events: list[Event] = []
+        while sock.poll(0):
+            try:
+                message = transport.recv_message(sock, 0)
+            except ProtocolError as error:
+                events.append(BadMessage(error))
                 continue
-            while sock.poll(0):
-                try:
-                    message = transport.recv_message(sock, 0)
-                except ProtocolError as error:
-                    log.warning("bad message from the master: %s", error)
-                    self._send(sock, ErrorReply(request_id=0, code=error.code,
-                                                message=str(error)))
-                    continue
-                if message is None:
-                    break
-                last_heard = time.monotonic()
-                match message:
-                    case Welcome():
-                        if message.protocol_version != PROTOCOL_VERSION:
-                            log.error("master speaks protocol %d, this worker %d; upgrade one",
-                                      message.protocol_version, PROTOCOL_VERSION)
-                            return 3
-                        if not in_session:
-                            log.info("joined run %s", message.run_id)
-                            last_waiting_log = 0.0
-                        in_session = True
-                        last_beat = 0.0
-                        beat_interval = min(5.0, max(0.05, message.heartbeat_interval_s))
-                    case Refuse():
-                        log.error("the master refused this worker: %s", message.reason)
-                        return 3
-                    case Heartbeat():
-                        pass
-                    case ErrorReply() if message.code == "unknown_worker":
-                        if in_session:
-                            log.info("the master does not know this worker; saying hello again")
-                        in_session, hello_delay, next_hello = False, cfg.hello_backoff_s[0], 0.0
-                    case ErrorReply():
-                        log.warning("master reports an error: %s: %s", message.code,
-                                    message.message)
-                    case EndRun():
-                        log.info("run over: %s", message.reason)
-                        self._requests.put(message)
-                        busy += 1
-                        if cfg.once:
-                            self.stop_event.set()
-                    case _ if in_session:
-                        self._requests.put(message)
-                        busy += 1
-                    case _:
-                        self._send(sock, ErrorReply(
-                            request_id=int(getattr(message, "request_id", 0)),
-                            code="bad_request", message="no session: say hello first"))
-        if cfg.once:  # flush the last replies
-            deadline = time.monotonic() + 1.0
-            while busy > 0 and time.monotonic() < deadline:
-                try:
-                    self._send(sock, self._replies.get(timeout=0.1))
-                    busy -= 1
-                except queue.Empty:
-                    pass
-        return 0
+            if message is None:
+                break
+            events.append(MessageReceived(message, time.monotonic()))
+        return events
 
     def _send(self, sock: zmq.Socket[Any], message: Message) -> None:
         """Send; hellos, heartbeats and goodbyes are dropped rather than queued behind a
