@@ -1,11 +1,13 @@
-"""Fixtures for integration tests: real worker and master processes on loopback."""
+"""Fixtures for integration tests (real worker and master processes on loopback), and the
+rule that with ``HETCONV_REQUIRE_TORCH=1`` a PyTorch oracle test fails instead of skipping
+when torch is missing (CI sets it; see deploy/test.sh)."""
 from __future__ import annotations
 
 import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,7 @@ import pytest
 from hetconv.lab import LocalWorkers, free_port
 
 REPO = Path(__file__).resolve().parents[1]
+TORCH_SKIP_REASON = "could not import 'torch'"  # pytest.importorskip("torch")'s reason
 SMALL_RUN = ["--data", "synthetic", "--limit", "6400", "--test-limit", "256", "--arch", "4:8",
              "--epochs", "1", "--batch", "64", "--threads", "1", "--no-progress", "--seed", "3"]
 
@@ -70,3 +73,32 @@ def local_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     result = run_hetconv("train", "--local", *SMALL_RUN, "--run-dir", str(run_dir))
     assert result.returncode == 0, result.stderr
     return run_dir
+
+
+def torch_required() -> bool:
+    return os.environ.get("HETCONV_REQUIRE_TORCH", "0") == "1"
+
+
+def _fail_torch_skip(report: pytest.TestReport | pytest.CollectReport) -> None:
+    """Turn an ``importorskip("torch")`` skip into a failure when torch is required."""
+    if not (report.skipped and torch_required()):
+        return
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    if TORCH_SKIP_REASON in reason:
+        report.outcome = "failed"
+        report.longrepr = (f"HETCONV_REQUIRE_TORCH=1 but the PyTorch test oracle is missing "
+                           f"({reason}); install it: pip install torch==2.13.0 --extra-index-url "
+                           f"https://download.pytorch.org/whl/cpu")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item,
+                               call: pytest.CallInfo[None]) -> Generator[None, Any, None]:
+    outcome = yield
+    _fail_torch_skip(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None, Any, None]:
+    outcome = yield
+    _fail_torch_skip(outcome.get_result())
