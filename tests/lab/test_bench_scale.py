@@ -1,0 +1,85 @@
+"""``hetconv bench scale`` on a small switched LAN: caps hold, every machine computes."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hetconv.bench.scale import run_scale_bench
+from hetconv.lab import cpu_quota_unavailable_reason, netns_unavailable_reason
+from hetconv.lab.network import SwitchedLan, parse_rate_bits
+from hetconv.metrics import read_metrics
+
+pytestmark = [pytest.mark.lab, pytest.mark.integration]
+REASON = netns_unavailable_reason() or cpu_quota_unavailable_reason()
+
+RECEIVER = """
+import socket, sys, time
+server = socket.create_server((sys.argv[1], int(sys.argv[2])))
+connection, _ = server.accept()
+total, start = 0, None
+while chunk := connection.recv(1 << 20):
+    start = start or time.perf_counter()
+    total += len(chunk)
+print(total, time.perf_counter() - start)
+"""
+SENDER = """
+import socket, sys, time
+deadline = time.monotonic() + 10
+while True:
+    try:
+        connection = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+        break
+    except OSError:
+        if time.monotonic() > deadline:
+            raise
+        time.sleep(0.05)
+payload = bytes(1 << 20)
+for _ in range(int(sys.argv[3])):
+    connection.sendall(payload)
+connection.close()
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(REASON is not None, reason=f"cannot emulate a LAN here: {REASON}")
+def test_switched_lan_links_run_at_their_cap() -> None:
+    rate = "40mbit"
+    with SwitchedLan(2, rate, lan=7) as lan:
+        a, b = lan.machines
+        receiver = subprocess.Popen(b.command([sys.executable, "-c", RECEIVER, b.address, "6001"]),
+                                    stdout=subprocess.PIPE, text=True)
+        time.sleep(0.3)
+        sender = subprocess.run(a.command([sys.executable, "-c", SENDER, b.address, "6001", "15"]),
+                                capture_output=True, text=True, timeout=60)
+        assert sender.returncode == 0, sender.stderr
+        out, _ = receiver.communicate(timeout=30)
+        received_before = b.link_bytes()[0]
+    total, seconds = out.split()
+    measured_bits = int(total) * 8 / float(seconds)
+    assert int(total) == 15 << 20
+    assert received_before >= int(total)  # the bytes crossed b's switch port
+    assert abs(measured_bits / parse_rate_bits(rate) - 1) <= 0.20, measured_bits
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.skipif(REASON is not None, reason=f"cannot emulate a LAN here: {REASON}")
+def test_bench_scale_small_configuration(tmp_path: Path) -> None:
+    lines: list[str] = []
+    result = run_scale_bench([(0.5, 0.5, 0.5)], rate="1gbit", arch="8:16", batch=64, limit=512,
+                             repeats=1, work_dir=str(tmp_path), out=lines.append)
+    row = result["rows"][0]
+    assert row["speedup"] > 0 and row["ideal"] == pytest.approx(3.0)
+    assert row["master_link_bytes"] > 0 and row["predicted_step_s"] is not None
+    assert any(line.startswith("| 3x[0.5,0.5,0.5] | 1gbit |") for line in lines)
+    records = read_metrics(tmp_path / "3x[0.5,0.5,0.5]" / "repeat0" / "metrics.jsonl")
+    for calibration in (r for r in records if r["type"] == "calibration"):
+        assert [d["device"] for d in calibration["devices"]] == ["master", "m1", "m2"]
+        assert all(d["kernels"] > 0 for d in calibration["devices"]), calibration
+    assert (tmp_path / "scale.json").exists()
+    assert not [line for line in subprocess.run(["ip", "netns"], capture_output=True,
+                                                text=True).stdout.splitlines()
+                if line.startswith("hcm")]  # torn down
