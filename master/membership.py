@@ -1,0 +1,443 @@
+"""The master's membership, liveness and request matching, as a state machine without I/O.
+
+:class:`Membership` holds what the master knows between polls: which workers said
+Hello (and when each was last heard from), which of them are the run's members,
+and which requests are outstanding with whom. :class:`hetconv.master.cluster.Cluster`
+feeds it events (:class:`MessageReceived`, :class:`BadMessage`, :class:`Tick`,
+:class:`RequestSent`, :class:`RequestsAwaited`, :class:`SendFailed`) and performs the
+actions it answers with (:class:`Send`, :class:`Log`, :class:`Fail`; a
+:class:`Completed` only reports a matched reply, which stays here until collected).
+It never touches a socket or reads a clock: every event that needs the time carries
+it, so the tests drive liveness and request deadlines without waiting (the shape of
+dask/distributed's worker state machine, and of ``hetconv.worker.session``).
+
+Replies are matched by request id, by the worker the request went to, by type
+(:data:`REPLY_TYPES`, and the one reply type each request expects) and by the
+``step``, ``layer`` and ``attempt`` they echo. A reply nobody waits for (stale,
+duplicate, from another worker) is dropped; a reply that answers the right request
+wrongly fails the run naming the worker.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from hetconv.protocol import (
+    ERR_UNEXPECTED,
+    ERR_UNKNOWN_WORKER,
+    NO_REQUEST_ID,
+    PROTOCOL_VERSION,
+    Ack,
+    AssignShard,
+    BackwardReply,
+    BackwardRequest,
+    CalibrateReply,
+    CalibrateRequest,
+    EndRun,
+    ErrorReply,
+    ForwardReply,
+    ForwardRequest,
+    Goodbye,
+    Heartbeat,
+    Hello,
+    Message,
+    ProtocolError,
+    Refuse,
+    SnapshotReply,
+    SnapshotRequest,
+    VersionMismatch,
+    Welcome,
+    limits,
+)
+
+REPLY_TYPES: tuple[type[Message], ...] = (ForwardReply, BackwardReply, CalibrateReply,
+                                          SnapshotReply, Ack, ErrorReply)
+"""The message types a worker sends to answer a request."""
+
+ECHOED_FIELDS = ("step", "layer", "attempt")
+"""Request fields a reply carries back unchanged, where both types have them."""
+
+
+@dataclass
+class WorkerHandle:
+    """What the master knows of one connected worker."""
+
+    identity: bytes
+    worker_id: str
+    device: dict[str, Any]
+    last_seen: float  # monotonic seconds of the last decoded message from it
+    gone: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.worker_id} ({self.device.get('device', '?')})"
+
+
+@dataclass(frozen=True)
+class ClusterSettings:
+    """Deadlines of the master's side (defaults from ``protocol.limits``)."""
+
+    heartbeat_interval_s: float = limits.DEFAULT_HEARTBEAT_INTERVAL_S
+    liveness_timeout_s: float = (limits.DEFAULT_HEARTBEAT_INTERVAL_S
+                                 * limits.DEFAULT_HEARTBEAT_LIVENESS)
+    request_timeout_s: float = limits.DEFAULT_REQUEST_TIMEOUT_S
+
+
+@dataclass
+class Reply:
+    """A worker's answer to one request, as received."""
+
+    worker: WorkerHandle
+    message: Message
+    received_at: float  # monotonic seconds
+    payload_bytes: int
+
+
+def payload_bytes(message: Message) -> int:
+    """Bytes of array payload a message carries (what crosses the network, roughly)."""
+    return sum(value.nbytes for value in vars(message).values() if isinstance(value, np.ndarray))
+
+
+def expected_reply(request: Message) -> type[Message] | None:
+    """The reply type that answers ``request`` (besides ErrorReply); None: not a request."""
+    match request:
+        case ForwardRequest():
+            return ForwardReply
+        case BackwardRequest():
+            return BackwardReply
+        case CalibrateRequest():
+            return CalibrateReply
+        case SnapshotRequest():
+            return SnapshotReply
+        case AssignShard() | EndRun():
+            return Ack
+    return None
+
+
+def reply_mismatch(request: Message, reply: Message) -> str | None:
+    """How ``reply`` echoes the request's step, layer or attempt wrongly; None if it
+    echoes every one of :data:`ECHOED_FIELDS` that both messages have."""
+    for key in ECHOED_FIELDS:
+        if hasattr(request, key) and hasattr(reply, key):
+            wanted, got = getattr(request, key), getattr(reply, key)
+            if got != wanted:
+                return f"{key} {got}, expected {wanted}"
+    return None
+
+
+# --- events in ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class MessageReceived:
+    """``message`` decoded at ``now`` (monotonic seconds) from ROUTER peer ``identity``."""
+
+    identity: bytes
+    message: Message
+    now: float
+
+
+@dataclass(frozen=True)
+class BadMessage:
+    """A message that did not decode (``error.identity`` says from whom, if known);
+    a :class:`~hetconv.protocol.VersionMismatch` for another protocol version."""
+
+    error: ProtocolError
+
+
+@dataclass(frozen=True)
+class Tick:
+    """Time passed. ``now`` is monotonic seconds; ``wall_time`` is ``time.time()``,
+    only stamped on heartbeats."""
+
+    now: float
+    wall_time: float
+
+
+@dataclass(frozen=True)
+class RequestSent:
+    """``request`` went to ``worker`` at ``now``; its reply is expected from that worker."""
+
+    worker: WorkerHandle
+    request: Message
+    now: float
+
+
+@dataclass(frozen=True)
+class RequestsAwaited:
+    """The master now waits for the replies to ``pending`` (request id → worker), for
+    ``what`` (named in failures). Ids not seen in :class:`RequestSent` are registered
+    here, without a type check."""
+
+    pending: Mapping[int, WorkerHandle]
+    what: str
+    now: float
+
+
+@dataclass(frozen=True)
+class SendFailed:
+    """The transport could not send to ``worker`` (``detail`` says why)."""
+
+    worker: WorkerHandle
+    detail: str
+
+
+Event = MessageReceived | BadMessage | Tick | RequestSent | RequestsAwaited | SendFailed
+
+
+# --- actions out -------------------------------------------------------------------
+@dataclass(frozen=True)
+class Send:
+    """Send ``message`` to ROUTER peer ``identity``; a failed send is not an error."""
+
+    identity: bytes
+    message: Message
+
+
+@dataclass(frozen=True)
+class Log:
+    """Write one log line at ``level`` (a ``logging`` level)."""
+
+    level: int
+    text: str
+
+
+@dataclass(frozen=True)
+class Fail:
+    """Stop waiting: ``worker`` died, went silent, left or answered wrongly."""
+
+    worker: WorkerHandle
+    reason: str  # one line that names the worker
+
+
+@dataclass(frozen=True)
+class Completed:
+    """Request ``request_id`` got its reply (kept until :meth:`Membership.replies_for`)."""
+
+    request_id: int
+    reply: Reply
+
+
+Action = Send | Log | Fail | Completed
+
+
+@dataclass
+class Request:
+    """One outstanding request and, once it came, its reply."""
+
+    worker: WorkerHandle
+    sent_at: float
+    message: Message | None  # None: registered by RequestsAwaited only
+    what: str = "a request"
+    reply: Reply | None = None
+
+
+@dataclass
+class Membership:
+    """The master's workers and outstanding requests; :meth:`handle` turns each event
+    into actions."""
+
+    run_id: str
+    settings: ClusterSettings = field(default_factory=ClusterSettings)
+
+    def __post_init__(self) -> None:
+        self.workers: dict[bytes, WorkerHandle] = {}
+        self.members: list[WorkerHandle] = []
+        self.requests: dict[int, Request] = {}
+        self._next_request_id = 1
+        self._last_beat = -math.inf
+
+    # --- queries and bookkeeping ---------------------------------------------------------
+    def next_request_id(self) -> int:
+        request_id = self._next_request_id
+        self._next_request_id += 1
+        return request_id
+
+    def live_workers(self, now: float) -> list[WorkerHandle]:
+        """Workers not gone and heard from within the liveness timeout."""
+        return [w for w in self.workers.values()
+                if not w.gone and now - w.last_seen < self.settings.liveness_timeout_s]
+
+    def fix_members(self, workers: Iterable[WorkerHandle]) -> list[WorkerHandle]:
+        """Make ``workers`` the run's members (sorted by id); heartbeats go to them only."""
+        self.members = sorted(workers, key=lambda w: w.worker_id)
+        return self.members
+
+    def replies_for(self, pending: Iterable[int]) -> dict[int, Reply] | None:
+        """The replies to all of ``pending``, or None while one is still missing."""
+        replies: dict[int, Reply] = {}
+        for request_id in pending:
+            request = self.requests.get(request_id)
+            if request is None or request.reply is None:
+                return None
+            replies[request_id] = request.reply
+        return replies
+
+    def forget(self, request_ids: Iterable[int]) -> None:
+        """Stop tracking these requests; late replies to them are dropped."""
+        for request_id in request_ids:
+            self.requests.pop(request_id, None)
+
+    def forget_all(self) -> None:
+        self.requests.clear()
+
+    # --- events ----------------------------------------------------------------------
+    def handle(self, event: Event) -> list[Action]:
+        """The actions ``event`` calls for, in order."""
+        match event:
+            case MessageReceived():
+                return self._received(event.identity, event.message, event.now)
+            case BadMessage():
+                return self._bad_message(event.error)
+            case Tick():
+                return self._tick(event.now, event.wall_time)
+            case RequestSent():
+                return self._request_sent(event.worker, event.request, event.now)
+            case RequestsAwaited():
+                return self._awaited(event.pending, event.what, event.now)
+            case SendFailed():
+                event.worker.gone = True
+                return [Fail(event.worker,
+                             f"worker {event.worker.name} is unreachable: {event.detail}")]
+
+    def _received(self, identity: bytes, message: Message, now: float) -> list[Action]:
+        if isinstance(message, Hello):
+            return self._hello(identity, message, now)
+        worker = self.workers.get(identity)
+        if worker is None or worker.gone:
+            return [Send(identity, ErrorReply(request_id=NO_REQUEST_ID, code=ERR_UNKNOWN_WORKER,
+                                              message="say hello first"))]
+        worker.last_seen = now
+        if isinstance(message, Heartbeat):
+            return []
+        if isinstance(message, Goodbye):
+            worker.gone = True
+            return [Log(logging.WARNING, f"worker {worker.name} left: {message.reason}"),
+                    *self._fail_requests_of(worker, "left during", message.reason)]
+        if isinstance(message, REPLY_TYPES):
+            return self._reply(worker, message, now)
+        request_id = int(getattr(message, "request_id", NO_REQUEST_ID))
+        return [Send(identity, ErrorReply(request_id=request_id, code=ERR_UNEXPECTED,
+                                          message=f"the master does not serve {message.TYPE}"))]
+
+    def _hello(self, identity: bytes, hello: Hello, now: float) -> list[Action]:
+        if hello.protocol_version != PROTOCOL_VERSION:
+            reason = (f"protocol version mismatch: master speaks {PROTOCOL_VERSION}, worker "
+                      f"{hello.worker_id} speaks {hello.protocol_version}; install the same "
+                      "hetconv version on both")
+            return [Log(logging.WARNING, f"refused worker {hello.worker_id}: {reason}"),
+                    Send(identity, Refuse(reason=reason, protocol_version=PROTOCOL_VERSION))]
+        actions: list[Action] = []
+        known = self.workers.get(identity)
+        if known is None or known.gone:
+            worker = WorkerHandle(identity, hello.worker_id, dict(hello.device), now)
+            self.workers[identity] = worker
+            actions.append(Log(logging.INFO,
+                               f"worker {worker.name} joined: {hello.device.get('name')}"))
+        else:  # a repeated Hello (its Welcome was lost, or it restarted): refresh
+            known.last_seen = now
+            known.device = dict(hello.device)
+        actions.append(Send(identity, Welcome(
+            worker_id=hello.worker_id, run_id=self.run_id,
+            heartbeat_interval_s=self.settings.heartbeat_interval_s,
+            protocol_version=PROTOCOL_VERSION)))
+        return actions
+
+    def _reply(self, worker: WorkerHandle, message: Message, now: float) -> list[Action]:
+        request_id = int(getattr(message, "request_id", NO_REQUEST_ID))
+        request = self.requests.get(request_id)
+        if request is None or request.worker is not worker or request.reply is not None:
+            text = f"dropped a stale or duplicate {message.TYPE} from {worker.name}"
+            if isinstance(message, ErrorReply):  # an error nobody waits for is still news
+                return [Log(logging.WARNING, f"{text}: {message.code}: {message.message}")]
+            return [Log(logging.DEBUG, text)]
+        if isinstance(message, ErrorReply):
+            return [Fail(worker, f"worker {worker.name} failed {request.what}: "
+                                 f"{message.code}: {message.message}")]
+        if request.message is not None:
+            expected = expected_reply(request.message)
+            if expected is not None and not isinstance(message, expected):
+                return [Fail(worker, f"worker {worker.name} answered {request.what} with "
+                                     f"{message.TYPE}, expected {expected.TYPE}")]
+            mismatch = reply_mismatch(request.message, message)
+            if mismatch is not None:
+                return [Fail(worker, f"worker {worker.name} answered {request.what} with "
+                                     f"{mismatch}")]
+        request.reply = Reply(worker, message, now, payload_bytes(message))
+        return [Completed(request_id, request.reply)]
+
+    def _bad_message(self, error: ProtocolError) -> list[Action]:
+        identity = error.identity
+        sender = f" from {identity!r}" if identity else ""
+        if isinstance(error, VersionMismatch):
+            actions: list[Action] = [Log(logging.WARNING, f"refused a peer{sender}: {error}")]
+            if not identity:
+                return actions
+            actions.append(Send(identity, Refuse(reason=str(error),
+                                                 protocol_version=PROTOCOL_VERSION)))
+            worker = self.workers.get(identity)
+            if worker is not None and not worker.gone:  # refused: it will exit
+                worker.gone = True
+                actions += self._fail_requests_of(worker, "was refused during", str(error))
+            return actions
+        actions = [Log(logging.WARNING, f"bad message{sender}: {error}")]
+        if not identity:
+            return actions
+        request_id = error.request_id if error.request_id is not None else NO_REQUEST_ID
+        actions.append(Send(identity, ErrorReply(request_id=request_id, code=error.code,
+                                                 message=str(error))))
+        worker = self.workers.get(identity)
+        request = self.requests.get(request_id)
+        if (worker is not None and request is not None and request.worker is worker
+                and request.reply is None):  # the reply we wait for is lost
+            actions.append(Fail(worker, f"worker {worker.name} sent an undecodable reply to "
+                                        f"{request.what}: {error}"))
+        return actions
+
+    def _tick(self, now: float, wall_time: float) -> list[Action]:
+        actions: list[Action] = []
+        if now - self._last_beat >= self.settings.heartbeat_interval_s:
+            self._last_beat = now
+            for worker in self.members or list(self.workers.values()):
+                if not worker.gone:
+                    actions.append(Send(worker.identity, Heartbeat(sent_at=wall_time)))
+        for request in self.requests.values():
+            if request.reply is not None:
+                continue
+            worker = request.worker
+            silent_s = now - worker.last_seen
+            if worker.gone:
+                actions.append(Fail(worker, f"worker {worker.name} left during {request.what}"))
+            elif silent_s > self.settings.liveness_timeout_s:
+                worker.gone = True
+                actions.append(Fail(worker, f"worker {worker.name} stopped responding during "
+                                            f"{request.what} (silent for {silent_s:.1f} s)"))
+            elif now - request.sent_at > self.settings.request_timeout_s:
+                actions.append(Fail(worker, f"worker {worker.name} did not answer "
+                                            f"{request.what} within "
+                                            f"{self.settings.request_timeout_s:.0f} s"))
+        return actions
+
+    def _request_sent(self, worker: WorkerHandle, request: Message, now: float) -> list[Action]:
+        request_id = getattr(request, "request_id", None)
+        if expected_reply(request) is not None and isinstance(request_id, int):
+            self.requests[request_id] = Request(worker, now, request)
+        return []
+
+    def _awaited(self, pending: Mapping[int, WorkerHandle], what: str,
+                 now: float) -> list[Action]:
+        for request_id, worker in pending.items():
+            request = self.requests.get(request_id)
+            if request is None or request.worker is not worker:
+                request = self.requests[request_id] = Request(worker, now, None)
+            request.what = what
+        return []
+
+    def _fail_requests_of(self, worker: WorkerHandle, verb: str, detail: str) -> list[Action]:
+        """One Fail per unanswered request of ``worker``: "worker W <verb> <what>: <detail>"."""
+        return [Fail(worker, f"worker {worker.name} {verb} {request.what}: {detail}")
+                for request in self.requests.values()
+                if request.worker is worker and request.reply is None]
