@@ -1,6 +1,8 @@
-"""Kernel partitioning: how many of a layer's kernels each device gets.
+"""Kernel partitioning: how many of a layer's kernels each participant gets.
 
-Pure functions over plain numbers, tested without sockets. The paper's equation
+Pure functions over plain numbers, tested without sockets. A "device" below is a
+participant of the split (the master's own device or one worker), in participant
+order; ``hetconv.master.plan`` turns the counts into shards. The paper's equation
 (1) gives device i with calibration time t_i the fraction
 ``w_i = (max t / t_i) / sum_j (max t / t_j)``, i.e. proportional to its speed
 1/t_i. Whole kernels are handed out by largest remainder so that the counts add up
@@ -78,11 +80,13 @@ def ideal_layer_seconds(calibration_seconds: Sequence[float], calibrated_kernels
 # --- an affine cost model: fixed overhead + per-kernel cost -----------------------------
 #
 # Equation (1) assumes a device's time is proportional to its kernel count. It is not:
-# unfolding the input (im2col), folding the input gradient back and moving x and dx
-# cost the same whatever the share, so a slow device with a small share is slower than
-# (1) predicts. Timing each device at two kernel counts gives t_i(k) = a_i + b_i * k;
-# the split below makes every device finish at the same time T, and a device whose
-# fixed cost alone exceeds T gets no kernels at all.
+# unfolding the input (im2col) and folding the input gradient back cost the same
+# whatever the share, so a slow device with a small share is slower than (1) predicts.
+# Timing each device at two kernel counts gives t_i(k) = a_i + b_i * k; the split below
+# makes every device finish at the same time T, and a device whose fixed cost alone
+# exceeds T gets no kernels at all. The fit is of compute time only: calibration runs
+# the layer on each device's own memory and moves nothing over the network, so the
+# (also share-independent) cost of sending x to a worker and dx back is not in a_i.
 
 
 def fit_affine(kernels_small: int, seconds_small: float, kernels_large: int,

@@ -3,7 +3,8 @@
 ``ProtocolError`` is the single exception class that decoding raises for any input,
 however malformed; ``VersionMismatch`` is its subclass for a peer speaking another
 protocol version. Both carry a machine-readable ``code`` (one of the ``ERR_*``
-constants, also used in ``ErrorReply.code``) and a one-line human message. The
+constants, also used in ``ErrorReply.code``; the table of codes, with who sends
+each, is in docs/protocol.md section 4.2) and a one-line human message. The
 transport attaches the ROUTER peer identity, and the codec attaches the request id
 and message type when it got far enough to read them, so that the receiver can
 answer with an ``ErrorReply`` to the right peer and request.
@@ -13,17 +14,22 @@ from __future__ import annotations
 ERR_BAD_MESSAGE = "bad_message"
 """The bytes are not a well-formed message (framing, header, types, limits)."""
 ERR_BAD_REQUEST = "bad_request"
-"""A well-formed message whose content is not acceptable (ranges, shapes, state)."""
+"""A well-formed message the worker will not act on: content out of range or of the
+wrong shape or dtype, a step already applied, a type it does not serve, or a request
+before its session began."""
 ERR_UNKNOWN_LAYER = "unknown_layer"
 """A request names a layer for which the receiver holds no shard."""
 ERR_UNEXPECTED = "unexpected_message"
-"""A well-formed message of a type the receiver does not accept in its state."""
+"""A well-formed message of a type the receiver does not accept (the master, given
+anything but a reply, Heartbeat, Hello or Goodbye by a known worker)."""
 ERR_VERSION_MISMATCH = "version_mismatch"
 """The peer speaks another protocol version."""
 ERR_NOT_READY = "not_ready"
-"""The receiver is not ready for the request yet (e.g. no ``Welcome`` received)."""
+"""The receiver is not ready for the request yet. Reserved: no code path sends it in
+this version (a worker without a session answers ``ERR_BAD_REQUEST``, the master
+``ERR_UNKNOWN_WORKER``)."""
 ERR_INTERNAL = "internal"
-"""The receiver failed while handling a valid request (a bug or resource failure)."""
+"""The worker failed while handling a valid request (a bug or resource failure)."""
 ERR_UNKNOWN_WORKER = "unknown_worker"
 """The master does not know the sending worker (no Hello yet, or declared gone):
 the worker must say Hello again."""

@@ -54,7 +54,7 @@ class Welcome(Message):
 
 @dataclass(frozen=True)
 class Refuse(Message):
-    """master → worker: not accepted (e.g. version mismatch); the worker exits."""
+    """master → worker: not accepted (a protocol version mismatch); the worker exits."""
 
     TYPE: ClassVar[str] = "refuse"
     reason: str
@@ -71,7 +71,12 @@ class Heartbeat(Message):
 
 @dataclass(frozen=True)
 class Goodbye(Message):
-    """worker → master: I am shutting down cleanly; fail over my shards now."""
+    """worker → master: I am shutting down cleanly (sent once, best effort).
+
+    There is no failover: the master marks the worker gone, and a run in progress
+    fails with an error naming it (at once if the master is waiting for its reply,
+    otherwise at the next request or wait that involves it).
+    """
 
     TYPE: ClassVar[str] = "goodbye"
     worker_id: str
@@ -81,7 +86,11 @@ class Goodbye(Message):
 # --- calibration ---------------------------------------------------------------------
 @dataclass(frozen=True)
 class CalibrateRequest(Message):
-    """master → worker: time one block forward+backward at this shape."""
+    """master → worker: time one conv layer's forward+backward at this shape.
+
+    The layer is conv -> batch norm -> ReLU -> 2x2 max pool with ``kernels`` kernels,
+    on random data of shape (batch, in_channels, height, width).
+    """
 
     TYPE: ClassVar[str] = "calibrate_request"
     request_id: int
@@ -99,7 +108,8 @@ class CalibrateRequest(Message):
 
 @dataclass(frozen=True)
 class CalibrateReply(Message):
-    """worker → master: median seconds of one block forward+backward."""
+    """worker → master: median seconds of the layer's forward+backward at that shape
+    (at least ``repeats`` timed runs after a warm-up; ``hetconv.calibration.time_block``)."""
 
     TYPE: ClassVar[str] = "calibrate_reply"
     request_id: int
@@ -150,7 +160,11 @@ class Ack(Message):
 # --- training step ----------------------------------------------------------------------
 @dataclass(frozen=True, eq=False)
 class ForwardRequest(Message):
-    """master → worker: block forward of ``layer`` on x (B, C, H, W)."""
+    """master → worker: the forward of this worker's shard of ``layer`` on x (B, C, H, W).
+
+    ``step`` is the training step (from 0), or -1 for an evaluation forward
+    (``train`` false); ``attempt`` is always 0 in this version (no work is re-issued).
+    """
 
     TYPE: ClassVar[str] = "forward_request"
     request_id: int
@@ -176,7 +190,8 @@ class ForwardReply(Message):
 
 @dataclass(frozen=True, eq=False)
 class BackwardRequest(Message):
-    """master → worker: dy (B, K, H', W') for this shard; update with this rate."""
+    """master → worker: dy (B, K, H', W') for this shard; back-propagate and update
+    the shard with SGD at ``learning_rate`` (at most once per ``(layer, step)``)."""
 
     TYPE: ClassVar[str] = "backward_request"
     request_id: int
@@ -231,7 +246,8 @@ class SnapshotReply(Message):
 
 @dataclass(frozen=True)
 class EndRun(Message):
-    """master → worker: the run is over; drop all shards, stay up for the next."""
+    """master → worker: the run is over (completed or failed); drop all shards, stay up
+    for the next run. Answered with ``Ack``."""
 
     TYPE: ClassVar[str] = "end_run"
     request_id: int

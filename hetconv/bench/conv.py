@@ -207,11 +207,37 @@ def format_table(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def markdown_table(rows: list[dict[str, Any]]) -> list[str]:
+    """The result of :func:`run_conv_bench` as markdown lines (for ``--markdown``)."""
+    if not rows:
+        return ["No shape was timed."]
+    first = rows[0]
+    lines = [f"Batch {first['batch']}, median of {first['repeats']} interleaved repeats after "
+             f"one warm-up; BLAS threads {first['blas_threads']}, torch threads "
+             f"{first['torch_threads']} (torch {first['torch_version']}). Ceiling: float32 "
+             f"matrix product, {_fmt(first['ceiling_gflops'], '.1f')} GFLOP/s. Times in ms, "
+             "forward + backward (dx, dw); ratio = hetconv / torch.", "",
+             "| shape | x | w | hetconv fwd | hetconv bwd | hetconv total | hetconv GFLOP/s "
+             "| % of ceiling | torch total | torch GFLOP/s | ratio | plain total | plain ratio |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        lines.append(
+            f"| {row['shape']} | {'x'.join(map(str, row['x_shape']))} | "
+            f"{'x'.join(map(str, row['w_shape']))} | {_fmt(row['hetconv_fwd_ms'], '.1f')} | "
+            f"{_fmt(row['hetconv_bwd_ms'], '.1f')} | {_fmt(row['hetconv_total_ms'], '.1f')} | "
+            f"{_fmt(row['hetconv_gflops'], '.0f')} | {_fmt(row['hetconv_pct_ceiling'], '.0f')} | "
+            f"{_fmt(row['torch_total_ms'], '.1f')} | {_fmt(row['torch_gflops'], '.0f')} | "
+            f"{_fmt(row['ratio'], '.2f')} | {_fmt(row['plain_total_ms'], '.1f')} | "
+            f"{_fmt(row['plain_ratio'], '.2f')} |")
+    return lines
+
+
 def run_conv_bench(repeats: int = 5, threads: int | None = None, batch: int = 64,
                    out: Callable[[str], Any] = print,
                    shapes: tuple[BenchShape, ...] | list[BenchShape] = PAPER_SHAPES,
                    ceiling_size: int = 4096) -> list[dict[str, Any]]:
-    """Time every shape and print the table through ``out``; return one dict per shape.
+    """Time every shape and print the table through ``out``; return one dict per shape
+    (besides the timings: ``blas_threads``, ``torch_threads``, ``torch_version``).
 
     repeats: timed runs per contestant (after one warm-up); threads: BLAS and torch
     thread limit (None: leave as is); batch: samples per call; ceiling_size: side of
@@ -229,8 +255,12 @@ def run_conv_bench(repeats: int = 5, threads: int | None = None, batch: int = 64
             f"median of {repeats} repeats; ratio = hetconv / torch (forward + backward)")
         if torch is None:
             out(TORCH_MISSING)
+        blas_threads = _blas_thread_count()
         for shape in shapes:
-            rows.append(_bench_shape(shape, batch, repeats, torch, ceiling))
+            row = _bench_shape(shape, batch, repeats, torch, ceiling)
+            row.update(blas_threads=blas_threads, torch_threads=torch_threads,
+                       torch_version=torch.__version__ if torch is not None else "-")
+            rows.append(row)
     for line in format_table(rows):
         out(line)
     return rows

@@ -15,7 +15,9 @@ is the mean of a batch of round trips lasting at least ``MIN_SAMPLE_S``. Besides
 wall time the process CPU time per round trip is reported: it is much less
 disturbed by other load on a shared machine.
 
-Run: ``python -m protocol.bench_roundtrip --sizes 4 64 --repeats 9``.
+Run: ``hetconv bench protocol --sizes 4 64 --repeats 9`` (add ``--markdown
+docs/figures/protocol.md`` to update the figures the docs quote), or
+``python -m hetconv.bench.protocol_roundtrip --sizes 4 64 --repeats 9``.
 """
 from __future__ import annotations
 
@@ -183,8 +185,30 @@ def run_roundtrip_bench(
     return results
 
 
+def markdown_table(rows: list[dict[str, float]]) -> list[str]:
+    """The result of :func:`run_roundtrip_bench` as markdown lines (for ``--markdown``)."""
+    if not rows:
+        return ["No size was timed."]
+    lines = [f"Round trip of a float32 array over loopback TCP, median of "
+             f"{rows[0]['repeats']:g} interleaved samples per size: codec = "
+             "`ForwardRequest`/`ForwardReply` through `hetconv.protocol`, bare = pyzmq "
+             "`send_multipart`/`recv_multipart(copy=False)` of the same bytes. The echo is a "
+             "thread of the same process. Times in ms per round trip; CPU = process CPU "
+             "time (all threads) per round trip.", "",
+             "| MiB | codec | bare | wall overhead % | codec CPU | bare CPU | CPU overhead % "
+             "| codec GiB/s |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        lines.append(
+            f"| {row['size_mib']:g} | {row['codec_median_s'] * 1e3:.2f} | "
+            f"{row['bare_median_s'] * 1e3:.2f} | {row['overhead_pct']:+.1f} | "
+            f"{row['codec_cpu_s'] * 1e3:.2f} | {row['bare_cpu_s'] * 1e3:.2f} | "
+            f"{row['cpu_overhead_pct']:+.1f} | {row['codec_gib_per_s']:.2f} |")
+    return lines
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    """Command-line entry: ``python -m protocol.bench_roundtrip``."""
+    """Command-line entry: ``python -m hetconv.bench.protocol_roundtrip``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--sizes", type=float, nargs="+", default=[4, 64], help="array MiB")
     parser.add_argument("--repeats", type=int, default=9, help="timed samples per size")

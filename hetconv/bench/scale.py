@@ -201,12 +201,13 @@ def run_scale_bench(configurations: list[tuple[float, ...]], rate: str = "1gbit"
                     f"{results[name][-1].step_s * 1e3:.1f} ms")
                 time.sleep(0.2)
     summary = summarize(configurations, results, label)
-    for line in format_table(summary, rate):
+    table = format_table(summary, rate)
+    for line in table:
         out(line)
     (root / "scale.json").write_text(json.dumps(
         {"rate": rate, "arch": arch, "batch": batch, "repeats": repeats, "rows": summary,
          "runs": {k: [asdict(f) for f in v] for k, v in results.items()}}, indent=1))
-    return {"rows": summary, "work_dir": str(root)}
+    return {"rows": summary, "work_dir": str(root), "table": table}
 
 
 def summarize(configurations: list[tuple[float, ...]], results: dict[str, list[RunFigures]],

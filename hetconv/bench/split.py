@@ -1,18 +1,18 @@
-"""``hetconv bench split``: one device vs an equal split vs the calibrated split.
+"""``hetconv bench split``: one worker alone vs three ways to split over two workers.
 
 Starts local worker daemons (one at full speed, one under a cgroup v1 CPU quota,
-see DESIGN.md section 7), then runs the same short training three times through
-the real ``hetconv train`` command, side by side in one invocation:
+``hetconv.lab``), then runs the same short training four times through the real
+``hetconv train`` command, side by side in one invocation:
 
 (a) the fast worker alone, (b) both workers with an equal kernel split,
 (c) both with the paper's calibrated split (equation 1), (d) both with hetconv's
-cost-model split (fixed + per-kernel cost per device, equal finish times); the
-master computes no kernels (``--no-local``)
-so that only the two workers share the machine's cores. It reads each run's
-``metrics.jsonl`` and prints median conv-phase and step times (first step skipped),
-the ratios between the runs, and the ideal conv time for the devices' combined
-speed: ``T_a * t_fast / t_fast + ... = T_a / (1 + speed_slow / speed_fast)`` with the
-speeds from run (c)'s calibration.
+cost-model split (fixed + per-kernel cost per participant, equal finish times); the
+master computes no kernels (``--no-local``) so that only the two workers share the
+machine's cores. It reads each run's ``metrics.jsonl`` and prints median conv-phase,
+communication and step times (first step skipped), the ratios between the runs, and
+the ideal conv time for the workers' combined speed,
+``T_a / (1 + t_fast / t_slow)``, with the calibration times t of run (c).
+:func:`markdown_table` renders the same result for ``--markdown``.
 """
 from __future__ import annotations
 
@@ -28,6 +28,9 @@ from typing import Any
 
 from hetconv.errors import UserError
 from hetconv.lab import LocalWorkers, cpu_quota_unavailable_reason, free_port
+
+RUN_LABELS = {"one": "(a) fast worker alone", "equal": "(b) equal split",
+              "calibrated": "(c) calibrated (eq. 1)", "model": "(d) cost-model split"}
 
 
 def _median_phase_times(run_dir: Path) -> dict[str, float]:
@@ -49,7 +52,9 @@ def _calibration(run_dir: Path) -> list[dict[str, Any]]:
 def run_split_bench(slow_fraction: float = 0.3, arch: str = "32:256", batch: int = 128,
                     limit: int = 1152, repeats: int = 1, work_dir: str | None = None,
                     out: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run (a) one device, (b) equal split, (c) calibrated split; return the figures."""
+    """Run (a) the fast worker alone, (b) equal, (c) calibrated and (d) cost-model splits
+    over both workers, ``repeats`` times each; print and return the medians and ratios
+    (and, under ``settings``, the arguments)."""
     reason = cpu_quota_unavailable_reason()
     if reason:
         raise UserError(f"bench split needs cgroup v1 CPU quotas (run as root): {reason}")
@@ -95,7 +100,9 @@ def run_split_bench(slow_fraction: float = 0.3, arch: str = "32:256", batch: int
     fast_s = sum(d["seconds"] for c in calibration for d in c["devices"] if d["device"] == "fast")
     slow_s = sum(d["seconds"] for c in calibration for d in c["devices"] if d["device"] == "slow")
     ideal_conv = med["one"]["conv_s"] / (1.0 + fast_s / slow_s)
-    result = {"median": med, "ideal_conv_s": ideal_conv,
+    result = {"settings": {"slow_fraction": slow_fraction, "arch": arch, "batch": batch,
+                           "limit": limit, "repeats": repeats},
+              "median": med, "ideal_conv_s": ideal_conv,
               "calibrated_over_ideal": med["calibrated"]["conv_s"] / ideal_conv,
               "equal_over_calibrated_conv": med["equal"]["conv_s"] / med["calibrated"]["conv_s"],
               "equal_over_calibrated_step": med["equal"]["step_s"] / med["calibrated"]["step_s"],
@@ -110,9 +117,7 @@ def run_split_bench(slow_fraction: float = 0.3, arch: str = "32:256", batch: int
               "split": [{"layer": c["layer"], **{d["device"]: d["kernels"] for d in c["devices"]}}
                         for c in calibration]}
     out(f"{'run':<28}{'conv phase ms':>15}{'comm ms':>10}{'step ms':>10}")
-    labels = {"one": "(a) fast worker alone", "equal": "(b) equal split",
-              "calibrated": "(c) calibrated (eq. 1)", "model": "(d) cost-model split"}
-    for name, label in labels.items():
+    for name, label in RUN_LABELS.items():
         m = med[name]
         out(f"{label:<28}{m['conv_s'] * 1e3:>15.1f}{m['comm_s'] * 1e3:>10.1f}"
             f"{m['step_s'] * 1e3:>10.1f}")
@@ -131,3 +136,37 @@ def run_split_bench(slow_fraction: float = 0.3, arch: str = "32:256", batch: int
         f"phase {result['equal_over_model_conv']:.2f}x; one device / cost model step "
         f"{result['one_over_model_step']:.2f}x")
     return result
+
+
+def markdown_table(result: dict[str, Any]) -> list[str]:
+    """The result of :func:`run_split_bench` as markdown lines (for ``--markdown``)."""
+    settings, med = result["settings"], result["median"]
+    lines = [f"Synthetic data, arch {settings['arch']}, batch {settings['batch']}, "
+             f"{settings['limit']} images per run, median over steps (the first skipped) and "
+             f"over {settings['repeats']} repeat(s). Workers on this machine: 'fast' (1 "
+             f"thread) and 'slow' (1 thread, {settings['slow_fraction']:.0%} of a core); the "
+             "master computes no kernels. Times in ms per training step.", "",
+             "| run | conv phase | communication | step |", "|---|---|---|---|"]
+    for name, label in RUN_LABELS.items():
+        row = med[name]
+        lines.append(f"| {label} | {row['conv_s'] * 1e3:.1f} | {row['comm_s'] * 1e3:.1f} | "
+                     f"{row['step_s'] * 1e3:.1f} |")
+    lines += ["", "| kernel split | layer | fast | slow |", "|---|---|---|---|"]
+    for key, label in (("split", "calibrated (eq. 1)"), ("model_split", "cost-model")):
+        for layer in result[key]:
+            lines.append(f"| {label} | {layer['layer'] + 1} | {layer.get('fast', 0)} | "
+                         f"{layer.get('slow', 0)} |")
+    lines += ["", "| ratio | value |", "|---|---|",
+              f"| slow worker's calibrated speed / fast one's | "
+              f"{result['calibrated_slow_speed']:.2f} |",
+              f"| ideal conv phase for the combined speed, ms | "
+              f"{result['ideal_conv_s'] * 1e3:.1f} |"]
+    for key, label in (("calibrated_over_ideal", "calibrated / ideal, conv phase"),
+                       ("model_over_ideal", "cost model / ideal, conv phase"),
+                       ("equal_over_calibrated_conv", "equal / calibrated, conv phase"),
+                       ("equal_over_model_conv", "equal / cost model, conv phase"),
+                       ("equal_over_calibrated_step", "equal / calibrated, step"),
+                       ("one_over_calibrated_step", "fast alone / calibrated, step"),
+                       ("one_over_model_step", "fast alone / cost model, step")):
+        lines.append(f"| {label} | {result[key]:.2f} |")
+    return lines

@@ -1,16 +1,44 @@
-"""``hetconv bench conv|split|protocol``: the benchmarks, each in ``hetconv.bench``."""
+"""``hetconv bench conv|split|protocol``: the benchmarks, each in ``hetconv.bench``.
+
+With ``--markdown FILE`` a benchmark also writes its result table as markdown,
+headed by the full command line that reproduces it (every option spelled out, so
+a later change of a default cannot change what it means), the date and the machine
+(CPU model, cores, load average when it started). The file is written atomically.
+These files are the only source of the figures quoted in README.md and docs/
+(docs/figures/README.md): nobody types a measured number by hand.
+"""
 from __future__ import annotations
 
 import argparse
+import os
+import platform
+import shlex
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 from hetconv.commands.options import Parser, positive_int
 from hetconv.errors import UserError
 
+FLAGS: dict[str, tuple[tuple[str, str], ...]] = {
+    "conv": (("--repeats", "repeats"), ("--batch", "batch"), ("--threads", "threads")),
+    "protocol": (("--repeats", "repeats"), ("--sizes", "sizes")),
+    "split": (("--slow-fraction", "slow_fraction"), ("--arch", "arch"), ("--batch", "batch"),
+              ("--limit", "limit"), ("--repeats", "repeats"), ("--work-dir", "work_dir")),
+    "scale": (("--machines", "machines"), ("--rate", "rate"), ("--arch", "arch"),
+              ("--batch", "batch"), ("--limit", "limit"), ("--repeats", "repeats"),
+              ("--work-dir", "work_dir")),
+}
+"""Per benchmark, the options that shape its result, as (flag, argparse dest)."""
+
+MAX_SIZE_MIB = 1024.0  # one array frame is at most 1 GiB (protocol.limits.MAX_FRAME_BYTES)
+
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("bench", help="benchmarks (conv kernels against PyTorch, kernel splits)")
-    bench = p.add_subparsers(dest="bench", metavar="{conv,split,protocol}", parser_class=Parser)
+    p = sub.add_parser("bench", help="benchmarks (conv kernels against PyTorch, kernel splits, "
+                       "protocol overhead)")
+    bench = p.add_subparsers(dest="bench", metavar="{conv,split,protocol,scale}", parser_class=Parser)
     bench.required = True
     conv = bench.add_parser("conv", help="conv forward+backward against PyTorch's CPU conv2d")
     conv.add_argument("--repeats", type=positive_int, default=7)
@@ -18,8 +46,10 @@ def add_parser(sub: Any) -> None:
     conv.add_argument("--threads", type=positive_int, default=None)
     proto = bench.add_parser("protocol", help="loopback round trip: hetconv codec vs bare pyzmq")
     proto.add_argument("--repeats", type=positive_int, default=9)
-    split = bench.add_parser("split", help="one device vs equal vs calibrated split, one worker "
-                             "under a CPU quota (needs root for cgroups)")
+    proto.add_argument("--sizes", type=float, nargs="+", default=[4.0, 64.0], metavar="MIB",
+                       help="array sizes in MiB (default 4 64)")
+    split = bench.add_parser("split", help="one device vs equal vs calibrated vs cost-model "
+                             "split, one worker under a CPU quota (needs root for cgroups)")
     split.add_argument("--slow-fraction", type=float, default=0.3,
                        help="CPU share of the slow worker (default 0.3 of a core)")
     split.add_argument("--arch", default="32:256")
@@ -27,24 +57,141 @@ def add_parser(sub: Any) -> None:
     split.add_argument("--limit", type=positive_int, default=1152, help="images per run")
     split.add_argument("--repeats", type=positive_int, default=1)
     split.add_argument("--work-dir", default=None, help="where the runs go (default a temp dir)")
+    scale = bench.add_parser("scale", help="N machines on an emulated switched LAN (bridge, "
+                             "tc-capped links, CPU quotas) against the fastest one alone "
+                             "(needs root)")
+    scale.add_argument("--machines", action="append", default=None, metavar="F1,F2,...",
+                       help="one configuration: each machine's fraction of a core, the "
+                       "master's machine first (repeat the flag for several; default "
+                       "0.45,0.45,0.45,0.45)")
+    scale.add_argument("--rate", default="1gbit", help="every link's cap (tc units: 1gbit, "
+                       "100mbit, ...; default 1gbit)")
+    scale.add_argument("--arch", default="32:64")
+    scale.add_argument("--batch", type=positive_int, default=128)
+    scale.add_argument("--limit", type=positive_int, default=None,
+                       help="training images per run (default: the synthetic set, 2048)")
+    scale.add_argument("--repeats", type=positive_int, default=3)
+    scale.add_argument("--work-dir", default=None, help="where the runs go (default a temp dir)")
+    for parser in (conv, proto, split, scale):
+        parser.add_argument("--markdown", metavar="FILE", default=None,
+                            help="also write the result table, the command line, the date "
+                            "and the machine to FILE as markdown (e.g. docs/figures/NAME.md)")
 
 
+# --- the figure file --------------------------------------------------------------------
+def command_line(args: argparse.Namespace) -> str:
+    """The ``hetconv bench`` command that reproduces this run, every option spelled out."""
+    words = ["hetconv", "bench", args.bench]
+    for flag, dest in FLAGS[args.bench]:
+        value = getattr(args, dest)
+        if value is None:
+            continue
+        if dest == "machines":  # one flag per configuration
+            for configuration in value:
+                words += [flag, configuration]
+            continue
+        words += [flag, *(f"{v:g}" if isinstance(v, float) else str(v)
+                          for v in (value if isinstance(value, list) else [value]))]
+    if args.markdown:
+        words += ["--markdown", args.markdown]
+    return shlex.join(words)
+
+
+def machine_description() -> str:
+    """CPU model, cores, OS, Python, numpy and the load average right now."""
+    import numpy as np
+    import psutil
+
+    from hetconv.device_info import cpu_model_name
+
+    physical = psutil.cpu_count(logical=False)
+    logical = psutil.cpu_count(logical=True) or os.cpu_count()
+    load = " ".join(f"{value:.2f}" for value in os.getloadavg())
+    return (f"{cpu_model_name()}, {physical or '?'} cores / {logical} logical CPUs, "
+            f"{platform.system()} {platform.machine()}, Python {platform.python_version()}, "
+            f"numpy {np.__version__}; load average {load} when it started")
+
+
+def figure_header(args: argparse.Namespace) -> list[str]:
+    """The lines that say where a figure file's numbers come from."""
+    now = datetime.now(timezone.utc).astimezone().isoformat(timespec="seconds")
+    return [f"# Figures: `hetconv bench {args.bench}`", "",
+            "Written by the command below; do not edit by hand. Re-run it on a quiet "
+            "machine to update this file (see [README.md](README.md)).", "",
+            f"- command: `{command_line(args)}`",
+            f"- date: {now}",
+            f"- machine: {machine_description()}", ""]
+
+
+def check_markdown_path(path: str) -> None:
+    """Fail before a long benchmark, not after it, when FILE cannot be written."""
+    folder = Path(path).parent
+    if Path(path).is_dir():
+        raise UserError(f"--markdown {path}: is a directory; give a file name")
+    if not folder.is_dir():
+        raise UserError(f"--markdown {path}: directory {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise UserError(f"--markdown {path}: cannot write in {folder}")
+
+
+def write_markdown(path: str, lines: list[str]) -> None:
+    """Write ``lines`` to ``path`` atomically (temp file, fsync, rename)."""
+    target = Path(path)
+    fd, temporary = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write("\n".join(lines).rstrip("\n") + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, target)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+        raise
+
+
+# --- dispatch -----------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
+    if args.markdown:
+        check_markdown_path(args.markdown)
+    header = figure_header(args) if args.markdown else []  # load average before the run
+    table: list[str]
     if args.bench == "conv":
+        from hetconv.bench.conv import markdown_table as conv_table
         from hetconv.bench.conv import run_conv_bench
 
-        run_conv_bench(repeats=args.repeats, threads=args.threads, batch=args.batch)
+        table = conv_table(run_conv_bench(repeats=args.repeats, threads=args.threads,
+                                          batch=args.batch))
     elif args.bench == "protocol":
+        from hetconv.bench.protocol_roundtrip import markdown_table as protocol_table
         from hetconv.bench.protocol_roundtrip import run_roundtrip_bench
 
-        run_roundtrip_bench(repeats=args.repeats)
+        if not all(0 < size <= MAX_SIZE_MIB for size in args.sizes):
+            raise UserError(f"--sizes must be within 0..{MAX_SIZE_MIB:g} MiB")
+        table = protocol_table(run_roundtrip_bench(sizes_mib=tuple(args.sizes),
+                                                   repeats=args.repeats))
     elif args.bench == "split":
+        from hetconv.bench.split import markdown_table as split_table
         from hetconv.bench.split import run_split_bench
 
         if not 0.01 <= args.slow_fraction <= 1.0:
             raise UserError("--slow-fraction must be within 0.01..1")
-        run_split_bench(slow_fraction=args.slow_fraction, arch=args.arch, batch=args.batch,
-                        limit=args.limit, repeats=args.repeats, work_dir=args.work_dir)
+        table = split_table(run_split_bench(
+            slow_fraction=args.slow_fraction, arch=args.arch, batch=args.batch,
+            limit=args.limit, repeats=args.repeats, work_dir=args.work_dir))
+    elif args.bench == "scale":
+        from hetconv.bench.scale import parse_machines, run_scale_bench
+
+        if args.machines is None:
+            args.machines = ["0.45,0.45,0.45,0.45"]
+        configurations = [parse_machines(text) for text in args.machines]
+        result = run_scale_bench(configurations, rate=args.rate, arch=args.arch,
+                                 batch=args.batch, limit=args.limit, repeats=args.repeats,
+                                 work_dir=args.work_dir)
+        table = result["table"]
     else:
         raise UserError(f"unknown benchmark {args.bench!r}")
+    if args.markdown:
+        write_markdown(args.markdown, header + table)
+        print(f"hetconv: wrote {args.markdown}")
     return 0
