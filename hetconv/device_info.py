@@ -8,7 +8,7 @@ from typing import Any
 
 import psutil
 
-from hetconv.backend import cupy_or_none
+from hetconv.backend import cupy_or_none, gpu_index
 
 
 def cpu_model_name() -> str:
@@ -31,7 +31,7 @@ def describe_device(device: str, threads: int | None = None) -> dict[str, Any]:
     }
     if device.startswith("gpu"):
         cupy = cupy_or_none()
-        index = int(device.split(":", 1)[1]) if ":" in device else 0
+        index = gpu_index(device)
         info["kind"] = "gpu"
         if cupy is not None:
             props = cupy.cuda.runtime.getDeviceProperties(index)

@@ -4,7 +4,9 @@ A device that owns kernels ``kernel_start..kernel_stop-1`` of a block holds thei
 weights, batch-norm parameters and running statistics plus the SGD velocities
 (weight-stationary). ``forward`` runs the whole block (conv -> batch norm -> ReLU ->
 max pool) for its channels; ``backward`` computes the weight gradients, applies the
-optimizer update in place and returns the partial input gradient. The master's own
+optimizer update in place and returns the partial input gradient; ``forward_host``
+and ``backward_host`` do the same from and to host arrays with exactly the copies a
+training step makes (x and dy to the device, y and dx back). The master's own
 share and every worker daemon use this same class, which is why a distributed run
 reproduces a local one.
 """
@@ -15,7 +17,15 @@ from typing import Any
 
 import numpy as np
 
-from hetconv.backend import ArrayModule, to_module, to_numpy
+from hetconv.backend import (
+    ArrayModule,
+    array_module_for,
+    current_device,
+    on_device,
+    synchronize,
+    to_module,
+    to_numpy,
+)
 from hetconv.names import PARAMETER_NAMES, TRAINABLE_NAMES, velocity_name
 from hetconv.ops.conv_layer import conv_layer_backward, conv_layer_forward
 from hetconv.optim import sgd_update
@@ -38,27 +48,34 @@ class ConvShard:
 
     Arrays: weight (K, C, k, k); gamma, beta, running_mean, running_var (K,);
     velocities shaped like the trainable arrays. K may be 0 (an empty share).
+    The shard owns its device: ``device`` (``cpu`` or ``gpu:N``) picks the array
+    module, and every method makes that device current in the calling thread, so a
+    helper thread may call it. Without ``device`` it is derived from ``xp`` (the
+    device current at construction for a GPU module).
     """
 
     def __init__(self, layer: int, kernel_start: int, kernel_stop: int,
-                 settings: LayerSettings, state: dict[str, Any], xp: ArrayModule = np):
+                 settings: LayerSettings, state: dict[str, Any], xp: ArrayModule = np,
+                 *, device: str | None = None):
         self.layer = layer
         self.kernel_start = kernel_start
         self.kernel_stop = kernel_stop
         self.settings = settings
-        self.xp = xp
+        self.device = current_device(xp) if device is None else device
+        self.xp = xp if device is None else array_module_for(device)
         kernels = kernel_stop - kernel_start
         self.state: dict[str, Any] = {}
-        for name in PARAMETER_NAMES:
-            array = to_module(np.ascontiguousarray(state[name], dtype=np.float32), xp)
-            if array.shape[0] != kernels:
-                raise ValueError(f"{name} has {array.shape[0]} kernels, expected {kernels}")
-            self.state[name] = array.copy()
-        for name in TRAINABLE_NAMES:
-            velocity = state.get(velocity_name(name))
-            self.state[velocity_name(name)] = (
-                xp.zeros_like(self.state[name]) if velocity is None
-                else to_module(np.array(velocity, dtype=np.float32), xp))
+        with on_device(self.device):
+            for name in PARAMETER_NAMES:
+                host = np.ascontiguousarray(state[name], dtype=np.float32)
+                if host.shape[0] != kernels:
+                    raise ValueError(f"{name} has {host.shape[0]} kernels, expected {kernels}")
+                self.state[name] = to_module(host, self.xp).copy()  # never the caller's
+            for name in TRAINABLE_NAMES:
+                velocity = state.get(velocity_name(name))
+                self.state[velocity_name(name)] = (
+                    self.xp.zeros_like(self.state[name]) if velocity is None
+                    else to_module(np.array(velocity, dtype=np.float32), self.xp))
         self._cache: Any = None
 
     @property
@@ -66,30 +83,59 @@ class ConvShard:
         return self.kernel_stop - self.kernel_start
 
     def forward(self, x: Any, train: bool) -> Any:
-        """x (B, C, H, W) -> pooled block output (B, K, H', W'); keeps the cache when training."""
+        """x (B, C, H, W) -> pooled block output (B, K, H', W'); keeps the cache when training.
+
+        x and the output are arrays of the shard's module on its device.
+        """
         s = self.state
-        y, cache, mean, var = conv_layer_forward(
-            x, s["weight"], s["gamma"], s["beta"], s["running_mean"], s["running_var"],
-            train, stride=self.settings.stride, padding=self.settings.padding,
-            bn_momentum=self.settings.bn_momentum, bn_eps=self.settings.bn_eps)
+        with on_device(self.device):
+            y, cache, mean, var = conv_layer_forward(
+                x, s["weight"], s["gamma"], s["beta"], s["running_mean"], s["running_var"],
+                train, stride=self.settings.stride, padding=self.settings.padding,
+                bn_momentum=self.settings.bn_momentum, bn_eps=self.settings.bn_eps)
         if train:
             s["running_mean"], s["running_var"] = mean, var
             self._cache = cache
         return y
 
     def backward(self, dy: Any, need_dx: bool, learning_rate: float) -> Any:
-        """dy (B, K, H', W') -> partial dx (B, C, H, W) or None; updates parameters in place."""
+        """dy (B, K, H', W') -> partial dx (B, C, H, W) or None; updates parameters in place.
+
+        dy and dx are arrays of the shard's module on its device.
+        """
         if self._cache is None:
             raise RuntimeError(f"layer {self.layer}: backward without a training forward")
-        dx, dweight, dgamma, dbeta = conv_layer_backward(self._cache, dy, need_dx)
-        self._cache = None
         s, cfg = self.state, self.settings
-        sgd_update(s["weight"], dweight, s["velocity_weight"], learning_rate,
-                   cfg.momentum, cfg.weight_decay)
-        sgd_update(s["gamma"], dgamma, s["velocity_gamma"], learning_rate, cfg.momentum, 0.0)
-        sgd_update(s["beta"], dbeta, s["velocity_beta"], learning_rate, cfg.momentum, 0.0)
+        with on_device(self.device):
+            dx, dweight, dgamma, dbeta = conv_layer_backward(self._cache, dy, need_dx)
+            self._cache = None
+            sgd_update(s["weight"], dweight, s["velocity_weight"], learning_rate,
+                       cfg.momentum, cfg.weight_decay)
+            sgd_update(s["gamma"], dgamma, s["velocity_gamma"], learning_rate, cfg.momentum, 0.0)
+            sgd_update(s["beta"], dbeta, s["velocity_beta"], learning_rate, cfg.momentum, 0.0)
         return dx
+
+    def forward_host(self, x: np.ndarray, train: bool) -> np.ndarray:
+        """``forward`` from and to the host, as a training step does it: x (any float
+        dtype) is copied to the device as float32, the float32 output back."""
+        with on_device(self.device):
+            y = self.forward(to_module(np.ascontiguousarray(x, dtype=np.float32), self.xp),
+                             train)
+            return to_numpy(y)
+
+    def backward_host(self, dy: np.ndarray, need_dx: bool, learning_rate: float
+                      ) -> np.ndarray | None:
+        """``backward`` from and to the host: dy copied to the device as float32, the
+        float32 partial dx back (None when not needed). Returns when the update is done."""
+        with on_device(self.device):
+            dx = self.backward(to_module(np.ascontiguousarray(dy, dtype=np.float32), self.xp),
+                               need_dx, learning_rate)
+            if dx is None:
+                synchronize(self.xp)  # the copy back would have waited for the update
+                return None
+            return to_numpy(dx)
 
     def snapshot(self) -> dict[str, np.ndarray]:
         """Host copies of every state array (parameters, statistics, velocities)."""
-        return {name: to_numpy(value).copy() for name, value in self.state.items()}
+        with on_device(self.device):
+            return {name: to_numpy(value).copy() for name, value in self.state.items()}

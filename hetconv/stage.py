@@ -13,7 +13,6 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from hetconv.backend import array_module_for, on_device, synchronize, to_module, to_numpy
 from hetconv.config import MASTER_PARTICIPANT
 from hetconv.model import ModelConfig, conv_layer_shapes, layer_parameters
 from hetconv.names import PARAMETER_NAMES, layer_key, split_key
@@ -49,13 +48,11 @@ class LocalConvStage:
     def __init__(self, model: ModelConfig, params: dict[str, np.ndarray],
                  settings: LayerSettings, device: str = "cpu"):
         self.device = device
-        self.xp = array_module_for(device)
-        with on_device(device):
-            self.shards = [
-                ConvShard(shape.index, 0, shape.kernels, settings,
-                          layer_parameters(params, shape.index), self.xp)
-                for shape in conv_layer_shapes(model)
-            ]
+        self.shards = [
+            ConvShard(shape.index, 0, shape.kernels, settings,
+                      layer_parameters(params, shape.index), device=device)
+            for shape in conv_layer_shapes(model)
+        ]
         self._timings: dict[int, dict[str, Any]] = {}
 
     def _record(self, layer: int, key: str, seconds: float) -> None:
@@ -66,10 +63,7 @@ class LocalConvStage:
 
     def forward(self, layer: int, x: np.ndarray, train: bool, step: int) -> np.ndarray:
         start = time.perf_counter()
-        with on_device(self.device):
-            y = self.shards[layer].forward(to_module(x, self.xp), train)
-            synchronize(self.xp)
-            out = to_numpy(y)
+        out = self.shards[layer].forward_host(x, train)
         if train:
             self._record(layer, "forward_s", time.perf_counter() - start)
         return out
@@ -77,10 +71,7 @@ class LocalConvStage:
     def backward(self, layer: int, dy: np.ndarray, need_dx: bool, learning_rate: float,
                  step: int) -> np.ndarray | None:
         start = time.perf_counter()
-        with on_device(self.device):
-            dx = self.shards[layer].backward(to_module(dy, self.xp), need_dx, learning_rate)
-            synchronize(self.xp)
-            out = None if dx is None else to_numpy(dx)
+        out = self.shards[layer].backward_host(dy, need_dx, learning_rate)
         self._record(layer, "backward_s", time.perf_counter() - start)
         return out
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from hetconv.calibration import time_block
 from hetconv.master.cluster import Cluster, WorkerHandle
@@ -42,9 +41,13 @@ class LayerCalibration:
 
 
 def calibrate(cluster: Cluster, participants: list[Participant], shapes: list[ConvLayerShape],
-              batch: int, local_device_xp: Any, repeats: int = CALIBRATION_REPEATS,
+              batch: int, repeats: int = CALIBRATION_REPEATS,
               report: Callable[[str], None] = print) -> list[LayerCalibration]:
-    """Time every participant on every layer (concurrently per layer)."""
+    """Time every participant on every layer (concurrently per layer).
+
+    The master's own device is the one its participant describes (``description
+    ["device"]``, ``cpu`` or ``gpu:N``), timed as a real step: transfers included.
+    """
     results = []
     for shape in shapes:
         kernels = max(1, math.ceil(shape.kernels / len(participants)))
@@ -67,11 +70,12 @@ def calibrate(cluster: Cluster, participants: list[Participant], shapes: list[Co
         local_index = next((i for i, p in enumerate(participants) if p.worker is None), None)
         if local_index is not None:
             # Timed while the workers calibrate too: that is how training will run.
+            local_device = str(participants[local_index].description.get("device", "cpu"))
             for count in (kernels, small):
                 timings[(local_index, count)] = time_block(
                     batch, shape.in_channels, shape.height, shape.width, count,
                     shape.kernel_size, padding=shape.padding, repeats=repeats,
-                    xp=local_device_xp)
+                    device=local_device)
         replies = cluster.gather(pending, f"calibration of layer {shape.index + 1}")
         for rid, reply in replies.items():
             assert isinstance(reply.message, CalibrateReply)

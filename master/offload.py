@@ -6,7 +6,10 @@ same input x (B, C, H, W) goes to every worker with kernels, the master computes
 its own range in a helper thread meanwhile, and the pooled outputs
 (B, K_i, H', W') are concatenated in kernel order. Backward: each participant gets
 its slice of the output gradient, updates its shard and returns its partial input
-gradient; the master sums them (the first block needs none).
+gradient; the master sums them (the first block needs none). Everything here is host
+numpy: the master's own shard may live on a GPU (``--device gpu:N``), and its
+``forward_host`` / ``backward_host`` / ``snapshot`` make that device current in the
+helper thread and copy to and from it.
 """
 from __future__ import annotations
 
@@ -162,7 +165,7 @@ class DistributedConvStage:
                                        layer=layer, attempt=0, train=train, x=wire_x))
                     for s in shards if s.worker is not None]
         local_shard = self.local_shards.get(layer)
-        local = ((lambda: local_shard.forward(x, train))
+        local = ((lambda: local_shard.forward_host(x, train))  # host in, host out
                  if local_shard is not None and local_shard.kernels else None)
         started = time.monotonic()
         replies, local_y, local_s, local_done, sent = self._exchange(
@@ -197,8 +200,8 @@ class DistributedConvStage:
             local_dy = np.ascontiguousarray(
                 dy[:, local_shard.kernel_start:local_shard.kernel_stop])
 
-            def local() -> Any:
-                return local_shard.backward(local_dy, need_dx, learning_rate)
+            def local() -> Any:  # host in, host out
+                return local_shard.backward_host(local_dy, need_dx, learning_rate)
         started = time.monotonic()
         replies, local_dx, local_s, local_done, sent = self._exchange(
             layer, f"backward of layer {layer + 1} (step {step})", requests, local)

@@ -8,11 +8,9 @@ returns the :class:`DistributedConvStage` the trainer drives.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
-from hetconv.backend import array_module_for
 from hetconv.config import MASTER_PARTICIPANT, MasterConfig
 from hetconv.device_info import describe_device
 from hetconv.keys import server_keys
@@ -48,7 +46,7 @@ def open_cluster(config: MasterConfig, device: str, threads: int | None,
 
 
 def assign_shards(cluster: Cluster, plan: list[list[Shard]], params: dict[str, np.ndarray],
-                  settings: LayerSettings, xp: Any) -> dict[int, ConvShard]:
+                  settings: LayerSettings, device: str) -> dict[int, ConvShard]:
     """Send each worker its shards; build the master's own shards."""
     local: dict[int, ConvShard] = {}
     pending = {}
@@ -57,7 +55,8 @@ def assign_shards(cluster: Cluster, plan: list[list[Shard]], params: dict[str, n
             state = {name: params[layer_key(layer, name)][shard.start:shard.stop]
                      for name in PARAMETER_NAMES}
             if shard.worker is None:
-                local[layer] = ConvShard(layer, shard.start, shard.stop, settings, state, xp)
+                local[layer] = ConvShard(layer, shard.start, shard.stop, settings, state,
+                                         device=device)
                 continue
             if shard.kernels == 0:
                 continue
@@ -87,8 +86,7 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
     try:
         metrics.write("devices", devices=[{"id": p.participant, **p.description}
                                           for p in participants])
-        xp = array_module_for(device)
-        calibration = calibrate(cluster, participants, shapes, batch, xp, report=report)
+        calibration = calibrate(cluster, participants, shapes, batch, report=report)
         plan = split_layers(participants, shapes, calibration, config.split)
         for shape, cal, shards in zip(shapes, calibration, plan):
             metrics.write("calibration", layer=shape.index, split=config.split,
@@ -104,7 +102,7 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
                                        cal.cost_models(), shards)])
         for line in format_split(plan, shapes):
             report(line)
-        local = assign_shards(cluster, plan, params, settings, xp)
+        local = assign_shards(cluster, plan, params, settings, device)
     except BaseException:
         cluster.end_run("master failed during setup")
         cluster.close()

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
 
 import numpy as np
 
-from hetconv.backend import array_module_for, on_device, synchronize, to_module, to_numpy
+from hetconv.backend import array_module_for, on_device
 from hetconv.calibration import time_block
 from hetconv.names import STATE_NAMES
 from hetconv.protocol import (
@@ -59,7 +58,7 @@ class WorkerService:
 
     def __init__(self, device: str = "cpu"):
         self.device = device
-        self.xp = array_module_for(device)
+        array_module_for(device)  # a clear error for a bad or unavailable device
         self.shards: dict[int, ConvShard] = {}
         self.need_dx: dict[int, bool] = {}
         self.last_step: dict[int, int] = {}  # last step whose update each layer applied
@@ -110,7 +109,8 @@ class WorkerService:
             raise RequestError("bad_request", f"repeats must be 1..{MAX_CALIBRATION_REPEATS}")
         seconds = time_block(request.batch, request.in_channels, request.height, request.width,
                              request.kernels, request.kernel_size, padding=request.padding,
-                             stride=request.stride, repeats=request.repeats, xp=self.xp)
+                             stride=request.stride, repeats=request.repeats,
+                             device=self.device)
         return CalibrateReply(request_id=request.request_id, layer=request.layer, seconds=seconds)
 
     def _assign(self, request: AssignShard) -> Ack:
@@ -121,7 +121,8 @@ class WorkerService:
         if request.weight.ndim != 4:
             raise RequestError("bad_request", "weight must be (K, C, k, k)")
         self.shards[request.layer] = ConvShard(request.layer, request.kernel_start,
-                                               request.kernel_stop, settings, state, self.xp)
+                                               request.kernel_stop, settings, state,
+                                               device=self.device)
         self.need_dx[request.layer] = request.need_dx
         self.last_step.pop(request.layer, None)
         return Ack(request_id=request.request_id)
@@ -134,12 +135,11 @@ class WorkerService:
             raise RequestError("bad_request", f"layer {request.layer}: input of shape "
                                f"{tuple(x.shape)} does not match the shard's weights")
         start = time.perf_counter()
-        y = shard.forward(to_module(x.astype(np.float32, copy=False), self.xp), request.train)
-        synchronize(self.xp)
+        y = shard.forward_host(x, request.train)  # host copies included, as in calibration
         compute_s = time.perf_counter() - start
         return ForwardReply(request_id=request.request_id, step=request.step,
                             layer=request.layer, attempt=request.attempt, compute_s=compute_s,
-                            y=np.ascontiguousarray(to_numpy(y), dtype=x.dtype))
+                            y=np.ascontiguousarray(y, dtype=x.dtype))
 
     def _backward(self, request: BackwardRequest) -> BackwardReply:
         shard = self._shard(request.layer)
@@ -151,15 +151,12 @@ class WorkerService:
         start = time.perf_counter()
         _check_wire_dtype(request.dy, "dy")
         wire = request.dy.dtype  # answer in the dtype the master chose for the wire
-        dy = to_module(request.dy.astype(np.float32, copy=False), self.xp)
-        dx: Any = shard.backward(dy, need_dx, request.learning_rate)
+        dx = shard.backward_host(request.dy, need_dx, request.learning_rate)
         self.last_step[request.layer] = request.step
-        synchronize(self.xp)
         compute_s = time.perf_counter() - start
         return BackwardReply(request_id=request.request_id, step=request.step,
                              layer=request.layer, attempt=request.attempt, compute_s=compute_s,
-                             dx=None if dx is None else np.ascontiguousarray(to_numpy(dx),
-                                                                             dtype=wire))
+                             dx=None if dx is None else np.ascontiguousarray(dx, dtype=wire))
 
     def _snapshot(self, request: SnapshotRequest) -> SnapshotReply:
         shard = self._shard(request.layer)

@@ -11,7 +11,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from hetconv.backend import array_module_for, set_blas_threads
+from hetconv.backend import set_blas_threads
 from hetconv.commands.options import (
     add_curve_master,
     add_membership,
@@ -76,8 +76,7 @@ def run_calibrate(config: CalibrateConfig, report: Callable[[str], None] = print
     layers = conv_layer_shapes(model)
     cluster, participants = open_cluster(config.master, config.device, config.threads, report)
     try:
-        results = calibrate(cluster, participants, layers, config.batch,
-                            array_module_for(config.device), report=report)
+        results = calibrate(cluster, participants, layers, config.batch, report=report)
     finally:
         cluster.end_run("calibration only")
         cluster.close()

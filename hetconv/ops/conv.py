@@ -20,26 +20,21 @@ Two column layouts, chosen per shape by ``choose_layout``:
   place, so y and dy are never transposed. Best for large outputs (first layers),
   where P = Ho*Wo is already a good GEMM width and y is too big to transpose cheaply.
 
-On numpy the batch is split into a few chunks per BLAS thread, run on a thread pool
-with one thread per BLAS thread while BLAS is held to one thread (numpy releases the
-GIL in copies, adds and BLAS calls), so the memory-bound copies run in parallel too.
+On numpy the batch is split into a few chunks per host thread, run by the backend's
+thread pool (``hetconv.backend.run_parallel``: one thread per BLAS thread while BLAS
+is held to one thread), so the memory-bound copies run in parallel too.
 The cached pair keeps the unfolded input of the forward pass for the backward pass.
 Everything is dtype-generic and works on cupy through ``get_array_module`` (one chunk).
 """
 from __future__ import annotations
 
-import contextlib
-import os
-import threading
-import warnings
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor, wait
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from hetconv.backend import get_array_module
+from hetconv.backend import get_array_module, host_threads, run_parallel
 
 BATCH_INNER = "batch_inner"
 SAMPLE_MAJOR = "sample_major"
@@ -130,88 +125,20 @@ def choose_layout(g: ConvGeometry) -> str:
     return SAMPLE_MAJOR if few_taps or g.positions >= SAMPLE_MAJOR_MIN_POSITIONS else BATCH_INNER
 
 
-# ---------------------------------------------------------------- threads and chunks
-_pools: dict[int, ThreadPoolExecutor] = {}  # one pool per thread count, made on first use
-_lock = threading.Lock()  # guards the pools and the BLAS thread setting below
-_blas_users = 0  # calls now running with BLAS held to one thread
-_blas_saved: list[tuple[Any, int]] = []  # (library, threads) to restore after the last one
-_blas_libs: list[Any] | None = None
-
-
-def _blas_libraries() -> list[Any]:
-    global _blas_libs
-    if _blas_libs is None:
-        try:
-            from threadpoolctl import ThreadpoolController
-
-            with warnings.catch_warnings():  # e.g. about OpenMP runtimes: not ours to report
-                warnings.simplefilter("ignore")
-                controller = ThreadpoolController().select(user_api="blas")
-            _blas_libs = list(controller.lib_controllers)
-        except Exception:  # pragma: no cover - threadpoolctl is a dependency
-            _blas_libs = []
-    return _blas_libs
-
-
-def _forget_threads_after_fork() -> None:  # a forked child has none of the pool threads
-    global _lock, _blas_users
-    _pools.clear()
-    _lock, _blas_users = threading.Lock(), 0
-
-
-os.register_at_fork(after_in_child=_forget_threads_after_fork)
-
-
-def _blas_threads() -> int:
-    """Threads numpy's BLAS may use right now (1 while another conv holds it)."""
-    return max([int(lib.num_threads) for lib in _blas_libraries()] or [1])
-
-
-@contextlib.contextmanager
-def _single_blas_thread() -> Iterator[None]:
-    """Hold BLAS to one thread (process-wide, reference-counted across callers)."""
-    global _blas_users, _blas_saved
-    with _lock:
-        if _blas_users == 0:
-            _blas_saved = [(lib, int(lib.num_threads)) for lib in _blas_libraries()]
-            for lib, _ in _blas_saved:
-                lib.set_num_threads(1)
-        _blas_users += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _blas_users -= 1
-            if _blas_users == 0:
-                for lib, count in _blas_saved:
-                    lib.set_num_threads(count)
+# ---------------------------------------------------------------- chunks
 
 
 def _plan_chunks(xp: Any, g: ConvGeometry) -> tuple[list[tuple[int, int]], int]:
     """(batch ranges [start, stop), threads to run them): one range on the calling
-    thread for small work or cupy, else a few ranges per BLAS thread."""
+    thread for small work or cupy, else a few ranges per host thread (backend)."""
     threads, count = 1, 1
     if xp is np and g.forward_flop >= PARALLEL_MIN_FLOP:
-        threads = max(1, min(_blas_threads(), os.cpu_count() or 1, g.batch))
+        threads = host_threads(g.batch)
         widest = max(1, g.batch * g.positions // MIN_CHUNK_COLUMNS)
         count = max(threads, min(threads * CHUNKS_PER_THREAD, widest, g.batch))
     edges = [g.batch * i // count for i in range(count + 1)]
     chunks = [(edges[i], edges[i + 1]) for i in range(count) if edges[i + 1] > edges[i]]
     return chunks, threads
-
-
-def _run_chunks(task: Callable[[int], Any], count: int, threads: int) -> list[Any]:
-    """task(i) for i < count; on a pool of ``threads`` with one BLAS thread each."""
-    if threads <= 1 or count <= 1:
-        return [task(i) for i in range(count)]
-    with _lock:
-        if threads not in _pools:
-            _pools[threads] = ThreadPoolExecutor(threads, "hetconv-conv")
-        pool = _pools[threads]
-    with _single_blas_thread():
-        futures = [pool.submit(task, i) for i in range(count)]
-        wait(futures)
-        return [f.result() for f in futures]
 
 
 # ---------------------------------------------------------------- per-chunk kernels
@@ -366,7 +293,7 @@ def conv2d_forward_cached(x: Any, w: Any, b: Any | None = None, stride: int = 1,
                            y[start:stop])
         return columns
 
-    cache.columns = _run_chunks(task, len(cache.chunks), cache.threads)
+    cache.columns = run_parallel(task, len(cache.chunks), cache.threads)
     return y, cache
 
 
@@ -399,7 +326,7 @@ def conv2d_backward_cached(cache: ConvCache, dy: Any, need_dx: bool = True
             return _backward_chunk(xp, g, cache.layout, offset_weights, cache.columns[index],
                                    dy[start:stop], None if dx is None else dx[start:stop])
 
-        parts = _run_chunks(task, len(cache.chunks), cache.threads)
+        parts = run_parallel(task, len(cache.chunks), cache.threads)
         dw, db = parts[0]
         for part_dw, part_db in parts[1:]:
             dw += part_dw
@@ -424,7 +351,7 @@ def conv2d_backward(x: Any, w: Any, dy: Any, stride: int = 1, padding: int = 0,
     """
     xp, x, cache = _prepare(x, w, stride, padding, None)
     g = cache.geometry
-    cache.columns = _run_chunks(
+    cache.columns = run_parallel(
         lambda index: _unfold(xp, g, cache.layout, x[slice(*cache.chunks[index])]),
         len(cache.chunks), cache.threads)
     return conv2d_backward_cached(cache, dy, need_dx)

@@ -166,7 +166,7 @@ def test_cached_pair_equals_uncached_functions(monkeypatch: pytest.MonkeyPatch) 
 def test_float32_in_float32_out_and_blas_threads_restored(monkeypatch: pytest.MonkeyPatch
                                                           ) -> None:
     monkeypatch.setattr(fast, "PARALLEL_MIN_FLOP", 0.0)
-    threads_before = fast._blas_threads()
+    threads_before = backend.blas_threads()
     for layout in fast.LAYOUTS:
         x, w, b, dy = _inputs((4, 3, 12, 12, 6, 3, 3, 1, 1), dtype=np.float32)
         y, cache = conv2d_forward_cached(x, w, b, 1, 1, layout=layout)
@@ -174,7 +174,7 @@ def test_float32_in_float32_out_and_blas_threads_restored(monkeypatch: pytest.Mo
         assert {y.dtype, dx.dtype, dw.dtype, db.dtype} == {np.dtype(np.float32)}
         y_ref = conv2d_reference(x.astype(np.float64), w.astype(np.float64), b, 1, 1)
         np.testing.assert_allclose(y, y_ref, rtol=1e-4, atol=1e-4)
-    assert fast._blas_threads() == threads_before
+    assert backend.blas_threads() == threads_before
 
 
 def test_bad_shapes_raise_clear_errors() -> None:
