@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hetconv.config import DATASETS
 from hetconv.errors import UserError
 
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
@@ -45,7 +46,7 @@ CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer",
 
 SYNTHETIC_TRAIN_IMAGES = 2048
 SYNTHETIC_TEST_IMAGES = 512
-DATASET_NAMES = ("fashion-mnist", "cifar10", "synthetic")
+DATASET_NAMES = DATASETS  # defined once, in hetconv.config
 
 # IDX type codes (third magic byte) -> big-endian numpy dtype.
 IDX_DTYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-SCHEDULES = ("cosine", "step", "constant")
+from hetconv.config import SCHEDULES
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,12 @@ import numpy as np
 
 from hetconv.backend import array_module_for, on_device
 from hetconv.calibration import time_block
+from hetconv.config import WIRE_DTYPES as WIRE_DTYPE_CHOICES
 from hetconv.names import STATE_NAMES
 from hetconv.protocol import (
+    ERR_BAD_REQUEST,
+    ERR_INTERNAL,
+    ERR_UNKNOWN_LAYER,
     Ack,
     AssignShard,
     BackwardReply,
@@ -45,12 +49,12 @@ class RequestError(Exception):
         self.code = code
 
 
-WIRE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
+ACTIVATION_DTYPES = tuple(np.dtype(name) for name in WIRE_DTYPE_CHOICES)  # hetconv.config
 
 
 def _check_wire_dtype(array: np.ndarray, name: str) -> None:
-    if array.dtype not in WIRE_DTYPES:
-        raise RequestError("bad_request", f"{name} must be float32 or float16, got {array.dtype}")
+    if array.dtype not in ACTIVATION_DTYPES:
+        raise RequestError(ERR_BAD_REQUEST, f"{name} must be float32 or float16, got {array.dtype}")
 
 
 class WorkerService:
@@ -72,11 +76,11 @@ class WorkerService:
         except RequestError as error:
             return ErrorReply(request_id=request_id, code=error.code, message=str(error))
         except (ValueError, TypeError, IndexError) as error:
-            return ErrorReply(request_id=request_id, code="bad_request",
+            return ErrorReply(request_id=request_id, code=ERR_BAD_REQUEST,
                               message=f"{type(message).__name__}: {error}")
         except Exception as error:  # keep serving whatever happens
             log.exception("internal error serving %s", type(message).__name__)
-            return ErrorReply(request_id=request_id, code="internal",
+            return ErrorReply(request_id=request_id, code=ERR_INTERNAL,
                               message=f"{type(error).__name__}: {error}")
 
     def _dispatch(self, message: Message) -> Message:
@@ -96,17 +100,17 @@ class WorkerService:
                 self.need_dx.clear()
                 self.last_step.clear()
                 return Ack(request_id=message.request_id)
-        raise RequestError("bad_request", f"a worker does not serve {type(message).__name__}")
+        raise RequestError(ERR_BAD_REQUEST, f"a worker does not serve {type(message).__name__}")
 
     def _shard(self, layer: int) -> ConvShard:
         shard = self.shards.get(layer)
         if shard is None:
-            raise RequestError("unknown_layer", f"no shard assigned for layer {layer}")
+            raise RequestError(ERR_UNKNOWN_LAYER, f"no shard assigned for layer {layer}")
         return shard
 
     def _calibrate(self, request: CalibrateRequest) -> CalibrateReply:
         if not 1 <= request.repeats <= MAX_CALIBRATION_REPEATS:
-            raise RequestError("bad_request", f"repeats must be 1..{MAX_CALIBRATION_REPEATS}")
+            raise RequestError(ERR_BAD_REQUEST, f"repeats must be 1..{MAX_CALIBRATION_REPEATS}")
         seconds = time_block(request.batch, request.in_channels, request.height, request.width,
                              request.kernels, request.kernel_size, padding=request.padding,
                              stride=request.stride, repeats=request.repeats,
@@ -119,7 +123,7 @@ class WorkerService:
                                  momentum=request.momentum, weight_decay=request.weight_decay)
         state = {name: getattr(request, name) for name in STATE_NAMES}
         if request.weight.ndim != 4:
-            raise RequestError("bad_request", "weight must be (K, C, k, k)")
+            raise RequestError(ERR_BAD_REQUEST, "weight must be (K, C, k, k)")
         self.shards[request.layer] = ConvShard(request.layer, request.kernel_start,
                                                request.kernel_stop, settings, state,
                                                device=self.device)
@@ -132,7 +136,7 @@ class WorkerService:
         x = request.x
         _check_wire_dtype(x, "x")
         if x.ndim != 4 or x.shape[1] != shard.state["weight"].shape[1]:
-            raise RequestError("bad_request", f"layer {request.layer}: input of shape "
+            raise RequestError(ERR_BAD_REQUEST, f"layer {request.layer}: input of shape "
                                f"{tuple(x.shape)} does not match the shard's weights")
         start = time.perf_counter()
         y = shard.forward_host(x, request.train)  # host copies included, as in calibration
@@ -145,7 +149,7 @@ class WorkerService:
         shard = self._shard(request.layer)
         last = self.last_step.get(request.layer)
         if last is not None and request.step <= last:
-            raise RequestError("bad_request", f"layer {request.layer}: step {request.step} was "
+            raise RequestError(ERR_BAD_REQUEST, f"layer {request.layer}: step {request.step} was "
                                f"already applied (last {last}); a duplicate update is refused")
         need_dx = self.need_dx.get(request.layer, True)
         start = time.perf_counter()
