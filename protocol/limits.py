@@ -36,6 +36,9 @@ MAX_MAP_LEN = 128
 MAX_NESTING_DEPTH = 6
 """Deepest nesting of lists/maps inside a dict-typed field (e.g. ``Hello.device``)."""
 
+MAX_LINK_PROBE_BYTES = 64 * 1024 * 1024
+"""Largest payload a ``LinkProbeRequest`` may ask the worker to send back."""
+
 # --- transport: ZeroMQ socket options ---------------------------------------------
 DEFAULT_LINGER_MS = 500
 """How long ``close()`` may wait to flush unsent messages; shutdown never hangs."""

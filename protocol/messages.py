@@ -117,6 +117,29 @@ class CalibrateReply(Message):
     seconds: float
 
 
+@dataclass(frozen=True, eq=False)
+class LinkProbeRequest(Message):
+    """master → worker: measure the link. ``payload`` (uint8, may be absent) times the
+    master → worker direction; the worker answers with ``reply_bytes`` bytes of payload
+    (at most ``protocol.limits.MAX_LINK_PROBE_BYTES``), which times the other one."""
+
+    TYPE: ClassVar[str] = "link_probe_request"
+    request_id: int
+    reply_bytes: int
+    payload: np.ndarray | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class LinkProbeReply(Message):
+    """worker → master: the answer to a ``LinkProbeRequest``: ``reply_bytes`` zero bytes
+    (uint8; absent when 0) and the size of the payload it received."""
+
+    TYPE: ClassVar[str] = "link_probe_reply"
+    request_id: int
+    received_bytes: int
+    payload: np.ndarray | None = None
+
+
 # --- shard placement -------------------------------------------------------------------
 @dataclass(frozen=True, eq=False)
 class AssignShard(Message):
@@ -266,7 +289,7 @@ class ErrorReply(Message):
 
 AnyMessage = (
     Hello | Welcome | Refuse | Heartbeat | Goodbye | CalibrateRequest | CalibrateReply
-    | AssignShard | Ack | ForwardRequest | ForwardReply | BackwardRequest | BackwardReply
+    | LinkProbeRequest | LinkProbeReply | AssignShard | Ack | ForwardRequest | ForwardReply | BackwardRequest | BackwardReply
     | SnapshotRequest | SnapshotReply | EndRun | ErrorReply
 )
 """Union of all message classes, for exhaustive ``match`` statements."""

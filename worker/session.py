@@ -18,6 +18,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from hetconv.config import WorkerConfig
 from hetconv.protocol import (
     ERR_BAD_REQUEST,
@@ -28,10 +30,13 @@ from hetconv.protocol import (
     ErrorReply,
     Heartbeat,
     Hello,
+    LinkProbeReply,
+    LinkProbeRequest,
     Message,
     ProtocolError,
     Refuse,
     Welcome,
+    limits,
 )
 
 WAITING_LOG_INTERVAL_S = 30.0
@@ -218,6 +223,8 @@ class WorkerSession:
                 if self.config.once:
                     actions += self._stop(now)
                 return actions
+            case LinkProbeRequest() if self.in_session:
+                return [Send(link_probe_reply(message))]
             case _ if self.in_session:
                 return [self._compute(message)]
             case _:
@@ -289,3 +296,14 @@ class WorkerSession:
     def _compute(self, request: Message, reply: bool = True) -> Compute:
         self._in_flight.append(reply)
         return Compute(request)
+
+
+def link_probe_reply(request: LinkProbeRequest) -> Message:
+    """The immediate answer to a link probe: ``reply_bytes`` zero bytes back (or a refusal)."""
+    if not 0 <= request.reply_bytes <= limits.MAX_LINK_PROBE_BYTES:
+        return ErrorReply(request_id=request.request_id, code=ERR_BAD_REQUEST,
+                          message=f"reply_bytes must be within 0..{limits.MAX_LINK_PROBE_BYTES}")
+    received = 0 if request.payload is None else int(request.payload.nbytes)
+    payload = np.zeros(request.reply_bytes, np.uint8) if request.reply_bytes else None
+    return LinkProbeReply(request_id=request.request_id, received_bytes=received,
+                          payload=payload)
