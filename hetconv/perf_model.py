@@ -1,22 +1,24 @@
 """A performance model of one training step: compute and link costs -> step seconds.
 
-Pure functions over measured numbers, used by ``hetconv bench scale`` to print a
-prediction beside every measurement, and meant for the planner that decides which
-machines to use. The model of today's star data plane (every worker exchanges
-everything with the master, nothing overlaps):
+Pure functions over measured numbers. The planner (``hetconv.master.planner``) uses
+them to choose participants and kernels; ``hetconv bench scale`` prints the
+prediction beside every measurement.
 
-    step = dense + sum over layers of max over participants (fixed + per_kernel * kernels)
-           + master_link_bytes / link_rate
-
-``fixed`` and ``per_kernel`` are the calibration fit of a participant's layer
-forward + backward time (seconds, seconds per kernel); ``master_link_bytes`` is
-what the master's link carries per step (both directions share the serialised
-sends of one socket loop, so they add); ``link_rate`` is in bytes per second.
+The star data plane (every worker exchanges everything with the master) is
+simulated per layer and phase as it runs: the master sends the requests one after
+another on its outgoing link (full duplex: its incoming link is separate), a worker
+computes once its request has arrived, the master's own shard computes from time 0,
+and the results come back one after another on the master's incoming link in the
+order they are ready. Units: seconds, bytes, bytes per second. A participant's
+compute cost for a layer is ``fixed_s + per_kernel_s * kernels`` for forward and
+backward together (the calibration fit); ``FORWARD_FRACTION`` of it is the forward.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+FORWARD_FRACTION = 1.0 / 3.0  # conv backward (dW and dx) costs about twice the forward
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,29 @@ class ParticipantCost:
         return 0.0 if self.kernels == 0 else self.fixed_s + self.per_kernel_s * self.kernels
 
 
+@dataclass(frozen=True)
+class Link:
+    """A participant's link to the master as measured by the link probe (None = the master)."""
+
+    down_bytes_per_s: float  # master -> participant
+    up_bytes_per_s: float  # participant -> master
+    rtt_s: float  # an empty round trip
+
+    def __post_init__(self) -> None:
+        if self.down_bytes_per_s <= 0 or self.up_bytes_per_s <= 0 or self.rtt_s < 0:
+            raise ValueError("link rates must be positive and the round trip >= 0")
+
+
+@dataclass(frozen=True)
+class LayerTraffic:
+    """Bytes of one layer for the whole batch on the wire: its input and its pooled output."""
+
+    input_bytes: int  # x (B, C, H, W)
+    output_bytes: int  # y (B, K, H', W') for all K kernels
+    kernels: int
+    need_dx: bool  # False for the first layer: no input gradient travels back
+
+
 def compute_seconds(layers: Sequence[Sequence[ParticipantCost]]) -> float:
     """Conv compute of one step: per layer the slowest participant, summed over layers."""
     return sum(max((p.seconds() for p in layer), default=0.0) for layer in layers)
@@ -38,10 +63,56 @@ def compute_seconds(layers: Sequence[Sequence[ParticipantCost]]) -> float:
 
 def star_step_seconds(layers: Sequence[Sequence[ParticipantCost]], dense_s: float,
                       master_link_bytes: float, link_bytes_per_s: float) -> float:
-    """Predicted step seconds of the star data plane (no overlap; see the module doc)."""
+    """A coarse bound: compute, dense and the master link's bytes, nothing overlapping."""
     if link_bytes_per_s <= 0:
         raise ValueError("link_bytes_per_s must be positive")
     return dense_s + compute_seconds(layers) + master_link_bytes / link_bytes_per_s
+
+
+def _phase_seconds(compute_s: Sequence[float], links: Sequence[Link | None],
+                   send_bytes: Sequence[float], reply_bytes: Sequence[float]) -> float:
+    """One layer phase of the star: serial sends, parallel compute, serial replies."""
+    outgoing_free = 0.0
+    ready: list[tuple[float, float]] = []  # (result ready at, seconds on the incoming link)
+    for seconds, link, sent, reply in zip(compute_s, links, send_bytes, reply_bytes):
+        if link is None:  # the master's own shard: no transfer
+            ready.append((seconds, 0.0))
+            continue
+        outgoing_free += sent / link.down_bytes_per_s
+        arrived = outgoing_free + link.rtt_s / 2
+        ready.append((arrived + seconds + link.rtt_s / 2, reply / link.up_bytes_per_s))
+    incoming_free = 0.0
+    for at, transfer in sorted(ready):
+        incoming_free = max(incoming_free, at) + transfer
+    return incoming_free
+
+
+def star_layer_seconds(costs: Sequence[ParticipantCost], links: Sequence[Link | None],
+                       traffic: LayerTraffic) -> float:
+    """Forward + backward seconds of one layer on the star plane (participants with
+    0 kernels take no part)."""
+    active = [(c, link) for c, link in zip(costs, links) if c.kernels > 0]
+    if not active:
+        return 0.0
+    per_kernel_out = traffic.output_bytes / traffic.kernels
+    forward = [FORWARD_FRACTION * c.seconds() for c, _ in active]
+    backward = [(1 - FORWARD_FRACTION) * c.seconds() for c, _ in active]
+    lk = [link for _, link in active]
+    slices = [c.kernels * per_kernel_out for c, _ in active]
+    x = [float(traffic.input_bytes)] * len(active)
+    dx = x if traffic.need_dx else [0.0] * len(active)
+    return _phase_seconds(forward, lk, x, slices) + _phase_seconds(backward, lk, slices, dx)
+
+
+def predict_star_step(layers: Sequence[Sequence[ParticipantCost]], links: Sequence[Link | None],
+                      traffic: Sequence[LayerTraffic], dense_s: float = 0.0) -> float:
+    """Predicted step seconds of a plan on the star plane: every layer, plus the dense part.
+
+    ``layers[l][p]`` is participant ``p``'s cost in layer ``l``; ``links[p]`` its link
+    (None for the master's own device).
+    """
+    return dense_s + sum(star_layer_seconds(costs, links, t)
+                         for costs, t in zip(layers, traffic))
 
 
 def ideal_speedup(machine_speeds: Sequence[float]) -> float:

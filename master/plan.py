@@ -12,6 +12,7 @@ Everything here is pure: calibration results in, shards out.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -82,3 +83,11 @@ def format_split(plan: list[list[Shard]], shapes: list[ConvLayerShape]) -> list[
                           for s in shards)
         lines.append(f"hetconv: layer {shape.index + 1} split of {shape.kernels} kernels: {cells}")
     return lines
+
+
+def shards_from_counts(participants: list[Participant],
+                       counts: Sequence[Sequence[int]]) -> list[list[Shard]]:
+    """Shards per layer from kernel counts per layer per participant (kernel order)."""
+    return [[Shard(p.participant, p.worker, start, stop)
+             for p, (start, stop) in zip(participants, kernel_ranges(list(row)))]
+            for row in counts]

@@ -1,0 +1,110 @@
+"""Link-aware planning: which participants to use and how many kernels each gets.
+
+Pure: calibration profiles and link probes in, a :class:`Plan` out. For every
+candidate set of participants the kernels of each layer are split so that every
+participant finishes at the same time under its *effective* cost (compute fit plus
+what its link adds: the layer input down and the input gradient up as a fixed cost,
+its output slice up and output-gradient slice down per kernel), and the step of
+that split is predicted with :func:`hetconv.perf_model.predict_star_step`. Candidate
+sets grow greedily from the best single participant, adding whichever participant
+shortens the predicted step most; the best set seen wins. So a machine whose link
+makes the step slower gets no kernels, and when every link is too slow the master
+trains alone (or, with ``--no-local``, the best single worker does).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hetconv.partition import balanced_counts
+from hetconv.perf_model import LayerTraffic, Link, ParticipantCost, predict_star_step
+
+MIN_PER_KERNEL_S = 1e-9  # a cost line must rise, however little
+
+
+@dataclass(frozen=True)
+class ParticipantProfile:
+    """What the planner knows of one participant."""
+
+    participant: str
+    costs: tuple[tuple[float, float], ...]  # per layer: (fixed_s, per_kernel_s), fwd + bwd
+    link: Link | None  # None: the master's own device (nothing travels)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The chosen participants and kernel counts, with the predictions behind the choice."""
+
+    chosen: tuple[str, ...]  # participant ids in profile order
+    counts: tuple[tuple[int, ...], ...]  # counts[layer][profile index]; 0 where not chosen
+    predicted_step_s: float  # conv + transfers of one step (no dense part)
+    best_single: str  # the fastest participant alone ...
+    best_single_step_s: float  # ... and its predicted step
+    all_step_s: float  # every participant with the compute-only split (links ignored)
+
+
+def effective_cost(profile: ParticipantProfile, layer: int,
+                   traffic: LayerTraffic) -> tuple[float, float]:
+    """(fixed_s, per_kernel_s) of a participant in a layer, its link's share included."""
+    fixed, per_kernel = profile.costs[layer]
+    link = profile.link
+    if link is not None:
+        dx = traffic.input_bytes / link.up_bytes_per_s if traffic.need_dx else 0.0
+        fixed += traffic.input_bytes / link.down_bytes_per_s + dx + 2 * link.rtt_s
+        slice_bytes = traffic.output_bytes / traffic.kernels
+        per_kernel += slice_bytes / link.up_bytes_per_s + slice_bytes / link.down_bytes_per_s
+    return fixed, max(per_kernel, MIN_PER_KERNEL_S)
+
+
+def split_counts(profiles: Sequence[ParticipantProfile], chosen: Sequence[int],
+                 traffic: Sequence[LayerTraffic]) -> tuple[tuple[int, ...], ...]:
+    """Kernels per layer per profile when only the ``chosen`` profiles take part."""
+    counts = []
+    for layer, t in enumerate(traffic):
+        costs = [effective_cost(profiles[i], layer, t) for i in chosen]
+        chosen_counts = balanced_counts(costs, t.kernels)
+        row = [0] * len(profiles)
+        for i, count in zip(chosen, chosen_counts):
+            row[i] = count
+        counts.append(tuple(row))
+    return tuple(counts)
+
+
+def predict(profiles: Sequence[ParticipantProfile], counts: Sequence[Sequence[int]],
+            traffic: Sequence[LayerTraffic]) -> float:
+    """Predicted conv + transfer seconds of one step for these counts."""
+    layers = [[ParticipantCost(p.costs[layer][0], p.costs[layer][1], row[i])
+               for i, p in enumerate(profiles)] for layer, row in enumerate(counts)]
+    return predict_star_step(layers, [p.link for p in profiles], traffic)
+
+
+def choose_plan(profiles: Sequence[ParticipantProfile],
+                traffic: Sequence[LayerTraffic]) -> Plan:
+    """The participant set and split with the smallest predicted step (see module doc)."""
+    if not profiles:
+        raise ValueError("no participants to plan for")
+
+    def evaluate(chosen: Sequence[int]) -> tuple[float, tuple[tuple[int, ...], ...]]:
+        counts = split_counts(profiles, sorted(chosen), traffic)
+        return predict(profiles, counts, traffic), counts
+
+    singles = sorted((evaluate([i])[0], i) for i in range(len(profiles)))
+    single_s, single = singles[0]
+    chosen = [single]
+    best_s, best_counts = evaluate(chosen)
+    best_set = list(chosen)
+    remaining = [i for i in range(len(profiles)) if i != single]
+    while remaining:
+        step_s, pick = min((evaluate(chosen + [i])[0], i) for i in remaining)
+        chosen.append(pick)
+        remaining.remove(pick)
+        if step_s < best_s:
+            best_s, best_set = step_s, list(chosen)
+    best_s, best_counts = evaluate(best_set)
+    compute_only = tuple(tuple(balanced_counts([p.costs[layer] for p in profiles], t.kernels))
+                         for layer, t in enumerate(traffic))
+    all_s = predict(profiles, compute_only, traffic)
+    return Plan(chosen=tuple(profiles[i].participant for i in sorted(best_set)),
+                counts=best_counts, predicted_step_s=best_s,
+                best_single=profiles[single].participant, best_single_step_s=single_s,
+                all_step_s=all_s)

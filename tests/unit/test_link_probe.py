@@ -1,0 +1,51 @@
+"""The worker's side of the link probe: answered at once, sized as asked, bounded."""
+from __future__ import annotations
+
+import numpy as np
+
+from hetconv.config import WorkerConfig
+from hetconv.protocol import (
+    ERR_BAD_REQUEST,
+    PROTOCOL_VERSION,
+    ErrorReply,
+    LinkProbeReply,
+    LinkProbeRequest,
+    Welcome,
+    limits,
+)
+from hetconv.worker.session import (
+    Compute,
+    MessageReceived,
+    Send,
+    WorkerSession,
+    link_probe_reply,
+)
+
+
+def test_reply_carries_the_asked_bytes_and_counts_what_came() -> None:
+    reply = link_probe_reply(LinkProbeRequest(request_id=7, reply_bytes=1000,
+                                              payload=np.zeros(300, np.uint8)))
+    assert isinstance(reply, LinkProbeReply)
+    assert reply.request_id == 7 and reply.received_bytes == 300
+    assert reply.payload is not None and reply.payload.nbytes == 1000
+    empty = link_probe_reply(LinkProbeRequest(request_id=8, reply_bytes=0))
+    assert isinstance(empty, LinkProbeReply) and empty.payload is None
+    assert empty.received_bytes == 0
+
+
+def test_oversized_or_negative_requests_are_refused() -> None:
+    for size in (limits.MAX_LINK_PROBE_BYTES + 1, -1):
+        reply = link_probe_reply(LinkProbeRequest(request_id=9, reply_bytes=size))
+        assert isinstance(reply, ErrorReply) and reply.code == ERR_BAD_REQUEST
+
+
+def test_the_session_answers_a_probe_itself_never_through_the_compute_thread() -> None:
+    session = WorkerSession(WorkerConfig(master="tcp://127.0.0.1:1"), worker_id="w",
+                            device={"device": "cpu"})
+    session.handle(MessageReceived(Welcome(worker_id="w", run_id="r", heartbeat_interval_s=1.0,
+                                           protocol_version=PROTOCOL_VERSION), 0.0))
+    actions = session.handle(MessageReceived(LinkProbeRequest(request_id=3, reply_bytes=10),
+                                             0.1))
+    assert not [a for a in actions if isinstance(a, Compute)]
+    sent = [a.message for a in actions if isinstance(a, Send)]
+    assert len(sent) == 1 and isinstance(sent[0], LinkProbeReply)
