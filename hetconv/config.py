@@ -19,6 +19,7 @@ DATASETS = ("fashion-mnist", "cifar10", "synthetic")
 SCHEDULES = ("cosine", "step", "constant")
 SPLIT_MODES = ("model", "calibrated", "equal")
 WIRE_DTYPES = ("float32", "float16")
+DATA_PLANES = ("star", "peer")  # star: every activation via the master; peer: worker to worker
 PADDINGS = (0, 1, 2)
 
 MASTER_PARTICIPANT = "master"  # the participant id of the master's own device
@@ -56,9 +57,13 @@ class MasterConfig:
     wire_dtype: str = "float32"
     curve_secret: str | None = None  # the master's NAME.key_secret
     curve_allow: str | None = None  # directory of allowed workers' NAME.key
+    data_plane: str = "star"  # DATA_PLANES
+    peer_timeout_s: float = (limits.DEFAULT_HEARTBEAT_INTERVAL_S
+                             * limits.DEFAULT_HEARTBEAT_LIVENESS)
 
     def __post_init__(self) -> None:
         check_choice("--split", self.split, SPLIT_MODES)
+        check_choice("--data-plane", self.data_plane, DATA_PLANES)
         check_choice("--wire-dtype", self.wire_dtype, WIRE_DTYPES)
         if self.min_workers < 0:
             raise UserError("--min-workers must be >= 0")
@@ -117,6 +122,7 @@ class TrainConfig:
             "no_local": not master.use_local_device if master else False,
             "split": master.split if master else "model",
             "wire_dtype": master.wire_dtype if master else "float32",
+            "data_plane": master.data_plane if master else "star",
         }
 
 
@@ -148,8 +154,12 @@ class WorkerConfig:
     poll_interval_s: float = 0.1
     once: bool = False  # exit after the first run instead of waiting for the next
     curve: CurveClientKeys | None = None  # None: plain ZMTP (trusted LAN)
+    data_port: int = 0  # the peer data plane's TCP port (0: any free port)
+    advertise: str | None = None  # address peers reach us at (None: route to the master)
 
     def __post_init__(self) -> None:
+        if not 0 <= self.data_port <= 65535:
+            raise UserError(f"--data-port {self.data_port}: expected 0 (any) to 65535")
         if not self.master.startswith(("tcp://", "ipc://", "inproc://")):
             raise UserError(f"--master {self.master!r}: expected an endpoint like "
                             "tcp://host:5555")

@@ -33,11 +33,13 @@ from hetconv.protocol import (
     NO_REQUEST_ID,
     PROTOCOL_VERSION,
     Ack,
+    AssignPeers,
     AssignShard,
     BackwardReply,
     BackwardRequest,
     CalibrateReply,
     CalibrateRequest,
+    DataEndpoint,
     EndRun,
     ErrorReply,
     ForwardReply,
@@ -45,7 +47,13 @@ from hetconv.protocol import (
     Goodbye,
     Heartbeat,
     Hello,
+    LinkProbeReply,
+    LinkProbeRequest,
     Message,
+    PeerBackwardReply,
+    PeerBackwardRequest,
+    PeerForwardReply,
+    PeerForwardRequest,
     ProtocolError,
     Refuse,
     SnapshotReply,
@@ -56,7 +64,8 @@ from hetconv.protocol import (
 )
 
 REPLY_TYPES: tuple[type[Message], ...] = (ForwardReply, BackwardReply, CalibrateReply,
-                                          SnapshotReply, Ack, ErrorReply)
+                                          SnapshotReply, Ack, ErrorReply, PeerForwardReply,
+                                          PeerBackwardReply, LinkProbeReply)
 """The message types a worker sends to answer a request."""
 
 ECHOED_FIELDS = ("step", "layer", "attempt")
@@ -72,6 +81,8 @@ class WorkerHandle:
     device: dict[str, Any]
     last_seen: float  # monotonic seconds of the last decoded message from it
     gone: bool = False
+    data_endpoint: str = ""  # its peer data endpoint (DataEndpoint), "" until announced
+    data_public_key: str = ""  # its CURVE public key for the data plane (z85), or ""
 
     @property
     def name(self) -> str:
@@ -114,7 +125,13 @@ def expected_reply(request: Message) -> type[Message] | None:
             return CalibrateReply
         case SnapshotRequest():
             return SnapshotReply
-        case AssignShard() | EndRun():
+        case LinkProbeRequest():
+            return LinkProbeReply
+        case PeerForwardRequest():
+            return PeerForwardReply
+        case PeerBackwardRequest():
+            return PeerBackwardReply
+        case AssignShard() | AssignPeers() | EndRun():
             return Ack
     return None
 
@@ -312,6 +329,9 @@ class Membership:
                                               message="say hello first"))]
         worker.last_seen = now
         if isinstance(message, Heartbeat):
+            return []
+        if isinstance(message, DataEndpoint):
+            worker.data_endpoint, worker.data_public_key = message.endpoint, message.public_key
             return []
         if isinstance(message, Goodbye):
             worker.gone = True

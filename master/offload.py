@@ -67,6 +67,7 @@ class DistributedConvStage:
         self._wake_sender: Any = None
         self._timings: dict[int, dict[str, dict[str, Any]]] = {}
         self._comm_s = 0.0
+        self._cancel_local = threading.Event()  # set when a phase fails: stop local waits
 
     # --- local share in a helper thread ------------------------------------------------
     def _notify(self) -> None:
@@ -141,7 +142,10 @@ class DistributedConvStage:
                                           done=job.done.is_set if job else (lambda: True))
         finally:
             if job is not None:
+                if not job.done.is_set():  # the phase failed: end a local wait for peers
+                    self._cancel_local.set()
                 job.done.wait()  # never leave the helper thread running on shared state
+                self._cancel_local.clear()
         if job is not None and job.error is not None:
             raise job.error
         local_result, local_s = (job.result, job.seconds) if job else (None, 0.0)

@@ -14,13 +14,23 @@ import numpy as np
 from hetconv.config import MASTER_PARTICIPANT, MasterConfig
 from hetconv.device_info import describe_device
 from hetconv.keys import server_keys
-from hetconv.master.calibration import calibrate
+from hetconv.master.calibration import LayerCalibration, calibrate
 from hetconv.master.cluster import Cluster, ClusterSettings
+from hetconv.master.link_probe import probe_links
 from hetconv.master.offload import DistributedConvStage
-from hetconv.master.plan import Participant, Shard, format_split, split_layers
+from hetconv.master.peer_stage import build_stage
+from hetconv.master.plan import (
+    Participant,
+    Shard,
+    format_split,
+    shards_from_counts,
+    split_layers,
+)
+from hetconv.master.planner import ParticipantProfile, choose_plan
 from hetconv.metrics import MetricsWriter
-from hetconv.model import ModelConfig, conv_layer_shapes
+from hetconv.model import ConvLayerShape, ModelConfig, conv_layer_shapes
 from hetconv.names import PARAMETER_NAMES, layer_key
+from hetconv.perf_model import LayerTraffic
 from hetconv.protocol import AssignShard
 from hetconv.shard import ConvShard, LayerSettings
 
@@ -75,6 +85,36 @@ def assign_shards(cluster: Cluster, plan: list[list[Shard]], params: dict[str, n
     return local
 
 
+def plan_with_links(cluster: Cluster, participants: list[Participant],
+                    shapes: list[ConvLayerShape], calibration: list[LayerCalibration],
+                    batch: int, wire_dtype: str, metrics: MetricsWriter,
+                    report: Callable[[str], None] = print) -> list[list[Shard]]:
+    """Probe every worker's link, let the planner choose participants and kernels,
+    print and record the plan and its prediction."""
+    links = probe_links(cluster, participants, report)
+    itemsize = np.dtype(wire_dtype).itemsize
+    traffic = [LayerTraffic(input_bytes=int(np.prod(s.input_shape(batch))) * itemsize,
+                            output_bytes=int(np.prod(s.output_shape(batch))) * itemsize,
+                            kernels=s.kernels, need_dx=s.index > 0) for s in shapes]
+    profiles = [ParticipantProfile(p.participant,
+                                   tuple(cal.cost_models()[i] for cal in calibration), link)
+                for i, (p, link) in enumerate(zip(participants, links))]
+    choice = choose_plan(profiles, traffic)
+    unused = [p.participant for p in participants if p.participant not in choice.chosen]
+    report(f"hetconv: plan: {', '.join(choice.chosen)} (predicted conv + transfer "
+           f"{choice.predicted_step_s * 1e3:.1f} ms per step; {choice.best_single} alone "
+           f"{choice.best_single_step_s * 1e3:.1f} ms, all participants "
+           f"{choice.all_step_s * 1e3:.1f} ms)"
+           + (f"; not used: {', '.join(unused)}" if unused else ""))
+    metrics.write("plan", chosen=list(choice.chosen), predicted_step_s=choice.predicted_step_s,
+                  best_single=choice.best_single, best_single_step_s=choice.best_single_step_s,
+                  all_step_s=choice.all_step_s,
+                  links=[{"device": p.participant, "down_bytes_per_s": link.down_bytes_per_s,
+                          "up_bytes_per_s": link.up_bytes_per_s, "rtt_s": link.rtt_s}
+                         for p, link in zip(participants, links) if link is not None])
+    return shards_from_counts(participants, choice.counts)
+
+
 def open_distributed_stage(config: MasterConfig, model: ModelConfig,
                            params: dict[str, np.ndarray], settings: LayerSettings,
                            metrics: MetricsWriter, batch: int, device: str = "cpu",
@@ -87,7 +127,11 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
         metrics.write("devices", devices=[{"id": p.participant, **p.description}
                                           for p in participants])
         calibration = calibrate(cluster, participants, shapes, batch, report=report)
-        plan = split_layers(participants, shapes, calibration, config.split)
+        if config.split == "model":  # link-aware: which participants, how many kernels
+            plan = plan_with_links(cluster, participants, shapes, calibration, batch,
+                                   config.wire_dtype, metrics, report)
+        else:
+            plan = split_layers(participants, shapes, calibration, config.split)
         for shape, cal, shards in zip(shapes, calibration, plan):
             metrics.write("calibration", layer=shape.index, split=config.split,
                           calibrated_kernels=cal.calibrated_kernels, kernels=shape.kernels,
@@ -112,5 +156,4 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
         cluster.end_run("training finished")
         cluster.close()
 
-    return DistributedConvStage(cluster, plan, local, finish,
-                                wire_dtype=config.wire_dtype)
+    return build_stage(cluster, config, plan, local, finish)  # star or peer data plane

@@ -28,6 +28,9 @@ ERR_NOT_READY = "not_ready"
 """The receiver is not ready for the request yet. Reserved: no code path sends it in
 this version (a worker without a session answers ``ERR_BAD_REQUEST``, the master
 ``ERR_UNKNOWN_WORKER``)."""
+ERR_PEER_LOST = "peer_lost"
+"""Peer data plane: a participant waited longer than its deadline for a piece from a
+peer (the message names the peer), or could not send one to it."""
 ERR_INTERNAL = "internal"
 """The worker failed while handling a valid request (a bug or resource failure)."""
 ERR_UNKNOWN_WORKER = "unknown_worker"
@@ -44,6 +47,7 @@ ERROR_CODES: frozenset[str] = frozenset(
         ERR_NOT_READY,
         ERR_INTERNAL,
         ERR_UNKNOWN_WORKER,
+        ERR_PEER_LOST,
     }
 )
 """Codes defined by this protocol version. ``ErrorReply.code`` is not restricted to

@@ -6,7 +6,8 @@ array frames; every other field is msgpack-native (int, float, str, bool, list,
 dict with str keys) and travels in the header. ``MESSAGE_TYPES`` maps tags to
 classes and ``SCHEMAS`` holds the field layout derived from the annotations, which
 is what ``protocol.codec`` encodes and validates against. Directions and meaning of
-every type are documented in docs/protocol.md.
+every type are documented in docs/protocol.md. The peer data plane's types are
+defined in ``protocol.peer_messages`` and listed here with the others.
 
 Classes carrying arrays use ``eq=False`` (numpy arrays have no boolean ``==``);
 compare them with ``message_equal``.
@@ -20,14 +21,31 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from hetconv.protocol.message_base import Message as Message  # re-exported
+from hetconv.protocol.peer_messages import (  # re-exported
+    AssignPeers as AssignPeers,
+)
+from hetconv.protocol.peer_messages import (
+    DataEndpoint as DataEndpoint,
+)
+from hetconv.protocol.peer_messages import (
+    PeerBackwardReply as PeerBackwardReply,
+)
+from hetconv.protocol.peer_messages import (
+    PeerBackwardRequest as PeerBackwardRequest,
+)
+from hetconv.protocol.peer_messages import (
+    PeerForwardReply as PeerForwardReply,
+)
+from hetconv.protocol.peer_messages import (
+    PeerForwardRequest as PeerForwardRequest,
+)
+from hetconv.protocol.peer_messages import (
+    PeerPiece as PeerPiece,
+)
+
 NO_REQUEST_ID = 0
 """Request id of an ``ErrorReply`` that answers no particular request."""
-
-
-class Message:
-    """Base class of all message dataclasses (for ``isinstance`` and typing)."""
-
-    TYPE: ClassVar[str] = ""
 
 
 # --- handshake and liveness ---------------------------------------------------------
@@ -81,6 +99,7 @@ class Goodbye(Message):
     TYPE: ClassVar[str] = "goodbye"
     worker_id: str
     reason: str
+
 
 
 # --- calibration ---------------------------------------------------------------------
@@ -180,6 +199,7 @@ class Ack(Message):
     request_id: int
 
 
+
 # --- training step ----------------------------------------------------------------------
 @dataclass(frozen=True, eq=False)
 class ForwardRequest(Message):
@@ -238,6 +258,10 @@ class BackwardReply(Message):
     dx: np.ndarray | None
 
 
+
+
+
+
 # --- snapshots and end of run ----------------------------------------------------------
 @dataclass(frozen=True)
 class SnapshotRequest(Message):
@@ -287,10 +311,13 @@ class ErrorReply(Message):
     message: str
 
 
+
 AnyMessage = (
-    Hello | Welcome | Refuse | Heartbeat | Goodbye | CalibrateRequest | CalibrateReply
-    | LinkProbeRequest | LinkProbeReply | AssignShard | Ack | ForwardRequest | ForwardReply | BackwardRequest | BackwardReply
-    | SnapshotRequest | SnapshotReply | EndRun | ErrorReply
+    Hello | Welcome | Refuse | Heartbeat | Goodbye | DataEndpoint | CalibrateRequest
+    | CalibrateReply | LinkProbeRequest | LinkProbeReply | AssignShard | Ack | AssignPeers
+    | ForwardRequest | ForwardReply | BackwardRequest | BackwardReply | PeerForwardRequest
+    | PeerForwardReply | PeerBackwardRequest | PeerBackwardReply | SnapshotRequest
+    | SnapshotReply | EndRun | ErrorReply | PeerPiece
 )
 """Union of all message classes, for exhaustive ``match`` statements."""
 

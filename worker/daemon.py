@@ -8,7 +8,9 @@ worker from a dead one. After a run ends, or when the master goes silent, the
 daemon drops its shards and waits for the next master. SIGTERM/SIGINT stop it
 within a second or two. What to do when is decided by :class:`WorkerSession`
 (worker/session.py, no I/O); this module only polls, decodes, feeds it events
-and carries out its actions.
+and carries out its actions. It also binds the worker's data endpoint (the peer
+data plane, :mod:`hetconv.peer_sockets`), which only the compute thread uses after
+start-up, and announces it to the master after every Welcome.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import zmq
 from hetconv.backend import set_blas_threads
 from hetconv.config import WorkerConfig
 from hetconv.device_info import describe_device
+from hetconv.peer_sockets import PeerSockets, route_address
 from hetconv.protocol import (
     Goodbye,
     Heartbeat,
@@ -94,24 +97,39 @@ class WorkerDaemon:
         wake.bind(wake_endpoint)
         compute = threading.Thread(target=self._compute_loop, args=(ctx, wake_endpoint),
                                    name="hetconv-compute", daemon=True)
+        curve = self.config.curve
+        try:
+            data = PeerSockets(ctx, f"tcp://*:{self.config.data_port}",
+                               curve=(curve.public_key, curve.secret_key) if curve else None)
+        except BaseException:
+            wake.close()
+            ctx.term()
+            raise
+        self.service.data_plane = data  # from now on only the compute thread touches it
         compute.start()
         sock = transport.worker_socket(ctx, self.config.master, self.identity,
                                        curve=self.config.curve)
-        log.info("worker %s (%s: %s) connecting to %s", self.worker_id, self.config.device,
-                 self.device.get("name"), self.config.master)
+        address = self.config.advertise or route_address(self.config.master)
+        log.info("worker %s (%s: %s) connecting to %s; data endpoint %s", self.worker_id,
+                 self.config.device, self.device.get("name"), self.config.master,
+                 data.endpoint(address))
         try:
-            return self._serve(sock, wake)
+            return self._serve(sock, wake, data.endpoint(address), data.public_key)
         finally:
             self._requests.put(None)
             self._send(sock, Goodbye(worker_id=self.worker_id, reason="stopping"))
             sock.close(linger=200)
             wake.close()
             compute.join(timeout=1.0)
-            ctx.term() if not compute.is_alive() else None
+            if not compute.is_alive():
+                data.close()
+                ctx.term()
 
-    def _serve(self, sock: zmq.Socket[Any], wake: zmq.Socket[Any]) -> int:
+    def _serve(self, sock: zmq.Socket[Any], wake: zmq.Socket[Any], data_endpoint: str = "",
+               data_public_key: str = "") -> int:
         """Poll, decode, feed the session, perform its actions; the exit status."""
-        session = WorkerSession(self.config, self.worker_id, self.device)
+        session = WorkerSession(self.config, self.worker_id, self.device, data_endpoint,
+                                data_public_key)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(wake, zmq.POLLIN)

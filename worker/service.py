@@ -4,23 +4,31 @@ The service keeps the kernel shards assigned to this worker between batches
 (weight-stationary), runs the calibration benchmark, the whole-block forward and
 backward (with the optimizer update) and hands shards back for snapshots. Every
 failure becomes an :class:`ErrorReply`, so one bad request never stops the worker.
+With the peer data plane (``AssignPeers``) it runs its side of the exchange through
+a :class:`~hetconv.dataplane.PeerParticipant` over the ``data_plane`` it was given
+(the sockets are the daemon's; the service only calls the port).
 """
 from __future__ import annotations
 
 import logging
 import time
+from typing import Protocol
 
 import numpy as np
 
 from hetconv.backend import array_module_for, on_device
 from hetconv.calibration import time_block
+from hetconv.config import MASTER_PARTICIPANT
 from hetconv.config import WIRE_DTYPES as WIRE_DTYPE_CHOICES
+from hetconv.dataplane import PeerLost, PeerParticipant, PeerPlan, PiecePort
 from hetconv.names import STATE_NAMES
 from hetconv.protocol import (
     ERR_BAD_REQUEST,
     ERR_INTERNAL,
+    ERR_PEER_LOST,
     ERR_UNKNOWN_LAYER,
     Ack,
+    AssignPeers,
     AssignShard,
     BackwardReply,
     BackwardRequest,
@@ -31,6 +39,10 @@ from hetconv.protocol import (
     ForwardReply,
     ForwardRequest,
     Message,
+    PeerBackwardReply,
+    PeerBackwardRequest,
+    PeerForwardReply,
+    PeerForwardRequest,
     SnapshotReply,
     SnapshotRequest,
 )
@@ -57,15 +69,26 @@ def _check_wire_dtype(array: np.ndarray, name: str) -> None:
         raise RequestError(ERR_BAD_REQUEST, f"{name} must be float32 or float16, got {array.dtype}")
 
 
+class DataPlane(Protocol):
+    """The daemon's data endpoint, as the service sees it (hetconv.peer_sockets)."""
+
+    def open(self, me: str, peers: dict[str, str], peer_keys: dict[str, str],
+             timeout_s: float) -> PiecePort: ...
+
+    def reset(self) -> None: ...
+
+
 class WorkerService:
     """Serves compute requests for one device (``cpu`` or ``gpu:N``)."""
 
-    def __init__(self, device: str = "cpu"):
+    def __init__(self, device: str = "cpu", data_plane: DataPlane | None = None):
         self.device = device
         array_module_for(device)  # a clear error for a bad or unavailable device
         self.shards: dict[int, ConvShard] = {}
         self.need_dx: dict[int, bool] = {}
         self.last_step: dict[int, int] = {}  # last step whose update each layer applied
+        self.data_plane = data_plane
+        self.peer: PeerParticipant | None = None  # set by AssignPeers
 
     def handle(self, message: Message) -> Message:
         """The reply to ``message``; never raises."""
@@ -75,6 +98,8 @@ class WorkerService:
                 return self._dispatch(message)
         except RequestError as error:
             return ErrorReply(request_id=request_id, code=error.code, message=str(error))
+        except PeerLost as error:
+            return ErrorReply(request_id=request_id, code=ERR_PEER_LOST, message=str(error))
         except (ValueError, TypeError, IndexError) as error:
             return ErrorReply(request_id=request_id, code=ERR_BAD_REQUEST,
                               message=f"{type(message).__name__}: {error}")
@@ -95,10 +120,19 @@ class WorkerService:
                 return self._assign(message)
             case SnapshotRequest():
                 return self._snapshot(message)
+            case AssignPeers():
+                return self._assign_peers(message)
+            case PeerForwardRequest():
+                return self._peer_forward(message)
+            case PeerBackwardRequest():
+                return self._peer_backward(message)
             case EndRun():
                 self.shards.clear()
                 self.need_dx.clear()
                 self.last_step.clear()
+                self.peer = None
+                if self.data_plane is not None:
+                    self.data_plane.reset()
                 return Ack(request_id=message.request_id)
         raise RequestError(ERR_BAD_REQUEST, f"a worker does not serve {type(message).__name__}")
 
@@ -168,3 +202,59 @@ class WorkerService:
         return SnapshotReply(request_id=request.request_id, layer=request.layer,
                              kernel_start=shard.kernel_start, kernel_stop=shard.kernel_stop,
                              **state)
+
+    # --- the peer data plane ---------------------------------------------------------
+    def _assign_peers(self, request: AssignPeers) -> Ack:
+        if self.data_plane is None:
+            raise RequestError(ERR_BAD_REQUEST, "this worker has no data endpoint")
+        if request.wire_dtype not in WIRE_DTYPE_CHOICES:
+            raise RequestError(ERR_BAD_REQUEST, f"wire dtype {request.wire_dtype!r}")
+        plan = PeerPlan.from_wire(request.plan)
+        peers = {str(k): str(v) for k, v in request.peers.items()}
+        keys = {str(k): str(v) for k, v in request.peer_keys.items()}
+        for layer in range(plan.last_layer + 1):
+            if plan.holds(layer, request.participant) and layer not in self.shards:
+                raise RequestError(ERR_UNKNOWN_LAYER, f"the plan gives this worker kernels of "
+                                   f"layer {layer}, but no shard was assigned")
+        port = self.data_plane.open(request.participant, peers, keys, request.timeout_s)
+        self.peer = PeerParticipant(request.participant, plan, self.shards, port,
+                                    request.wire_dtype, request.timeout_s,
+                                    on_drop=lambda reason: log.debug("dropped %s", reason))
+        return Ack(request_id=request.request_id)
+
+    def _peer_participant(self) -> PeerParticipant:
+        if self.peer is None:
+            raise RequestError(ERR_BAD_REQUEST, "no AssignPeers for this run yet")
+        return self.peer
+
+    def _peer_forward(self, request: PeerForwardRequest) -> PeerForwardReply:
+        peer = self._peer_participant()
+        self._shard(request.layer)
+        if request.x is not None:
+            _check_wire_dtype(request.x, "x")
+        y, stats = peer.forward(request.pass_id, request.step, request.layer, request.train,
+                                request.x)
+        sent, received = stats.bytes_with(lambda who: who != MASTER_PARTICIPANT)
+        return PeerForwardReply(
+            request_id=request.request_id, step=request.step, layer=request.layer,
+            attempt=request.attempt, compute_s=stats.compute_s, peer_wait_s=stats.wait_s,
+            peer_bytes_sent=sent, peer_bytes_received=received,
+            y=None if y is None else np.ascontiguousarray(y, dtype=peer.wire_dtype))
+
+    def _peer_backward(self, request: PeerBackwardRequest) -> PeerBackwardReply:
+        peer = self._peer_participant()
+        self._shard(request.layer)
+        last = self.last_step.get(request.layer)
+        if last is not None and request.step <= last:
+            raise RequestError(ERR_BAD_REQUEST, f"layer {request.layer}: step {request.step} was "
+                               f"already applied (last {last}); a duplicate update is refused")
+        if request.dy is not None:
+            _check_wire_dtype(request.dy, "dy")
+        stats = peer.backward(request.pass_id, request.step, request.layer,
+                              request.learning_rate, request.dy)
+        self.last_step[request.layer] = request.step
+        sent, received = stats.bytes_with(lambda who: who != MASTER_PARTICIPANT)
+        return PeerBackwardReply(
+            request_id=request.request_id, step=request.step, layer=request.layer,
+            attempt=request.attempt, compute_s=stats.compute_s, peer_wait_s=stats.wait_s,
+            peer_bytes_sent=sent, peer_bytes_received=received)

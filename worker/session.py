@@ -9,7 +9,8 @@ requests the compute thread still owes a reply for. The daemon feeds it events
 with (:class:`Send`, :class:`Compute`, :class:`Log`, :class:`Exit`), in order. It
 never touches a socket or reads a clock: every event that needs the time carries
 it, so the tests drive it through hours of back-off in microseconds (the shape of
-dask/distributed's worker state machine).
+dask/distributed's worker state machine). After every ``Welcome`` it announces the
+worker's data endpoint (``DataEndpoint``), where the peer data plane reaches it.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from hetconv.protocol import (
     ERR_UNKNOWN_WORKER,
     NO_REQUEST_ID,
     PROTOCOL_VERSION,
+    DataEndpoint,
     EndRun,
     ErrorReply,
     Heartbeat,
@@ -131,10 +133,13 @@ Action = Send | Compute | Log | Exit
 class WorkerSession:
     """One worker's session state; :meth:`handle` turns each event into actions."""
 
-    def __init__(self, config: WorkerConfig, worker_id: str, device: dict[str, Any]):
+    def __init__(self, config: WorkerConfig, worker_id: str, device: dict[str, Any],
+                 data_endpoint: str = "", data_public_key: str = ""):
         self.config = config
         self.worker_id = worker_id
         self.device = device
+        self.data_endpoint = data_endpoint  # "" when this worker has no data endpoint
+        self.data_public_key = data_public_key
         self.in_session = False
         self.hello_delay_s = config.hello_backoff_s[0]
         self.next_hello: float | None = None  # None: say Hello at the next tick
@@ -285,6 +290,10 @@ class WorkerSession:
         self.heartbeat_interval_s = min(MAX_HEARTBEAT_INTERVAL_S,
                                         max(MIN_HEARTBEAT_INTERVAL_S,
                                             welcome.heartbeat_interval_s))
+        if self.data_endpoint:
+            actions.append(Send(DataEndpoint(worker_id=self.worker_id,
+                                             endpoint=self.data_endpoint,
+                                             public_key=self.data_public_key)))
         return actions
 
     def _leave_session(self) -> None:

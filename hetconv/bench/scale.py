@@ -83,8 +83,11 @@ def run_figures(run_dir: Path, link_bytes_per_s: float | None) -> RunFigures:
         busiest.append(max(per_worker.values(), default=0))
     dense_s = statistics.median(float(s["dense_s"]) for s in steps)
     calibration = [r for r in records if r.get("type") == "calibration"]
+    plans = [r for r in records if r.get("type") == "plan"]
     predicted = None
-    if calibration and link_bytes_per_s:
+    if plans:  # the planner's own prediction (conv + transfers) plus the measured dense part
+        predicted = float(plans[-1]["predicted_step_s"]) + dense_s
+    elif calibration and link_bytes_per_s:
         layers = [[ParticipantCost(float(d["fixed_s"]), float(d["per_kernel_s"]),
                                    int(d["kernels"])) for d in c["devices"]]
                   for c in sorted(calibration, key=lambda c: int(c["layer"]))]

@@ -23,6 +23,7 @@ from hetconv.commands.options import (
     positive_int,
 )
 from hetconv.config import (
+    DATA_PLANES,
     DATASETS,
     MASTER_PARTICIPANT,
     PADDINGS,
@@ -60,6 +61,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--wire-dtype", choices=WIRE_DTYPES, default=WIRE_DTYPES[0],
                    help="distributed: activations and gradients on the wire; float16 halves "
                    "the traffic for slow links (computation stays float32)")
+    p.add_argument("--data-plane", choices=DATA_PLANES, default=DATA_PLANES[0],
+                   help="distributed: 'star' (default) sends every layer's input and "
+                   "gradients through the master; 'peer' has the participants exchange "
+                   "them among themselves, so the master's link carries only the first "
+                   "input and the last output")
     p.add_argument("--data", default=env("DATA", DATASETS[0]), choices=DATASETS, help="dataset")
     p.add_argument("--data-dir", default=env("DATA_DIR", None),
                    help="dataset directory (default: Debian's /usr/share/datasets/fashion-mnist)")
@@ -95,6 +101,7 @@ def master_config(args: argparse.Namespace) -> MasterConfig:
                         use_local_device=not args.no_local,
                         split=getattr(args, "split", SPLIT_MODES[0]),
                         wire_dtype=getattr(args, "wire_dtype", WIRE_DTYPES[0]),
+                        data_plane=getattr(args, "data_plane", DATA_PLANES[0]),
                         curve_secret=args.curve_secret, curve_allow=args.curve_allow)
 
 

@@ -5,7 +5,7 @@ import argparse
 from typing import Any
 
 from hetconv.backend import array_module_for
-from hetconv.commands.options import env, env_positive_int, positive_int
+from hetconv.commands.options import env, env_int, env_positive_int, positive_int
 from hetconv.config import WorkerConfig
 from hetconv.errors import UserError
 from hetconv.keys import client_keys
@@ -26,6 +26,11 @@ def add_parser(sub: Any) -> None:
                    help="encrypt and authenticate: this worker's NAME.key_secret")
     p.add_argument("--master-key", default=env("MASTER_KEY", None), metavar="FILE",
                    help="with --curve-secret: the master's public NAME.key")
+    p.add_argument("--data-port", type=int, default=env_int("DATA_PORT", 0),
+                   help="TCP port of the peer data endpoint (default 0: any free port)")
+    p.add_argument("--advertise", default=env("ADVERTISE", None), metavar="HOST",
+                   help="the address peers reach this worker's data endpoint at (default: "
+                   "this machine's address on the route to the master)")
 
 
 def worker_config(args: argparse.Namespace) -> WorkerConfig:
@@ -38,7 +43,8 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
                             "NAME.key_secret) and --master-key (the master's NAME.key)")
         curve = client_keys(args.curve_secret, args.master_key)
     return WorkerConfig(master=args.master, device=args.device, threads=args.threads,
-                        name=args.name, once=args.once, curve=curve)
+                        name=args.name, once=args.once, curve=curve,
+                        data_port=args.data_port, advertise=args.advertise)
 
 
 def run(args: argparse.Namespace) -> int:

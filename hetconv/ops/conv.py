@@ -20,11 +20,20 @@ Two column layouts, chosen per shape by ``choose_layout``:
   place, so y and dy are never transposed. Best for large outputs (first layers),
   where P = Ho*Wo is already a good GEMM width and y is too big to transpose cheaply.
 
-On numpy the batch is split into a few chunks per host thread, run by the backend's
-thread pool (``hetconv.backend.run_parallel``: one thread per BLAS thread while BLAS
-is held to one thread), so the memory-bound copies run in parallel too.
-The cached pair keeps the unfolded input of the forward pass for the backward pass.
-Everything is dtype-generic and works on cupy through ``get_array_module`` (one chunk).
+A third algorithm, ``shifted_taps`` (``hetconv.ops.conv_shifted``), never unfolds
+the input: its extra work grows with the kernel share K instead of the channels C, so
+it wins for small shares of deep layers. ``choose_layout`` picks per shape and share
+with a two-term cost model (GEMM multiply-adds, numbers moved; ``estimated_seconds``).
+
+On numpy the batch is split into chunks small enough that each chunk's big temporary
+(the unfolded input, or the per-tap products) stays in cache (CHUNK_WORKING_BYTES),
+and at least a few per host thread, run by the backend's thread pool
+(``hetconv.backend.run_parallel``: one thread per BLAS thread while BLAS is held to one
+thread), so the memory-bound copies run in parallel too. The cached pair keeps only the
+padded input; the backward pass unfolds each chunk again while it is hot, which is
+cheaper than writing the kh*kw times larger unfolded input to memory and reading it
+back. Everything is dtype-generic and works on cupy through ``get_array_module`` (one
+chunk).
 """
 from __future__ import annotations
 
@@ -35,10 +44,12 @@ from typing import Any
 import numpy as np
 
 from hetconv.backend import get_array_module, host_threads, run_parallel
+from hetconv.ops.conv_shifted import shifted_backward, shifted_forward, tap_weights
 
 BATCH_INNER = "batch_inner"
 SAMPLE_MAJOR = "sample_major"
-LAYOUTS = (BATCH_INNER, SAMPLE_MAJOR)
+SHIFTED_TAPS = "shifted_taps"  # no unfolding: see hetconv.ops.conv_shifted
+LAYOUTS = (BATCH_INNER, SAMPLE_MAJOR, SHIFTED_TAPS)
 SAMPLE_MAJOR_MIN_POSITIONS = 576  # Ho*Wo from which one GEMM per sample is cheaper ...
 SAMPLE_MAJOR_MIN_POSITIONS_FEW_TAPS = 144  # ... or from here when K >= Q (y is the big one)
 PARALLEL_MIN_FLOP = 2e7  # below this a forward runs on the calling thread only
@@ -46,6 +57,12 @@ CHUNKS_PER_THREAD = 2  # more chunks than threads: a busy core does not hold the
 MIN_CHUNK_COLUMNS = 1024  # ... but each chunk's GEMMs stay at least this wide (nb*Ho*Wo)
 TRANSPOSE_BLOCK_ELEMENTS = 1 << 15  # numbers per block of the y / dy transposes
 SAMPLE_BLOCK = 8  # samples per GEMM batch in the sample-major layout
+CHUNK_WORKING_BYTES = 2 << 20  # numpy: batch chunks whose big temporary stays in cache
+MIN_CACHE_CHUNK = 4  # ... but at least this many samples (fewer: per-call overheads win)
+# choose_layout's cost model, measured at one BLAS thread (AMD EPYC, float32): GEMM
+# multiply-adds per second, and seconds per number moved by a strided copy or add.
+MODEL_FLOP_PER_S = 85e9
+MODEL_COPY_S = 0.85e-9
 
 @dataclass(frozen=True)
 class ConvGeometry:
@@ -86,8 +103,11 @@ class ConvGeometry:
 class ConvCache:
     """What ``conv2d_backward_cached`` needs from ``conv2d_forward_cached`` (opaque).
 
-    weight_matrix: (K, Q) contiguous; columns: the unfolded input, one array per batch
-    chunk, (Q, P*nb) in the batch-inner layout or (nb, Q, P) in the sample-major one.
+    weight_matrix: (K, Q) contiguous; inputs: the forward's input, one array per batch
+    chunk, zero-padded as (C, Hp, Wp, nb) for the batch-inner and shifted-taps layouts,
+    (nb, C, Hp, Wp) for the sample-major one. The backward pass unfolds each chunk
+    again while it is in cache rather than keeping (and re-reading) the kh*kw times
+    larger unfolded input.
     """
 
     geometry: ConvGeometry
@@ -95,7 +115,8 @@ class ConvCache:
     weight_matrix: Any
     chunks: list[tuple[int, int]]  # batch ranges [start, stop)
     threads: int  # threads that run the chunks
-    columns: list[Any]
+    inputs: list[Any]
+    weights_by_tap: Any = None  # (kh*kw*K, C), shifted taps only
 
 
 def make_geometry(x_shape: tuple[int, ...], w_shape: tuple[int, ...], stride: int,
@@ -114,8 +135,8 @@ def make_geometry(x_shape: tuple[int, ...], w_shape: tuple[int, ...], stride: in
     return g
 
 
-def choose_layout(g: ConvGeometry) -> str:
-    """The column layout that is cheaper for this shape (measured; see the module docstring).
+def choose_im2col_layout(g: ConvGeometry) -> str:
+    """The im2col column layout that is cheaper for this shape (see the module docstring).
 
     The batch-inner layout pays for transposing y and dy (B*K*P numbers) and saves on
     short copies in im2col/col2im (B*Q*P numbers in runs of Wo); with large outputs, or
@@ -125,46 +146,103 @@ def choose_layout(g: ConvGeometry) -> str:
     return SAMPLE_MAJOR if few_taps or g.positions >= SAMPLE_MAJOR_MIN_POSITIONS else BATCH_INNER
 
 
+def estimated_seconds(g: ConvGeometry, layout: str) -> float:
+    """Rough seconds of forward + backward (dx included) at one thread (cost model).
+
+    im2col: three GEMMs over the B*P output positions, plus unfolding twice (forward,
+    and again in the backward pass) and folding dx back: 3*B*Q*P numbers moved, a
+    cost independent of K. Shifted taps: three GEMMs over all B*Hp*Wp padded
+    positions, plus the kh*kw shifted adds and the spread dy: about kh*kw*K*B*(2P +
+    Hp*Wp) numbers, proportional to K.
+    """
+    padded_positions = (g.height + 2 * g.padding) * (g.width + 2 * g.padding)
+    if layout == SHIFTED_TAPS:
+        multiply_adds = 3 * 2.0 * g.batch * g.kernels * g.taps * padded_positions
+        moved = g.batch * g.kernel_h * g.kernel_w * g.kernels * (2.0 * g.positions
+                                                                  + padded_positions)
+    else:
+        multiply_adds = 3 * 2.0 * g.batch * g.kernels * g.taps * g.positions
+        moved = 3.0 * g.batch * g.taps * g.positions
+    return multiply_adds / MODEL_FLOP_PER_S + moved * MODEL_COPY_S
+
+
+def choose_layout(g: ConvGeometry) -> str:
+    """The algorithm for this shape and kernel share: shifted taps when the cost model
+    says that avoiding the K-independent unfolding pays for its extra multiply-adds
+    (small shares of deep layers), else the better im2col layout."""
+    im2col = choose_im2col_layout(g)
+    if g.kernels and estimated_seconds(g, SHIFTED_TAPS) < estimated_seconds(g, im2col):
+        return SHIFTED_TAPS
+    return im2col
+
+
 # ---------------------------------------------------------------- chunks
 
 
-def _plan_chunks(xp: Any, g: ConvGeometry) -> tuple[list[tuple[int, int]], int]:
-    """(batch ranges [start, stop), threads to run them): one range on the calling
-    thread for small work or cupy, else a few ranges per host thread (backend)."""
+def _working_bytes_per_sample(g: ConvGeometry, layout: str, itemsize: int) -> int:
+    """Bytes of the largest per-chunk temporary, per sample: the unfolded input for
+    im2col, the per-tap products (kh*kw*K numbers per padded position) for shifted taps."""
+    if layout == SHIFTED_TAPS:
+        padded_positions = (g.height + 2 * g.padding) * (g.width + 2 * g.padding)
+        return g.kernel_h * g.kernel_w * g.kernels * padded_positions * itemsize
+    return g.taps * g.positions * itemsize
+
+
+def _plan_chunks(xp: Any, g: ConvGeometry, layout: str, itemsize: int
+                 ) -> tuple[list[tuple[int, int]], int]:
+    """(batch ranges [start, stop), threads to run them).
+
+    cupy: one range. numpy: a few ranges per host thread for large work (backend),
+    and ranges small enough that each chunk's big temporary stays in cache
+    (CHUNK_WORKING_BYTES, at least MIN_CACHE_CHUNK samples).
+    """
     threads, count = 1, 1
-    if xp is np and g.forward_flop >= PARALLEL_MIN_FLOP:
-        threads = host_threads(g.batch)
-        widest = max(1, g.batch * g.positions // MIN_CHUNK_COLUMNS)
-        count = max(threads, min(threads * CHUNKS_PER_THREAD, widest, g.batch))
+    if xp is np:
+        if g.forward_flop >= PARALLEL_MIN_FLOP:
+            threads = host_threads(g.batch)
+            widest = max(1, g.batch * g.positions // MIN_CHUNK_COLUMNS)
+            count = max(threads, min(threads * CHUNKS_PER_THREAD, widest, g.batch))
+        per_sample = max(1, _working_bytes_per_sample(g, layout, itemsize))
+        samples = max(MIN_CACHE_CHUNK, CHUNK_WORKING_BYTES // per_sample)
+        count = max(count, -(-g.batch // samples))
+    count = max(1, min(count, g.batch))
     edges = [g.batch * i // count for i in range(count + 1)]
     chunks = [(edges[i], edges[i + 1]) for i in range(count) if edges[i + 1] > edges[i]]
     return chunks, threads
 
 
 # ---------------------------------------------------------------- per-chunk kernels
-def _unfold(xp: Any, g: ConvGeometry, layout: str, x_chunk: Any) -> Any:
-    """im2col of x_chunk (nb, C, H, W): (Q, P*nb) batch-inner or (nb, Q, P) sample-major."""
-    nb, pad, st = x_chunk.shape[0], g.padding, g.stride
-    kh, kw, ho, wo = g.kernel_h, g.kernel_w, g.out_h, g.out_w
+def _padded_input(xp: Any, g: ConvGeometry, layout: str, x_chunk: Any) -> Any:
+    """x_chunk (nb, C, H, W) zero-padded into a new array: (C, Hp, Wp, nb) for the
+    batch-inner and shifted-taps layouts, (nb, C, Hp, Wp) for the sample-major one."""
+    nb, pad = x_chunk.shape[0], g.padding
     hp, wp = g.height + 2 * pad, g.width + 2 * pad
+    if layout == SAMPLE_MAJOR:
+        if not pad:
+            return x_chunk.copy()
+        padded = xp.zeros((nb, g.channels, hp, wp), x_chunk.dtype)
+        padded[:, :, pad:pad + g.height, pad:pad + g.width] = x_chunk
+        return padded
+    padded = (xp.zeros if pad else xp.empty)((g.channels, hp, wp, nb), x_chunk.dtype)
+    padded[:, pad:pad + g.height, pad:pad + g.width, :] = x_chunk.transpose(1, 2, 3, 0)
+    return padded
+
+
+def _unfold(xp: Any, g: ConvGeometry, layout: str, padded: Any) -> Any:
+    """im2col of a padded chunk: (Q, P*nb) batch-inner or (nb, Q, P) sample-major."""
+    kh, kw, ho, wo, st = g.kernel_h, g.kernel_w, g.out_h, g.out_w, g.stride
     as_strided = xp.lib.stride_tricks.as_strided
+    s0, s1, s2, s3 = padded.strides
     if layout == BATCH_INNER:
-        padded = (xp.zeros if pad else xp.empty)((g.channels, hp, wp, nb), x_chunk.dtype)
-        padded[:, pad:pad + g.height, pad:pad + g.width, :] = x_chunk.transpose(1, 2, 3, 0)
-        s0, s1, s2, s3 = padded.strides
+        nb = padded.shape[3]
         shape = (g.channels, kh, kw, ho, wo, nb)
         strides = (s0, s1, s2, s1 * st, s2 * st, s3)
-        columns = xp.empty((g.taps, g.positions * nb), x_chunk.dtype)
+        columns = xp.empty((g.taps, g.positions * nb), padded.dtype)
     else:
-        if pad:
-            padded = xp.zeros((nb, g.channels, hp, wp), x_chunk.dtype)
-            padded[:, :, pad:pad + g.height, pad:pad + g.width] = x_chunk
-        else:
-            padded = x_chunk
-        s0, s1, s2, s3 = padded.strides
+        nb = padded.shape[0]
         shape = (nb, g.channels, kh, kw, ho, wo)
         strides = (s0, s1, s2, s3, s2 * st, s3 * st)
-        columns = xp.empty((nb, g.taps, g.positions), x_chunk.dtype)
+        columns = xp.empty((nb, g.taps, g.positions), padded.dtype)
     columns.reshape(shape)[...] = as_strided(padded, shape, strides)
     return columns
 
@@ -257,7 +335,7 @@ def _backward_chunk(xp: Any, g: ConvGeometry, layout: str, offset_weights: Any |
 # ---------------------------------------------------------------- public functions
 def _prepare(x: Any, w: Any, stride: int, padding: int, layout: str | None
              ) -> tuple[Any, Any, ConvCache]:
-    """(xp, x cast to the common dtype, cache without columns)."""
+    """(xp, x cast to the common dtype, cache without inputs)."""
     xp = get_array_module(x, w)
     dtype = xp.result_type(x.dtype, w.dtype)
     g = make_geometry(tuple(x.shape), tuple(w.shape), stride, padding)
@@ -265,20 +343,24 @@ def _prepare(x: Any, w: Any, stride: int, padding: int, layout: str | None
     if layout not in LAYOUTS:
         raise ValueError(f"conv2d: unknown layout {layout!r}, use one of {LAYOUTS}")
     weight_matrix = xp.ascontiguousarray(w, dtype=dtype).reshape(g.kernels, g.taps)
-    cache = ConvCache(g, layout, weight_matrix, *_plan_chunks(xp, g), [])
+    cache = ConvCache(g, layout, weight_matrix,
+                      *_plan_chunks(xp, g, layout, np.dtype(dtype).itemsize), [])
+    if layout == SHIFTED_TAPS:
+        cache.weights_by_tap = tap_weights(xp, weight_matrix, g)
     return xp, x.astype(dtype, copy=False), cache
 
 
 def conv2d_forward_cached(x: Any, w: Any, b: Any | None = None, stride: int = 1,
                           padding: int = 0, *, layout: str | None = None
                           ) -> tuple[Any, ConvCache]:
-    """Forward convolution that keeps the unfolded input for the backward pass.
+    """Forward convolution that keeps the (padded) input for the backward pass.
 
     x: (B, C, H, W); w: (K, C, kh, kw), any slice of a layer's kernels (K may be 0);
     b: (K,) or None. stride, padding: pixels (zero padding on all four sides).
     Returns y (B, K, Ho, Wo) contiguous, Ho = (H + 2*padding - kh)//stride + 1 (same
     for Wo), in the common dtype of x and w, and an opaque cache for
-    ``conv2d_backward_cached``. layout: force "batch_inner" or "sample_major" (tests).
+    ``conv2d_backward_cached``. layout: force one of LAYOUTS (tests, benchmarks);
+    default ``choose_layout``.
     """
     xp, x, cache = _prepare(x, w, stride, padding, layout)
     g = cache.geometry
@@ -287,13 +369,17 @@ def conv2d_forward_cached(x: Any, w: Any, b: Any | None = None, stride: int = 1,
 
     def task(index: int) -> Any:
         start, stop = cache.chunks[index]
-        columns = _unfold(xp, g, cache.layout, x[start:stop])
-        if g.kernels:
-            _forward_chunk(xp, g, cache.layout, cache.weight_matrix, columns, bias,
-                           y[start:stop])
-        return columns
+        padded = _padded_input(xp, g, cache.layout, x[start:stop])
+        if not g.kernels:
+            return padded
+        if cache.layout == SHIFTED_TAPS:
+            shifted_forward(xp, g, cache.weights_by_tap, padded, bias, y[start:stop])
+        else:
+            _forward_chunk(xp, g, cache.layout, cache.weight_matrix,
+                           _unfold(xp, g, cache.layout, padded), bias, y[start:stop])
+        return padded
 
-    cache.columns = run_parallel(task, len(cache.chunks), cache.threads)
+    cache.inputs = run_parallel(task, len(cache.chunks), cache.threads)
     return y, cache
 
 
@@ -316,15 +402,21 @@ def conv2d_backward_cached(cache: ConvCache, dy: Any, need_dx: bool = True
     dw, db = xp.zeros((g.kernels, g.taps), dtype), xp.zeros((g.kernels,), dtype)
     if g.kernels and cache.chunks:
         offset_weights = None
-        if need_dx:  # (K, C, kh, kw) -> (K, kh, kw, C): one small copy of the weights
+        if need_dx and cache.layout != SHIFTED_TAPS:
+            # (K, C, kh, kw) -> (K, kh, kw, C): one small copy of the weights
             weights4 = cache.weight_matrix.reshape(g.kernels, g.channels, g.kernel_h, g.kernel_w)
             offset_weights = xp.ascontiguousarray(weights4.transpose(0, 2, 3, 1))
             offset_weights = offset_weights.reshape(g.kernels, g.taps)
 
         def task(index: int) -> tuple[Any, Any]:
             start, stop = cache.chunks[index]
-            return _backward_chunk(xp, g, cache.layout, offset_weights, cache.columns[index],
-                                   dy[start:stop], None if dx is None else dx[start:stop])
+            padded, dx_chunk = cache.inputs[index], None if dx is None else dx[start:stop]
+            if cache.layout == SHIFTED_TAPS:
+                return shifted_backward(xp, g, cache.weights_by_tap if need_dx else None,
+                                        padded, dy[start:stop], dx_chunk)
+            return _backward_chunk(xp, g, cache.layout, offset_weights,
+                                   _unfold(xp, g, cache.layout, padded), dy[start:stop],
+                                   dx_chunk)
 
         parts = run_parallel(task, len(cache.chunks), cache.threads)
         dw, db = parts[0]
@@ -347,11 +439,11 @@ def conv2d_backward(x: Any, w: Any, dy: Any, stride: int = 1, padding: int = 0,
                     need_dx: bool = True) -> tuple[Any | None, Any, Any]:
     """(dx (B, C, H, W) or None, dw (K, C, kh, kw), db (K,)) for dy (B, K, Ho, Wo).
 
-    Unfolds x again (no forward product); use the cached pair in training.
+    Pads x again (no forward product); use the cached pair in training.
     """
     xp, x, cache = _prepare(x, w, stride, padding, None)
     g = cache.geometry
-    cache.columns = run_parallel(
-        lambda index: _unfold(xp, g, cache.layout, x[slice(*cache.chunks[index])]),
+    cache.inputs = run_parallel(
+        lambda index: _padded_input(xp, g, cache.layout, x[slice(*cache.chunks[index])]),
         len(cache.chunks), cache.threads)
     return conv2d_backward_cached(cache, dy, need_dx)

@@ -99,7 +99,8 @@ def test_protocol_version_mismatch_is_refused_on_both_sides(endpoint: str, tmp_p
         old = subprocess.run([sys.executable, "-c", OLD_WORKER, endpoint], capture_output=True,
                              text=True, timeout=30, env=child_env(), cwd=REPO)
         assert old.returncode == 3
-        assert "protocol version mismatch: master speaks 1, worker old speaks 99" in old.stderr
+        assert (f"protocol version mismatch: master speaks {PROTOCOL_VERSION}, worker old "
+                "speaks 99") in old.stderr
         _, err = master.communicate(timeout=30)
         assert "refused worker old: protocol version mismatch" in err
         assert err.strip().splitlines()[-1].startswith("hetconv: error: only 0 of 1 worker")

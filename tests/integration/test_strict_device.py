@@ -23,10 +23,12 @@ from tests.support.strict_gpu import REPORT_DIR_VARIABLE
 
 pytestmark = [pytest.mark.integration]
 LAYERS = 2  # SMALL_RUN's --arch 4:8
-# The stand-in computes with numpy's own kernels: a local run on it gives the CPU run's
-# losses bit for bit (SMALL_RUN's convs are too small for the CPU path to split the
-# batch). A distributed run splits the kernels, so its sums round differently: the
-# same tolerance as tests/integration/test_distributed.py.
+# The stand-in computes with numpy's own kernels, but like cupy it runs the batch as one
+# chunk where the CPU path splits it into cache-sized chunks (hetconv/ops/conv.py), so
+# weight-gradient sums round differently: a local run matches the CPU run to float32
+# rounding (LOCAL_RTOL), never exactly, as a real GPU would. A distributed run splits
+# the kernels too: the same tolerance as tests/integration/test_distributed.py.
+LOCAL_RTOL = 1e-5
 DISTRIBUTED_RTOL = 1e-4
 
 
@@ -84,7 +86,7 @@ def test_local_training_on_gpu0(strict_reports: Path, tmp_path: Path,
     result = run_hetconv("train", "--local", "--device", "gpu:0", *SMALL_RUN,
                          "--run-dir", str(run_dir))
     assert result.returncode == 0, result.stderr
-    steps = assert_matches_cpu(run_dir, local_reference, rtol=0)  # bit for bit
+    steps = assert_matches_cpu(run_dir, local_reference, rtol=LOCAL_RTOL)
     report = report_of(strict_reports, "train")
     assert_copies(report, "gpu:0", LAYERS, steps)
     assert report["copies"]["device_to_host"]["gpu:0"] >= steps * (2 * LAYERS - 1)
@@ -114,7 +116,8 @@ def test_master_share_on_gpu1_in_a_distributed_run(strict_reports: Path, endpoin
     workers("c1")
     run_dir = tmp_path / "dist"
     result = run_hetconv("train", "--listen", endpoint, "--min-workers", "1", "--wait", "30",
-                         "--device", "gpu:1", *SMALL_RUN, "--run-dir", str(run_dir))
+                         "--device", "gpu:1", "--split", "calibrated",  # every one computes
+                         *SMALL_RUN, "--run-dir", str(run_dir))
     assert result.returncode == 0, result.stderr
     steps = assert_matches_cpu(run_dir, local_reference)
     held = layers_held(run_dir, "master")

@@ -76,9 +76,15 @@ def test_bench_scale_small_configuration(tmp_path: Path) -> None:
     assert row["master_link_bytes"] > 0 and row["predicted_step_s"] is not None
     assert any(line.startswith("| 3x[0.5,0.5,0.5] | 1gbit |") for line in lines)
     records = read_metrics(tmp_path / "3x[0.5,0.5,0.5]" / "repeat0" / "metrics.jsonl")
+    plan = next(r for r in records if r["type"] == "plan")  # the link-aware planner chose
+    assert plan["chosen"] and {link["device"] for link in plan["links"]} == {"m1", "m2"}
+    for link in plan["links"]:  # the probe saw the cap (1 Gbit/s = 125 MB/s), not loopback
+        assert 0.3 * 125e6 < link["down_bytes_per_s"] < 1.3 * 125e6, link
+    used = set()
     for calibration in (r for r in records if r["type"] == "calibration"):
         assert [d["device"] for d in calibration["devices"]] == ["master", "m1", "m2"]
-        assert all(d["kernels"] > 0 for d in calibration["devices"]), calibration
+        used |= {d["device"] for d in calibration["devices"] if d["kernels"] > 0}
+    assert used == set(plan["chosen"])  # exactly the chosen machines computed
     assert (tmp_path / "scale.json").exists()
     assert not [line for line in subprocess.run(["ip", "netns"], capture_output=True,
                                                 text=True).stdout.splitlines()

@@ -61,7 +61,7 @@ def _assert_matches_reference(shape: tuple[int, ...], layout: str | None) -> Non
     np.testing.assert_allclose(db_only, db_ref, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("layout", [fast.BATCH_INNER, fast.SAMPLE_MAJOR])
+@pytest.mark.parametrize("layout", fast.LAYOUTS)
 @pytest.mark.parametrize("shape", GRID)
 def test_fast_matches_reference_on_grid(shape: tuple[int, ...], layout: str) -> None:
     _assert_matches_reference(shape, layout)
@@ -116,7 +116,7 @@ def test_backwards_match_finite_differences(shape: tuple[int, ...]) -> None:
             np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7, err_msg=f"{name} {what}")
 
 
-@pytest.mark.parametrize("layout", [fast.BATCH_INNER, fast.SAMPLE_MAJOR])
+@pytest.mark.parametrize("layout", fast.LAYOUTS)
 @pytest.mark.parametrize("seed", range(4))
 def test_kernel_slices_add_up_to_the_whole_layer(layout: str, seed: int,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
@@ -213,7 +213,7 @@ class TestOnGpu:
         if not backend.gpu_available():
             pytest.skip("no CUDA GPU with cupy on this machine")
 
-    @pytest.mark.parametrize("layout", [fast.BATCH_INNER, fast.SAMPLE_MAJOR])
+    @pytest.mark.parametrize("layout", fast.LAYOUTS)
     @pytest.mark.parametrize("shape", GRID[:5])
     def test_cupy_matches_numpy(self, shape: tuple[int, ...], layout: str) -> None:
         cupy = backend.cupy_or_none()
@@ -230,3 +230,27 @@ class TestOnGpu:
             np.testing.assert_allclose(backend.to_numpy(got), want, rtol=1e-4, atol=1e-4)
         y_ref = conv2d_reference(gx, gw, gb, stride, padding)
         np.testing.assert_allclose(backend.to_numpy(y_ref), y, rtol=1e-4, atol=1e-4)
+
+
+def test_layout_choice_follows_the_kernel_share() -> None:
+    """Small shares of deep layers skip the unfolding; wide shares and first layers keep it."""
+    deep = dict(batch=128, channels=64, height=12, width=12, kernel_h=5, kernel_w=5,
+                stride=1, padding=0)
+    assert fast.choose_layout(fast.ConvGeometry(kernels=16, **deep)) == fast.SHIFTED_TAPS
+    assert fast.choose_layout(fast.ConvGeometry(kernels=256, **deep)) == fast.BATCH_INNER
+    first = dict(deep, channels=1, height=28, width=28)
+    assert fast.choose_layout(fast.ConvGeometry(kernels=8, **first)) == fast.SAMPLE_MAJOR
+
+
+def test_cache_sized_chunks_match_one_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+    x, w, b, dy = _inputs((9, 3, 8, 7, 4, 3, 3, 1, 1))
+    results = {}
+    for working_bytes in (1 << 30, 1):  # one chunk, then MIN_CACHE_CHUNK-sample chunks
+        monkeypatch.setattr(fast, "CHUNK_WORKING_BYTES", working_bytes)
+        for layout in fast.LAYOUTS:
+            y, cache = conv2d_forward_cached(x, w, b, 1, 1, layout=layout)
+            assert len(cache.chunks) == (1 if working_bytes > 1 else 3)
+            results[working_bytes, layout] = (y, *conv2d_backward_cached(cache, dy))
+    for layout in fast.LAYOUTS:
+        for got, want in zip(results[1, layout], results[1 << 30, layout], strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)

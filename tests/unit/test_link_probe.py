@@ -49,3 +49,15 @@ def test_the_session_answers_a_probe_itself_never_through_the_compute_thread() -
     assert not [a for a in actions if isinstance(a, Compute)]
     sent = [a.message for a in actions if isinstance(a, Send)]
     assert len(sent) == 1 and isinstance(sent[0], LinkProbeReply)
+
+
+def test_every_request_type_has_a_reply_type_the_master_accepts() -> None:
+    """A request whose reply the master does not match hangs until the request deadline."""
+    from hetconv.master.membership import REPLY_TYPES, expected_reply
+    from hetconv.protocol.messages import MESSAGE_TYPES
+
+    requests = [cls for cls in MESSAGE_TYPES.values() if cls.__name__.endswith("Request")]
+    assert LinkProbeRequest in requests and len(requests) >= 6
+    for cls in requests:
+        reply = expected_reply(object.__new__(cls))
+        assert reply is not None and reply in REPLY_TYPES, cls.__name__

@@ -1,0 +1,447 @@
+"""The peer data plane's logic: which piece goes where, and what a participant does with it.
+
+With ``--data-plane peer`` the participants of a run (the master's own device and the
+workers) exchange activations among themselves instead of through the master.
+Between conv layers l and l+1 every holder of kernels of l sends its pooled output
+slice to every holder of l+1 (all-gather: each ends with l+1's whole input,
+assembled in kernel order). Backward, every holder of l+1 sends to each holder k of
+l the channels [start_k, stop_k) of its partial input gradient (reduce-scatter);
+k sums what it receives, its own piece included, in the kernel order of l+1, and
+that sum is its output gradient of layer l. A participant with no kernels in a
+layer neither sends nor receives for it. The master sends layer 0's input once, to
+one worker holding kernels of layer 0 (the *relay*, the first in kernel order), which
+passes it on to the other workers of layer 0 (phase ``input``); it sends the last
+layer's output-gradient slices and receives only the last layer's output.
+
+Everything here but :class:`PeerParticipant` is pure (plain data in, plain data out,
+tested without sockets). :class:`PeerParticipant` runs one participant's side of a
+layer: it waits (with a deadline) for its pieces through a :class:`PiecePort`,
+computes its :class:`~hetconv.shard.ConvShard` and sends its pieces on. The worker
+service and the master's own share both use it; the sockets behind the port are in
+:mod:`hetconv.peer_sockets`.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from hetconv.config import MASTER_PARTICIPANT
+from hetconv.protocol import PeerPiece
+from hetconv.shard import ConvShard
+
+PHASE_INPUT = "input"
+PHASE_FORWARD = "forward"
+PHASE_BACKWARD = "backward"
+PHASES = (PHASE_INPUT, PHASE_FORWARD, PHASE_BACKWARD)
+PASSES_AHEAD = 1
+"""How many forward passes beyond its current one a participant keeps pieces for (a
+fast peer may start the next pass while this one is being answered); older and
+farther pieces are dropped."""
+RECEIVE_SLICE_S = 0.05
+"""Longest single wait on the port, so that a cancelled wait ends promptly."""
+
+
+@dataclass(frozen=True)
+class KernelRange:
+    """Kernels [start, stop) of one layer held by ``participant`` (may be empty)."""
+
+    participant: str
+    start: int
+    stop: int
+
+    @property
+    def kernels(self) -> int:
+        return self.stop - self.start
+
+
+class PeerPlan:
+    """Every layer's kernel ranges, one per participant in kernel order, and the routes
+    that follow from them. ``layers[l]`` lists ranges that tile [0, K_l)."""
+
+    def __init__(self, layers: Sequence[Sequence[KernelRange]]):
+        self.layers = [list(ranges) for ranges in layers]
+        for index, ranges in enumerate(self.layers):
+            position = 0
+            for kernel_range in ranges:
+                if kernel_range.start != position or kernel_range.stop < kernel_range.start:
+                    raise ValueError(f"layer {index}: ranges do not tile the kernels in order")
+                position = kernel_range.stop
+            if position == 0:
+                raise ValueError(f"layer {index}: no kernels")
+
+    # --- wire form (AssignPeers.plan) --------------------------------------------------
+    @classmethod
+    def from_wire(cls, plan: list[Any]) -> PeerPlan:
+        """From ``[[[participant, start, stop], ...] per layer]``; ValueError if malformed."""
+        layers: list[list[KernelRange]] = []
+        for ranges in plan:
+            if not isinstance(ranges, list):
+                raise ValueError("plan: every layer must be a list of ranges")
+            layer = []
+            for item in ranges:
+                if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str)
+                        and all(type(v) is int for v in item[1:])):
+                    raise ValueError("plan: a range must be [participant, start, stop]")
+                layer.append(KernelRange(item[0], item[1], item[2]))
+            layers.append(layer)
+        return cls(layers)
+
+    def to_wire(self) -> list[Any]:
+        return [[[r.participant, r.start, r.stop] for r in ranges] for ranges in self.layers]
+
+    # --- queries -------------------------------------------------------------------------
+    @property
+    def last_layer(self) -> int:
+        return len(self.layers) - 1
+
+    def holders(self, layer: int) -> list[KernelRange]:
+        """The non-empty ranges of ``layer``, in kernel order."""
+        return [r for r in self.layers[layer] if r.kernels > 0]
+
+    def range_of(self, layer: int, participant: str) -> KernelRange | None:
+        """``participant``'s non-empty range of ``layer``, or None."""
+        return next((r for r in self.holders(layer) if r.participant == participant), None)
+
+    def holds(self, layer: int, participant: str) -> bool:
+        return self.range_of(layer, participant) is not None
+
+    # --- routes (``me`` included where it sends to or receives from itself) -------------
+    def input_relay(self) -> str | None:
+        """The worker that gets layer 0's input from the master and passes it on."""
+        return next((r.participant for r in self.holders(0)
+                     if r.participant != MASTER_PARTICIPANT), None)
+
+    def input_targets(self, me: str) -> list[str]:
+        """Who gets layer 0's input from ``me`` (the relay: the other workers of layer 0)."""
+        if me != self.input_relay():
+            return []
+        return [r.participant for r in self.holders(0)
+                if r.participant not in (me, MASTER_PARTICIPANT)]
+
+    def forward_sources(self, layer: int, me: str) -> list[KernelRange]:
+        """Output pieces of layer-1 that ``me`` assembles into layer's input."""
+        if layer == 0 or not self.holds(layer, me):
+            return []
+        return self.holders(layer - 1)
+
+    def forward_targets(self, layer: int, me: str) -> list[str]:
+        """Who gets ``me``'s output piece of ``layer`` (the holders of layer+1)."""
+        if layer == self.last_layer or not self.holds(layer, me):
+            return []
+        return [r.participant for r in self.holders(layer + 1)]
+
+    def backward_sources(self, layer: int, me: str) -> list[KernelRange]:
+        """Whose partial gradients ``me`` sums into its output gradient of ``layer``
+        (the holders of layer+1, in kernel order)."""
+        if layer == self.last_layer or not self.holds(layer, me):
+            return []
+        return self.holders(layer + 1)
+
+    def backward_targets(self, layer: int, me: str) -> list[KernelRange]:
+        """Slices of ``me``'s partial input gradient of ``layer`` and who gets each
+        (the holders of layer-1 and their ranges)."""
+        if layer == 0 or not self.holds(layer, me):
+            return []
+        return self.holders(layer - 1)
+
+    def expected_range(self, layer: int, phase: str, sender: str,
+                       receiver: str) -> KernelRange | None:
+        """The channels a ``phase`` piece of ``layer`` from ``sender`` to ``receiver`` must
+        carry, or None when no such piece belongs in the plan."""
+        if not 0 <= layer <= self.last_layer or layer == self.last_layer:
+            return None
+        if phase == PHASE_FORWARD:
+            if self.holds(layer + 1, receiver):
+                return self.range_of(layer, sender)
+        elif phase == PHASE_BACKWARD:
+            if self.holds(layer + 1, sender):
+                return self.range_of(layer, receiver)
+        return None
+
+
+@dataclass(frozen=True)
+class PieceKey:
+    """What identifies one exchange: a layer's phase in one forward pass."""
+
+    pass_id: int
+    step: int
+    layer: int
+    phase: str
+    attempt: int
+
+
+def piece_key(piece: PeerPiece) -> PieceKey:
+    return PieceKey(piece.pass_id, piece.step, piece.layer, piece.phase, piece.attempt)
+
+
+@dataclass
+class Inbox:
+    """The pieces a participant has received and not used yet (pure state).
+
+    :meth:`offer` checks each piece against the plan (sender, receiver, channel
+    range, array shape) and the current pass; stale, duplicate and unexpected pieces
+    are refused with the reason, never stored.
+    """
+
+    participant: str
+    plan: PeerPlan
+    current_pass: int = 0
+    pieces: dict[PieceKey, dict[str, np.ndarray]] = field(default_factory=dict)
+
+    def begin_pass(self, pass_id: int) -> None:
+        """A request of ``pass_id`` arrived: forget every piece of an older pass."""
+        if pass_id > self.current_pass:
+            self.current_pass = pass_id
+            self.pieces = {k: v for k, v in self.pieces.items() if k.pass_id >= pass_id}
+
+    def offer(self, piece: PeerPiece) -> str | None:
+        """Store ``piece``; the reason it was dropped, or None when stored."""
+        if piece.pass_id < self.current_pass:
+            return f"stale piece of pass {piece.pass_id} (now at pass {self.current_pass})"
+        if piece.pass_id > self.current_pass + PASSES_AHEAD:
+            return f"piece of pass {piece.pass_id} too far ahead of pass {self.current_pass}"
+        if piece.phase not in PHASES:
+            return f"unknown phase {piece.phase!r}"
+        if piece.sender == self.participant:
+            return "a piece that claims to come from this participant"
+        if piece.phase == PHASE_INPUT:
+            return self._offer_input(piece)
+        expected = self.plan.expected_range(piece.layer, piece.phase, piece.sender,
+                                            self.participant)
+        if expected is None:
+            return (f"unexpected {piece.phase} piece of layer {piece.layer} "
+                    f"from {piece.sender!r}")
+        if (piece.kernel_start, piece.kernel_stop) != (expected.start, expected.stop):
+            return (f"{piece.phase} piece of layer {piece.layer} from {piece.sender!r} carries "
+                    f"kernels [{piece.kernel_start}, {piece.kernel_stop}), expected "
+                    f"[{expected.start}, {expected.stop})")
+        if piece.data.ndim != 4 or piece.data.shape[1] != expected.kernels:
+            return f"piece from {piece.sender!r} has shape {tuple(piece.data.shape)}"
+        slot = self.pieces.setdefault(piece_key(piece), {})
+        if piece.sender in slot:
+            return f"duplicate {piece.phase} piece of layer {piece.layer} from {piece.sender!r}"
+        slot[piece.sender] = piece.data
+        return None
+
+    def _offer_input(self, piece: PeerPiece) -> str | None:
+        if piece.layer != 0 or self.participant not in self.plan.input_targets(piece.sender):
+            return f"unexpected input piece of layer {piece.layer} from {piece.sender!r}"
+        if (piece.data.ndim != 4 or piece.kernel_start != 0
+                or piece.kernel_stop != piece.data.shape[1]):
+            return f"input piece from {piece.sender!r} does not hold its channels [0, C)"
+        slot = self.pieces.setdefault(piece_key(piece), {})
+        if piece.sender in slot:
+            return f"duplicate input piece from {piece.sender!r}"
+        slot[piece.sender] = piece.data
+        return None
+
+    def put_own(self, key: PieceKey, data: np.ndarray) -> None:
+        """This participant's own piece (it never travels)."""
+        self.pieces.setdefault(key, {})[self.participant] = data
+
+    def missing(self, key: PieceKey, sources: Sequence[KernelRange]) -> list[str]:
+        held = self.pieces.get(key, {})
+        return [r.participant for r in sources if r.participant not in held]
+
+    def take(self, key: PieceKey) -> dict[str, np.ndarray]:
+        return self.pieces.pop(key, {})
+
+
+def assemble_input(pieces: dict[str, np.ndarray], sources: Sequence[KernelRange]) -> np.ndarray:
+    """The whole layer input (B, C, H, W), float32: the pieces concatenated along
+    channels in kernel order."""
+    parts = [np.asarray(pieces[r.participant], dtype=np.float32) for r in sources]
+    return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
+
+
+def reduce_gradient(pieces: dict[str, np.ndarray], sources: Sequence[KernelRange]) -> np.ndarray:
+    """The sum of the partial gradients, float32, added in the order of ``sources``."""
+    total = np.array(pieces[sources[0].participant], dtype=np.float32)
+    for source in sources[1:]:
+        total += pieces[source.participant]
+    return total
+
+
+def split_gradient(dx: np.ndarray, targets: Sequence[KernelRange]
+                   ) -> list[tuple[KernelRange, np.ndarray]]:
+    """The channel slices of a partial input gradient (B, C, H, W), one per target."""
+    return [(r, dx[:, r.start:r.stop]) for r in targets]
+
+
+# --- one participant over a port -----------------------------------------------------
+class PiecePort(Protocol):
+    """How a participant moves pieces; implemented over sockets by hetconv.peer_sockets."""
+
+    def send(self, participant: str, piece: PeerPiece) -> int:
+        """Send to ``participant``; the array bytes sent. Raises PeerLost on failure."""
+        ...
+
+    def receive(self, timeout_s: float) -> PeerPiece | None:
+        """The next piece that arrives within ``timeout_s`` seconds, or None."""
+        ...
+
+
+class PeerLost(Exception):
+    """A peer's piece did not come within the deadline, or could not be sent to it."""
+
+    def __init__(self, peers: Sequence[str], message: str):
+        super().__init__(message)
+        self.peers = list(peers)
+
+
+@dataclass
+class ExchangeStats:
+    """One participant's layer phase: compute and wait seconds, and array bytes per
+    (peer, piece layer, phase) sent and received."""
+
+    compute_s: float = 0.0
+    wait_s: float = 0.0
+    sent: dict[tuple[str, int, str], int] = field(default_factory=dict)
+    received: dict[tuple[str, int, str], int] = field(default_factory=dict)
+
+    def bytes_with(self, keep: Callable[[str], bool]) -> tuple[int, int]:
+        """(sent, received) bytes with the peers for which ``keep(peer)`` is true."""
+        return (sum(n for (peer, _, _), n in self.sent.items() if keep(peer)),
+                sum(n for (peer, _, _), n in self.received.items() if keep(peer)))
+
+
+class PeerParticipant:
+    """One participant's side of the exchange: its shards, its inbox and its port."""
+
+    def __init__(self, participant: str, plan: PeerPlan, shards: dict[int, ConvShard],
+                 port: PiecePort, wire_dtype: str = "float32", timeout_s: float = 5.0,
+                 cancelled: Callable[[], bool] = lambda: False,
+                 on_drop: Callable[[str], None] = lambda reason: None):
+        self.participant = participant
+        self.plan = plan
+        self.shards = shards
+        self.port = port
+        self.wire_dtype = np.dtype(wire_dtype)
+        self.timeout_s = timeout_s
+        self.cancelled = cancelled
+        self.on_drop = on_drop
+        self.inbox = Inbox(participant, plan)
+
+    def _shard(self, layer: int) -> ConvShard:
+        shard = self.shards.get(layer)
+        expected = self.plan.range_of(layer, self.participant)
+        if shard is None or expected is None:
+            raise ValueError(f"{self.participant} holds no kernels of layer {layer}")
+        if (shard.kernel_start, shard.kernel_stop) != (expected.start, expected.stop):
+            raise ValueError(f"layer {layer}: the shard holds kernels [{shard.kernel_start}, "
+                             f"{shard.kernel_stop}), the plan says [{expected.start}, "
+                             f"{expected.stop})")
+        return shard
+
+    def forward(self, pass_id: int, step: int, layer: int, train: bool,
+                x: np.ndarray | None) -> tuple[np.ndarray | None, ExchangeStats]:
+        """Gather the input (``x`` for layer 0), compute, send the output piece on.
+        Returns the output (B, K, H', W') for the last layer (None otherwise)."""
+        stats = ExchangeStats()
+        shard = self._shard(layer)
+        self.inbox.begin_pass(pass_id)
+        if layer == 0:
+            relay = self.plan.input_relay()
+            if x is None:
+                if relay is None or relay == self.participant:
+                    raise ValueError("layer 0 needs its input x")
+                key = PieceKey(pass_id, step, 0, PHASE_INPUT, 0)
+                x = self._collect(key, [KernelRange(relay, 0, 0)], stats)[relay]
+            for target in self.plan.input_targets(self.participant):
+                channels = KernelRange(self.participant, 0, x.shape[1])
+                self._send(target, PieceKey(pass_id, step, 0, PHASE_INPUT, 0), channels,
+                           np.ascontiguousarray(x), stats)
+            layer_input = x
+        else:
+            sources = self.plan.forward_sources(layer, self.participant)
+            key = PieceKey(pass_id, step, layer - 1, PHASE_FORWARD, 0)
+            layer_input = assemble_input(self._collect(key, sources, stats), sources)
+        start = time.perf_counter()
+        y = shard.forward_host(layer_input, train)
+        stats.compute_s = time.perf_counter() - start
+        own = self.plan.range_of(layer, self.participant)
+        assert own is not None
+        key = PieceKey(pass_id, step, layer, PHASE_FORWARD, 0)
+        wire = None
+        for target in self.plan.forward_targets(layer, self.participant):
+            if target == self.participant:
+                self.inbox.put_own(key, y)
+                continue
+            wire = np.ascontiguousarray(y, dtype=self.wire_dtype) if wire is None else wire
+            self._send(target, key, own, wire, stats)
+        return (y if layer == self.plan.last_layer else None), stats
+
+    def backward(self, pass_id: int, step: int, layer: int, learning_rate: float,
+                 dy: np.ndarray | None) -> ExchangeStats:
+        """Reduce the output gradient (``dy`` for the last layer), back-propagate and
+        update the shard, and scatter the partial input gradient (none for layer 0)."""
+        stats = ExchangeStats()
+        shard = self._shard(layer)
+        self.inbox.begin_pass(pass_id)
+        if layer == self.plan.last_layer:
+            if dy is None:
+                raise ValueError("the last layer needs its output gradient dy")
+            gradient = dy
+        else:
+            sources = self.plan.backward_sources(layer, self.participant)
+            key = PieceKey(pass_id, step, layer, PHASE_BACKWARD, 0)
+            gradient = reduce_gradient(self._collect(key, sources, stats), sources)
+        start = time.perf_counter()
+        dx = shard.backward_host(gradient, layer > 0, learning_rate)
+        stats.compute_s = time.perf_counter() - start
+        if dx is not None:
+            key = PieceKey(pass_id, step, layer - 1, PHASE_BACKWARD, 0)
+            for target, part in split_gradient(dx, self.plan.backward_targets(
+                    layer, self.participant)):
+                if target.participant == self.participant:
+                    self.inbox.put_own(key, part)
+                else:
+                    self._send(target.participant, key, target,
+                               np.ascontiguousarray(part, dtype=self.wire_dtype), stats)
+        return stats
+
+    # --- moving pieces -------------------------------------------------------------------
+    def _send(self, target: str, key: PieceKey, kernels: KernelRange, data: np.ndarray,
+              stats: ExchangeStats) -> None:
+        piece = PeerPiece(pass_id=key.pass_id, step=key.step, layer=key.layer, phase=key.phase,
+                          attempt=key.attempt, sender=self.participant,
+                          kernel_start=kernels.start, kernel_stop=kernels.stop, data=data)
+        sent = self.port.send(target, piece)
+        where = (target, key.layer, key.phase)
+        stats.sent[where] = stats.sent.get(where, 0) + sent
+
+    def _collect(self, key: PieceKey, sources: Sequence[KernelRange],
+                 stats: ExchangeStats) -> dict[str, np.ndarray]:
+        """Wait until every source's piece of ``key`` is in; PeerLost naming the missing
+        peers when none arrives for ``timeout_s`` (every arrival restarts the clock)."""
+        start = time.monotonic()
+        deadline = start + self.timeout_s
+        try:
+            while True:
+                missing = self.inbox.missing(key, sources)
+                if not missing:
+                    return self.inbox.take(key)
+                now = time.monotonic()
+                if self.cancelled():
+                    raise PeerLost(missing, "cancelled while waiting for "
+                                            f"{', '.join(missing)}")
+                if now >= deadline:
+                    raise PeerLost(missing, f"no {key.phase} data of layer {key.layer + 1} "
+                                            f"from peer {', '.join(missing)} within "
+                                            f"{self.timeout_s:.1f} s")
+                piece = self.port.receive(min(RECEIVE_SLICE_S, deadline - now))
+                if piece is None:
+                    continue
+                reason = self.inbox.offer(piece)
+                if reason is not None:
+                    self.on_drop(reason)
+                    continue
+                where = (piece.sender, piece.layer, piece.phase)
+                stats.received[where] = stats.received.get(where, 0) + piece.data.nbytes
+                deadline = time.monotonic() + self.timeout_s
+        finally:
+            stats.wait_s += time.monotonic() - start

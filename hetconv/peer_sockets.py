@@ -1,0 +1,177 @@
+"""The peer data plane's sockets: one bound PULL per participant, one PUSH per peer.
+
+A participant binds a PULL socket (its data endpoint, announced to the master) and,
+once the master has handed out the peers (``AssignPeers``), connects one PUSH to
+each peer's endpoint. Pieces are :class:`~hetconv.protocol.PeerPiece` messages,
+encoded by the protocol codec (every array description checked on receipt). With
+CURVE the PULL is a CURVE server with ZAP domain enforcement (fails closed) whose
+authenticator admits exactly the keys the master handed out; each PUSH is a CURVE
+client that knows its peer's public key. These sockets are used by one thread
+only: the worker's compute thread, or the master's helper thread.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+from typing import Any
+from urllib.parse import urlsplit
+
+import zmq
+
+from hetconv.dataplane import PeerLost
+from hetconv.errors import UserError
+from hetconv.protocol import PeerPiece, ProtocolError, limits, transport
+
+log = logging.getLogger("hetconv.dataplane")
+
+
+class AllowList:
+    """ZAP credentials provider whose allowed keys change when the master says so."""
+
+    def __init__(self) -> None:
+        self.keys: frozenset[bytes] = frozenset()
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return domain == limits.ZAP_DOMAIN and key in self.keys
+
+
+def route_address(endpoint: str) -> str:
+    """This machine's IP address on the route to ``endpoint``'s host (no packet is
+    sent: a UDP socket is connected and asked for its own address)."""
+    parts = urlsplit(endpoint)
+    host = parts.hostname
+    if parts.scheme != "tcp" or not host or host in ("*", "0.0.0.0"):
+        return "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, parts.port or 9))
+            return str(probe.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
+
+
+def _options(sock: zmq.Socket[Any], send_timeout_ms: int) -> None:
+    sock.setsockopt(zmq.LINGER, limits.DEFAULT_LINGER_MS)
+    sock.setsockopt(zmq.SNDHWM, limits.DEFAULT_SNDHWM)
+    sock.setsockopt(zmq.RCVHWM, limits.DEFAULT_RCVHWM)
+    sock.setsockopt(zmq.SNDTIMEO, send_timeout_ms)
+    sock.setsockopt(zmq.MAXMSGSIZE, limits.MAX_MSG_SIZE_BYTES)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, limits.HEARTBEAT_IVL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, limits.HEARTBEAT_TIMEOUT_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, limits.HEARTBEAT_TTL_MS)
+    sock.setsockopt(zmq.HANDSHAKE_IVL, limits.HANDSHAKE_IVL_MS)
+
+
+class PeerSockets:
+    """One participant's data endpoint and its connections to the peers (a PiecePort).
+
+    ``curve``: this participant's (public, secret) z85 key pair, or None for plain ZMTP.
+    ``authenticate``: start a ZAP handler on ``ctx`` whose allow-list :meth:`open`
+    sets; pass False where one already runs on ``ctx`` (the master's, which admits
+    its ``--curve-allow`` keys).
+    """
+
+    def __init__(self, ctx: zmq.Context[Any], bind: str,
+                 curve: tuple[bytes, bytes] | None = None, authenticate: bool = True):
+        self.ctx = ctx
+        self.curve = curve
+        self.allow = AllowList()
+        self._authenticator: Any = None
+        self.pushes: dict[str, zmq.Socket[Any]] = {}
+        self.send_timeout_ms = limits.DEFAULT_SEND_TIMEOUT_MS
+        if curve is not None and authenticate:
+            self._authenticator = transport.start_curve_authenticator(ctx, frozenset())
+            self._authenticator.configure_curve_callback(domain=limits.ZAP_DOMAIN,
+                                                         credentials_provider=self.allow)
+        self.pull = ctx.socket(zmq.PULL)
+        try:
+            _options(self.pull, self.send_timeout_ms)
+            if curve is not None:
+                self.pull.setsockopt(zmq.ZAP_DOMAIN, limits.ZAP_DOMAIN.encode())
+                self.pull.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+                self.pull.setsockopt(zmq.CURVE_SERVER, 1)
+                self.pull.setsockopt(zmq.CURVE_PUBLICKEY, curve[0])
+                self.pull.setsockopt(zmq.CURVE_SECRETKEY, curve[1])
+            self.pull.bind(bind)
+        except zmq.ZMQError as error:
+            self.close()
+            raise UserError(f"cannot bind the data endpoint {bind}: {error.strerror}; "
+                            "choose another --data-port") from None
+        self.port = int(transport.bound_endpoint(self.pull).rsplit(":", 1)[1])
+
+    @property
+    def public_key(self) -> str:
+        return self.curve[0].decode() if self.curve is not None else ""
+
+    def endpoint(self, address: str) -> str:
+        """The endpoint peers connect to, at ``address``."""
+        return f"tcp://{address}:{self.port}"
+
+    # --- set up by AssignPeers -------------------------------------------------------------
+    def open(self, me: str, peers: dict[str, str], peer_keys: dict[str, str],
+             timeout_s: float) -> PeerSockets:
+        """Connect to ``peers`` (participant → endpoint) and admit exactly their
+        ``peer_keys``; replaces earlier connections. Returns itself (the port)."""
+        self.reset()
+        self.send_timeout_ms = max(1, int(timeout_s * 1000))
+        if self.curve is not None:
+            self.allow.keys = frozenset(key.encode() for peer, key in peer_keys.items()
+                                        if peer != me and key)
+        for peer, endpoint in sorted(peers.items()):
+            if peer == me:
+                continue
+            push = self.ctx.socket(zmq.PUSH)
+            try:
+                _options(push, self.send_timeout_ms)
+                if self.curve is not None:
+                    key = peer_keys.get(peer, "")
+                    if not key:
+                        raise ValueError(f"no CURVE key for peer {peer}")
+                    push.setsockopt(zmq.CURVE_SERVERKEY, key.encode())
+                    push.setsockopt(zmq.CURVE_PUBLICKEY, self.curve[0])
+                    push.setsockopt(zmq.CURVE_SECRETKEY, self.curve[1])
+                push.connect(endpoint)
+            except BaseException:
+                push.close(linger=0)
+                raise
+            self.pushes[peer] = push
+        return self
+
+    def reset(self) -> None:
+        """Forget the peers: close the connections, admit nobody."""
+        for push in self.pushes.values():
+            push.close(linger=0)
+        self.pushes = {}
+        self.allow.keys = frozenset()
+
+    def close(self) -> None:
+        self.reset()
+        self.pull.close(linger=0)
+        if self._authenticator is not None:
+            self._authenticator.stop()
+            self._authenticator = None
+
+    # --- the PiecePort ---------------------------------------------------------------------
+    def send(self, participant: str, piece: PeerPiece) -> int:
+        push = self.pushes.get(participant)
+        if push is None:
+            raise PeerLost([participant], f"no connection to peer {participant}")
+        try:
+            transport.send_message(push, piece)
+        except (transport.TransportError, zmq.ZMQError) as error:
+            raise PeerLost([participant], f"cannot send to peer {participant}: {error}") from None
+        return int(piece.data.nbytes)
+
+    def receive(self, timeout_s: float) -> PeerPiece | None:
+        if not self.pull.poll(int(max(0.0, timeout_s) * 1000)):
+            return None
+        try:
+            message = transport.recv_message(self.pull, 0)
+        except ProtocolError as error:
+            log.warning("dropped an undecodable data-plane message: %s", error)
+            return None
+        if not isinstance(message, PeerPiece):
+            if message is not None:
+                log.warning("dropped a %s on the data endpoint", message.TYPE)
+            return None
+        return message

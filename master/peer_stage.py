@@ -1,0 +1,276 @@
+"""The distributed conv stage over the peer data plane (``--data-plane peer``).
+
+The participants exchange activations among themselves (:mod:`hetconv.dataplane`):
+the master sends layer 0's input once, with the ``PeerForwardRequest`` of layer 0 to
+the relay worker (which passes it on to the other workers of layer 0), gets the
+last layer's output slices back in the ``PeerForwardReply`` of the last layer, and
+sends the last layer's output-gradient slices with its ``PeerBackwardRequest``s;
+every other request carries no array. Each layer phase is still one request per
+worker with kernels in it, answered when that worker's part (waiting for its pieces,
+computing, sending its pieces on) is done, so the master's liveness and request
+deadlines cover every phase exactly as with the star plane. The master's own share
+is a participant too (its :class:`~hetconv.dataplane.PeerParticipant` runs in the
+helper thread over the master's own data endpoint).
+
+The stage returns the real output only for the last layer, and ``None`` from
+``backward``: the trainer chains them but only looks at the last output.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from hetconv.config import MASTER_PARTICIPANT, MasterConfig
+from hetconv.dataplane import (
+    PHASE_FORWARD,
+    ExchangeStats,
+    KernelRange,
+    PeerParticipant,
+    PeerPlan,
+)
+from hetconv.errors import UserError
+from hetconv.master.cluster import Cluster, WorkerHandle
+from hetconv.master.offload import DistributedConvStage
+from hetconv.master.plan import Shard
+from hetconv.peer_sockets import PeerSockets, route_address
+from hetconv.protocol import (
+    AssignPeers,
+    PeerBackwardReply,
+    PeerBackwardRequest,
+    PeerForwardReply,
+    PeerForwardRequest,
+)
+from hetconv.shard import ConvShard
+
+log = logging.getLogger("hetconv.master")
+
+ENDPOINT_WAIT_S = 5.0
+"""How long the master waits for a worker's DataEndpoint after setup (it comes right
+after the Welcome, so normally long before)."""
+NO_OUTPUT = np.empty((0,), dtype=np.float32)
+"""What ``forward`` returns for every layer but the last (its output stays with the peers)."""
+
+
+class PeerConvStage(DistributedConvStage):
+    """A :class:`hetconv.stage.ConvStage` whose activations travel worker to worker."""
+
+    def __init__(self, cluster: Cluster, shards: list[list[Shard]],
+                 local_shards: dict[int, ConvShard], on_close: Callable[[], None],
+                 wire_dtype: str, plan: PeerPlan, sockets: PeerSockets | None):
+        super().__init__(cluster, shards, local_shards, on_close, wire_dtype=wire_dtype)
+        self.plan = plan
+        self.sockets = sockets
+        self.participant: PeerParticipant | None = None  # the master's own share, if any
+        self._pass_id = 0
+
+    # --- bookkeeping -------------------------------------------------------------------
+    def _entry(self, layer: int, shard: Shard) -> dict[str, Any]:
+        entry = super()._entry(layer, shard)
+        for key in ("peer_bytes_sent", "peer_bytes_received"):
+            entry.setdefault(key, 0)
+        entry.setdefault("peer_wait_s", 0.0)
+        return entry
+
+    def _shard_of(self, layer: int, participant: str) -> Shard | None:
+        return next((s for s in self.shards[layer]
+                     if s.participant == participant and s.kernels > 0), None)
+
+    def _account_peers(self, layer: int, replies: dict[str, Any],
+                       local: ExchangeStats | None) -> None:
+        """Peer-plane figures: each worker's own report, and the master's share's pieces
+        counted on the master ↔ worker link of the layer where that worker consumed
+        (bytes_sent) or produced (bytes_received) them."""
+        for participant, reply in replies.items():
+            message = reply.message
+            shard = self._shard_of(layer, participant)
+            if shard is None:
+                continue
+            entry = self._entry(layer, shard)
+            entry["peer_bytes_sent"] += message.peer_bytes_sent
+            entry["peer_bytes_received"] += message.peer_bytes_received
+            entry["peer_wait_s"] += message.peer_wait_s
+        if local is None:
+            return
+        own = self._shard_of(layer, MASTER_PARTICIPANT)
+        if own is not None:
+            self._entry(layer, own)["peer_wait_s"] += local.wait_s
+        for (peer, piece_layer, phase), count in local.sent.items():
+            consumer = piece_layer + 1 if phase == PHASE_FORWARD else piece_layer
+            shard = self._shard_of(consumer, peer)
+            if shard is not None:
+                self._entry(consumer, shard)["bytes_sent"] += count
+        for (peer, piece_layer, phase), count in local.received.items():
+            producer = piece_layer if phase == PHASE_FORWARD else piece_layer + 1
+            shard = self._shard_of(producer, peer)
+            if shard is not None:
+                self._entry(producer, shard)["bytes_received"] += count
+
+    # --- the ConvStage interface ---------------------------------------------------------
+    def forward(self, layer: int, x: np.ndarray, train: bool, step: int) -> np.ndarray:
+        if layer == 0:
+            self._pass_id += 1
+        pass_id = self._pass_id
+        first = np.ascontiguousarray(x, dtype=np.float32) if layer == 0 else None
+        wire_x = None if first is None else first.astype(self.wire_dtype, copy=False)
+        shards = [s for s in self.shards[layer] if s.kernels > 0]
+        relay = self.plan.input_relay()  # layer 0's input goes once, to the relay
+        requests = [(s, PeerForwardRequest(request_id=self.cluster.request_id(), pass_id=pass_id,
+                                           step=step, layer=layer, attempt=0, train=train,
+                                           x=wire_x if s.participant == relay else None))
+                    for s in shards if s.worker is not None]
+        participant = self.participant
+        local: Callable[[], Any] | None = None
+        if participant is not None and self.plan.holds(layer, MASTER_PARTICIPANT):
+            def local() -> Any:
+                return participant.forward(pass_id, step, layer, train, first)
+        started = time.monotonic()
+        replies, local_result, local_s, local_done, sent = self._exchange(
+            layer, f"forward of layer {layer + 1} (step {step})", requests, local)
+        outputs, results = [], []
+        for shard in shards:
+            if shard.worker is None:
+                outputs.append(local_result[0])
+                results.append((shard, local_result[1].compute_s, local_done, 0, 0))
+            else:
+                reply = replies[shard.participant]
+                assert isinstance(reply.message, PeerForwardReply)
+                outputs.append(reply.message.y)
+                results.append((shard, reply.message.compute_s, reply.received_at,
+                                sent[shard.participant], reply.payload_bytes))
+        self._account(layer, "forward", started, local_done, results, train)
+        if train:
+            self._account_peers(layer, replies, local_result[1] if local_result else None)
+        if layer != self.plan.last_layer:
+            return NO_OUTPUT
+        joined = np.concatenate(outputs, axis=1) if len(outputs) > 1 else outputs[0]
+        return np.asarray(joined, dtype=np.float32)
+
+    def backward(self, layer: int, dy: np.ndarray, need_dx: bool, learning_rate: float,
+                 step: int) -> np.ndarray | None:
+        pass_id = self._pass_id
+        last = layer == self.plan.last_layer
+        shards = [s for s in self.shards[layer] if s.kernels > 0]
+        requests = [(s, PeerBackwardRequest(
+            request_id=self.cluster.request_id(), pass_id=pass_id, step=step, layer=layer,
+            attempt=0, learning_rate=learning_rate,
+            dy=np.ascontiguousarray(dy[:, s.start:s.stop], dtype=self.wire_dtype) if last
+            else None)) for s in shards if s.worker is not None]
+        participant = self.participant
+        local: Callable[[], Any] | None = None
+        own = self.plan.range_of(layer, MASTER_PARTICIPANT)
+        if participant is not None and own is not None:
+            own_dy = (np.ascontiguousarray(dy[:, own.start:own.stop], dtype=np.float32)
+                      if last else None)
+
+            def local() -> Any:
+                return participant.backward(pass_id, step, layer, learning_rate, own_dy)
+        started = time.monotonic()
+        replies, local_stats, local_s, local_done, sent = self._exchange(
+            layer, f"backward of layer {layer + 1} (step {step})", requests, local)
+        results = []
+        for shard in shards:
+            if shard.worker is None:
+                results.append((shard, local_stats.compute_s, local_done, 0, 0))
+            else:
+                reply = replies[shard.participant]
+                assert isinstance(reply.message, PeerBackwardReply)
+                results.append((shard, reply.message.compute_s, reply.received_at,
+                                sent[shard.participant], reply.payload_bytes))
+        self._account(layer, "backward", started, local_done, results, True)
+        self._account_peers(layer, replies, local_stats)
+        return None
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)  # the helper thread owns the data sockets
+        if self.sockets is not None:
+            self.sockets.close()
+            self.sockets = None
+        super().close()
+
+
+# --- setting the plane up ----------------------------------------------------------------
+def _await_endpoints(cluster: Cluster, workers: list[WorkerHandle]) -> None:
+    deadline = time.monotonic() + ENDPOINT_WAIT_S
+    while True:
+        missing = [w for w in workers if not w.data_endpoint]
+        if not missing:
+            return
+        if time.monotonic() >= deadline:
+            raise UserError(f"worker {missing[0].name} announced no data endpoint within "
+                            f"{ENDPOINT_WAIT_S:.0f} s; it needs a hetconv with the peer data "
+                            "plane (or use --data-plane star)")
+        cluster.pump(0.1)
+
+
+def open_peer_stage(cluster: Cluster, config: MasterConfig, shards: list[list[Shard]],
+                    local_shards: dict[int, ConvShard],
+                    on_close: Callable[[], None]) -> PeerConvStage:
+    """Hand every participating worker its peers and plan, bind the master's own data
+    endpoint when it holds kernels, and return the stage."""
+    plan = PeerPlan([[KernelRange(s.participant, s.start, s.stop) for s in layer]
+                     for layer in shards])
+    workers: dict[str, WorkerHandle] = {}
+    for layer in shards:
+        for shard in layer:
+            if shard.worker is not None and shard.kernels > 0:
+                workers[shard.participant] = shard.worker
+    _await_endpoints(cluster, list(workers.values()))
+    curve = cluster.curve
+    for worker in workers.values():
+        if curve is not None and worker.data_public_key.encode() not in curve.allowed_client_keys:
+            raise UserError(f"worker {worker.name} announced a data-plane key that is not in "
+                            "--curve-allow; give it its allowed key (--curve-secret)")
+    peers = {p: w.data_endpoint for p, w in workers.items()}
+    keys = {p: w.data_public_key for p, w in workers.items()}
+    master_holds = any(plan.holds(layer, MASTER_PARTICIPANT) for layer in range(len(shards)))
+    sockets = None
+    if master_holds:
+        sockets = PeerSockets(cluster.ctx, "tcp://*:0", authenticate=False,
+                              curve=(curve.public_key, curve.secret_key) if curve else None)
+        toward = next(iter(peers.values()), cluster.endpoint)
+        peers[MASTER_PARTICIPANT] = sockets.endpoint(route_address(toward))
+        keys[MASTER_PARTICIPANT] = sockets.public_key
+    stage = PeerConvStage(cluster, shards, local_shards, on_close, config.wire_dtype, plan,
+                          sockets)
+    try:
+        pending = {}
+        for participant, worker in workers.items():
+            request_id = cluster.request_id()
+            cluster.send(worker, AssignPeers(
+                request_id=request_id, participant=participant, wire_dtype=config.wire_dtype,
+                timeout_s=config.peer_timeout_s, peers=dict(peers), peer_keys=dict(keys),
+                plan=plan.to_wire()))
+            pending[request_id] = worker
+        cluster.gather(pending, "peer assignment")
+        if sockets is not None:
+            port = sockets.open(MASTER_PARTICIPANT, peers, keys, config.peer_timeout_s)
+            stage.participant = PeerParticipant(
+                MASTER_PARTICIPANT, plan, local_shards, port, config.wire_dtype,
+                config.peer_timeout_s, cancelled=stage._cancel_local.is_set,
+                on_drop=lambda reason: log.debug("data plane: dropped %s", reason))
+    except BaseException:
+        stage._executor.shutdown(wait=True)
+        if sockets is not None:
+            sockets.close()
+        raise
+    return stage
+
+
+def build_stage(cluster: Cluster, config: MasterConfig, shards: list[list[Shard]],
+                local_shards: dict[int, ConvShard],
+                on_close: Callable[[], None]) -> DistributedConvStage:
+    """The stage for ``config.data_plane``: star (every activation through the master)
+    or peer. A failure here ends the run on the workers and closes the cluster."""
+    if config.data_plane != "peer":
+        return DistributedConvStage(cluster, shards, local_shards, on_close,
+                                    wire_dtype=config.wire_dtype)
+    try:
+        return open_peer_stage(cluster, config, shards, local_shards, on_close)
+    except BaseException:
+        cluster.end_run("master failed during setup")
+        cluster.close()
+        raise

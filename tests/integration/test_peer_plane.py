@@ -1,0 +1,171 @@
+"""The peer data plane (``--data-plane peer``) over real worker processes on loopback."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from hetconv.checkpoint import load_weights
+from hetconv.lab import wait_for
+from hetconv.peer_sockets import PeerSockets
+from hetconv.protocol import PeerPiece, generate_curve_keypair, make_context
+from tests.conftest import SMALL_RUN, child_env, hetconv_command, run_hetconv
+from tests.integration.test_distributed import assert_reproduces
+
+pytestmark = [pytest.mark.integration]
+
+
+def steps_of(run_dir: Path) -> list[dict[str, Any]]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if r["type"] == "step"]
+
+
+def master_link_bytes(step: dict[str, Any]) -> int:
+    """Array bytes on the master's link in one step: every worker's bytes_sent + received."""
+    return sum(d["bytes_sent"] + d["bytes_received"] for layer in step["layers"]
+               for d in layer["devices"] if d["device"] != "master")
+
+
+@pytest.mark.timeout(180)
+def test_two_workers_and_the_master_reproduce_the_local_run(endpoint: str, workers: Any,
+                                                            tmp_path: Path,
+                                                            local_reference: Path) -> None:
+    workers("w1", "w2")
+    run_dir = tmp_path / "peer"
+    result = run_hetconv("train", "--listen", endpoint, "--min-workers", "2", "--wait", "30",
+                         "--data-plane", "peer", "--split", "equal", *SMALL_RUN,
+                         "--run-dir", str(run_dir))
+    assert result.returncode == 0, result.stderr
+    assert "master 2 (50%), w1 1 (25%), w2 1 (25%)" in result.stdout
+    assert_reproduces(run_dir, local_reference)
+    local_w, peer_w = load_weights(local_reference / "weights.npz"), load_weights(run_dir / "weights.npz")
+    assert sorted(local_w) == sorted(peer_w)
+    for name in local_w:
+        assert local_w[name].shape == peer_w[name].shape
+        np.testing.assert_allclose(peer_w[name], local_w[name], rtol=1e-3, atol=1e-4)
+    step = steps_of(run_dir)[1]
+    w1 = {layer["layer"]: d for layer in step["layers"] for d in layer["devices"]
+          if d["device"] == "w1"}
+    assert w1[0]["peer_bytes_sent"] > 0 and w1[1]["peer_bytes_received"] > 0
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["data_plane"] == "peer"
+
+
+@pytest.mark.timeout(240)
+def test_three_workers_no_local_reproduce_and_the_master_link_does_not_grow(
+        endpoint: str, workers: Any, tmp_path: Path, local_reference: Path) -> None:
+    workers("w1", "w2", "w3")
+    run_dir = tmp_path / "peer3"
+    result = run_hetconv("train", "--listen", endpoint, "--min-workers", "3", "--wait", "30",
+                         "--no-local", "--split", "equal", "--data-plane", "peer", *SMALL_RUN,
+                         "--run-dir", str(run_dir))
+    assert result.returncode == 0, result.stderr
+    assert_reproduces(run_dir, local_reference)
+    short = [a for a in SMALL_RUN]
+    short[short.index("--limit") + 1] = "640"
+    by_workers = {}
+    for count in (2, 3):
+        small_dir = tmp_path / f"n{count}"
+        result = run_hetconv("train", "--listen", endpoint, "--min-workers", str(count),
+                             "--wait", "30", "--no-local", "--split", "equal", "--data-plane",
+                             "peer", *short, "--run-dir", str(small_dir))
+        assert result.returncode == 0, result.stderr
+        by_workers[count] = [master_link_bytes(s) for s in steps_of(small_dir)[1:]]
+    batch, image, pooled_last, kernels_last = 64, 28 * 28, 4 * 4, 8
+    expected = (batch * image + 2 * batch * kernels_last * pooled_last) * 4  # x once, y, dy
+    assert set(by_workers[2]) == set(by_workers[3]) == {expected}, by_workers
+    print(f"master link bytes per step: N=2 {by_workers[2][0]}, N=3 {by_workers[3][0]}")
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_killed_mid_exchange_is_named_within_ten_seconds(endpoint: str, workers: Any,
+                                                                tmp_path: Path) -> None:
+    started = workers("steady1", "steady2", "victim")
+    victim = started[2]
+    run_dir = tmp_path / "peer"
+    args = [a for a in SMALL_RUN]
+    args[args.index("--epochs") + 1] = "20"
+    master = subprocess.Popen(
+        hetconv_command("train", "--listen", endpoint, "--min-workers", "3", "--wait", "30",
+                        "--split", "equal", "--data-plane", "peer", *args,
+                        "--run-dir", str(run_dir)),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        assert wait_for(lambda: metrics.exists() and '"type":"step"' in metrics.read_text(), 60)
+        os.kill(victim.process.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        _, err = master.communicate(timeout=30)
+        assert time.monotonic() - killed_at < 10
+        assert master.returncode != 0
+        lines = [line for line in err.splitlines() if line.startswith("hetconv: error:")]
+        assert len(lines) == 1 and "victim" in lines[0], err
+        assert "Traceback" not in err
+        end = json.loads(metrics.read_text().splitlines()[-1])
+        assert end["type"] == "run_end" and end["status"] == "failed" and "victim" in end["error"]
+        for survivor in started[:2]:
+            assert survivor.process.poll() is None  # the others stay up for the next run
+    finally:
+        if master.poll() is None:
+            master.kill()
+
+
+@pytest.mark.timeout(150)
+def test_curve_run_trains_over_the_peer_plane(endpoint: str, workers: Any,
+                                              tmp_path: Path) -> None:
+    keys, allowed = tmp_path / "keys", tmp_path / "allowed"
+    for name in ("master", "w1", "w2"):
+        assert run_hetconv("keygen", "--dir", str(keys), "--name", name).returncode == 0
+    allowed.mkdir()
+    for name in ("w1", "w2"):
+        (allowed / f"{name}.key").write_bytes((keys / f"{name}.key").read_bytes())
+    for name in ("w1", "w2"):
+        workers(name, extra_args=("--curve-secret", str(keys / f"{name}.key_secret"),
+                                  "--master-key", str(keys / "master.key")))
+    args = [a for a in SMALL_RUN]
+    args[args.index("--limit") + 1] = "640"
+    result = run_hetconv("train", "--listen", endpoint, "--min-workers", "2", "--wait", "30",
+                         "--split", "equal", "--data-plane", "peer", *args,
+                         "--run-dir", str(tmp_path / "r"),
+                         "--curve-secret", str(keys / "master.key_secret"),
+                         "--curve-allow", str(allowed))
+    assert result.returncode == 0, result.stderr
+    assert any(d["peer_bytes_sent"] > 0 for s in steps_of(tmp_path / "r")
+               for layer in s["layers"] for d in layer["devices"])
+
+
+@pytest.mark.timeout(30)
+def test_a_data_endpoint_admits_exactly_the_keys_the_master_handed_out() -> None:
+    ctx = make_context()
+    receiver_keys, allowed_keys, stranger_keys = (generate_curve_keypair() for _ in range(3))
+    receiver = PeerSockets(ctx, "tcp://127.0.0.1:0", curve=receiver_keys)
+    senders: list[PeerSockets] = []
+    try:
+        receiver.open("r", {}, {"good": allowed_keys[0].decode()}, 5.0)
+        endpoint = receiver.endpoint("127.0.0.1")
+        for name, pair in (("stranger", stranger_keys), ("good", allowed_keys)):
+            sender = PeerSockets(ctx, "tcp://127.0.0.1:0", curve=pair, authenticate=False)
+            sender.open(name, {"r": endpoint}, {"r": receiver_keys[0].decode()}, 5.0)
+            senders.append(sender)
+            sender.send("r", PeerPiece(pass_id=1, step=0, layer=0, phase="forward", attempt=0,
+                                       sender=name, kernel_start=0, kernel_stop=1,
+                                       data=np.ones((1, 1, 2, 2), np.float32)))
+        got = []
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            message = receiver.receive(0.1)
+            if message is not None:
+                got.append(message.sender)
+        assert got == ["good"]  # the stranger's handshake was refused: nothing arrived
+    finally:
+        for sender in senders:
+            sender.close()
+        receiver.close()
+        ctx.term()
