@@ -72,15 +72,20 @@ def run_figures(run_dir: Path, link_bytes_per_s: float | None) -> RunFigures:
         raise UserError(f"{run_dir}: the run recorded no steps")
     master_bytes, busiest = [], []
     for step in steps:
-        per_worker: dict[str, int] = {}
+        master_link: dict[str, int] = {}  # per worker: its traffic with the master
+        worker_link: dict[str, int] = {}  # per worker: everything on its link
         for layer in step.get("layers", []):
             for timing in layer.get("devices", []):
                 if timing["device"] == "master":
                     continue
-                traffic = int(timing.get("bytes_sent", 0)) + int(timing.get("bytes_received", 0))
-                per_worker[timing["device"]] = per_worker.get(timing["device"], 0) + traffic
-        master_bytes.append(sum(per_worker.values()))
-        busiest.append(max(per_worker.values(), default=0))
+                to_master = int(timing.get("bytes_sent", 0)) + int(timing.get("bytes_received", 0))
+                peers = (int(timing.get("peer_bytes_sent", 0))
+                         + int(timing.get("peer_bytes_received", 0)))
+                name = timing["device"]
+                master_link[name] = master_link.get(name, 0) + to_master
+                worker_link[name] = worker_link.get(name, 0) + to_master + peers
+        master_bytes.append(sum(master_link.values()))
+        busiest.append(max(worker_link.values(), default=0))
     dense_s = statistics.median(float(s["dense_s"]) for s in steps)
     calibration = [r for r in records if r.get("type") == "calibration"]
     plans = [r for r in records if r.get("type") == "plan"]
@@ -126,11 +131,14 @@ def _run_in_quota(command: list[str], fraction: float, log_path: Path) -> int:
             quota.remove()
 
 
-def run_scale_bench(configurations: list[tuple[float, ...]], rate: str = "1gbit",
+def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
                     arch: str = "32:64", batch: int = 128, limit: int | None = None,
                     repeats: int = 3, work_dir: str | None = None,
+                    data_planes: tuple[str, ...] = ("star",),
                     out: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run every configuration and its baseline ``repeats`` times, interleaved."""
+    """Run every machine set with every data plane, and the baselines, ``repeats``
+    times, interleaved within each repeat."""
+    configurations = [(fractions, plane) for fractions in machine_sets for plane in data_planes]
     for reason in (netns_unavailable_reason(), cpu_quota_unavailable_reason()):
         if reason:
             raise UserError(f"hetconv bench scale needs root features: {reason}")
@@ -145,15 +153,15 @@ def run_scale_bench(configurations: list[tuple[float, ...]], rate: str = "1gbit"
               "--threads", "1", "--no-progress", "--overwrite"]
     if limit:
         common += ["--limit", str(limit)]
-    baselines = sorted({max(config) for config in configurations})
+    baselines = sorted({max(fractions) for fractions in machine_sets})
     results: dict[str, list[RunFigures]] = {}
 
-    def label(config: tuple[float, ...]) -> str:
-        return f"{len(config)}x[{','.join(f'{f:g}' for f in config)}]"
+    def label(configuration: tuple[tuple[float, ...], str]) -> str:
+        return configuration_label(*configuration)
 
     out(f"hetconv bench scale: rate {rate}, arch {arch}, batch {batch}, {repeats} repeat(s), "
         f"runs in {root}")
-    size = max(len(config) for config in configurations)
+    size = max(len(fractions) for fractions in machine_sets)
     with _terminate_as_interrupt(), SwitchedLan(size, rate) as lan:
         master = lan.machines[0]
         for repeat in range(repeats):
@@ -171,9 +179,10 @@ def run_scale_bench(configurations: list[tuple[float, ...]], rate: str = "1gbit"
                 results.setdefault(name, []).append(run_figures(run_dir, None))
                 out(f"  repeat {repeat + 1}: {name}: median step "
                     f"{results[name][-1].step_s * 1e3:.1f} ms")
-            for config in configurations:
-                name = label(config)
-                run_dir = root / name / f"repeat{repeat}"
+            for configuration in configurations:
+                config, plane = configuration
+                name = label(configuration)
+                run_dir = root / name.replace(" ", "-") / f"repeat{repeat}"
                 run_dir.mkdir(parents=True, exist_ok=True)
                 port = free_port()
                 endpoint = f"tcp://{master.address}:{port}"
@@ -187,8 +196,8 @@ def run_scale_bench(configurations: list[tuple[float, ...]], rate: str = "1gbit"
                             netns=machine.netns, extra_args=("--once",)))
                     train = [python, "-m", "hetconv", "train", "--listen",
                              f"tcp://{master.address}:{port}", "--min-workers",
-                             str(len(config) - 1), "--wait", "60", *common, "--run-dir",
-                             str(run_dir)]
+                             str(len(config) - 1), "--wait", "60", "--data-plane", plane,
+                             *common, "--run-dir", str(run_dir)]
                     if len(config) == 1:
                         train[train.index("--min-workers") + 1] = "0"
                     status = _run_in_quota(master.command(train), config[0],
@@ -213,18 +222,25 @@ def run_scale_bench(configurations: list[tuple[float, ...]], rate: str = "1gbit"
     return {"rows": summary, "work_dir": str(root), "table": table}
 
 
-def summarize(configurations: list[tuple[float, ...]], results: dict[str, list[RunFigures]],
-              label: Callable[[tuple[float, ...]], str]) -> list[dict[str, Any]]:
+def configuration_label(fractions: tuple[float, ...], data_plane: str) -> str:
+    """``4x[0.45,0.45,0.45,0.45] peer``: the machines' fractions and the data plane."""
+    return f"{len(fractions)}x[{','.join(f'{f:g}' for f in fractions)}] {data_plane}"
+
+
+def summarize(configurations: list[tuple[tuple[float, ...], str]],
+              results: dict[str, list[RunFigures]],
+              label: Callable[[tuple[tuple[float, ...], str]], str]) -> list[dict[str, Any]]:
     """One row per configuration: medians over repeats, speedup and share of the ideal."""
     rows = []
-    for config in configurations:
-        runs = results[label(config)]
+    for configuration in configurations:
+        config = configuration[0]
+        runs = results[label(configuration)]
         baseline = statistics.median(r.step_s for r in results[f"baseline-{max(config):g}"])
         step_s = statistics.median(r.step_s for r in runs)
         predictions = [r.predicted_step_s for r in runs if r.predicted_step_s is not None]
         ideal = ideal_speedup(config)
         rows.append({
-            "machines": label(config), "step_s": step_s, "baseline_step_s": baseline,
+            "machines": label(configuration), "step_s": step_s, "baseline_step_s": baseline,
             "speedup": baseline / step_s, "ideal": ideal,
             "of_ideal": baseline / step_s / ideal,
             "master_link_bytes": statistics.median(r.master_link_bytes for r in runs),

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from hetconv.commands.options import Parser, positive_int
+from hetconv.config import DATA_PLANES
 from hetconv.errors import UserError
 
 FLAGS: dict[str, tuple[tuple[str, str], ...]] = {
@@ -26,7 +27,8 @@ FLAGS: dict[str, tuple[tuple[str, str], ...]] = {
     "protocol": (("--repeats", "repeats"), ("--sizes", "sizes")),
     "split": (("--slow-fraction", "slow_fraction"), ("--arch", "arch"), ("--batch", "batch"),
               ("--limit", "limit"), ("--repeats", "repeats"), ("--work-dir", "work_dir")),
-    "scale": (("--machines", "machines"), ("--rate", "rate"), ("--arch", "arch"),
+    "scale": (("--machines", "machines"), ("--data-plane", "data_plane"), ("--rate", "rate"),
+              ("--arch", "arch"),
               ("--batch", "batch"), ("--limit", "limit"), ("--repeats", "repeats"),
               ("--work-dir", "work_dir")),
 }
@@ -64,6 +66,9 @@ def add_parser(sub: Any) -> None:
                        help="one configuration: each machine's fraction of a core, the "
                        "master's machine first (repeat the flag for several; default "
                        "0.45,0.45,0.45,0.45)")
+    scale.add_argument("--data-plane", action="append", default=None, choices=DATA_PLANES,
+                       help="data plane(s) to run every machine set with (repeat the flag "
+                       "to compare; default star)")
     scale.add_argument("--rate", default="1gbit", help="every link's cap (tc units: 1gbit, "
                        "100mbit, ...; default 1gbit)")
     scale.add_argument("--arch", default="32:64")
@@ -86,7 +91,7 @@ def command_line(args: argparse.Namespace) -> str:
         value = getattr(args, dest)
         if value is None:
             continue
-        if dest == "machines":  # one flag per configuration
+        if dest in ("machines", "data_plane"):  # one flag per value
             for configuration in value:
                 words += [flag, configuration]
             continue
@@ -185,9 +190,11 @@ def run(args: argparse.Namespace) -> int:
         if args.machines is None:
             args.machines = ["0.45,0.45,0.45,0.45"]
         configurations = [parse_machines(text) for text in args.machines]
+        if args.data_plane is None:
+            args.data_plane = [DATA_PLANES[0]]
         result = run_scale_bench(configurations, rate=args.rate, arch=args.arch,
                                  batch=args.batch, limit=args.limit, repeats=args.repeats,
-                                 work_dir=args.work_dir)
+                                 work_dir=args.work_dir, data_planes=tuple(args.data_plane))
         table = result["table"]
     else:
         raise UserError(f"unknown benchmark {args.bench!r}")

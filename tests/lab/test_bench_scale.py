@@ -70,12 +70,14 @@ def test_switched_lan_links_run_at_their_cap() -> None:
 def test_bench_scale_small_configuration(tmp_path: Path) -> None:
     lines: list[str] = []
     result = run_scale_bench([(0.5, 0.5, 0.5)], rate="1gbit", arch="8:16", batch=64, limit=512,
-                             repeats=1, work_dir=str(tmp_path), out=lines.append)
-    row = result["rows"][0]
+                             repeats=1, work_dir=str(tmp_path), data_planes=("star", "peer"),
+                             out=lines.append)
+    row, peer = result["rows"]
+    assert peer["machines"] == "3x[0.5,0.5,0.5] peer" and peer["speedup"] > 0
     assert row["speedup"] > 0 and row["ideal"] == pytest.approx(3.0)
     assert row["master_link_bytes"] > 0 and row["predicted_step_s"] is not None
-    assert any(line.startswith("| 3x[0.5,0.5,0.5] | 1gbit |") for line in lines)
-    records = read_metrics(tmp_path / "3x[0.5,0.5,0.5]" / "repeat0" / "metrics.jsonl")
+    assert any(line.startswith("| 3x[0.5,0.5,0.5] star | 1gbit |") for line in lines)
+    records = read_metrics(tmp_path / "3x[0.5,0.5,0.5]-star" / "repeat0" / "metrics.jsonl")
     plan = next(r for r in records if r["type"] == "plan")  # the link-aware planner chose
     assert plan["chosen"] and {link["device"] for link in plan["links"]} == {"m1", "m2"}
     for link in plan["links"]:  # the probe saw the cap (1 Gbit/s = 125 MB/s), not loopback
