@@ -120,3 +120,68 @@ def ideal_speedup(machine_speeds: Sequence[float]) -> float:
     if not machine_speeds or min(machine_speeds) <= 0:
         raise ValueError("machine speeds must be positive")
     return sum(machine_speeds) / max(machine_speeds)
+
+
+def _exchange_seconds(sent: Sequence[float], received: Sequence[float],
+                      links: Sequence[Link]) -> float:
+    """Participants exchanging at once over their own links (a switch): the slowest link,
+    each full duplex (its sending and receiving overlap)."""
+    return max((max(s / link.up_bytes_per_s, r / link.down_bytes_per_s)
+                for s, r, link in zip(sent, received, links)), default=0.0)
+
+
+def predict_peer_step(layers: Sequence[Sequence[ParticipantCost]],
+                      links: Sequence[Link | None], traffic: Sequence[LayerTraffic],
+                      dense_s: float = 0.0) -> float:
+    """Predicted step seconds on the peer plane (worker to worker exchanges on a switch).
+
+    Per layer and phase: the slowest participant's compute, then the exchange on every
+    participant's own link at once (all-gather of outputs forward, reduce-scatter of
+    input gradients backward), plus the master's request round trip. Layer 0's input
+    crosses the master's link once (to the relay, which passes it on); the last
+    layer's output and its gradient cross it once each. The master's own device, when
+    it computes, exchanges over the master's link, taken to be as fast as the fastest
+    worker link (its rate is not probed).
+    """
+    workers = [link for link in links if link is not None]
+    if not workers:
+        return dense_s + compute_seconds(layers)
+    fastest = max(workers, key=lambda link: link.down_bytes_per_s + link.up_bytes_per_s)
+    own = [link if link is not None else fastest for link in links]
+    rtt = max(link.rtt_s for link in workers)
+    total = dense_s
+    last = len(traffic) - 1
+    for index, (costs, t) in enumerate(zip(layers, traffic)):
+        holders = [i for i, c in enumerate(costs) if c.kernels > 0]
+        if not holders:
+            continue
+        share = {i: costs[i].kernels / t.kernels for i in holders}
+        compute = max(costs[i].seconds() for i in holders)
+        total += compute + 2 * rtt
+        if index == 0:  # the input, once to the relay, which passes it on
+            remote = [i for i in holders if links[i] is not None]
+            if remote:
+                relay = own[remote[0]]
+                total += t.input_bytes / relay.down_bytes_per_s
+                total += (len(remote) - 1) * t.input_bytes / relay.up_bytes_per_s
+        if index == last:  # output slices to the master and gradient slices back
+            total += sum(share[i] * t.output_bytes / own[i].up_bytes_per_s
+                         + share[i] * t.output_bytes / own[i].down_bytes_per_s
+                         for i in holders if links[i] is not None)
+        else:  # all-gather of the outputs among the next layer's holders
+            following = [i for i, c in enumerate(layers[index + 1]) if c.kernels > 0]
+            sent = [share[i] * t.output_bytes * len([j for j in following if j != i])
+                    if i in share else 0.0 for i in range(len(costs))]
+            received = [(1 - share.get(i, 0.0)) * t.output_bytes if i in following else 0.0
+                        for i in range(len(costs))]
+            total += _exchange_seconds(sent, received, own)
+        if t.need_dx and index > 0:  # reduce-scatter of the input gradient
+            previous = layers[index - 1]
+            channels = traffic[index - 1].kernels
+            part = {i: previous[i].kernels / channels for i in range(len(costs))}
+            sent = [t.input_bytes * (1 - part[i]) if i in share else 0.0
+                    for i in range(len(costs))]
+            received = [t.input_bytes * part[i] * len([j for j in holders if j != i])
+                        for i in range(len(costs))]
+            total += _exchange_seconds(sent, received, own)
+    return total

@@ -5,7 +5,8 @@ candidate set of participants the kernels of each layer are split so that every
 participant finishes at the same time under its *effective* cost (compute fit plus
 what its link adds: the layer input down and the input gradient up as a fixed cost,
 its output slice up and output-gradient slice down per kernel), and the step of
-that split is predicted with :func:`hetconv.perf_model.predict_star_step`. Candidate
+that split is predicted with :func:`hetconv.perf_model.predict_star_step` or, for the
+peer data plane, :func:`hetconv.perf_model.predict_peer_step`. Candidate
 sets grow greedily from the best single participant, adding whichever participant
 shortens the predicted step most; the best set seen wins. So a machine whose link
 makes the step slower gets no kernels, and when every link is too slow the master
@@ -17,7 +18,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hetconv.partition import balanced_counts
-from hetconv.perf_model import LayerTraffic, Link, ParticipantCost, predict_star_step
+from hetconv.perf_model import (
+    LayerTraffic,
+    Link,
+    ParticipantCost,
+    predict_peer_step,
+    predict_star_step,
+)
 
 MIN_PER_KERNEL_S = 1e-9  # a cost line must rise, however little
 
@@ -71,22 +78,23 @@ def split_counts(profiles: Sequence[ParticipantProfile], chosen: Sequence[int],
 
 
 def predict(profiles: Sequence[ParticipantProfile], counts: Sequence[Sequence[int]],
-            traffic: Sequence[LayerTraffic]) -> float:
-    """Predicted conv + transfer seconds of one step for these counts."""
+            traffic: Sequence[LayerTraffic], data_plane: str = "star") -> float:
+    """Predicted conv + transfer seconds of one step for these counts on ``data_plane``."""
     layers = [[ParticipantCost(p.costs[layer][0], p.costs[layer][1], row[i])
                for i, p in enumerate(profiles)] for layer, row in enumerate(counts)]
-    return predict_star_step(layers, [p.link for p in profiles], traffic)
+    model = predict_peer_step if data_plane == "peer" else predict_star_step
+    return model(layers, [p.link for p in profiles], traffic)
 
 
-def choose_plan(profiles: Sequence[ParticipantProfile],
-                traffic: Sequence[LayerTraffic]) -> Plan:
+def choose_plan(profiles: Sequence[ParticipantProfile], traffic: Sequence[LayerTraffic],
+                data_plane: str = "star") -> Plan:
     """The participant set and split with the smallest predicted step (see module doc)."""
     if not profiles:
         raise ValueError("no participants to plan for")
 
     def evaluate(chosen: Sequence[int]) -> tuple[float, tuple[tuple[int, ...], ...]]:
         counts = split_counts(profiles, sorted(chosen), traffic)
-        return predict(profiles, counts, traffic), counts
+        return predict(profiles, counts, traffic, data_plane), counts
 
     singles = sorted((evaluate([i])[0], i) for i in range(len(profiles)))
     single_s, single = singles[0]
@@ -103,7 +111,7 @@ def choose_plan(profiles: Sequence[ParticipantProfile],
     best_s, best_counts = evaluate(best_set)
     compute_only = tuple(tuple(balanced_counts([p.costs[layer] for p in profiles], t.kernels))
                          for layer, t in enumerate(traffic))
-    all_s = predict(profiles, compute_only, traffic)
+    all_s = predict(profiles, compute_only, traffic, data_plane)
     return Plan(chosen=tuple(profiles[i].participant for i in sorted(best_set)),
                 counts=best_counts, predicted_step_s=best_s,
                 best_single=profiles[single].participant, best_single_step_s=single_s,

@@ -87,7 +87,7 @@ def assign_shards(cluster: Cluster, plan: list[list[Shard]], params: dict[str, n
 
 def plan_with_links(cluster: Cluster, participants: list[Participant],
                     shapes: list[ConvLayerShape], calibration: list[LayerCalibration],
-                    batch: int, wire_dtype: str, metrics: MetricsWriter,
+                    batch: int, wire_dtype: str, data_plane: str, metrics: MetricsWriter,
                     report: Callable[[str], None] = print) -> list[list[Shard]]:
     """Probe every worker's link, let the planner choose participants and kernels,
     print and record the plan and its prediction."""
@@ -99,7 +99,7 @@ def plan_with_links(cluster: Cluster, participants: list[Participant],
     profiles = [ParticipantProfile(p.participant,
                                    tuple(cal.cost_models()[i] for cal in calibration), link)
                 for i, (p, link) in enumerate(zip(participants, links))]
-    choice = choose_plan(profiles, traffic)
+    choice = choose_plan(profiles, traffic, data_plane)
     unused = [p.participant for p in participants if p.participant not in choice.chosen]
     report(f"hetconv: plan: {', '.join(choice.chosen)} (predicted conv + transfer "
            f"{choice.predicted_step_s * 1e3:.1f} ms per step; {choice.best_single} alone "
@@ -129,7 +129,7 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
         calibration = calibrate(cluster, participants, shapes, batch, report=report)
         if config.split == "model":  # link-aware: which participants, how many kernels
             plan = plan_with_links(cluster, participants, shapes, calibration, batch,
-                                   config.wire_dtype, metrics, report)
+                                   config.wire_dtype, config.data_plane, metrics, report)
         else:
             plan = split_layers(participants, shapes, calibration, config.split)
         for shape, cal, shards in zip(shapes, calibration, plan):

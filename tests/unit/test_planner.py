@@ -85,3 +85,26 @@ def test_star_model_serialises_sends_and_replies_on_the_master_link() -> None:
     # dx 1 s each on the incoming link: 1.5-2.5, 2.5-3.5 -> 3.5
     assert two == pytest.approx(3.0 + 3.5)
     assert predict(machines([]), ((32,), (64,)), TRAFFIC) > 0
+
+
+def test_peer_model_alone_is_compute_and_links_run_in_parallel() -> None:
+    from hetconv.perf_model import predict_peer_step
+
+    alone = [[ParticipantCost(0.02, 0.002, 32)], [ParticipantCost(0.03, 0.0025, 64)]]
+    assert predict_peer_step(alone, [None], TRAFFIC) == pytest.approx(0.084 + 0.19)
+    lk = link(GBIT)
+    four = [[ParticipantCost(0.02, 0.002, 8)] * 4, [ParticipantCost(0.03, 0.0025, 16)] * 4]
+    star = predict_star_step(four, [None, lk, lk, lk], TRAFFIC)
+    peer = predict_peer_step(four, [None, lk, lk, lk], TRAFFIC)
+    assert peer < star  # the master's link no longer carries N copies
+    # all-gather of layer 0's output: each sends 1/4 of y to 3 others, receives 3/4 of it
+    gather = 0.75 * TRAFFIC[0].output_bytes / GBIT
+    assert peer > 0.036 + 0.07 + gather
+
+
+def test_the_peer_plane_lets_the_planner_use_more_machines() -> None:
+    workers = [link(GBIT)] * 3
+    star = choose_plan(machines(workers), TRAFFIC, "star")
+    peer = choose_plan(machines(workers), TRAFFIC, "peer")
+    assert len(peer.chosen) >= len(star.chosen)
+    assert peer.predicted_step_s <= star.predicted_step_s
