@@ -19,7 +19,7 @@ DATASETS = ("fashion-mnist", "cifar10", "synthetic")
 SCHEDULES = ("cosine", "step", "constant")
 SPLIT_MODES = ("model", "calibrated", "equal")
 WIRE_DTYPES = ("float32", "float16")
-DATA_PLANES = ("star", "peer")  # star: every activation via the master; peer: worker to worker
+DATA_PLANES = ("peer", "star")  # peer (default): worker to worker; star: all via the master
 PADDINGS = (0, 1, 2)
 
 MASTER_PARTICIPANT = "master"  # the participant id of the master's own device
@@ -57,7 +57,7 @@ class MasterConfig:
     wire_dtype: str = "float32"
     curve_secret: str | None = None  # the master's NAME.key_secret
     curve_allow: str | None = None  # directory of allowed workers' NAME.key
-    data_plane: str = "star"  # DATA_PLANES
+    data_plane: str = DATA_PLANES[0]
     peer_timeout_s: float = (limits.DEFAULT_HEARTBEAT_INTERVAL_S
                              * limits.DEFAULT_HEARTBEAT_LIVENESS)
 
@@ -122,7 +122,7 @@ class TrainConfig:
             "no_local": not master.use_local_device if master else False,
             "split": master.split if master else "model",
             "wire_dtype": master.wire_dtype if master else "float32",
-            "data_plane": master.data_plane if master else "star",
+            "data_plane": master.data_plane if master else None,
         }
 
 

@@ -68,7 +68,7 @@ def add_parser(sub: Any) -> None:
                        "0.45,0.45,0.45,0.45)")
     scale.add_argument("--data-plane", action="append", default=None, choices=DATA_PLANES,
                        help="data plane(s) to run every machine set with (repeat the flag "
-                       "to compare; default star)")
+                       "to compare; default peer)")
     scale.add_argument("--rate", default="1gbit", help="every link's cap (tc units: 1gbit, "
                        "100mbit, ...; default 1gbit)")
     scale.add_argument("--arch", default="32:64")

@@ -62,10 +62,10 @@ def add_parser(sub: Any) -> None:
                    help="distributed: activations and gradients on the wire; float16 halves "
                    "the traffic for slow links (computation stays float32)")
     p.add_argument("--data-plane", choices=DATA_PLANES, default=DATA_PLANES[0],
-                   help="distributed: 'star' (default) sends every layer's input and "
-                   "gradients through the master; 'peer' has the participants exchange "
-                   "them among themselves, so the master's link carries only the first "
-                   "input and the last output")
+                   help="distributed: 'peer' (default) has the participants exchange every "
+                   "layer's input and gradients among themselves, so the master's link "
+                   "carries only the first input and the last output; 'star' sends them "
+                   "all through the master")
     p.add_argument("--data", default=env("DATA", DATASETS[0]), choices=DATASETS, help="dataset")
     p.add_argument("--data-dir", default=env("DATA_DIR", None),
                    help="dataset directory (default: Debian's /usr/share/datasets/fashion-mnist)")
