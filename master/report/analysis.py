@@ -213,17 +213,34 @@ def layer_balance(steps: Sequence[StepRecord],
 
 
 def single_device_conv_s(timings: dict[tuple[str, int], list[DeviceTiming]], device: str,
-                         layer_kernels: dict[int, int]) -> float | None:
-    """``sum_l K_l * c~_dl / k_dl``: the device alone doing every layer's conv work,
-    extrapolated linearly from its measured share; None unless it has kernels in
+                         layer_kernels: dict[int, int],
+                         costs: dict[int, tuple[float, float]] | None = None) -> float | None:
+    """The device alone doing every layer's conv work (an estimate), from its measured
+    share time ``c~_dl`` at ``k_dl`` kernels: scaled by its fitted cost model,
+    ``c~_dl * (a + b*K_l) / (a + b*k_dl)``, so the per-share fixed cost ``a`` counts once;
+    linearly (``K_l / k_dl``) where a layer has no fit. None unless it has kernels in
     every layer."""
     total = 0.0
     for layer, kernels in layer_kernels.items():
         samples = timings.get((device, layer))
         if not samples or kernels <= 0:
             return None
-        total += kernels * (median(t.compute_s for t in samples) or 0.0) / samples[-1].kernels
+        measured = median(t.compute_s for t in samples) or 0.0
+        own = samples[-1].kernels
+        fixed, per_kernel = (costs or {}).get(layer, (0.0, 1.0))
+        total += measured * (fixed + per_kernel * kernels) / (fixed + per_kernel * own)
     return total
+
+
+def _fitted_costs(records: RunRecords, device: str) -> dict[int, tuple[float, float]]:
+    """Per layer the device's calibrated cost fit (fixed_s, per_kernel_s), where usable."""
+    out = {}
+    for cal in records.calibration:
+        entry = next((d for d in cal.devices if d.device == device), None)
+        if (entry is not None and entry.fixed_s is not None and entry.per_kernel_s is not None
+                and entry.fixed_s >= 0 and entry.per_kernel_s > 0):
+            out[cal.layer] = (entry.fixed_s, entry.per_kernel_s)
+    return out
 
 
 def _device_layers(records: RunRecords, device: str,
@@ -278,7 +295,9 @@ def device_summaries(records: RunRecords, steps: Sequence[StepRecord],
             wait_s=_per_step(steps, device, "wait_s"),
             bytes_sent=_per_step(steps, device, "bytes_sent"),
             bytes_received=_per_step(steps, device, "bytes_received"),
-            single_device_conv_s=single_device_conv_s(timings, device, layer_kernels)))
+            single_device_conv_s=single_device_conv_s(timings, device, layer_kernels,
+                                                      _fitted_costs(records, device)),
+            peer_bytes=_per_step(steps, device, "peer_bytes")))
     return tuple(out)
 
 
@@ -354,6 +373,8 @@ def summarize(records: RunRecords) -> RunSummary:
         imbalance_layer=worst.layer if worst else None,
         fastest_device=fastest.id if fastest else None, single_device_step_s=single_step,
         speedup=speedup, amdahl_bound=amdahl,
+        predicted_step_s=(records.plan_predicted_step_s + split.dense_s
+                          if records.plan_predicted_step_s is not None and split else None),
         what_if=(what_if(split, steps, layer_kernels, fastest.id if fastest else None, workers)
                  if split else None),
         epochs=epochs,

@@ -75,7 +75,11 @@ def overview_table(summary: RunSummary) -> Table:
          f"{ms(summary.conv_ideal_s)} / {ms(summary.conv_slowest_s)} ms"),
         ("imbalance (slowest / mean device)", times(summary.imbalance),
          MISSING if summary.imbalance_layer is None else f"layer {summary.imbalance_layer + 1}"),
-        ("speedup over fastest device alone (est.)", times(summary.speedup),
+        ("model's predicted step (planner, est.)", MISSING if summary.predicted_step_s is None
+         else f"{ms(summary.predicted_step_s)} ms",
+         MISSING if summary.predicted_step_s is None or split is None
+         else f"measured / predicted {split.step_s / summary.predicted_step_s:.2f}"),
+        ("speedup over fastest device alone (est., cost model)", times(summary.speedup),
          MISSING if summary.fastest_device is None else
          f"{summary.fastest_device}: {ms(summary.single_device_step_s)} ms"),
         ("Amdahl bound of the dense part", times(summary.amdahl_bound), "conv, comm = 0"),
@@ -93,10 +97,10 @@ def overview_table(summary: RunSummary) -> Table:
 
 def devices_table(summary: RunSummary) -> Table:
     rows = tuple((d.id, d.kind, d.name, ms(d.compute_s), ms(d.wait_s), kib(d.bytes_sent),
-                  kib(d.bytes_received)) for d in summary.devices)
-    return Table("Devices (medians per step)",
+                  kib(d.bytes_received), kib(d.peer_bytes)) for d in summary.devices)
+    return Table("Devices (medians per step; sent/received: with the master)",
                  ("device", "kind", "name", "compute\nms", "waited on\nms", "sent\nKiB",
-                  "received\nKiB"), rows, left_columns=3)
+                  "received\nKiB", "with peers\nKiB"), rows, left_columns=3)
 
 
 def layers_table(summary: RunSummary) -> Table:

@@ -45,6 +45,8 @@ class CalibratedDevice:
     seconds: float
     kernels: int
     share: float
+    fixed_s: float | None = None  # the fitted cost t(k) = fixed_s + per_kernel_s * k
+    per_kernel_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -69,11 +71,18 @@ class DeviceTiming:
     backward_latency_s: float | None = None
     bytes_sent: int = 0
     bytes_received: int = 0
+    peer_bytes_sent: int = 0  # worker-to-worker traffic (peer data plane)
+    peer_bytes_received: int = 0
 
     @property
     def compute_s(self) -> float:
         """Forward plus backward compute seconds measured on the device."""
         return self.forward_s + self.backward_s
+
+    @property
+    def peer_bytes(self) -> int:
+        """Bytes the device exchanged with other workers (both directions)."""
+        return self.peer_bytes_sent + self.peer_bytes_received
 
 
 @dataclass(frozen=True)
@@ -135,6 +144,7 @@ class RunRecords:
     status: str | None  # run_end status; None while the run is in progress
     error: str | None
     warnings: tuple[str, ...]
+    plan_predicted_step_s: float | None = None  # the planner's conv + transfer prediction
 
     @property
     def name(self) -> str:
@@ -185,7 +195,9 @@ def _device_info(raw: dict[str, Any]) -> DeviceInfo:
 
 def _calibration(raw: dict[str, Any]) -> LayerCalibration:
     devices = tuple(CalibratedDevice(device=str(d["device"]), seconds=float(d["seconds"]),
-                                     kernels=int(d["kernels"]), share=float(d.get("share", 0.0)))
+                                     kernels=int(d["kernels"]), share=float(d.get("share", 0.0)),
+                                     fixed_s=_opt_float(d.get("fixed_s")),
+                                     per_kernel_s=_opt_float(d.get("per_kernel_s")))
                     for d in raw["devices"])
     return LayerCalibration(layer=int(raw["layer"]), split=str(raw.get("split", "?")),
                             kernels=int(raw["kernels"]),
@@ -199,7 +211,9 @@ def _device_timing(raw: dict[str, Any]) -> DeviceTiming:
                         forward_latency_s=_opt_float(raw.get("forward_latency_s")),
                         backward_latency_s=_opt_float(raw.get("backward_latency_s")),
                         bytes_sent=int(raw.get("bytes_sent", 0)),
-                        bytes_received=int(raw.get("bytes_received", 0)))
+                        bytes_received=int(raw.get("bytes_received", 0)),
+                        peer_bytes_sent=int(raw.get("peer_bytes_sent", 0)),
+                        peer_bytes_received=int(raw.get("peer_bytes_received", 0)))
 
 
 def _step(raw: dict[str, Any]) -> StepRecord:
@@ -259,7 +273,8 @@ def _dispatch(records: list[dict[str, Any]], warnings: list[str]) -> Iterator[tu
     parsers: dict[str, Callable[[dict[str, Any]], Any]] = {
         "devices": lambda r: tuple(_device_info(d) for d in r["devices"]),
         "calibration": _calibration, "step": _step, "epoch": _epoch,
-        "run_start": lambda r: r, "run_end": lambda r: r}
+        "run_start": lambda r: r, "run_end": lambda r: r,
+        "plan": lambda r: float(r["predicted_step_s"])}
     for number, raw in enumerate(records, start=1):
         parser = parsers.get(raw["type"])
         if parser is None:
@@ -286,6 +301,7 @@ def parse_run(run_dir: str | Path) -> RunRecords:
     epochs: list[EpochRecord] = []
     status: str | None = None
     error: str | None = None
+    predicted: float | None = None
     for kind, item in _dispatch(raw_records, warnings):
         if kind == "run_start":
             config = {**config, **(item.get("config") or {})}
@@ -301,6 +317,8 @@ def parse_run(run_dir: str | Path) -> RunRecords:
             steps.append(item)
         elif kind == "epoch":
             epochs.append(item)
+        elif kind == "plan":
+            predicted = item
         elif kind == "run_end":
             status = str(item.get("status") or "?")
             error = item.get("error")
@@ -313,7 +331,8 @@ def parse_run(run_dir: str | Path) -> RunRecords:
     return RunRecords(run_dir=str(run_dir), config=config, layers=layers, devices=devices,
                       calibration=tuple(calibration[k] for k in sorted(calibration)),
                       steps=tuple(steps), epochs=tuple(epochs), status=status,
-                      error=None if error is None else str(error), warnings=tuple(warnings))
+                      error=None if error is None else str(error), warnings=tuple(warnings),
+                      plan_predicted_step_s=predicted)
 
 
 def _layers_from(steps: list[StepRecord],

@@ -37,7 +37,8 @@ class DeviceSummary:
     wait_s: float | None  # median per step of the time the master waited on it
     bytes_sent: float | None  # median per step, master -> device
     bytes_received: float | None  # median per step, device -> master
-    single_device_conv_s: float | None  # sum_l K_l * c~_dl / k_dl (None: not in every layer)
+    single_device_conv_s: float | None  # estimate from the cost fit (None: not in every layer)
+    peer_bytes: float | None = None  # median per step, worker <-> worker (peer plane)
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,7 @@ class RunSummary:
     single_device_step_s: float | None
     speedup: float | None
     amdahl_bound: float | None
+    predicted_step_s: float | None  # the planner's model (conv + transfers) + measured dense
     what_if: WhatIf | None
     epochs: tuple[EpochRecord, ...]
     final_test_accuracy: float | None
