@@ -19,6 +19,7 @@ DATASETS = ("fashion-mnist", "cifar10", "synthetic")
 SCHEDULES = ("cosine", "step", "constant")
 SPLIT_MODES = ("model", "calibrated", "equal")
 WIRE_DTYPES = ("float32", "float16")
+ON_OFF = ("on", "off")  # --rebalance
 DATA_PLANES = ("peer", "star")  # peer (default): worker to worker; star: all via the master
 PADDINGS = (0, 1, 2)
 
@@ -60,6 +61,7 @@ class MasterConfig:
     data_plane: str = DATA_PLANES[0]
     peer_timeout_s: float = (limits.DEFAULT_HEARTBEAT_INTERVAL_S
                              * limits.DEFAULT_HEARTBEAT_LIVENESS)
+    rebalance: bool | None = None  # re-split from measured step times; None: on for "model"
 
     def __post_init__(self) -> None:
         check_choice("--split", self.split, SPLIT_MODES)
@@ -72,6 +74,12 @@ class MasterConfig:
         if bool(self.curve_secret) != bool(self.curve_allow):
             raise UserError("CURVE needs both --curve-secret (the master's NAME.key_secret) "
                             "and --curve-allow (a directory of worker NAME.key files)")
+
+    @property
+    def rebalancing(self) -> bool:
+        """Whether the run re-splits from measured step times (``--rebalance``; by
+        default on for ``--split model``, off for the paper's ``calibrated``/``equal``)."""
+        return self.split == "model" if self.rebalance is None else self.rebalance
 
 
 @dataclass(frozen=True)
@@ -123,6 +131,7 @@ class TrainConfig:
             "split": master.split if master else "model",
             "wire_dtype": master.wire_dtype if master else "float32",
             "data_plane": master.data_plane if master else None,
+            "rebalance": master.rebalancing if master else False,
         }
 
 

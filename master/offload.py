@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,16 +25,19 @@ import numpy as np
 import zmq
 
 from hetconv.master.cluster import Cluster, Reply, WorkerHandle, WorkerLost
-from hetconv.master.plan import Shard
-from hetconv.names import STATE_NAMES, layer_key
+from hetconv.master.plan import Shard, reshard
+from hetconv.names import STATE_NAMES, TRAINABLE_NAMES, layer_key, velocity_name
 from hetconv.protocol import (
+    AssignShard,
     BackwardReply,
     BackwardRequest,
     ForwardReply,
     ForwardRequest,
     SnapshotRequest,
 )
-from hetconv.shard import ConvShard
+from hetconv.shard import ConvShard, LayerSettings
+
+AfterStep = Callable[[dict[str, Any]], None]
 
 
 @dataclass
@@ -68,6 +71,7 @@ class DistributedConvStage:
         self._timings: dict[int, dict[str, dict[str, Any]]] = {}
         self._comm_s = 0.0
         self._cancel_local = threading.Event()  # set when a phase fails: stop local waits
+        self.after_step: AfterStep | None = None  # called with each step's timings
 
     # --- local share in a helper thread ------------------------------------------------
     def _notify(self) -> None:
@@ -231,7 +235,10 @@ class DistributedConvStage:
         layers = [{"layer": layer, "devices": list(devices.values())}
                   for layer, devices in sorted(self._timings.items())]
         comm_s, self._comm_s, self._timings = self._comm_s, 0.0, {}
-        return {"layers": layers, "comm_s": comm_s}
+        timings = {"layers": layers, "comm_s": comm_s}
+        if self.after_step is not None:  # between steps: may re-split (see resplit)
+            self.after_step(timings)
+        return timings
 
     def snapshot(self) -> dict[str, np.ndarray]:
         """Pull every shard (parameters, statistics, velocities) and assemble whole layers."""
@@ -256,9 +263,57 @@ class DistributedConvStage:
                 out[layer_key(layer, name)] = np.concatenate(arrays, axis=0)
         return out
 
+    # --- re-splitting between steps -----------------------------------------------------
+    def resplit(self, counts: Sequence[Sequence[int]], settings: LayerSettings) -> None:
+        """Move to new kernel counts per layer per participant (participant order),
+        between steps and without changing results: pull every shard's exact state,
+        cut the whole layers into the new shards, send ``AssignShard`` to every worker
+        whose shard changed (an empty one where it lost the layer, so no stale shard
+        stays) and rebuild the master's own shards on its device."""
+        state = self.snapshot()
+        shards = reshard(self.shards, counts)
+        pending: dict[int, WorkerHandle] = {}
+        for layer, (old_row, new_row) in enumerate(zip(self.shards, shards)):
+            for old, new in zip(old_row, new_row):
+                if (old.start, old.stop) == (new.start, new.stop) or \
+                        old.kernels == new.kernels == 0:
+                    continue
+                piece = {name: state[layer_key(layer, name)][new.start:new.stop]
+                         for name in STATE_NAMES}
+                if new.worker is None:
+                    device = self.local_shards[layer].device
+                    self.local_shards[layer] = ConvShard(layer, new.start, new.stop, settings,
+                                                         piece, device=device)
+                    continue
+                message = assign_shard(self.cluster.request_id(), layer, new.start, new.stop,
+                                       settings, piece)
+                self.cluster.send(new.worker, message)
+                pending[message.request_id] = new.worker
+        self.cluster.gather(pending, "re-split shard assignment")
+        self.shards = shards
+        self._after_resplit()
+
+    def _after_resplit(self) -> None:
+        """What a data plane must redo once the shards moved (nothing on the star)."""
+
     def close(self) -> None:
         self._executor.shutdown(wait=True)
         if self._wake_sender is not None:  # the helper thread is gone: safe to close here
             self._wake_sender.close(linger=0)
             self._wake_sender = None
         self._on_close()
+
+
+def assign_shard(request_id: int, layer: int, start: int, stop: int, settings: LayerSettings,
+                 state: dict[str, np.ndarray]) -> AssignShard:
+    """The ``AssignShard`` of kernels [start, stop) of ``layer`` with this state (the
+    arrays sliced to the shard; velocities missing from ``state`` start at zero)."""
+    arrays = {name: np.ascontiguousarray(state[name], dtype=np.float32)
+              for name in STATE_NAMES if name in state}
+    for name in TRAINABLE_NAMES:
+        arrays.setdefault(velocity_name(name), np.zeros_like(arrays[name]))
+    return AssignShard(request_id=request_id, layer=layer, kernel_start=start, kernel_stop=stop,
+                       stride=settings.stride, padding=settings.padding, need_dx=layer > 0,
+                       bn_momentum=settings.bn_momentum, bn_eps=settings.bn_eps,
+                       momentum=settings.momentum, weight_decay=settings.weight_decay,
+                       **arrays)

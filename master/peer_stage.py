@@ -43,6 +43,7 @@ from hetconv.protocol import (
     PeerBackwardRequest,
     PeerForwardReply,
     PeerForwardRequest,
+    limits,
 )
 from hetconv.shard import ConvShard
 
@@ -60,12 +61,16 @@ class PeerConvStage(DistributedConvStage):
 
     def __init__(self, cluster: Cluster, shards: list[list[Shard]],
                  local_shards: dict[int, ConvShard], on_close: Callable[[], None],
-                 wire_dtype: str, plan: PeerPlan, sockets: PeerSockets | None):
+                 wire_dtype: str, plan: PeerPlan, sockets: PeerSockets | None,
+                 peer_timeout_s: float = limits.DEFAULT_HEARTBEAT_INTERVAL_S
+                 * limits.DEFAULT_HEARTBEAT_LIVENESS):
         super().__init__(cluster, shards, local_shards, on_close, wire_dtype=wire_dtype)
         self.plan = plan
         self.sockets = sockets
+        self.peer_timeout_s = peer_timeout_s
         self.participant: PeerParticipant | None = None  # the master's own share, if any
         self._pass_id = 0
+        self._told: set[str] = set()  # workers that were sent an AssignPeers this run
 
     # --- bookkeeping -------------------------------------------------------------------
     def _entry(self, layer: int, shard: Shard) -> dict[str, Any]:
@@ -184,6 +189,65 @@ class PeerConvStage(DistributedConvStage):
         self._account_peers(layer, replies, local_stats)
         return None
 
+    # --- handing out the peers -----------------------------------------------------------
+    def assign_peers(self) -> None:
+        """Send ``AssignPeers`` (the peers and :attr:`plan`) to every worker holding
+        kernels, and to every worker told before (so one that lost all its kernels
+        drops the old plan); bind or reopen the master's own data endpoint when it
+        holds kernels. Between steps only: the helper thread is idle."""
+        cluster, plan = self.cluster, self.plan
+        workers: dict[str, WorkerHandle] = {}
+        everyone: dict[str, WorkerHandle] = {}
+        for layer in self.shards:
+            for shard in layer:
+                if shard.worker is None:
+                    continue
+                everyone[shard.participant] = shard.worker
+                if shard.kernels > 0:
+                    workers[shard.participant] = shard.worker
+        _await_endpoints(cluster, list(workers.values()))
+        curve = cluster.curve
+        for worker in workers.values():
+            if curve is not None and \
+                    worker.data_public_key.encode() not in curve.allowed_client_keys:
+                raise UserError(f"worker {worker.name} announced a data-plane key that is not "
+                                "in --curve-allow; give it its allowed key (--curve-secret)")
+        peers = {p: w.data_endpoint for p, w in workers.items()}
+        keys = {p: w.data_public_key for p, w in workers.items()}
+        master_holds = any(plan.holds(layer, MASTER_PARTICIPANT)
+                           for layer in range(len(self.shards)))
+        if master_holds:
+            if self.sockets is None:
+                self.sockets = PeerSockets(
+                    cluster.ctx, "tcp://*:0", authenticate=False,
+                    curve=(curve.public_key, curve.secret_key) if curve else None)
+            toward = next(iter(peers.values()), cluster.endpoint)
+            peers[MASTER_PARTICIPANT] = self.sockets.endpoint(route_address(toward))
+            keys[MASTER_PARTICIPANT] = self.sockets.public_key
+        told = {p: everyone[p] for p in sorted(set(workers) | self._told)}
+        pending = {}
+        for participant, worker in told.items():
+            request_id = cluster.request_id()
+            cluster.send(worker, AssignPeers(
+                request_id=request_id, participant=participant, wire_dtype=self.wire_dtype.name,
+                timeout_s=self.peer_timeout_s, peers=dict(peers), peer_keys=dict(keys),
+                plan=plan.to_wire()))
+            pending[request_id] = worker
+        cluster.gather(pending, "peer assignment")
+        self._told |= set(told)
+        self.participant = None
+        if master_holds:
+            assert self.sockets is not None
+            port = self.sockets.open(MASTER_PARTICIPANT, peers, keys, self.peer_timeout_s)
+            self.participant = PeerParticipant(
+                MASTER_PARTICIPANT, plan, self.local_shards, port, self.wire_dtype.name,
+                self.peer_timeout_s, cancelled=self._cancel_local.is_set,
+                on_drop=lambda reason: log.debug("data plane: dropped %s", reason))
+
+    def _after_resplit(self) -> None:
+        self.plan = plan_of(self.shards)
+        self.assign_peers()
+
     def close(self) -> None:
         self._executor.shutdown(wait=True)  # the helper thread owns the data sockets
         if self.sockets is not None:
@@ -206,56 +270,25 @@ def _await_endpoints(cluster: Cluster, workers: list[WorkerHandle]) -> None:
         cluster.pump(0.1)
 
 
+def plan_of(shards: list[list[Shard]]) -> PeerPlan:
+    """The data plane's view of the shards: every layer's kernel ranges."""
+    return PeerPlan([[KernelRange(s.participant, s.start, s.stop) for s in layer]
+                     for layer in shards])
+
+
 def open_peer_stage(cluster: Cluster, config: MasterConfig, shards: list[list[Shard]],
                     local_shards: dict[int, ConvShard],
                     on_close: Callable[[], None]) -> PeerConvStage:
     """Hand every participating worker its peers and plan, bind the master's own data
     endpoint when it holds kernels, and return the stage."""
-    plan = PeerPlan([[KernelRange(s.participant, s.start, s.stop) for s in layer]
-                     for layer in shards])
-    workers: dict[str, WorkerHandle] = {}
-    for layer in shards:
-        for shard in layer:
-            if shard.worker is not None and shard.kernels > 0:
-                workers[shard.participant] = shard.worker
-    _await_endpoints(cluster, list(workers.values()))
-    curve = cluster.curve
-    for worker in workers.values():
-        if curve is not None and worker.data_public_key.encode() not in curve.allowed_client_keys:
-            raise UserError(f"worker {worker.name} announced a data-plane key that is not in "
-                            "--curve-allow; give it its allowed key (--curve-secret)")
-    peers = {p: w.data_endpoint for p, w in workers.items()}
-    keys = {p: w.data_public_key for p, w in workers.items()}
-    master_holds = any(plan.holds(layer, MASTER_PARTICIPANT) for layer in range(len(shards)))
-    sockets = None
-    if master_holds:
-        sockets = PeerSockets(cluster.ctx, "tcp://*:0", authenticate=False,
-                              curve=(curve.public_key, curve.secret_key) if curve else None)
-        toward = next(iter(peers.values()), cluster.endpoint)
-        peers[MASTER_PARTICIPANT] = sockets.endpoint(route_address(toward))
-        keys[MASTER_PARTICIPANT] = sockets.public_key
-    stage = PeerConvStage(cluster, shards, local_shards, on_close, config.wire_dtype, plan,
-                          sockets)
+    stage = PeerConvStage(cluster, shards, local_shards, on_close, config.wire_dtype,
+                          plan_of(shards), None, config.peer_timeout_s)
     try:
-        pending = {}
-        for participant, worker in workers.items():
-            request_id = cluster.request_id()
-            cluster.send(worker, AssignPeers(
-                request_id=request_id, participant=participant, wire_dtype=config.wire_dtype,
-                timeout_s=config.peer_timeout_s, peers=dict(peers), peer_keys=dict(keys),
-                plan=plan.to_wire()))
-            pending[request_id] = worker
-        cluster.gather(pending, "peer assignment")
-        if sockets is not None:
-            port = sockets.open(MASTER_PARTICIPANT, peers, keys, config.peer_timeout_s)
-            stage.participant = PeerParticipant(
-                MASTER_PARTICIPANT, plan, local_shards, port, config.wire_dtype,
-                config.peer_timeout_s, cancelled=stage._cancel_local.is_set,
-                on_drop=lambda reason: log.debug("data plane: dropped %s", reason))
+        stage.assign_peers()
     except BaseException:
         stage._executor.shutdown(wait=True)
-        if sockets is not None:
-            sockets.close()
+        if stage.sockets is not None:
+            stage.sockets.close()
         raise
     return stage
 

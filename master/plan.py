@@ -91,3 +91,21 @@ def shards_from_counts(participants: list[Participant],
     return [[Shard(p.participant, p.worker, start, stop)
              for p, (start, stop) in zip(participants, kernel_ranges(list(row)))]
             for row in counts]
+
+
+def reshard(shards: Sequence[Sequence[Shard]],
+            counts: Sequence[Sequence[int]]) -> list[list[Shard]]:
+    """The same participants (each layer's shards in participant order) with new kernel
+    counts per layer per participant; the counts of a layer must sum to its kernels."""
+    if len(counts) != len(shards):
+        raise ValueError(f"counts for {len(counts)} layers, the plan has {len(shards)}")
+    out = []
+    for layer, (row, layer_counts) in enumerate(zip(shards, counts)):
+        kernels = row[-1].stop if row else 0
+        if len(layer_counts) != len(row) or sum(layer_counts) != kernels \
+                or min(layer_counts, default=0) < 0:
+            raise ValueError(f"layer {layer}: counts {list(layer_counts)} do not split its "
+                             f"{kernels} kernels over {len(row)} participants")
+        out.append([Shard(s.participant, s.worker, start, stop)
+                    for s, (start, stop) in zip(row, kernel_ranges(list(layer_counts)))])
+    return out

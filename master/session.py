@@ -7,7 +7,9 @@ returns the :class:`DistributedConvStage` the trainer drives.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -17,7 +19,7 @@ from hetconv.keys import server_keys
 from hetconv.master.calibration import LayerCalibration, calibrate
 from hetconv.master.cluster import Cluster, ClusterSettings
 from hetconv.master.link_probe import probe_links
-from hetconv.master.offload import DistributedConvStage
+from hetconv.master.offload import DistributedConvStage, assign_shard
 from hetconv.master.peer_stage import build_stage
 from hetconv.master.plan import (
     Participant,
@@ -27,11 +29,11 @@ from hetconv.master.plan import (
     split_layers,
 )
 from hetconv.master.planner import ParticipantProfile, choose_plan
+from hetconv.master.rebalance import Rebalancer, measured_compute
 from hetconv.metrics import MetricsWriter
 from hetconv.model import ConvLayerShape, ModelConfig, conv_layer_shapes
 from hetconv.names import PARAMETER_NAMES, layer_key
 from hetconv.perf_model import LayerTraffic
-from hetconv.protocol import AssignShard
 from hetconv.shard import ConvShard, LayerSettings
 
 
@@ -71,26 +73,19 @@ def assign_shards(cluster: Cluster, plan: list[list[Shard]], params: dict[str, n
             if shard.kernels == 0:
                 continue
             rid = cluster.request_id()
-            cluster.send(shard.worker, AssignShard(
-                request_id=rid, layer=layer, kernel_start=shard.start, kernel_stop=shard.stop,
-                stride=settings.stride, padding=settings.padding, need_dx=layer > 0,
-                bn_momentum=settings.bn_momentum, bn_eps=settings.bn_eps,
-                momentum=settings.momentum, weight_decay=settings.weight_decay,
-                velocity_weight=np.zeros_like(state["weight"]),
-                velocity_gamma=np.zeros_like(state["gamma"]),
-                velocity_beta=np.zeros_like(state["beta"]),
-                **{k: np.ascontiguousarray(v) for k, v in state.items()}))
+            cluster.send(shard.worker, assign_shard(rid, layer, shard.start, shard.stop,
+                                                    settings, state))
             pending[rid] = shard.worker
     cluster.gather(pending, "shard assignment")
     return local
 
 
-def plan_with_links(cluster: Cluster, participants: list[Participant],
-                    shapes: list[ConvLayerShape], calibration: list[LayerCalibration],
-                    batch: int, wire_dtype: str, data_plane: str, metrics: MetricsWriter,
-                    report: Callable[[str], None] = print) -> list[list[Shard]]:
-    """Probe every worker's link, let the planner choose participants and kernels,
-    print and record the plan and its prediction."""
+def planner_inputs(cluster: Cluster, participants: list[Participant],
+                   shapes: list[ConvLayerShape], calibration: list[LayerCalibration],
+                   batch: int, wire_dtype: str, report: Callable[[str], None] = print
+                   ) -> tuple[list[ParticipantProfile], list[LayerTraffic]]:
+    """Probe every worker's link; the participants' profiles (calibrated cost and link)
+    and every layer's traffic, as the planner takes them."""
     links = probe_links(cluster, participants, report)
     itemsize = np.dtype(wire_dtype).itemsize
     traffic = [LayerTraffic(input_bytes=int(np.prod(s.input_shape(batch))) * itemsize,
@@ -99,6 +94,14 @@ def plan_with_links(cluster: Cluster, participants: list[Participant],
     profiles = [ParticipantProfile(p.participant,
                                    tuple(cal.cost_models()[i] for cal in calibration), link)
                 for i, (p, link) in enumerate(zip(participants, links))]
+    return profiles, traffic
+
+
+def plan_with_links(participants: list[Participant], profiles: list[ParticipantProfile],
+                    traffic: list[LayerTraffic], data_plane: str, metrics: MetricsWriter,
+                    report: Callable[[str], None] = print) -> list[list[Shard]]:
+    """Let the planner choose participants and kernels, print and record the plan and
+    its prediction."""
     choice = choose_plan(profiles, traffic, data_plane)
     unused = [p.participant for p in participants if p.participant not in choice.chosen]
     report(f"hetconv: plan: {', '.join(choice.chosen)} (predicted conv + transfer "
@@ -109,11 +112,39 @@ def plan_with_links(cluster: Cluster, participants: list[Participant],
     metrics.write("plan", chosen=list(choice.chosen), predicted_step_s=choice.predicted_step_s,
                   best_single=choice.best_single, best_single_step_s=choice.best_single_step_s,
                   all_step_s=choice.all_step_s,
-                  links=[{"device": p.participant, "down_bytes_per_s": link.down_bytes_per_s,
-                          "up_bytes_per_s": link.up_bytes_per_s, "rtt_s": link.rtt_s}
-                         for p, link in zip(participants, links) if link is not None])
+                  links=[{"device": p.participant, "down_bytes_per_s": profile.link.down_bytes_per_s,
+                          "up_bytes_per_s": profile.link.up_bytes_per_s,
+                          "rtt_s": profile.link.rtt_s}
+                         for p, profile in zip(participants, profiles) if profile.link is not None])
     return shards_from_counts(participants, choice.counts)
 
+
+class StepRebalancing:
+    """The stage's ``after_step``: feeds each step's measured compute to a
+    :class:`Rebalancer`, applies its re-splits (:meth:`DistributedConvStage.resplit`),
+    prints one line and writes a ``rebalance`` record for each."""
+
+    def __init__(self, stage: DistributedConvStage, rebalancer: Rebalancer,
+                 settings: LayerSettings, metrics: MetricsWriter,
+                 report: Callable[[str], None] = print):
+        self.stage, self.rebalancer, self.settings = stage, rebalancer, settings
+        self.metrics, self.report = metrics, report
+        self.step = 0  # the trainer takes the timings once per step, from step 0
+
+    def __call__(self, timings: dict[str, Any]) -> None:
+        decision = self.rebalancer.observe(self.step, measured_compute(timings))
+        self.step += 1
+        if decision is None:
+            return
+        started = time.perf_counter()
+        self.stage.resplit(decision.counts, self.settings)
+        apply_s = time.perf_counter() - started
+        split = "; ".join(f"layer {layer + 1}: " + ", ".join(
+            f"{p} {count}" for p, count in zip(decision.participants, row))
+            for layer, row in enumerate(decision.counts))
+        self.report(f"hetconv: re-split after step {decision.step}: {decision.reason}; "
+                    f"now {split} ({apply_s * 1e3:.0f} ms to apply)")
+        self.metrics.write("rebalance", **decision.record(), apply_s=apply_s)
 
 def open_distributed_stage(config: MasterConfig, model: ModelConfig,
                            params: dict[str, np.ndarray], settings: LayerSettings,
@@ -127,9 +158,14 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
         metrics.write("devices", devices=[{"id": p.participant, **p.description}
                                           for p in participants])
         calibration = calibrate(cluster, participants, shapes, batch, report=report)
+        profiles: list[ParticipantProfile] = []
+        traffic: list[LayerTraffic] = []
+        if config.split == "model" or config.rebalancing:
+            profiles, traffic = planner_inputs(cluster, participants, shapes, calibration, batch,
+                                               config.wire_dtype, report)
         if config.split == "model":  # link-aware: which participants, how many kernels
-            plan = plan_with_links(cluster, participants, shapes, calibration, batch,
-                                   config.wire_dtype, config.data_plane, metrics, report)
+            plan = plan_with_links(participants, profiles, traffic, config.data_plane, metrics,
+                                   report)
         else:
             plan = split_layers(participants, shapes, calibration, config.split)
         for shape, cal, shards in zip(shapes, calibration, plan):
@@ -156,4 +192,9 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
         cluster.end_run("training finished")
         cluster.close()
 
-    return build_stage(cluster, config, plan, local, finish)  # star or peer data plane
+    stage = build_stage(cluster, config, plan, local, finish)  # star or peer data plane
+    if config.rebalancing:
+        rebalancer = Rebalancer(profiles, traffic, [[s.kernels for s in row] for row in plan],
+                                config.data_plane)
+        stage.after_step = StepRebalancing(stage, rebalancer, settings, metrics, report)
+    return stage

@@ -11,6 +11,7 @@ a :class:`~hetconv.dataplane.PeerParticipant` over the ``data_plane`` it was giv
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Protocol
 
@@ -51,6 +52,27 @@ from hetconv.shard import ConvShard, LayerSettings
 log = logging.getLogger(__name__)
 
 MAX_CALIBRATION_REPEATS = 20
+TEST_DELAY_VARIABLE = "HETCONV_TEST_DELAY_PER_KERNEL_S"
+"""Test hook only (tests/integration/test_rebalance.py): seconds a worker sleeps per
+kernel of its shard in every training forward and backward, not in calibration, so
+that it is slower in training than calibrated. Unset or 0 in every real run."""
+
+
+class DelayedShard(ConvShard):
+    """A shard that sleeps ``delay_per_kernel_s`` per kernel in each training forward
+    and backward (the :data:`TEST_DELAY_VARIABLE` hook); results are unchanged."""
+
+    delay_per_kernel_s = 0.0
+
+    def forward_host(self, x: np.ndarray, train: bool) -> np.ndarray:
+        if train:
+            time.sleep(self.delay_per_kernel_s * self.kernels)
+        return super().forward_host(x, train)
+
+    def backward_host(self, dy: np.ndarray, need_dx: bool, learning_rate: float
+                      ) -> np.ndarray | None:
+        time.sleep(self.delay_per_kernel_s * self.kernels)
+        return super().backward_host(dy, need_dx, learning_rate)
 
 
 class RequestError(Exception):
@@ -89,6 +111,7 @@ class WorkerService:
         self.last_step: dict[int, int] = {}  # last step whose update each layer applied
         self.data_plane = data_plane
         self.peer: PeerParticipant | None = None  # set by AssignPeers
+        self.test_delay_per_kernel_s = float(os.environ.get(TEST_DELAY_VARIABLE) or 0.0)
 
     def handle(self, message: Message) -> Message:
         """The reply to ``message``; never raises."""
@@ -158,11 +181,18 @@ class WorkerService:
         state = {name: getattr(request, name) for name in STATE_NAMES}
         if request.weight.ndim != 4:
             raise RequestError(ERR_BAD_REQUEST, "weight must be (K, C, k, k)")
-        self.shards[request.layer] = ConvShard(request.layer, request.kernel_start,
-                                               request.kernel_stop, settings, state,
-                                               device=self.device)
-        self.need_dx[request.layer] = request.need_dx
         self.last_step.pop(request.layer, None)
+        if request.kernel_stop == request.kernel_start:  # a re-split took the layer away
+            self.shards.pop(request.layer, None)
+            self.need_dx.pop(request.layer, None)
+            return Ack(request_id=request.request_id)
+        shard_class = DelayedShard if self.test_delay_per_kernel_s > 0 else ConvShard
+        shard = shard_class(request.layer, request.kernel_start, request.kernel_stop, settings,
+                            state, device=self.device)
+        if isinstance(shard, DelayedShard):
+            shard.delay_per_kernel_s = self.test_delay_per_kernel_s
+        self.shards[request.layer] = shard
+        self.need_dx[request.layer] = request.need_dx
         return Ack(request_id=request.request_id)
 
     def _forward(self, request: ForwardRequest) -> ForwardReply:

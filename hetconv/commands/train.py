@@ -26,6 +26,7 @@ from hetconv.config import (
     DATA_PLANES,
     DATASETS,
     MASTER_PARTICIPANT,
+    ON_OFF,
     PADDINGS,
     SCHEDULES,
     SPLIT_MODES,
@@ -66,6 +67,10 @@ def add_parser(sub: Any) -> None:
                    "layer's input and gradients among themselves, so the master's link "
                    "carries only the first input and the last output; 'star' sends them "
                    "all through the master")
+    p.add_argument("--rebalance", choices=ON_OFF, default=None,
+                   help="distributed: re-split the kernels when the measured step times show "
+                   "the calibration was off (default: on for --split model, off for "
+                   "calibrated and equal)")
     p.add_argument("--data", default=env("DATA", DATASETS[0]), choices=DATASETS, help="dataset")
     p.add_argument("--data-dir", default=env("DATA_DIR", None),
                    help="dataset directory (default: Debian's /usr/share/datasets/fashion-mnist)")
@@ -102,7 +107,12 @@ def master_config(args: argparse.Namespace) -> MasterConfig:
                         split=getattr(args, "split", SPLIT_MODES[0]),
                         wire_dtype=getattr(args, "wire_dtype", WIRE_DTYPES[0]),
                         data_plane=getattr(args, "data_plane", DATA_PLANES[0]),
+                        rebalance=_on_off(getattr(args, "rebalance", None)),
                         curve_secret=args.curve_secret, curve_allow=args.curve_allow)
+
+
+def _on_off(value: str | None) -> bool | None:
+    return None if value is None else value == "on"
 
 
 def train_config(args: argparse.Namespace) -> TrainConfig:

@@ -30,7 +30,7 @@ class LocalWorker:
 
     def __init__(self, master: str, name: str, threads: int = 1, cpu_fraction: float | None = None,
                  log_path: Path | None = None, extra_args: tuple[str, ...] = (),
-                 netns: str | None = None):
+                 netns: str | None = None, env: dict[str, str] | None = None):
         self.name = name
         self.quota = CpuQuota(cpu_fraction) if cpu_fraction is not None else None
         self.log_path = log_path
@@ -39,9 +39,10 @@ class LocalWorker:
                    "--threads", str(threads), "--name", name, *extra_args]
         if netns is not None:  # run it on the emulated LAN host
             command = ["ip", "netns", "exec", netns, *command]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads)}
+        environment = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads),
+                       **(env or {})}
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
-                                        env=env)
+                                        env=environment)
         if self.quota is not None:
             try:
                 self.quota.add(self.process.pid)

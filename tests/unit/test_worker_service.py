@@ -107,3 +107,14 @@ def test_wire_dtypes() -> None:
     bad = service.handle(ForwardRequest(request_id=42, step=1, layer=0, attempt=0, train=True,
                                         x=np.ones((1, 3, 16, 16), np.int32)))
     assert isinstance(bad, ErrorReply) and "float32 or float16" in bad.message
+
+
+def test_an_assignment_of_no_kernels_takes_the_layer_away() -> None:
+    service = WorkerService()
+    assert isinstance(service.handle(assign(start=2, stop=5)), Ack)
+    assert isinstance(service.handle(assign(start=4, stop=4)), Ack)  # a re-split took it
+    assert 0 not in service.shards
+    x = np.zeros((2, 3, 16, 16), dtype=np.float32)
+    reply = service.handle(ForwardRequest(request_id=2, step=0, layer=0, attempt=0, train=True,
+                                          x=x))
+    assert isinstance(reply, ErrorReply) and reply.code == "unknown_layer"
