@@ -86,33 +86,52 @@ def predict(profiles: Sequence[ParticipantProfile], counts: Sequence[Sequence[in
     return model(layers, [p.link for p in profiles], traffic)
 
 
+def compute_split_counts(profiles: Sequence[ParticipantProfile], chosen: Sequence[int],
+                         traffic: Sequence[LayerTraffic]) -> tuple[tuple[int, ...], ...]:
+    """Kernels per layer per profile from the compute costs alone (links ignored)."""
+    counts = []
+    for layer, t in enumerate(traffic):
+        chosen_counts = balanced_counts([profiles[i].costs[layer] for i in chosen], t.kernels)
+        row = [0] * len(profiles)
+        for i, count in zip(chosen, chosen_counts):
+            row[i] = count
+        counts.append(tuple(row))
+    return tuple(counts)
+
+
 def choose_plan(profiles: Sequence[ParticipantProfile], traffic: Sequence[LayerTraffic],
                 data_plane: str = "star") -> Plan:
-    """The participant set and split with the smallest predicted step (see module doc)."""
+    """The participant set and split with the smallest predicted step (see module doc).
+
+    Every candidate set is split two ways, by effective cost (links included, right
+    when the master's link serialises transfers) and by compute alone (right when links
+    work in parallel, as on the peer plane); the model's prediction decides.
+    """
     if not profiles:
         raise ValueError("no participants to plan for")
 
     def evaluate(chosen: Sequence[int]) -> tuple[float, tuple[tuple[int, ...], ...]]:
-        counts = split_counts(profiles, sorted(chosen), traffic)
-        return predict(profiles, counts, traffic, data_plane), counts
+        ordered = sorted(chosen)
+        options = [split_counts(profiles, ordered, traffic),
+                   compute_split_counts(profiles, ordered, traffic)]
+        return min((predict(profiles, counts, traffic, data_plane), counts)
+                   for counts in options)
 
     singles = sorted((evaluate([i])[0], i) for i in range(len(profiles)))
     single_s, single = singles[0]
     chosen = [single]
     best_s, best_counts = evaluate(chosen)
-    best_set = list(chosen)
     remaining = [i for i in range(len(profiles)) if i != single]
     while remaining:
         step_s, pick = min((evaluate(chosen + [i])[0], i) for i in remaining)
         chosen.append(pick)
         remaining.remove(pick)
         if step_s < best_s:
-            best_s, best_set = step_s, list(chosen)
-    best_s, best_counts = evaluate(best_set)
-    compute_only = tuple(tuple(balanced_counts([p.costs[layer] for p in profiles], t.kernels))
-                         for layer, t in enumerate(traffic))
+            best_s, best_counts = evaluate(chosen)
+    compute_only = compute_split_counts(profiles, range(len(profiles)), traffic)
     all_s = predict(profiles, compute_only, traffic, data_plane)
-    return Plan(chosen=tuple(profiles[i].participant for i in sorted(best_set)),
+    used = [i for i in range(len(profiles)) if any(row[i] for row in best_counts)]
+    return Plan(chosen=tuple(profiles[i].participant for i in used),
                 counts=best_counts, predicted_step_s=best_s,
                 best_single=profiles[single].participant, best_single_step_s=single_s,
                 all_step_s=all_s)

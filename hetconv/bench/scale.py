@@ -134,7 +134,7 @@ def _run_in_quota(command: list[str], fraction: float, log_path: Path) -> int:
 def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
                     arch: str = "32:64", batch: int = 128, limit: int | None = None,
                     repeats: int = 3, work_dir: str | None = None,
-                    data_planes: tuple[str, ...] = ("star",),
+                    data_planes: tuple[str, ...] = ("peer",), epochs: int = 2,
                     out: Callable[[str], None] = print) -> dict[str, Any]:
     """Run every machine set with every data plane, and the baselines, ``repeats``
     times, interleaved within each repeat."""
@@ -149,7 +149,8 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
     root = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="hetconv-scale-"))
     root.mkdir(parents=True, exist_ok=True)
     python = sys.executable
-    common = ["--data", "synthetic", "--arch", arch, "--batch", str(batch), "--epochs", "1",
+    common = ["--data", "synthetic", "--arch", arch, "--batch", str(batch), "--epochs",
+              str(epochs),
               "--threads", "1", "--no-progress", "--overwrite"]
     if limit:
         common += ["--limit", str(limit)]

@@ -28,7 +28,7 @@ FLAGS: dict[str, tuple[tuple[str, str], ...]] = {
     "split": (("--slow-fraction", "slow_fraction"), ("--arch", "arch"), ("--batch", "batch"),
               ("--limit", "limit"), ("--repeats", "repeats"), ("--work-dir", "work_dir")),
     "scale": (("--machines", "machines"), ("--data-plane", "data_plane"), ("--rate", "rate"),
-              ("--arch", "arch"),
+              ("--arch", "arch"), ("--epochs", "epochs"),
               ("--batch", "batch"), ("--limit", "limit"), ("--repeats", "repeats"),
               ("--work-dir", "work_dir")),
 }
@@ -75,6 +75,9 @@ def add_parser(sub: Any) -> None:
     scale.add_argument("--batch", type=positive_int, default=128)
     scale.add_argument("--limit", type=positive_int, default=None,
                        help="training images per run (default: the synthetic set, 2048)")
+    scale.add_argument("--epochs", type=positive_int, default=2,
+                       help="epochs per run (default 2: the step median then includes steps "
+                       "after the rebalancer's first re-split)")
     scale.add_argument("--repeats", type=positive_int, default=3)
     scale.add_argument("--work-dir", default=None, help="where the runs go (default a temp dir)")
     for parser in (conv, proto, split, scale):
@@ -194,7 +197,8 @@ def run(args: argparse.Namespace) -> int:
             args.data_plane = [DATA_PLANES[0]]
         result = run_scale_bench(configurations, rate=args.rate, arch=args.arch,
                                  batch=args.batch, limit=args.limit, repeats=args.repeats,
-                                 work_dir=args.work_dir, data_planes=tuple(args.data_plane))
+                                 work_dir=args.work_dir, data_planes=tuple(args.data_plane),
+                                 epochs=args.epochs)
         table = result["table"]
     else:
         raise UserError(f"unknown benchmark {args.bench!r}")

@@ -108,3 +108,12 @@ def test_the_peer_plane_lets_the_planner_use_more_machines() -> None:
     peer = choose_plan(machines(workers), TRAFFIC, "peer")
     assert len(peer.chosen) >= len(star.chosen)
     assert peer.predicted_step_s <= star.predicted_step_s
+
+
+def test_never_predicted_worse_than_every_participant_with_the_compute_split() -> None:
+    for workers in ([link(GBIT)] * 3, [link(GBIT / 10)] * 3, [link(10 * GBIT)] * 2):
+        for plane in ("star", "peer"):
+            plan = choose_plan(machines(workers), TRAFFIC, plane)
+            assert plan.predicted_step_s <= plan.all_step_s + 1e-12, (plane, plan)
+            assert set(plan.chosen) == {f for f, row in zip(
+                [p.participant for p in machines(workers)], zip(*plan.counts)) if any(row)}
