@@ -35,6 +35,7 @@ from hetconv.model import ConvLayerShape, ModelConfig, conv_layer_shapes
 from hetconv.names import PARAMETER_NAMES, layer_key
 from hetconv.perf_model import LayerTraffic
 from hetconv.shard import ConvShard, LayerSettings
+from hetconv.stage import ConvStage, LocalConvStage
 
 
 def open_cluster(config: MasterConfig, device: str, threads: int | None,
@@ -146,12 +147,18 @@ class StepRebalancing:
                     f"now {split} ({apply_s * 1e3:.0f} ms to apply)")
         self.metrics.write("rebalance", **decision.record(), apply_s=apply_s)
 
+def master_alone(plan: list[list[Shard]]) -> bool:
+    """True when no worker holds a kernel in any layer."""
+    return all(shard.worker is None or shard.kernels == 0 for row in plan for shard in row)
+
+
 def open_distributed_stage(config: MasterConfig, model: ModelConfig,
                            params: dict[str, np.ndarray], settings: LayerSettings,
                            metrics: MetricsWriter, batch: int, device: str = "cpu",
                            threads: int | None = None,
-                           report: Callable[[str], None] = print) -> DistributedConvStage:
-    """Membership, calibration, split and shard assignment; the stage the trainer drives."""
+                           report: Callable[[str], None] = print) -> ConvStage:
+    """Membership, calibration, split and shard assignment; the stage the trainer drives
+    (a local stage when the plan gives every kernel to the master's own device)."""
     shapes = conv_layer_shapes(model)
     cluster, participants = open_cluster(config, device, threads, report)
     try:
@@ -182,6 +189,12 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
                                        cal.cost_models(), shards)])
         for line in format_split(plan, shapes):
             report(line)
+        if master_alone(plan):  # no worker would shorten the step: the local path, no overhead
+            report("hetconv: the plan uses no worker: training on this machine alone "
+                   "(the workers stay up for the next run)")
+            cluster.end_run("the master trains alone: no worker would shorten the step")
+            cluster.close()
+            return LocalConvStage(model, params, settings, device=device)
         local = assign_shards(cluster, plan, params, settings, device)
     except BaseException:
         cluster.end_run("master failed during setup")

@@ -91,3 +91,20 @@ def test_bench_scale_small_configuration(tmp_path: Path) -> None:
     assert not [line for line in subprocess.run(["ip", "netns"], capture_output=True,
                                                 text=True).stdout.splitlines()
                 if line.startswith("hcm")]  # torn down
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(REASON is not None, reason=f"cannot emulate a LAN here: {REASON}")
+def test_on_a_slow_lan_the_master_trains_alone(tmp_path: Path) -> None:
+    lines: list[str] = []
+    run_scale_bench([(0.5, 0.5)], rate="10mbit", arch="8:16", batch=64, limit=256,
+                    repeats=1, work_dir=str(tmp_path), epochs=1, out=lines.append)
+    records = read_metrics(tmp_path / "2x[0.5,0.5]-peer" / "repeat0" / "metrics.jsonl")
+    plan = next(r for r in records if r["type"] == "plan")
+    assert plan["chosen"] == ["master"], plan
+    for link in plan["links"]:  # the probe saw the 10 Mbit/s cap
+        assert 0.3 * 1.25e6 < link["down_bytes_per_s"] < 1.3 * 1.25e6, link
+    steps = [r for r in records if r["type"] == "step"]
+    assert steps and all(d["device"] == "master"
+                         for s in steps for layer in s["layers"] for d in layer["devices"])
+    assert records[-1]["type"] == "run_end" and records[-1]["status"] == "completed"
