@@ -47,5 +47,9 @@ def load_weights(path: str | Path) -> dict[str, np.ndarray]:
 
 
 def save_json(path: str | Path, value: Any) -> None:
-    text = json.dumps(value, indent=2, sort_keys=True) + "\n"
-    _atomic_write(Path(path), lambda handle: handle.write(text.encode()))
+    save_text(path, json.dumps(value, indent=2, sort_keys=True) + "\n")
+
+
+def save_text(path: str | Path, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` atomically: temp file, fsync, rename."""
+    _atomic_write(Path(path), lambda handle: handle.write(text.encode("utf-8")))

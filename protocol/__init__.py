@@ -10,8 +10,8 @@ docs/protocol.md.
 """
 from __future__ import annotations
 
-from hetconv.protocol.codec import WIRE_DTYPES, decode, encode
-from hetconv.protocol.errors import (
+from .codec import WIRE_DTYPES, decode, encode
+from .errors import (
     ERR_BAD_MESSAGE,
     ERR_BAD_REQUEST,
     ERR_INTERNAL,
@@ -25,7 +25,7 @@ from hetconv.protocol.errors import (
     ProtocolError,
     VersionMismatch,
 )
-from hetconv.protocol.messages import (
+from .messages import (
     HANDSHAKE_TYPES,
     MESSAGE_TYPES,
     NO_REQUEST_ID,
@@ -59,7 +59,7 @@ from hetconv.protocol.messages import (
     Welcome,
     message_equal,
 )
-from hetconv.protocol.transport import (
+from .transport import (
     CurveClientKeys,
     CurveServerKeys,
     PeerUnreachable,
@@ -74,7 +74,7 @@ from hetconv.protocol.transport import (
     start_curve_authenticator,
     worker_socket,
 )
-from hetconv.protocol.version import PROTOCOL_VERSION
+from .version import PROTOCOL_VERSION
 
 __all__ = [
     "ERROR_CODES",

@@ -28,10 +28,10 @@ from typing import Any
 import msgpack  # type: ignore[import-untyped]
 import numpy as np
 
-from hetconv.protocol import limits
-from hetconv.protocol.errors import ERR_BAD_MESSAGE, ProtocolError, VersionMismatch
-from hetconv.protocol.messages import HANDSHAKE_TYPES, SCHEMAS, Message
-from hetconv.protocol.version import PROTOCOL_VERSION
+from . import limits
+from .errors import ERR_BAD_MESSAGE, ProtocolError, VersionMismatch
+from .messages import HANDSHAKE_TYPES, SCHEMAS, Message
+from .version import PROTOCOL_VERSION
 
 WIRE_DTYPES: dict[str, np.dtype[Any]] = {
     "float16": np.dtype("<f2"),

@@ -21,28 +21,14 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from hetconv.protocol.message_base import Message as Message  # re-exported
-from hetconv.protocol.peer_messages import (  # re-exported
-    AssignPeers as AssignPeers,
-)
-from hetconv.protocol.peer_messages import (
-    DataEndpoint as DataEndpoint,
-)
-from hetconv.protocol.peer_messages import (
-    PeerBackwardReply as PeerBackwardReply,
-)
-from hetconv.protocol.peer_messages import (
-    PeerBackwardRequest as PeerBackwardRequest,
-)
-from hetconv.protocol.peer_messages import (
-    PeerForwardReply as PeerForwardReply,
-)
-from hetconv.protocol.peer_messages import (
-    PeerForwardRequest as PeerForwardRequest,
-)
-from hetconv.protocol.peer_messages import (
-    PeerPiece as PeerPiece,
-)
+from .message_base import Message as Message  # re-exported
+from .peer_messages import AssignPeers as AssignPeers  # re-exported
+from .peer_messages import DataEndpoint as DataEndpoint  # re-exported
+from .peer_messages import PeerBackwardReply as PeerBackwardReply  # re-exported
+from .peer_messages import PeerBackwardRequest as PeerBackwardRequest  # re-exported
+from .peer_messages import PeerForwardReply as PeerForwardReply  # re-exported
+from .peer_messages import PeerForwardRequest as PeerForwardRequest  # re-exported
+from .peer_messages import PeerPiece as PeerPiece  # re-exported
 
 NO_REQUEST_ID = 0
 """Request id of an ``ErrorReply`` that answers no particular request."""

@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from hetconv.protocol.message_base import Message
+from .message_base import Message
 
 
 @dataclass(frozen=True)

@@ -23,10 +23,10 @@ from typing import Literal, overload
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from hetconv.protocol import limits
-from hetconv.protocol.codec import decode, encode
-from hetconv.protocol.errors import ProtocolError
-from hetconv.protocol.messages import Message
+from . import limits
+from .codec import decode, encode
+from .errors import ProtocolError
+from .messages import Message
 
 
 class TransportError(Exception):

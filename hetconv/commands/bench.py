@@ -13,11 +13,11 @@ import argparse
 import os
 import platform
 import shlex
-import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from hetconv.checkpoint import save_text
 from hetconv.commands.options import Parser, positive_int
 from hetconv.config import DATA_PLANES
 from hetconv.errors import UserError
@@ -144,18 +144,7 @@ def check_markdown_path(path: str) -> None:
 
 def write_markdown(path: str, lines: list[str]) -> None:
     """Write ``lines`` to ``path`` atomically (temp file, fsync, rename)."""
-    target = Path(path)
-    fd, temporary = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write("\n".join(lines).rstrip("\n") + "\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, target)
-    except BaseException:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
-        raise
+    save_text(path, "\n".join(lines).rstrip("\n") + "\n")
 
 
 # --- dispatch -----------------------------------------------------------------------------
