@@ -43,6 +43,12 @@ fast peer may start the next pass while this one is being answered); older and
 farther pieces are dropped."""
 RECEIVE_SLICE_S = 0.05
 """Longest single wait on the port, so that a cancelled wait ends promptly."""
+PIECE_BYTES = 128 << 10
+"""About how many array bytes one piece carries: an exchange travels in pieces of
+consecutive samples so that the receiver computes on the first while the rest is on
+the wire (at 1 Gbit/s 128 KiB take about 1 ms)."""
+MAX_PIECES = 8
+"""At most this many pieces per exchange and peer (each costs a message)."""
 
 
 @dataclass(frozen=True)
@@ -178,25 +184,53 @@ def piece_key(piece: PeerPiece) -> PieceKey:
     return PieceKey(piece.pass_id, piece.step, piece.layer, piece.phase, piece.attempt)
 
 
+def _overlaps(ranges: Sequence[tuple[int, int]], start: int, stop: int) -> bool:
+    return any(start < b and a < stop for a, b in ranges)
+
+
+def rows_per_piece(batch: int, bytes_per_sample: int, piece_bytes: int | None = None,
+                   max_pieces: int | None = None) -> int:
+    """Samples per piece when ``batch`` samples of ``bytes_per_sample`` bytes go to one
+    peer: pieces of about ``piece_bytes`` (PIECE_BYTES), at most ``max_pieces``
+    (MAX_PIECES) of them, at least one sample each."""
+    piece_bytes = PIECE_BYTES if piece_bytes is None else piece_bytes
+    max_pieces = MAX_PIECES if max_pieces is None else max_pieces
+    if batch < 1:
+        return 1
+    pieces = max(1, min(max_pieces, batch, -(-batch * max(0, bytes_per_sample) // piece_bytes)))
+    return -(-batch // pieces)
+
+
+def row_chunks(batch: int, rows: int) -> list[tuple[int, int]]:
+    """[start, stop) sample ranges of ``rows`` samples (the last may be shorter)."""
+    return [(start, min(start + rows, batch)) for start in range(0, batch, max(1, rows))]
+
+
 @dataclass
 class Inbox:
     """The pieces a participant has received and not used yet (pure state).
 
     :meth:`offer` checks each piece against the plan (sender, receiver, channel
-    range, array shape) and the current pass; stale, duplicate and unexpected pieces
-    are refused with the reason, never stored.
+    range, array shape), its sample range against the pieces already seen for the same
+    exchange (batch size, overlap) and the current pass; stale, duplicate and
+    unexpected pieces are refused with the reason, never stored.
     """
 
     participant: str
     plan: PeerPlan
     current_pass: int = 0
-    pieces: dict[PieceKey, dict[str, np.ndarray]] = field(default_factory=dict)
+    pieces: dict[PieceKey, dict[str, list[PeerPiece]]] = field(default_factory=dict)
+    seen: dict[PieceKey, dict[str, list[tuple[int, int]]]] = field(default_factory=dict)
+    batch_sizes: dict[PieceKey, int] = field(default_factory=dict)
 
     def begin_pass(self, pass_id: int) -> None:
         """A request of ``pass_id`` arrived: forget every piece of an older pass."""
         if pass_id > self.current_pass:
             self.current_pass = pass_id
             self.pieces = {k: v for k, v in self.pieces.items() if k.pass_id >= pass_id}
+            self.seen = {k: v for k, v in self.seen.items() if k.pass_id >= pass_id}
+            self.batch_sizes = {k: v for k, v in self.batch_sizes.items()
+                                if k.pass_id >= pass_id}
 
     def offer(self, piece: PeerPiece) -> str | None:
         """Store ``piece``; the reason it was dropped, or None when stored."""
@@ -208,47 +242,137 @@ class Inbox:
             return f"unknown phase {piece.phase!r}"
         if piece.sender == self.participant:
             return "a piece that claims to come from this participant"
-        if piece.phase == PHASE_INPUT:
-            return self._offer_input(piece)
-        expected = self.plan.expected_range(piece.layer, piece.phase, piece.sender,
-                                            self.participant)
-        if expected is None:
-            return (f"unexpected {piece.phase} piece of layer {piece.layer} "
-                    f"from {piece.sender!r}")
-        if (piece.kernel_start, piece.kernel_stop) != (expected.start, expected.stop):
-            return (f"{piece.phase} piece of layer {piece.layer} from {piece.sender!r} carries "
-                    f"kernels [{piece.kernel_start}, {piece.kernel_stop}), expected "
-                    f"[{expected.start}, {expected.stop})")
-        if piece.data.ndim != 4 or piece.data.shape[1] != expected.kernels:
+        if piece.data.ndim != 4:
             return f"piece from {piece.sender!r} has shape {tuple(piece.data.shape)}"
-        slot = self.pieces.setdefault(piece_key(piece), {})
-        if piece.sender in slot:
-            return f"duplicate {piece.phase} piece of layer {piece.layer} from {piece.sender!r}"
-        slot[piece.sender] = piece.data
+        if piece.phase == PHASE_INPUT:
+            if piece.layer != 0 or self.participant not in self.plan.input_targets(piece.sender):
+                return f"unexpected input piece of layer {piece.layer} from {piece.sender!r}"
+            if piece.kernel_start != 0 or piece.kernel_stop != piece.data.shape[1]:
+                return f"input piece from {piece.sender!r} does not hold its channels [0, C)"
+        else:
+            expected = self.plan.expected_range(piece.layer, piece.phase, piece.sender,
+                                                self.participant)
+            if expected is None:
+                return (f"unexpected {piece.phase} piece of layer {piece.layer} "
+                        f"from {piece.sender!r}")
+            if (piece.kernel_start, piece.kernel_stop) != (expected.start, expected.stop):
+                return (f"{piece.phase} piece of layer {piece.layer} from {piece.sender!r} "
+                        f"carries kernels [{piece.kernel_start}, {piece.kernel_stop}), "
+                        f"expected [{expected.start}, {expected.stop})")
+            if piece.data.shape[1] != expected.kernels:
+                return f"piece from {piece.sender!r} has shape {tuple(piece.data.shape)}"
+        return self._keep_rows(piece)
+
+    def _keep_rows(self, piece: PeerPiece) -> str | None:
+        """The sample-range checks, then store."""
+        start, stop, size = piece.batch_start, piece.batch_stop, piece.batch_size
+        if not (0 <= start < stop <= size) or piece.data.shape[0] != stop - start:
+            return (f"{piece.phase} piece from {piece.sender!r} holds samples [{start}, {stop}) "
+                    f"of {size} in an array of shape {tuple(piece.data.shape)}")
+        key = piece_key(piece)
+        if self.batch_sizes.setdefault(key, size) != size:
+            return (f"{piece.phase} piece from {piece.sender!r} says the batch has {size} "
+                    f"samples, earlier pieces said {self.batch_sizes[key]}")
+        seen = self.seen.setdefault(key, {}).setdefault(piece.sender, [])
+        if _overlaps(seen, start, stop):
+            return (f"duplicate {piece.phase} piece of layer {piece.layer} from "
+                    f"{piece.sender!r} (samples [{start}, {stop}))")
+        seen.append((start, stop))
+        self.pieces.setdefault(key, {}).setdefault(piece.sender, []).append(piece)
         return None
 
-    def _offer_input(self, piece: PeerPiece) -> str | None:
-        if piece.layer != 0 or self.participant not in self.plan.input_targets(piece.sender):
-            return f"unexpected input piece of layer {piece.layer} from {piece.sender!r}"
-        if (piece.data.ndim != 4 or piece.kernel_start != 0
-                or piece.kernel_stop != piece.data.shape[1]):
-            return f"input piece from {piece.sender!r} does not hold its channels [0, C)"
-        slot = self.pieces.setdefault(piece_key(piece), {})
-        if piece.sender in slot:
-            return f"duplicate input piece from {piece.sender!r}"
-        slot[piece.sender] = piece.data
-        return None
-
-    def put_own(self, key: PieceKey, data: np.ndarray) -> None:
-        """This participant's own piece (it never travels)."""
-        self.pieces.setdefault(key, {})[self.participant] = data
+    def put_own(self, key: PieceKey, data: np.ndarray, start: int = 0,
+                batch_size: int | None = None) -> None:
+        """This participant's own piece (it never travels): samples [start, start + len)."""
+        size = data.shape[0] if batch_size is None else batch_size
+        piece = PeerPiece(pass_id=key.pass_id, step=key.step, layer=key.layer, phase=key.phase,
+                          attempt=key.attempt, sender=self.participant, kernel_start=0,
+                          kernel_stop=data.shape[1], batch_start=start,
+                          batch_stop=start + data.shape[0], batch_size=size, data=data)
+        self.pieces.setdefault(key, {}).setdefault(self.participant, []).append(piece)
 
     def missing(self, key: PieceKey, sources: Sequence[KernelRange]) -> list[str]:
+        """Sources none of whose pieces of ``key`` are waiting."""
         held = self.pieces.get(key, {})
         return [r.participant for r in sources if r.participant not in held]
 
-    def take(self, key: PieceKey) -> dict[str, np.ndarray]:
+    def take(self, key: PieceKey) -> dict[str, list[PeerPiece]]:
+        """The waiting pieces of ``key``, by sender (they are handed over once)."""
         return self.pieces.pop(key, {})
+
+
+class RowGather:
+    """One exchange's pieces from several sources, written into host buffers as they
+    come (pure state, float32).
+
+    ``concat``: the pieces form one array (B, C, H, W), each source's channels at its
+    kernel range (all-gather; layer 0's input from the relay). Otherwise every source
+    fills its own (B, K, H, W) array (reduce-scatter: summed once all are in). The
+    buffers are made when the first piece shows the batch size and the shape.
+    """
+
+    def __init__(self, sources: Sequence[KernelRange], concat: bool):
+        self.sources = list(sources)
+        self.concat = concat
+        self.buffers: dict[str, np.ndarray] = {}
+        self.buffer: np.ndarray | None = None  # the concatenated array (concat only)
+        self.rows: dict[str, list[tuple[int, int]]] = {r.participant: [] for r in sources}
+        self.batch_size = 0
+
+    @property
+    def allocated(self) -> bool:
+        return self.batch_size > 0
+
+    def _allocate(self, piece: PeerPiece) -> None:
+        size, rest = piece.batch_size, tuple(piece.data.shape[2:])
+        self.batch_size = size
+        if self.concat:
+            channels = self.sources[-1].stop - self.sources[0].start
+            if channels == 0:  # layer 0's input: one source, its channels as they come
+                channels = piece.data.shape[1]
+            self.buffer = np.empty((size, channels) + rest, np.float32)
+            base = self.sources[0].start
+            for r in self.sources:
+                stop = r.stop if r.stop > r.start else channels
+                self.buffers[r.participant] = self.buffer[:, r.start - base:stop - base]
+        else:
+            for r in self.sources:
+                self.buffers[r.participant] = np.empty((size, piece.data.shape[1]) + rest,
+                                                       np.float32)
+
+    def add(self, sender: str, piece: PeerPiece) -> str | None:
+        """Write ``piece`` into place; the reason it does not fit, or None."""
+        if sender not in self.rows:
+            return f"a piece from {sender!r}, who is not a source of this exchange"
+        if not self.allocated:
+            self._allocate(piece)
+        target = self.buffers[sender]
+        if piece.batch_size != self.batch_size or piece.data.shape[1:] != target.shape[1:]:
+            return (f"{piece.phase} piece from {sender!r} of shape {tuple(piece.data.shape)} "
+                    f"(batch {piece.batch_size}) does not fit {tuple(target.shape)}")
+        if _overlaps(self.rows[sender], piece.batch_start, piece.batch_stop):
+            return f"duplicate samples from {sender!r}"
+        target[piece.batch_start:piece.batch_stop] = piece.data
+        self.rows[sender].append((piece.batch_start, piece.batch_stop))
+        return None
+
+    def ready_rows(self) -> int:
+        """Samples [0, n) that every source has delivered."""
+        if not self.allocated:
+            return 0
+        ready = self.batch_size
+        for ranges in self.rows.values():
+            prefix = 0
+            for start, stop in sorted(ranges):
+                if start > prefix:
+                    break
+                prefix = max(prefix, stop)
+            ready = min(ready, prefix)
+        return ready
+
+    @property
+    def complete(self) -> bool:
+        return self.allocated and self.ready_rows() == self.batch_size
 
 
 def assemble_input(pieces: dict[str, np.ndarray], sources: Sequence[KernelRange]) -> np.ndarray:
@@ -310,12 +434,22 @@ class ExchangeStats:
 
 
 class PeerParticipant:
-    """One participant's side of the exchange: its shards, its inbox and its port."""
+    """One participant's side of the exchange: its shards, its inbox and its port.
+
+    Overlap: pieces travel in a few consecutive-sample chunks (:func:`rows_per_piece`).
+    Forward, the convolution reads each chunk of its input as soon as every source has
+    delivered it (:meth:`ConvShard.forward_host_streamed`), and the output goes out
+    chunk by chunk; backward, the partial input gradient goes out chunk by chunk while
+    the rest is computed (:meth:`ConvShard.backward_host_streamed`). Batch norm needs
+    the whole batch, so the output gradient is summed only once complete.
+    ``streaming=False`` waits for whole inputs (the reference the tests compare with).
+    """
 
     def __init__(self, participant: str, plan: PeerPlan, shards: dict[int, ConvShard],
                  port: PiecePort, wire_dtype: str = "float32", timeout_s: float = 5.0,
                  cancelled: Callable[[], bool] = lambda: False,
-                 on_drop: Callable[[str], None] = lambda reason: None):
+                 on_drop: Callable[[str], None] = lambda reason: None,
+                 streaming: bool = True):
         self.participant = participant
         self.plan = plan
         self.shards = shards
@@ -324,6 +458,7 @@ class PeerParticipant:
         self.timeout_s = timeout_s
         self.cancelled = cancelled
         self.on_drop = on_drop
+        self.streaming = streaming
         self.inbox = Inbox(participant, plan)
 
     def _shard(self, layer: int) -> ConvShard:
@@ -337,6 +472,9 @@ class PeerParticipant:
                              f"{expected.stop})")
         return shard
 
+    def _rows(self, batch: int, sample_bytes: int) -> int:
+        return rows_per_piece(batch, sample_bytes) if self.streaming else max(1, batch)
+
     def forward(self, pass_id: int, step: int, layer: int, train: bool,
                 x: np.ndarray | None) -> tuple[np.ndarray | None, ExchangeStats]:
         """Gather the input (``x`` for layer 0), compute, send the output piece on.
@@ -344,35 +482,59 @@ class PeerParticipant:
         stats = ExchangeStats()
         shard = self._shard(layer)
         self.inbox.begin_pass(pass_id)
+        gather: RowGather | None = None
         if layer == 0:
             relay = self.plan.input_relay()
             if x is None:
                 if relay is None or relay == self.participant:
                     raise ValueError("layer 0 needs its input x")
                 key = PieceKey(pass_id, step, 0, PHASE_INPUT, 0)
-                x = self._collect(key, [KernelRange(relay, 0, 0)], stats)[relay]
-            for target in self.plan.input_targets(self.participant):
-                channels = KernelRange(self.participant, 0, x.shape[1])
-                self._send(target, PieceKey(pass_id, step, 0, PHASE_INPUT, 0), channels,
-                           np.ascontiguousarray(x), stats)
-            layer_input = x
+                gather = RowGather([KernelRange(relay, 0, 0)], concat=True)
+            else:
+                targets = self.plan.input_targets(self.participant)
+                if targets:
+                    wire = np.ascontiguousarray(x)
+                    channels = KernelRange(self.participant, 0, x.shape[1])
+                    rows = self._rows(x.shape[0], wire[:1].nbytes)
+                    for start, stop in row_chunks(x.shape[0], rows):
+                        for target in targets:
+                            self._send(target, PieceKey(pass_id, step, 0, PHASE_INPUT, 0),
+                                       channels, wire[start:stop], start, x.shape[0], stats)
         else:
-            sources = self.plan.forward_sources(layer, self.participant)
             key = PieceKey(pass_id, step, layer - 1, PHASE_FORWARD, 0)
-            layer_input = assemble_input(self._collect(key, sources, stats), sources)
-        start = time.perf_counter()
-        y = shard.forward_host(layer_input, train)
-        stats.compute_s = time.perf_counter() - start
+            gather = RowGather(self.plan.forward_sources(layer, self.participant), concat=True)
+        start_time = time.perf_counter()
+        waited = stats.wait_s
+        if gather is None:
+            assert x is not None
+            y = shard.forward_host(x, train)
+        else:
+            incoming = gather
+            if self.streaming:
+                self._wait(key, incoming, lambda: incoming.allocated, stats)
+                assert incoming.buffer is not None
+                y = shard.forward_host_streamed(
+                    incoming.buffer,
+                    lambda rows: self._wait(key, incoming,
+                                            lambda: incoming.ready_rows() >= rows, stats),
+                    train)
+            else:
+                self._wait(key, incoming, lambda: incoming.complete, stats)
+                assert incoming.buffer is not None
+                y = shard.forward_host(incoming.buffer, train)
+        stats.compute_s = time.perf_counter() - start_time - (stats.wait_s - waited)
         own = self.plan.range_of(layer, self.participant)
         assert own is not None
         key = PieceKey(pass_id, step, layer, PHASE_FORWARD, 0)
-        wire = None
-        for target in self.plan.forward_targets(layer, self.participant):
-            if target == self.participant:
-                self.inbox.put_own(key, y)
-                continue
-            wire = np.ascontiguousarray(y, dtype=self.wire_dtype) if wire is None else wire
-            self._send(target, key, own, wire, stats)
+        targets = self.plan.forward_targets(layer, self.participant)
+        if self.participant in targets:
+            self.inbox.put_own(key, y)
+        remote = [t for t in targets if t != self.participant]
+        if remote:
+            wire = np.ascontiguousarray(y, dtype=self.wire_dtype)
+            for start, stop in row_chunks(y.shape[0], self._rows(y.shape[0], wire[:1].nbytes)):
+                for target in remote:
+                    self._send(target, key, own, wire[start:stop], start, y.shape[0], stats)
         return (y if layer == self.plan.last_layer else None), stats
 
     def backward(self, pass_id: int, step: int, layer: int, learning_rate: float,
@@ -389,50 +551,77 @@ class PeerParticipant:
         else:
             sources = self.plan.backward_sources(layer, self.participant)
             key = PieceKey(pass_id, step, layer, PHASE_BACKWARD, 0)
-            gradient = reduce_gradient(self._collect(key, sources, stats), sources)
-        start = time.perf_counter()
-        dx = shard.backward_host(gradient, layer > 0, learning_rate)
-        stats.compute_s = time.perf_counter() - start
-        if dx is not None:
-            key = PieceKey(pass_id, step, layer - 1, PHASE_BACKWARD, 0)
-            for target, part in split_gradient(dx, self.plan.backward_targets(
-                    layer, self.participant)):
+            gather = RowGather(sources, concat=False)
+            self._wait(key, gather, lambda: gather.complete, stats)
+            gradient = reduce_gradient(gather.buffers, sources)
+        targets = self.plan.backward_targets(layer, self.participant) if layer > 0 else []
+        key = PieceKey(pass_id, step, layer - 1, PHASE_BACKWARD, 0)
+        sent_upto = 0
+
+        def scatter(dx: np.ndarray, start: int, stop: int) -> None:
+            """Send dx's samples [sent_upto, stop) on once there are enough of them."""
+            nonlocal sent_upto
+            batch = dx.shape[0]
+            widest = max((r.kernels for r in targets if r.participant != self.participant),
+                         default=0)
+            rows = self._rows(batch, widest * dx.shape[2] * dx.shape[3]
+                              * self.wire_dtype.itemsize)
+            if stop - sent_upto < rows and stop < batch:
+                return
+            part = dx[sent_upto:stop]
+            for target, channels in split_gradient(part, targets):
                 if target.participant == self.participant:
-                    self.inbox.put_own(key, part)
+                    self.inbox.put_own(key, channels, sent_upto, batch)
                 else:
                     self._send(target.participant, key, target,
-                               np.ascontiguousarray(part, dtype=self.wire_dtype), stats)
+                               np.ascontiguousarray(channels, dtype=self.wire_dtype),
+                               sent_upto, batch, stats)
+            sent_upto = stop
+
+        start_time = time.perf_counter()
+        shard.backward_host_streamed(gradient, layer > 0, learning_rate, scatter)
+        stats.compute_s = time.perf_counter() - start_time
         return stats
 
     # --- moving pieces -------------------------------------------------------------------
     def _send(self, target: str, key: PieceKey, kernels: KernelRange, data: np.ndarray,
-              stats: ExchangeStats) -> None:
+              batch_start: int, batch_size: int, stats: ExchangeStats) -> None:
         piece = PeerPiece(pass_id=key.pass_id, step=key.step, layer=key.layer, phase=key.phase,
                           attempt=key.attempt, sender=self.participant,
-                          kernel_start=kernels.start, kernel_stop=kernels.stop, data=data)
+                          kernel_start=kernels.start, kernel_stop=kernels.stop,
+                          batch_start=batch_start, batch_stop=batch_start + data.shape[0],
+                          batch_size=batch_size, data=data)
         sent = self.port.send(target, piece)
         where = (target, key.layer, key.phase)
         stats.sent[where] = stats.sent.get(where, 0) + sent
 
-    def _collect(self, key: PieceKey, sources: Sequence[KernelRange],
-                 stats: ExchangeStats) -> dict[str, np.ndarray]:
-        """Wait until every source's piece of ``key`` is in; PeerLost naming the missing
-        peers when none arrives for ``timeout_s`` (every arrival restarts the clock)."""
+    def _wait(self, key: PieceKey, gather: RowGather, done: Callable[[], bool],
+              stats: ExchangeStats) -> None:
+        """Feed ``key``'s pieces into ``gather`` until ``done()``; PeerLost naming the
+        peers still owing samples when nothing arrives for ``timeout_s`` (every arrival
+        restarts the clock)."""
         start = time.monotonic()
         deadline = start + self.timeout_s
         try:
             while True:
-                missing = self.inbox.missing(key, sources)
-                if not missing:
-                    return self.inbox.take(key)
+                for sender, waiting in self.inbox.take(key).items():
+                    for held in waiting:
+                        refused = gather.add(sender, held)
+                        if refused is not None:
+                            self.on_drop(refused)
+                if done():
+                    return
                 now = time.monotonic()
-                if self.cancelled():
-                    raise PeerLost(missing, "cancelled while waiting for "
-                                            f"{', '.join(missing)}")
-                if now >= deadline:
-                    raise PeerLost(missing, f"no {key.phase} data of layer {key.layer + 1} "
-                                            f"from peer {', '.join(missing)} within "
-                                            f"{self.timeout_s:.1f} s")
+                if self.cancelled() or now >= deadline:
+                    owing = [r.participant for r in gather.sources
+                             if not gather.allocated
+                             or sum(b - a for a, b in gather.rows[r.participant])
+                             < gather.batch_size]
+                    if self.cancelled():
+                        raise PeerLost(owing, f"cancelled while waiting for {', '.join(owing)}")
+                    raise PeerLost(owing, f"no {key.phase} data of layer {key.layer + 1} "
+                                          f"from peer {', '.join(owing)} within "
+                                          f"{self.timeout_s:.1f} s")
                 piece = self.port.receive(min(RECEIVE_SLICE_S, deadline - now))
                 if piece is None:
                     continue

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import socket
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import zmq
@@ -78,6 +78,7 @@ class PeerSockets:
         self.allow = AllowList()
         self._authenticator: Any = None
         self.pushes: dict[str, zmq.Socket[Any]] = {}
+        self.routes: dict[str, tuple[str, str]] = {}  # peer -> (endpoint, CURVE key)
         self.send_timeout_ms = limits.DEFAULT_SEND_TIMEOUT_MS
         if curve is not None and authenticate:
             self._authenticator = transport.start_curve_authenticator(ctx, frozenset())
@@ -117,31 +118,41 @@ class PeerSockets:
         if self.curve is not None:
             self.allow.keys = frozenset(key.encode() for peer, key in peer_keys.items()
                                         if peer != me and key)
-        for peer, endpoint in sorted(peers.items()):
-            if peer == me:
-                continue
-            push = self.ctx.socket(zmq.PUSH)
-            try:
-                _options(push, self.send_timeout_ms)
-                if self.curve is not None:
-                    key = peer_keys.get(peer, "")
-                    if not key:
-                        raise ValueError(f"no CURVE key for peer {peer}")
-                    push.setsockopt(zmq.CURVE_SERVERKEY, key.encode())
-                    push.setsockopt(zmq.CURVE_PUBLICKEY, self.curve[0])
-                    push.setsockopt(zmq.CURVE_SECRETKEY, self.curve[1])
-                push.connect(endpoint)
-            except BaseException:
-                push.close(linger=0)
-                raise
-            self.pushes[peer] = push
+        for peer in peers:
+            if peer != me and self.curve is not None and not peer_keys.get(peer, ""):
+                raise ValueError(f"no CURVE key for peer {peer}")
+        self.routes = {peer: (endpoint, peer_keys.get(peer, ""))
+                       for peer, endpoint in peers.items() if peer != me}
         return self
+
+    def _connect(self, peer: str) -> zmq.Socket[Any] | None:
+        """The PUSH to ``peer``, connected on first use: by the first piece every
+        participant has its AssignPeers, so no handshake meets an empty allow-list
+        (a CURVE handshake refused by ZAP would lose the pieces queued behind it)."""
+        push = self.pushes.get(peer)
+        if push is not None or peer not in self.routes:
+            return push
+        endpoint, key = self.routes[peer]
+        push = cast("zmq.Socket[Any]", self.ctx.socket(zmq.PUSH))
+        try:
+            _options(push, self.send_timeout_ms)
+            if self.curve is not None:
+                push.setsockopt(zmq.CURVE_SERVERKEY, key.encode())
+                push.setsockopt(zmq.CURVE_PUBLICKEY, self.curve[0])
+                push.setsockopt(zmq.CURVE_SECRETKEY, self.curve[1])
+            push.connect(endpoint)
+        except BaseException:
+            push.close(linger=0)
+            raise
+        self.pushes[peer] = push
+        return push
 
     def reset(self) -> None:
         """Forget the peers: close the connections, admit nobody."""
         for push in self.pushes.values():
             push.close(linger=0)
         self.pushes = {}
+        self.routes = {}
         self.allow.keys = frozenset()
 
     def close(self) -> None:
@@ -153,7 +164,7 @@ class PeerSockets:
 
     # --- the PiecePort ---------------------------------------------------------------------
     def send(self, participant: str, piece: PeerPiece) -> int:
-        push = self.pushes.get(participant)
+        push = self._connect(participant)
         if push is None:
             raise PeerLost([participant], f"no connection to peer {participant}")
         try:

@@ -12,6 +12,7 @@ reproduces a local one.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,32 +83,38 @@ class ConvShard:
     def kernels(self) -> int:
         return self.kernel_stop - self.kernel_start
 
-    def forward(self, x: Any, train: bool) -> Any:
+    def forward(self, x: Any, train: bool,
+                rows_ready: Callable[[int], None] | None = None) -> Any:
         """x (B, C, H, W) -> pooled block output (B, K, H', W'); keeps the cache when training.
 
-        x and the output are arrays of the shard's module on its device.
+        x and the output are arrays of the shard's module on its device. rows_ready:
+        x is still being filled in batch order (see ``conv_layer_forward``).
         """
         s = self.state
         with on_device(self.device):
             y, cache, mean, var = conv_layer_forward(
                 x, s["weight"], s["gamma"], s["beta"], s["running_mean"], s["running_var"],
                 train, stride=self.settings.stride, padding=self.settings.padding,
-                bn_momentum=self.settings.bn_momentum, bn_eps=self.settings.bn_eps)
+                bn_momentum=self.settings.bn_momentum, bn_eps=self.settings.bn_eps,
+                rows_ready=rows_ready)
         if train:
             s["running_mean"], s["running_var"] = mean, var
             self._cache = cache
         return y
 
-    def backward(self, dy: Any, need_dx: bool, learning_rate: float) -> Any:
+    def backward(self, dy: Any, need_dx: bool, learning_rate: float,
+                 dx_rows: Callable[[Any, int, int], None] | None = None) -> Any:
         """dy (B, K, H', W') -> partial dx (B, C, H, W) or None; updates parameters in place.
 
-        dy and dx are arrays of the shard's module on its device.
+        dy and dx are arrays of the shard's module on its device. dx_rows(dx, start,
+        stop): called as samples [start, stop) of dx are final, in batch order.
         """
         if self._cache is None:
             raise RuntimeError(f"layer {self.layer}: backward without a training forward")
         s, cfg = self.state, self.settings
         with on_device(self.device):
-            dx, dweight, dgamma, dbeta = conv_layer_backward(self._cache, dy, need_dx)
+            dx, dweight, dgamma, dbeta = conv_layer_backward(self._cache, dy, need_dx,
+                                                             dx_rows=dx_rows)
             self._cache = None
             sgd_update(s["weight"], dweight, s["velocity_weight"], learning_rate,
                        cfg.momentum, cfg.weight_decay)
@@ -134,6 +141,39 @@ class ConvShard:
                 synchronize(self.xp)  # the copy back would have waited for the update
                 return None
             return to_numpy(dx)
+
+    def forward_host_streamed(self, x: np.ndarray, rows_ready: Callable[[int], None],
+                              train: bool) -> np.ndarray:
+        """``forward_host`` on a host buffer x (B, C, H, W) float32 that is still being
+        filled in batch order: ``rows_ready(n)`` returns once samples [0, n) are in.
+
+        On the host (numpy) the convolution takes each chunk of samples as it arrives,
+        so a transfer overlaps the products; the result is bit for bit that of
+        ``forward_host``. On a GPU it waits for the whole input, then runs as
+        ``forward_host`` (one copy to the device).
+        """
+        if x.dtype != np.float32 or not x.flags.c_contiguous:
+            raise ValueError("a streamed input must be a C-contiguous float32 buffer")
+        if self.xp is not np:
+            rows_ready(x.shape[0])
+            return self.forward_host(x, train)
+        with on_device(self.device):
+            return to_numpy(self.forward(x, train, rows_ready=rows_ready))
+
+    def backward_host_streamed(self, dy: np.ndarray, need_dx: bool, learning_rate: float,
+                               dx_rows: Callable[[np.ndarray, int, int], None]) -> None:
+        """``backward_host`` that hands out the host dx (B, C, H, W) float32 as it is
+        finished: ``dx_rows(dx, start, stop)`` for samples [start, stop), in batch order
+        (on the host while the rest is computed; on a GPU once, at the end). Returns when
+        the update is done."""
+        if self.xp is not np:
+            dx = self.backward_host(dy, need_dx, learning_rate)
+            if dx is not None:
+                dx_rows(dx, 0, dx.shape[0])
+            return
+        with on_device(self.device):
+            self.backward(np.ascontiguousarray(dy, dtype=np.float32), need_dx, learning_rate,
+                          dx_rows=dx_rows if need_dx else None)
 
     def snapshot(self) -> dict[str, np.ndarray]:
         """Host copies of every state array (parameters, statistics, velocities)."""

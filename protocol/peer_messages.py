@@ -127,6 +127,9 @@ class PeerPiece(Message):
     ``layer`` (all-gather of the next layer's input). ``backward``: the sender's partial
     gradient of ``layer``'s output channels [kernel_start, kernel_stop), the receiver's
     kernels of ``layer`` (reduce-scatter). Keyed by (pass_id, layer, phase, sender).
+    ``data`` holds samples [batch_start, batch_stop) of a batch of ``batch_size``: an
+    exchange travels in a few pieces of consecutive samples, so the receiver computes
+    on the first while the rest is on the wire.
     """
 
     TYPE: ClassVar[str] = "peer_piece"
@@ -138,4 +141,7 @@ class PeerPiece(Message):
     sender: str
     kernel_start: int
     kernel_stop: int
+    batch_start: int
+    batch_stop: int
+    batch_size: int
     data: np.ndarray

@@ -13,7 +13,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -64,15 +65,16 @@ class DelayedShard(ConvShard):
 
     delay_per_kernel_s = 0.0
 
-    def forward_host(self, x: np.ndarray, train: bool) -> np.ndarray:
+    def forward(self, x: Any, train: bool,
+                rows_ready: Callable[[int], None] | None = None) -> Any:
         if train:
             time.sleep(self.delay_per_kernel_s * self.kernels)
-        return super().forward_host(x, train)
+        return super().forward(x, train, rows_ready)
 
-    def backward_host(self, dy: np.ndarray, need_dx: bool, learning_rate: float
-                      ) -> np.ndarray | None:
+    def backward(self, dy: Any, need_dx: bool, learning_rate: float,
+                 dx_rows: Callable[[Any, int, int], None] | None = None) -> Any:
         time.sleep(self.delay_per_kernel_s * self.kernels)
-        return super().backward_host(dy, need_dx, learning_rate)
+        return super().backward(dy, need_dx, learning_rate, dx_rows)
 
 
 class RequestError(Exception):

@@ -37,7 +37,8 @@ chunk).
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -351,7 +352,8 @@ def _prepare(x: Any, w: Any, stride: int, padding: int, layout: str | None
 
 
 def conv2d_forward_cached(x: Any, w: Any, b: Any | None = None, stride: int = 1,
-                          padding: int = 0, *, layout: str | None = None
+                          padding: int = 0, *, layout: str | None = None,
+                          rows_ready: Callable[[int], None] | None = None
                           ) -> tuple[Any, ConvCache]:
     """Forward convolution that keeps the (padded) input for the backward pass.
 
@@ -361,7 +363,16 @@ def conv2d_forward_cached(x: Any, w: Any, b: Any | None = None, stride: int = 1,
     for Wo), in the common dtype of x and w, and an opaque cache for
     ``conv2d_backward_cached``. layout: force one of LAYOUTS (tests, benchmarks);
     default ``choose_layout``.
+
+    rows_ready (streaming, for overlapping a transfer with the products): x is a buffer
+    still being filled in batch order; ``rows_ready(n)`` is called before the chunks
+    that read samples below ``n`` run and returns once samples [0, n) of x are in. x
+    must then already have the common dtype (no copy is made of it). The chunks and
+    their order are those of the unstreamed call, so the result is bit for bit the same.
     """
+    if rows_ready is not None and x.dtype != get_array_module(x, w).result_type(x.dtype,
+                                                                                 w.dtype):
+        raise ValueError("conv2d: a streamed input must already have the weights' dtype")
     xp, x, cache = _prepare(x, w, stride, padding, layout)
     g = cache.geometry
     y = xp.empty((g.batch, g.kernels, g.out_h, g.out_w), x.dtype)
@@ -379,16 +390,21 @@ def conv2d_forward_cached(x: Any, w: Any, b: Any | None = None, stride: int = 1,
                            _unfold(xp, g, cache.layout, padded), bias, y[start:stop])
         return padded
 
-    cache.inputs = run_parallel(task, len(cache.chunks), cache.threads)
+    cache.inputs = run_chunks(task, cache.chunks, cache.threads, before=rows_ready)
     return y, cache
 
 
-def conv2d_backward_cached(cache: ConvCache, dy: Any, need_dx: bool = True
+def conv2d_backward_cached(cache: ConvCache, dy: Any, need_dx: bool = True,
+                           dx_rows: Callable[[Any, int, int], None] | None = None
                            ) -> tuple[Any | None, Any, Any]:
     """Gradients from the cache of ``conv2d_forward_cached`` and dy (B, K, Ho, Wo).
 
     Returns (dx (B, C, H, W) or None when need_dx is False, dw (K, C, kh, kw),
     db (K,)), all in the forward's dtype. With 0 kernels dx is zeros.
+
+    dx_rows (streaming, for sending dx while the rest is computed): called on the
+    calling thread as ``dx_rows(dx, start, stop)`` each time samples [start, stop) of dx
+    are final, in batch order, ending at B (only when need_dx). Same chunks, same result.
     """
     g = cache.geometry
     xp = get_array_module(dy, cache.weight_matrix)
@@ -418,12 +434,44 @@ def conv2d_backward_cached(cache: ConvCache, dy: Any, need_dx: bool = True
                                    _unfold(xp, g, cache.layout, padded), dy[start:stop],
                                    dx_chunk)
 
-        parts = run_parallel(task, len(cache.chunks), cache.threads)
+        after = None if dx_rows is None or dx is None else (
+            lambda start, stop: dx_rows(dx, start, stop))
+        parts = run_chunks(task, cache.chunks, cache.threads, after=after)
         dw, db = parts[0]
         for part_dw, part_db in parts[1:]:
             dw += part_dw
             db += part_db
+    elif dx_rows is not None and dx is not None:
+        dx_rows(dx, 0, g.batch)
     return dx, dw.reshape(g.kernels, g.channels, g.kernel_h, g.kernel_w), db
+
+
+def _shifted_task(task: Callable[[int], Any], offset: int, index: int) -> Any:
+    return task(offset + index)
+
+
+def run_chunks(task: Callable[[int], Any], chunks: list[tuple[int, int]], threads: int,
+               before: Callable[[int], None] | None = None,
+               after: Callable[[int, int], None] | None = None) -> list[Any]:
+    """[task(i) for every chunk i], as ``run_parallel`` does it, with optional hooks.
+
+    With hooks the chunks run in groups of ``threads`` in batch order:
+    ``before(stop)`` before a group whose samples end at ``stop``, ``after(start, stop)``
+    once the group's samples [start, stop) are done; both on the calling thread.
+    """
+    if before is None and after is None:
+        return run_parallel(task, len(chunks), threads)
+    results: list[Any] = []
+    group = max(1, threads)
+    for first in range(0, len(chunks), group):
+        last = min(first + group, len(chunks)) - 1
+        if before is not None:
+            before(chunks[last][1])
+        results.extend(run_parallel(functools.partial(_shifted_task, task, first),
+                                    last - first + 1, threads))
+        if after is not None:
+            after(chunks[first][0], chunks[last][1])
+    return results
 
 
 def conv2d(x: Any, w: Any, b: Any | None = None, stride: int = 1, padding: int = 0) -> Any:

@@ -16,6 +16,7 @@ an output with 0 channels and a zero input gradient.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,12 +63,15 @@ def conv_layer_forward(
     padding: int = 0,
     bn_momentum: float = 0.1,
     bn_eps: float = 1e-5,
+    rows_ready: Callable[[int], None] | None = None,
 ) -> tuple[Array, ConvBlockCache, Array, Array]:
     """Run the block on x (B, C, H, W) with weight (K, C, kh, kw) and (K,) BN arrays.
 
     Returns (y (B, K, Ho // 2, Wo // 2), cache, new_running_mean (K,),
     new_running_var (K,)) where Ho, Wo are the convolution's output size. In eval
     mode (``train`` False) batch norm uses and returns the running statistics.
+    rows_ready: stream x into the convolution as it arrives (see
+    ``conv2d_forward_cached``); batch norm then waits for the whole batch, as it must.
     """
     if x.ndim != 4 or weight.ndim != 4 or weight.shape[1] != x.shape[1]:
         raise ValueError(
@@ -80,10 +84,13 @@ def conv_layer_forward(
         batch, _, height, width = x.shape
         out_h = conv_output_size(height, weight.shape[2], stride, padding) // 2
         out_w = conv_output_size(width, weight.shape[3], stride, padding) // 2
+        if rows_ready is not None:
+            rows_ready(batch)
         y = xp.zeros((batch, 0, max(out_h, 0), max(out_w, 0)), dtype=x.dtype)
         cache = ConvBlockCache(None, None, None, y, tuple(x.shape), tuple(weight.shape))
         return y, cache, running_mean, running_var
-    conv_out, conv_cache = conv2d_forward_cached(x, weight, None, stride=stride, padding=padding)
+    conv_out, conv_cache = conv2d_forward_cached(x, weight, None, stride=stride, padding=padding,
+                                                 rows_ready=rows_ready)
     normalized, bn_cache, new_mean, new_var = batch_norm_forward(
         conv_out, gamma, beta, running_mean, running_var, train, momentum=bn_momentum, eps=bn_eps
     )
@@ -97,13 +104,15 @@ def conv_layer_forward(
 
 
 def conv_layer_backward(
-    cache: ConvBlockCache, dy: Array, need_dx: bool
+    cache: ConvBlockCache, dy: Array, need_dx: bool,
+    dx_rows: Callable[[Array, int, int], None] | None = None,
 ) -> tuple[Array | None, Array, Array, Array]:
     """Back-propagate dy (B, K, Ho // 2, Wo // 2) through the block.
 
     Returns (dx (B, C, H, W) or None when ``need_dx`` is False, dweight
     (K, C, kh, kw), dgamma (K,), dbeta (K,)). With several devices each holding a
-    share of the kernels, the full dx is the sum of their dx.
+    share of the kernels, the full dx is the sum of their dx. dx_rows: hand out dx
+    in batch order as it is finished (see ``conv2d_backward_cached``).
     """
     if dy.shape != cache.output.shape:
         raise ValueError(f"dy has shape {dy.shape}, expected {cache.output.shape}")
@@ -111,6 +120,8 @@ def conv_layer_backward(
     dtype = cache.output.dtype
     if cache.batch_norm is None or cache.pool is None:  # a share of 0 kernels
         dx = xp.zeros(cache.input_shape, dtype=dtype) if need_dx else None
+        if dx is not None and dx_rows is not None:
+            dx_rows(dx, 0, cache.input_shape[0])
         dweight = xp.zeros(cache.weight_shape, dtype=dtype)
         empty = xp.zeros((0,), dtype=dtype)
         return dx, dweight, empty, empty.copy()
@@ -119,5 +130,6 @@ def conv_layer_backward(
     del d_pooled
     d_conv, dgamma, dbeta = batch_norm_backward(cache.batch_norm, d_normalized)
     del d_normalized
-    dx, dweight, _ = conv2d_backward_cached(cache.conv, d_conv, need_dx=need_dx)
+    dx, dweight, _ = conv2d_backward_cached(cache.conv, d_conv, need_dx=need_dx,
+                                            dx_rows=dx_rows)
     return (dx if need_dx else None), dweight, dgamma, dbeta

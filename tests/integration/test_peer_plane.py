@@ -156,6 +156,7 @@ def test_a_data_endpoint_admits_exactly_the_keys_the_master_handed_out() -> None
             senders.append(sender)
             sender.send("r", PeerPiece(pass_id=1, step=0, layer=0, phase="forward", attempt=0,
                                        sender=name, kernel_start=0, kernel_stop=1,
+                                       batch_start=0, batch_stop=1, batch_size=1,
                                        data=np.ones((1, 1, 2, 2), np.float32)))
         got = []
         deadline = time.monotonic() + 3.0

@@ -15,8 +15,11 @@ from hetconv.dataplane import (
     PeerParticipant,
     PeerPlan,
     PieceKey,
+    RowGather,
     assemble_input,
     reduce_gradient,
+    row_chunks,
+    rows_per_piece,
     split_gradient,
 )
 from hetconv.protocol import PeerPiece, decode, encode
@@ -33,10 +36,13 @@ def plan_abc() -> PeerPlan:
 
 
 def piece(layer: int, phase: str, sender: str, start: int, stop: int, pass_id: int = 1,
-          step: int = 0, batch: int = 2, size: int = 3) -> PeerPiece:
-    data = np.ones((batch, stop - start, size, size), np.float32)
+          step: int = 0, batch: int = 2, size: int = 3, rows: tuple[int, int] | None = None
+          ) -> PeerPiece:
+    first, last = (0, batch) if rows is None else rows
+    data = np.ones((last - first, stop - start, size, size), np.float32)
     return PeerPiece(pass_id=pass_id, step=step, layer=layer, phase=phase, attempt=0,
-                     sender=sender, kernel_start=start, kernel_stop=stop, data=data)
+                     sender=sender, kernel_start=start, kernel_stop=stop, batch_start=first,
+                     batch_stop=last, batch_size=batch, data=data)
 
 
 # --- routes ------------------------------------------------------------------------------
@@ -117,6 +123,55 @@ def test_inbox_checks_the_array_shape() -> None:
     assert "shape" in (inbox.offer(wrong) or "")
 
 
+def test_inbox_checks_sample_ranges() -> None:
+    inbox = Inbox("b", plan_abc())
+    assert inbox.offer(piece(0, PHASE_FORWARD, "m", 0, 2, batch=8, rows=(0, 3))) is None
+    assert inbox.offer(piece(0, PHASE_FORWARD, "m", 0, 2, batch=8, rows=(3, 8))) is None
+    assert "duplicate" in (inbox.offer(piece(0, PHASE_FORWARD, "m", 0, 2, batch=8,
+                                             rows=(2, 4))) or "")
+    assert "batch has 9" in (inbox.offer(piece(0, PHASE_FORWARD, "a", 2, 3, batch=9,
+                                               rows=(0, 1))) or "")
+    bad = piece(0, PHASE_FORWARD, "a", 2, 3, batch=8, rows=(5, 9))
+    assert "samples [5, 9) of 8" in (inbox.offer(bad) or "")
+    short = PeerPiece(**{**vars(piece(0, PHASE_FORWARD, "a", 2, 3, batch=8, rows=(0, 4))),
+                         "data": np.ones((3, 1, 3, 3), np.float32)})
+    assert "samples [0, 4)" in (inbox.offer(short) or "")
+    key = PieceKey(1, 0, 0, PHASE_FORWARD, 0)
+    assert [(p.batch_start, p.batch_stop) for p in inbox.take(key)["m"]] == [(0, 3), (3, 8)]
+
+
+def test_row_gather_assembles_in_kernel_order_as_pieces_come() -> None:
+    sources = [R("m", 0, 2), R("a", 2, 3)]
+    gather = RowGather(sources, concat=True)
+    assert gather.ready_rows() == 0 and not gather.allocated
+    m = np.arange(6 * 2 * 4, dtype=np.float32).reshape(6, 2, 2, 2)
+    a = -np.arange(6 * 1 * 4, dtype=np.float16).reshape(6, 1, 2, 2)
+
+    def rows(data: np.ndarray, sender: str, start: int, stop: int) -> PeerPiece:
+        return PeerPiece(pass_id=1, step=0, layer=0, phase=PHASE_FORWARD, attempt=0,
+                         sender=sender, kernel_start=0, kernel_stop=data.shape[1],
+                         batch_start=start, batch_stop=stop, batch_size=6,
+                         data=data[start:stop])
+    assert gather.add("m", rows(m, "m", 2, 6)) is None
+    assert gather.ready_rows() == 0  # m has no sample 0 yet, a nothing
+    assert gather.add("a", rows(a, "a", 0, 4)) is None
+    assert gather.add("m", rows(m, "m", 0, 2)) is None
+    assert gather.ready_rows() == 4 and not gather.complete
+    assert "duplicate" in (gather.add("a", rows(a, "a", 3, 5)) or "")
+    assert "not a source" in (gather.add("z", rows(a, "z", 4, 6)) or "")
+    assert gather.add("a", rows(a, "a", 4, 6)) is None
+    assert gather.complete and gather.buffer is not None
+    assert np.array_equal(gather.buffer, assemble_input({"m": m, "a": a}, sources))
+
+
+def test_rows_per_piece_bounds_the_piece_size_and_count() -> None:
+    assert rows_per_piece(128, 1 << 10, piece_bytes=64 << 10, max_pieces=8) == 64  # 2 pieces
+    assert rows_per_piece(128, 1 << 20, piece_bytes=64 << 10, max_pieces=8) == 16  # at most 8
+    assert rows_per_piece(128, 10, piece_bytes=64 << 10) == 128  # small: one piece
+    assert rows_per_piece(3, 1 << 20, max_pieces=8) == 1  # never below one sample
+    assert row_chunks(10, 4) == [(0, 4), (4, 8), (8, 10)]
+
+
 # --- assembling and reducing ---------------------------------------------------------
 def test_assemble_in_kernel_order_and_reduce_in_a_fixed_order() -> None:
     sources = [R("m", 0, 2), R("a", 2, 3)]
@@ -177,8 +232,8 @@ def layer_state(rng: np.random.Generator, kernels: int, channels: int) -> dict[s
             "running_var": np.ones(kernels, np.float32)}
 
 
-def build(plan: PeerPlan, channels: list[int], switch: Switch, timeout_s: float = 1.0
-          ) -> tuple[list[ConvShard], dict[str, PeerParticipant]]:
+def build(plan: PeerPlan, channels: list[int], switch: Switch, timeout_s: float = 1.0,
+          streaming: bool = True) -> tuple[list[ConvShard], dict[str, PeerParticipant]]:
     rng = np.random.default_rng(1)
     states = [layer_state(rng, sum(r.kernels for r in plan.layers[layer]), channels[layer])
               for layer in range(len(plan.layers))]
@@ -192,7 +247,7 @@ def build(plan: PeerPlan, channels: list[int], switch: Switch, timeout_s: float 
                   for layer in range(len(plan.layers))
                   if (r := plan.range_of(layer, name)) is not None}
         participants[name] = PeerParticipant(name, plan, shards, switch.port(name),
-                                             timeout_s=timeout_s)
+                                             timeout_s=timeout_s, streaming=streaming)
     return whole, participants
 
 
