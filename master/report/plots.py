@@ -11,7 +11,9 @@ from collections.abc import Sequence
 
 from matplotlib.artist import Artist
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter
 
+from hetconv.errors import UserError
 from hetconv.master.report.records import RunRecords, StepRecord
 from hetconv.master.report.summary import RunSummary
 
@@ -21,7 +23,7 @@ TIMELINE_STEPS = 20
 COLOURS = {"comm": "#d62728", "conv": "#1f77b4", "dense": "#2ca02c", "other": "#bbbbbb",
            "forward": "#1f77b4", "backward": "#ff7f0e", "wait": "#c7c7c7", "rest": "#f7b6d2",
            "kernels": "#9467bd", "throughput": "#17becf", "loss": "#1f77b4",
-           "train": "#1f77b4", "test": "#d62728"}
+           "train": "#1f77b4", "test": "#d62728", "predicted": "#1f77b4", "ideal": "#7f7f7f"}
 
 
 def _png(figure: Figure) -> bytes:
@@ -203,4 +205,41 @@ def training_curves(records: RunRecords) -> bytes | None:
     accuracy_axes.set_title("Accuracy")
     accuracy_axes.legend(fontsize="small", loc="lower right")
     accuracy_axes.grid(alpha=0.3)
+    return _png(figure)
+
+
+def predicted_scaling(records: RunRecords) -> bytes | None:
+    """The model's estimated speedup against machine count (1 to 128, the run's participants
+    repeated at its measured links, batch and network; :mod:`master.whatif`), with the
+    ideal (the machines' summed compute speed). None without cost fits or measured links."""
+    from hetconv.master import whatif
+
+    try:
+        run = whatif.measured_run(records, whatif.read_plan_links(records.run_dir))
+        if not run.links_measured:
+            return None
+        curve = whatif.scaling_curve(run)
+    except (UserError, ValueError, OSError):
+        return None
+    machines = [p.scenario.machines for p in curve]
+    figure = Figure(figsize=(WIDTH_IN, 3.6), layout="constrained")
+    axes = figure.add_subplot()
+    axes.plot(machines, [p.speedup for p in curve], "o-", color=COLOURS["predicted"],
+              label="model estimate (planner's choice of machines)")
+    axes.plot(machines, [p.ideal_speedup for p in curve], "--", color=COLOURS["ideal"],
+              label="ideal (summed compute speed over the fastest machine's)")
+    for prediction in curve:
+        axes.annotate(f"{prediction.chosen} used", (prediction.scenario.machines,
+                                                    prediction.speedup),
+                      textcoords="offset points", xytext=(0, 6), ha="center", fontsize="x-small")
+    axes.set_xscale("log", base=2)
+    axes.set_yscale("log", base=2)
+    axes.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    axes.set_xticks(machines, [str(n) for n in machines])
+    axes.set_xlabel("machines (the run's participants repeated, measured links)")
+    axes.set_ylabel("speedup over one machine (x)")
+    axes.set_title(f"Predicted scaling (model estimate): batch {run.batch}, "
+                   f"arch {':'.join(map(str, run.arch))}, {run.data_plane} data plane")
+    axes.legend(fontsize="small", loc="upper left")
+    axes.grid(alpha=0.3, which="both")
     return _png(figure)

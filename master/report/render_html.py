@@ -135,6 +135,17 @@ def run_body(records: RunRecords, summary: RunSummary, level: int = 2) -> str:
                "not place) is drawn at the end.</p>"),
               _image(plots.timeline(records), "per device timeline of the last steps: forward, "
                      "backward and waiting time per layer")]
+    scaling = plots.predicted_scaling(records)
+    parts += [f"<{h}>Predicted scaling (model estimate)</{h}>",
+              ("<p>The performance model's step time for 1 to 128 machines like the run's "
+               "participants (repeated in order) at its measured links, batch and network, as "
+               "speedup over the fastest machine alone; the planner may leave machines out. "
+               "Estimates, not measurements: <code>hetconv plan</code> prints them as a table "
+               "with the measured step beside the estimate for this run's configuration.</p>"),
+              _image(scaling, "model estimate of the speedup against the number of machines")
+              if scaling is not None else
+              ('<p class="empty">No estimate: the run has no cost fits or no measured links '
+               "(a distributed run with --split model has both).</p>")]
     parts += [f"<{h}>Training</{h}>",
               _image(plots.training_curves(records), "loss per step and accuracy per epoch"),
               _table(epochs, caption=True)]

@@ -1,0 +1,115 @@
+"""``hetconv plan`` on a real distributed run: the table, the measured step beside the
+estimate, the files it writes, the report's plot, and one-line errors for bad input."""
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import SMALL_RUN, run_hetconv
+
+pytestmark = [pytest.mark.integration]
+
+
+def metrics(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def distributed_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished run of the master and two workers with the link-aware planner."""
+    from hetconv.lab import LocalWorkers, free_port
+
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    base = tmp_path_factory.mktemp("plan")
+    run_dir = base / "run"
+    with LocalWorkers(endpoint, [{"name": "w1"}, {"name": "w2"}], log_dir=base):
+        result = run_hetconv("train", "--listen", endpoint, "--min-workers", "2", "--wait", "30",
+                             *SMALL_RUN, "--limit", "1280", "--split", "model",
+                             "--run-dir", str(run_dir))
+    assert result.returncode == 0, result.stderr
+    return run_dir
+
+
+@pytest.mark.timeout(240)
+def test_the_table_and_the_measured_step(distributed_run: Path, tmp_path: Path) -> None:
+    records = metrics(distributed_run)
+    participants = next(r for r in records if r["type"] == "calibration")["devices"]
+    steps = [r["step_s"] for r in records if r["type"] == "step"][1:]
+    markdown, data = tmp_path / "plan.md", tmp_path / "plan.json"
+    result = run_hetconv("plan", str(distributed_run), "--machines", "1,2,4,128",
+                         "--rate", "measured,100mbit", "--markdown", str(markdown),
+                         "--json", str(data))
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    assert "Model estimates" in text and "est. step ms" in text
+    rows = [line.split() for line in text.splitlines()
+            if line.split()[:1] and line.split()[0].isdigit()]
+    assert [(row[0], row[1]) for row in rows] == [
+        (n, rate) for rate in ("measured", "100mbit") for n in ("1", "2", "4", "128")]
+    assert all(row[2] == "64" and row[3] == "4:8" for row in rows)
+    assert all(float(row[5]) > 0 and 1 <= int(row[7]) <= int(row[0]) for row in rows)
+    assert f"Measured configuration ({len(participants)} participants" in text
+    assert f"measured median  {statistics.median(steps) * 1e3:.1f} ms per step" in text
+
+    document = json.loads(data.read_text())
+    assert len(document["rows"]) == 8
+    assert document["rows"][3]["machines"] == 128
+    measured = document["measured_configuration"]
+    assert measured["machines"] == len(participants)
+    assert measured["measured_step_s"] == pytest.approx(statistics.median(steps))
+    table = markdown.read_text()
+    assert "- command: `hetconv plan " in table and table.count("\n| ") == 9
+
+    other = run_hetconv("plan", str(distributed_run), "--machines", "8", "--rate", "1gbit",
+                        "--batch", "128", "--arch", "8:16", "--like", "w1")
+    assert other.returncode == 0, other.stderr
+    assert any(line.split()[:4] == ["8", "1gbit", "128", "8:16"]
+               for line in other.stdout.splitlines())
+
+
+@pytest.mark.timeout(240)
+def test_the_report_plots_the_predicted_scaling(distributed_run: Path) -> None:
+    result = run_hetconv("report", str(distributed_run))
+    assert result.returncode == 0, result.stderr
+    page = (distributed_run / "report.html").read_text(encoding="utf-8")
+    section = page.split("Predicted scaling (model estimate)", 1)[1].split("<h2>", 1)[0]
+    assert '<img src="data:image/png;base64,' in section
+
+
+def local_run(directory: Path) -> Path:
+    directory.mkdir()
+    config = {"mode": "local", "arch": [4, 8], "batch": 64, "input_shape": [1, 28, 28]}
+    (directory / "metrics.jsonl").write_text(json.dumps({"type": "run_start",
+                                                         "config": config}) + "\n")
+    return directory
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("arguments,message", [
+    (["{missing}"], "no such run directory"),
+    (["{empty}"], "no metrics.jsonl here"),
+    (["{local}"], "no calibration records"),
+    (["{run}", "--rate", "fast"], "--rate 'fast': expected a number"),
+    (["{run}", "--machines", "0"], "--machines 0: give 1 to 128"),
+    (["{run}", "--machines", "1,129"], "--machines 129: give 1 to 128"),
+    (["{run}", "--machines", "two"], "--machines 'two': not a whole number"),
+    (["{run}", "--arch", "32:x"], "--arch '32:x'"),
+    (["{run}", "--batch", "0"], "--batch '0'"),
+    (["{run}", "--like", "nobody"], "--like nobody: no such participant"),
+], ids=["missing", "empty", "local", "rate", "zero", "too-many", "not-a-number", "arch",
+        "batch", "like"])
+def test_bad_input_is_one_line(distributed_run: Path, tmp_path: Path, arguments: list[str],
+                               message: str) -> None:
+    (tmp_path / "empty").mkdir()
+    paths = {"missing": tmp_path / "missing", "empty": tmp_path / "empty",
+             "local": local_run(tmp_path / "local"), "run": distributed_run}
+    result = run_hetconv("plan", *(a.format(**paths) for a in arguments))
+    assert result.returncode == 2, result.stdout
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hetconv: error: "), result.stderr
+    assert message in lines[0], lines[0]
+    assert "Traceback" not in result.stderr
