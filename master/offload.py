@@ -51,6 +51,21 @@ class LocalJob:
     finished_at: float = 0.0
 
 
+@dataclass
+class OpenPhase:
+    """One layer phase whose requests are out: what it awaits and, once gathered, its
+    replies by participant."""
+
+    what: str
+    requests: list[tuple[Shard, Any]]
+    started: float  # monotonic, when its first request went out
+    pending: dict[int, WorkerHandle] = field(default_factory=dict)
+    by_rid: dict[int, Shard] = field(default_factory=dict)
+    sent: dict[str, int] = field(default_factory=dict)
+    job: LocalJob | None = None
+    replies: dict[str, Reply] = field(default_factory=dict)
+
+
 class DistributedConvStage:
     """A :class:`hetconv.stage.ConvStage` over a :class:`Cluster` and a local shard set."""
 
@@ -111,11 +126,13 @@ class DistributedConvStage:
             "bytes_sent": 0, "bytes_received": 0})
 
     def _account(self, layer: int, phase: str, started: float, local_done: float,
-                 results: list[tuple[Shard, float, float, int, int]], record: bool) -> None:
-        """results: (shard, compute_s, arrival monotonic, bytes_sent, bytes_received)."""
+                 results: list[tuple[Shard, float, float, int, int]], record: bool,
+                 ended: float | None = None) -> None:
+        """results: (shard, compute_s, arrival monotonic, bytes_sent, bytes_received);
+        the phase ran from ``started`` to ``ended`` (default now)."""
         if not record:
             return
-        wall = time.monotonic() - started
+        wall = (time.monotonic() if ended is None else ended) - started
         slowest = 0.0
         for shard, compute_s, arrival, sent, received in results:
             entry = self._entry(layer, shard)
@@ -127,42 +144,61 @@ class DistributedConvStage:
             slowest = max(slowest, compute_s)
         self._comm_s += max(0.0, wall - slowest)
 
+    def _start_phase(self, what: str, requests: list[tuple[Shard, Any]],
+                     local: Callable[[], Any] | None) -> OpenPhase:
+        """Send ``requests`` and queue ``local`` on the helper thread; gather with
+        :meth:`_await_phases`."""
+        phase = OpenPhase(what, requests, time.monotonic())
+        for shard, message in requests:
+            assert shard.worker is not None
+            phase.sent[shard.participant] = self.cluster.send(shard.worker, message)
+            phase.pending[message.request_id] = shard.worker
+            phase.by_rid[message.request_id] = shard
+        phase.job = self._run_local(local) if local is not None else None
+        return phase
+
+    def _await_phases(self, phases: Sequence[OpenPhase]) -> None:
+        """Gather the replies of every phase at once (and wait for their local jobs);
+        fills each phase's ``replies`` by participant. On failure every local job is
+        cancelled and waited for before the error goes up."""
+        pending = {rid: worker for phase in phases for rid, worker in phase.pending.items()}
+        jobs = [phase.job for phase in phases if phase.job is not None]
+        what = phases[-1].what if len(phases) == 1 else \
+            f"{phases[0].what} to {phases[-1].what}"
+        try:
+            replies = self.cluster.gather(pending, what,
+                                          done=lambda: all(job.done.is_set() for job in jobs))
+        finally:
+            if not all(job.done.is_set() for job in jobs):  # failed: end local peer waits
+                self._cancel_local.set()
+            for job in jobs:
+                job.done.wait()  # never leave the helper thread running on shared state
+            self._cancel_local.clear()
+        for job in jobs:
+            if job.error is not None:
+                raise job.error
+        for phase in phases:
+            for shard, message in phase.requests:
+                reply_message = replies[message.request_id].message
+                for key in ("step", "layer", "attempt"):
+                    if hasattr(message, key) and \
+                            getattr(reply_message, key) != getattr(message, key):
+                        raise WorkerLost(f"worker {shard.participant} answered {phase.what} "
+                                         f"with {key} {getattr(reply_message, key)}, expected "
+                                         f"{getattr(message, key)}")
+            phase.replies = {phase.by_rid[rid].participant: replies[rid]
+                             for rid in phase.pending}
+
     def _exchange(self, layer: int, what: str, requests: list[tuple[Shard, Any]],
                   local: Callable[[], Any] | None) -> tuple[dict[str, Reply], Any, float, float,
                                                            dict[str, int]]:
         """Send requests, run ``local`` meanwhile, gather; returns replies by device."""
-        started = time.monotonic()
-        pending: dict[int, WorkerHandle] = {}
-        sent: dict[str, int] = {}
-        by_rid: dict[int, Shard] = {}
-        for shard, message in requests:
-            assert shard.worker is not None
-            sent[shard.participant] = self.cluster.send(shard.worker, message)
-            pending[message.request_id] = shard.worker
-            by_rid[message.request_id] = shard
-        job = self._run_local(local) if local is not None else None
-        try:
-            replies = self.cluster.gather(pending, what,
-                                          done=job.done.is_set if job else (lambda: True))
-        finally:
-            if job is not None:
-                if not job.done.is_set():  # the phase failed: end a local wait for peers
-                    self._cancel_local.set()
-                job.done.wait()  # never leave the helper thread running on shared state
-                self._cancel_local.clear()
-        if job is not None and job.error is not None:
-            raise job.error
+        phase = self._start_phase(what, requests, local)
+        self._await_phases([phase])
+        job = phase.job
         local_result, local_s = (job.result, job.seconds) if job else (None, 0.0)
-        local_done = job.finished_at if job else started
-        for (shard, message) in requests:
-            reply_message = replies[message.request_id].message
-            for key in ("step", "layer", "attempt"):
-                if hasattr(message, key) and getattr(reply_message, key) != getattr(message, key):
-                    raise WorkerLost(f"worker {shard.participant} answered {what} with {key} "
-                                     f"{getattr(reply_message, key)}, expected "
-                                     f"{getattr(message, key)}")
-        by_participant = {by_rid[rid].participant: reply for rid, reply in replies.items()}
-        return by_participant, local_result, local_s, local_done, sent
+        local_done = job.finished_at if job else phase.started
+        return phase.replies, local_result, local_s, local_done, phase.sent
 
     # --- the ConvStage interface --------------------------------------------------------------
     def forward(self, layer: int, x: np.ndarray, train: bool, step: int) -> np.ndarray:

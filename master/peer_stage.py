@@ -34,7 +34,7 @@ from hetconv.dataplane import (
 )
 from hetconv.errors import UserError
 from hetconv.master.cluster import Cluster, WorkerHandle
-from hetconv.master.offload import DistributedConvStage
+from hetconv.master.offload import DistributedConvStage, OpenPhase
 from hetconv.master.plan import Shard
 from hetconv.peer_sockets import PeerSockets, route_address
 from hetconv.protocol import (
@@ -71,6 +71,7 @@ class PeerConvStage(DistributedConvStage):
         self.participant: PeerParticipant | None = None  # the master's own share, if any
         self._pass_id = 0
         self._told: set[str] = set()  # workers that were sent an AssignPeers this run
+        self._open: list[tuple[int, OpenPhase]] = []  # this pass's phases awaiting replies
 
     # --- bookkeeping -------------------------------------------------------------------
     def _entry(self, layer: int, shard: Shard) -> dict[str, Any]:
@@ -115,42 +116,33 @@ class PeerConvStage(DistributedConvStage):
                 self._entry(producer, shard)["bytes_received"] += count
 
     # --- the ConvStage interface ---------------------------------------------------------
+    # The layer phases of a pass are pipelined: forward requests for every layer go out
+    # without waiting for the previous layer's replies, so a worker starts computing
+    # layer l+1 on the first samples its peers send while they still send the rest (the
+    # overlap of hetconv.dataplane). The last layer's forward gathers every forward
+    # reply of the pass; layer 0's backward gathers every backward reply.
     def forward(self, layer: int, x: np.ndarray, train: bool, step: int) -> np.ndarray:
         if layer == 0:
             self._pass_id += 1
+            self._open = []
         pass_id = self._pass_id
         first = np.ascontiguousarray(x, dtype=np.float32) if layer == 0 else None
         wire_x = None if first is None else first.astype(self.wire_dtype, copy=False)
-        shards = [s for s in self.shards[layer] if s.kernels > 0]
         relay = self.plan.input_relay()  # layer 0's input goes once, to the relay
         requests = [(s, PeerForwardRequest(request_id=self.cluster.request_id(), pass_id=pass_id,
                                            step=step, layer=layer, attempt=0, train=train,
                                            x=wire_x if s.participant == relay else None))
-                    for s in shards if s.worker is not None]
+                    for s in self.shards[layer] if s.worker is not None and s.kernels > 0]
         participant = self.participant
         local: Callable[[], Any] | None = None
         if participant is not None and self.plan.holds(layer, MASTER_PARTICIPANT):
             def local() -> Any:
                 return participant.forward(pass_id, step, layer, train, first)
-        started = time.monotonic()
-        replies, local_result, local_s, local_done, sent = self._exchange(
-            layer, f"forward of layer {layer + 1} (step {step})", requests, local)
-        outputs, results = [], []
-        for shard in shards:
-            if shard.worker is None:
-                outputs.append(local_result[0])
-                results.append((shard, local_result[1].compute_s, local_done, 0, 0))
-            else:
-                reply = replies[shard.participant]
-                assert isinstance(reply.message, PeerForwardReply)
-                outputs.append(reply.message.y)
-                results.append((shard, reply.message.compute_s, reply.received_at,
-                                sent[shard.participant], reply.payload_bytes))
-        self._account(layer, "forward", started, local_done, results, train)
-        if train:
-            self._account_peers(layer, replies, local_result[1] if local_result else None)
+        self._open.append((layer, self._start_phase(
+            f"forward of layer {layer + 1} (step {step})", requests, local)))
         if layer != self.plan.last_layer:
             return NO_OUTPUT
+        outputs = self._finish_pass("forward", train)
         joined = np.concatenate(outputs, axis=1) if len(outputs) > 1 else outputs[0]
         return np.asarray(joined, dtype=np.float32)
 
@@ -158,12 +150,13 @@ class PeerConvStage(DistributedConvStage):
                  step: int) -> np.ndarray | None:
         pass_id = self._pass_id
         last = layer == self.plan.last_layer
-        shards = [s for s in self.shards[layer] if s.kernels > 0]
+        if last:
+            self._open = []
         requests = [(s, PeerBackwardRequest(
             request_id=self.cluster.request_id(), pass_id=pass_id, step=step, layer=layer,
             attempt=0, learning_rate=learning_rate,
             dy=np.ascontiguousarray(dy[:, s.start:s.stop], dtype=self.wire_dtype) if last
-            else None)) for s in shards if s.worker is not None]
+            else None)) for s in self.shards[layer] if s.worker is not None and s.kernels > 0]
         participant = self.participant
         local: Callable[[], Any] | None = None
         own = self.plan.range_of(layer, MASTER_PARTICIPANT)
@@ -173,21 +166,56 @@ class PeerConvStage(DistributedConvStage):
 
             def local() -> Any:
                 return participant.backward(pass_id, step, layer, learning_rate, own_dy)
-        started = time.monotonic()
-        replies, local_stats, local_s, local_done, sent = self._exchange(
-            layer, f"backward of layer {layer + 1} (step {step})", requests, local)
-        results = []
-        for shard in shards:
-            if shard.worker is None:
-                results.append((shard, local_stats.compute_s, local_done, 0, 0))
-            else:
-                reply = replies[shard.participant]
-                assert isinstance(reply.message, PeerBackwardReply)
-                results.append((shard, reply.message.compute_s, reply.received_at,
-                                sent[shard.participant], reply.payload_bytes))
-        self._account(layer, "backward", started, local_done, results, True)
-        self._account_peers(layer, replies, local_stats)
+        self._open.append((layer, self._start_phase(
+            f"backward of layer {layer + 1} (step {step})", requests, local)))
+        if layer == 0:
+            self._finish_pass("backward", True)
         return None
+
+    def _finish_pass(self, phase_name: str, record: bool) -> list[np.ndarray]:
+        """Gather every open phase of the pass, account each from the moment the one
+        before it was done, and return the last phase's outputs in kernel order
+        (forward only)."""
+        opened, self._open = self._open, []
+        self._await_phases([phase for _, phase in opened])
+        previous_done = opened[0][1].started
+        outputs: list[np.ndarray] = []
+        for layer, phase in opened:
+            job = phase.job
+            local_done = job.finished_at if job is not None else phase.started
+            local_stats: ExchangeStats | None = None
+            results = []
+            last_output: list[np.ndarray] = []
+            for shard in (s for s in self.shards[layer] if s.kernels > 0):
+                if shard.worker is None:
+                    assert job is not None
+                    if phase_name == "forward":
+                        y, local_stats = job.result
+                        if y is not None:
+                            last_output.append(y)
+                    else:
+                        local_stats = job.result
+                    assert local_stats is not None
+                    results.append((shard, local_stats.compute_s, local_done, 0, 0))
+                else:
+                    reply = phase.replies[shard.participant]
+                    message = reply.message
+                    if phase_name == "forward":
+                        assert isinstance(message, PeerForwardReply)
+                        if message.y is not None:
+                            last_output.append(message.y)
+                    else:
+                        assert isinstance(message, PeerBackwardReply)
+                    results.append((shard, message.compute_s, reply.received_at,
+                                    phase.sent[shard.participant], reply.payload_bytes))
+            started = max(phase.started, previous_done)
+            ended = max([started] + [arrival for _, _, arrival, _, _ in results])
+            self._account(layer, phase_name, started, local_done, results, record, ended=ended)
+            if record:
+                self._account_peers(layer, phase.replies, local_stats)
+            previous_done = ended
+            outputs = last_output
+        return outputs
 
     # --- handing out the peers -----------------------------------------------------------
     def assign_peers(self) -> None:
