@@ -52,9 +52,14 @@ def parse_machines(text: str) -> tuple[float, ...]:
     return fractions
 
 
+SETTLED_STEPS = 8
+"""Steps that must follow a re-split for the figures to be taken after it."""
+
+
 @dataclass(frozen=True)
 class RunFigures:
-    """What one run's metrics say (seconds, bytes per step; medians over steps after the first)."""
+    """What one run's metrics say (seconds, bytes per step; medians over the steps after
+    the settled re-split, see :func:`settled_split`, or else over all but the first)."""
 
     step_s: float
     dense_s: float
@@ -63,11 +68,29 @@ class RunFigures:
     predicted_step_s: float | None
 
 
+def settled_split(records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The last ``rebalance`` record followed by at least SETTLED_STEPS steps, or None.
+
+    A run's figures are taken from the steps after it (the first one after a re-split
+    excluded), and its prediction is the model's for that split, with the rebalancer's
+    measured corrections: the steady state a long run trains in, not the first steps
+    on a split the calibration guessed."""
+    steps = [int(r["step"]) for r in records if r.get("type") == "step"]
+    for record in reversed([r for r in records if r.get("type") == "rebalance"]):
+        if sum(1 for step in steps if step > int(record["step"]) + 1) >= SETTLED_STEPS:
+            return dict(record)
+    return None
+
+
 def run_figures(run_dir: Path, link_bytes_per_s: float | None) -> RunFigures:
     """Medians from ``metrics.jsonl`` and the model's prediction from its calibration."""
     records = read_metrics(run_dir / "metrics.jsonl")
     steps = [r for r in records if r.get("type") == "step"]
-    steps = steps[1:] if len(steps) > 1 else steps
+    settled = settled_split(records)
+    if settled is not None:  # the steady state: the split the rebalancer settled on
+        steps = [r for r in steps if int(r["step"]) > int(settled["step"]) + 1]
+    else:
+        steps = steps[1:] if len(steps) > 1 else steps
     if not steps:
         raise UserError(f"{run_dir}: the run recorded no steps")
     master_bytes, busiest = [], []
@@ -90,7 +113,9 @@ def run_figures(run_dir: Path, link_bytes_per_s: float | None) -> RunFigures:
     calibration = [r for r in records if r.get("type") == "calibration"]
     plans = [r for r in records if r.get("type") == "plan"]
     predicted = None
-    if plans:  # the planner's own prediction (conv + transfers) plus the measured dense part
+    if settled is not None:  # the model's prediction of that split (measured corrections)
+        predicted = float(settled["new_predicted_step_s"]) + dense_s
+    elif plans:  # the planner's own prediction (conv + transfers) plus the measured dense part
         predicted = float(plans[-1]["predicted_step_s"]) + dense_s
     elif calibration and link_bytes_per_s:
         layers = [[ParticipantCost(float(d["fixed_s"]), float(d["per_kernel_s"]),
@@ -134,7 +159,7 @@ def _run_in_quota(command: list[str], fraction: float, log_path: Path) -> int:
 def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
                     arch: str = "32:64", batch: int = 128, limit: int | None = None,
                     repeats: int = 3, work_dir: str | None = None,
-                    data_planes: tuple[str, ...] = ("peer",), epochs: int = 2,
+                    data_planes: tuple[str, ...] = ("peer",), epochs: int = 4,
                     out: Callable[[str], None] = print) -> dict[str, Any]:
     """Run every machine set with every data plane, and the baselines, ``repeats``
     times, interleaved within each repeat."""

@@ -75,9 +75,10 @@ def add_parser(sub: Any) -> None:
     scale.add_argument("--batch", type=positive_int, default=128)
     scale.add_argument("--limit", type=positive_int, default=None,
                        help="training images per run (default: the synthetic set, 2048)")
-    scale.add_argument("--epochs", type=positive_int, default=2,
-                       help="epochs per run (default 2: the step median then includes steps "
-                       "after the rebalancer's first re-split)")
+    scale.add_argument("--epochs", type=positive_int, default=4,
+                       help="epochs per run (default 4, 64 steps of 128: enough for the "
+                       "rebalancer to settle; the figures are the steps after its last "
+                       "re-split that 8 or more steps follow)")
     scale.add_argument("--repeats", type=positive_int, default=3)
     scale.add_argument("--work-dir", default=None, help="where the runs go (default a temp dir)")
     for parser in (conv, proto, split, scale):
