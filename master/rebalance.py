@@ -8,7 +8,14 @@ backward, as the participants time themselves) and the kernels each held. After
 ``warmup_steps`` ignored steps it keeps the last ``window_steps`` of them; once the
 window is full it corrects each participant's calibrated cost of every layer where
 it holds kernels by the median of measured / predicted (fixed and per-kernel parts
-alike; where it holds none it keeps its last profile), asks the planner for a plan
+alike; where it holds none it keeps its last profile). Every full window also leaves
+one measured point (kernels, median seconds) per participant and layer; once a
+participant has been measured at two or more kernel counts of a layer, its cost
+line there is fitted to those points (:func:`fit_cost_line`) instead of scaled from
+the calibration, so successive re-splits converge on the measured costs rather
+than swinging between two calibration-scaled guesses; a window far off the fitted
+line (DRIFT_FRACTION) drops the older points, so a machine that slows down or
+recovers is followed. It then asks the planner for a plan
 on the same data plane and links, and proposes a re-split only when the corrected
 prediction of the current split is more than ``threshold`` slower than the new
 plan's, and at most once per ``min_interval_steps``. Pure: numbers in, a
@@ -26,6 +33,9 @@ from typing import Any
 from hetconv.master.planner import ParticipantProfile, choose_plan, predict
 from hetconv.perf_model import LayerTraffic
 
+DRIFT_FRACTION = 0.25
+"""A window this far off the participant's fitted cost line means the machine changed
+(other load, throttling): its older measured points are dropped."""
 Counts = tuple[tuple[int, ...], ...]  # counts[layer][profile index]
 LayerMeasure = Mapping[str, tuple[int, float]]  # participant -> (kernels, compute seconds)
 
@@ -97,6 +107,8 @@ class Rebalancer:
         self._window: deque[list[list[float | None]]] = deque(maxlen=self.settings.window_steps)
         self._ignore = self.settings.warmup_steps
         self._last_change: int | None = None
+        # (layer, profile index) -> kernels -> median measured seconds of a full window
+        self._points: dict[tuple[int, int], dict[int, float]] = {}
 
     def observe(self, step: int, layers: Sequence[LayerMeasure]) -> RebalanceDecision | None:
         """Take one step's measurements; a decision (already adopted) or None."""
@@ -113,6 +125,7 @@ class Rebalancer:
                 step - self._last_change < self.settings.min_interval_steps:
             return None
         scales = self._scales()
+        self._remember_points()
         self.profiles = tuple(self._corrected(index, scales) for index in range(len(scales[0])))
         old_s = predict(self.profiles, self.counts, self.traffic, self.data_plane)
         plan = choose_plan(self.profiles, self.traffic, self.data_plane)
@@ -167,15 +180,56 @@ class Rebalancer:
             scales.append(row)
         return scales
 
+    def _remember_points(self) -> None:
+        """One (kernels, median seconds) point per participant and layer of this window."""
+        for layer, row in enumerate(self.counts):
+            for index, (profile, count) in enumerate(zip(self.calibrated, row)):
+                values = [step[layer][index] for step in self._window]
+                ratios = [v for v in values if v is not None]
+                if count <= 0 or not ratios:
+                    continue
+                fixed, per_kernel = profile.costs[layer]
+                seconds = statistics.median(ratios) * (fixed + per_kernel * count)
+                points = self._points.setdefault((layer, index), {})
+                line = fit_cost_line(points)
+                if line is not None and abs(seconds / (line[0] + line[1] * count) - 1) > \
+                        DRIFT_FRACTION:  # the machine changed: older points no longer hold
+                    points.clear()
+                points[count] = seconds
+
     def _corrected(self, index: int, scales: Sequence[Sequence[float | None]]
                    ) -> ParticipantProfile:
         calibrated, current = self.calibrated[index], self.profiles[index]
         costs = []
         for layer, row in enumerate(scales):
             scale = row[index]
-            if scale is None:  # no kernels here: keep what we believed
+            fitted = fit_cost_line(self._points.get((layer, index), {}))
+            if fitted is not None:  # measured at two or more kernel counts
+                costs.append(fitted)
+            elif scale is None:  # no kernels here: keep what we believed
                 costs.append(current.costs[layer])
             else:
                 fixed_s, per_kernel_s = calibrated.costs[layer]
                 costs.append((fixed_s * scale, per_kernel_s * scale))
         return replace(current, costs=tuple(costs))
+
+
+def fit_cost_line(points: Mapping[int, float]) -> tuple[float, float] | None:
+    """(fixed_s, per_kernel_s) of the least-squares line through measured (kernels,
+    seconds) points, or None with fewer than two kernel counts or a line that does not
+    rise. The fixed part is kept within [0, the smallest measured time]."""
+    if len(points) < 2:
+        return None
+    ks = [float(k) for k in points]
+    ts = [points[k] for k in points]
+    mean_k, mean_t = statistics.fmean(ks), statistics.fmean(ts)
+    spread = sum((k - mean_k) ** 2 for k in ks)
+    if spread <= 0:
+        return None
+    slope = sum((k - mean_k) * (t - mean_t) for k, t in zip(ks, ts)) / spread
+    if slope <= 0:
+        return None
+    fixed = min(max(0.0, mean_t - slope * mean_k), min(ts))
+    # the slope again, through the (possibly clipped) fixed part: least squares
+    per_kernel = sum(k * (t - fixed) for k, t in zip(ks, ts)) / sum(k * k for k in ks)
+    return (fixed, per_kernel) if per_kernel > 0 else None

@@ -168,3 +168,39 @@ def test_reshard_keeps_the_participants_and_tiles_the_kernels() -> None:
         reshard(shards, [[3, 2, 0]])  # 5 kernels of a 4-kernel layer
     with pytest.raises(ValueError):
         reshard(shards, [[4, 0]])
+
+
+def test_cost_line_fit_from_measured_points() -> None:
+    from hetconv.master.rebalance import fit_cost_line
+    assert fit_cost_line({8: 0.05}) is None  # one kernel count: nothing to fit
+    fixed, per_kernel = fit_cost_line({4: 0.014, 8: 0.018, 16: 0.026})  # type: ignore[misc]
+    assert abs(fixed - 0.010) < 1e-9 and abs(per_kernel - 0.001) < 1e-9
+    assert fit_cost_line({4: 0.02, 8: 0.01}) is None  # falling: noise, not a cost line
+    fixed, _ = fit_cost_line({10: 0.001, 20: 0.030})  # type: ignore[misc]
+    assert 0.0 <= fixed <= 0.001  # the fixed part never goes negative nor above a point
+
+
+def test_re_splits_converge_instead_of_swinging() -> None:
+    """Calibration says a and b are equal; in truth b's fixed cost is large. The
+    rebalancer must settle within a few re-splits, not alternate."""
+    from hetconv.master.planner import ParticipantProfile
+    from hetconv.master.rebalance import Rebalancer, RebalanceSettings
+    from hetconv.perf_model import LayerTraffic
+    truth = {"a": (0.002, 0.001), "b": (0.020, 0.0008)}
+    profiles = [ParticipantProfile(p, ((0.005, 0.001),), None) for p in ("a", "b")]
+    traffic = [LayerTraffic(1000, 1000, 64, False)]
+    rebalancer = Rebalancer(profiles, traffic, [[32, 32]], "star",
+                            RebalanceSettings(warmup_steps=0, window_steps=2,
+                                              min_interval_steps=2))
+    counts = [[32, 32]]
+    history = []
+    for step in range(60):
+        layer = {p: (k, truth[p][0] + truth[p][1] * k) for p, k in zip(("a", "b"), counts[0])}
+        decision = rebalancer.observe(step, [layer])
+        if decision is not None:
+            counts = [list(row) for row in decision.counts]
+            history.append(tuple(counts[0]))
+    assert 1 <= len(history) <= 3, history
+    a, b = history[-1]
+    finish = [truth["a"][0] + truth["a"][1] * a, truth["b"][0] + truth["b"][1] * b]
+    assert max(finish) / min(finish) < 1.1  # balanced by the measured lines
