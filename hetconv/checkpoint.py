@@ -1,7 +1,7 @@
 """Atomic writes of weights (``.npz``, no object arrays) and JSON metadata.
 
-Files are written to a temporary name in the same directory, fsynced and
-renamed, so a crash never leaves a half-written checkpoint behind.
+Files are written to a temporary name in the same directory, fsynced, renamed and
+the directory fsynced, so a crash never leaves a half-written file behind.
 """
 from __future__ import annotations
 
@@ -14,19 +14,32 @@ from typing import Any
 import numpy as np
 
 
-def _atomic_write(path: Path, write: Any) -> None:
+def _atomic_write(path: Path, write: Any) -> int:
+    """``write(handle)`` to a temporary file beside ``path``, fsync, rename over
+    ``path``, fsync the directory (so the rename itself survives a crash); returns the
+    size written. A failure leaves the old file and no temporary behind."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as handle:
             write(handle)
             handle.flush()
             os.fsync(handle.fileno())
+            size = handle.tell()
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+    return int(size)
+
+
+write_atomically = _atomic_write
 
 
 def save_weights(path: str | Path, arrays: dict[str, np.ndarray]) -> None:

@@ -20,6 +20,7 @@ SCHEDULES = ("cosine", "step", "constant")
 SPLIT_MODES = ("model", "calibrated", "equal")
 WIRE_DTYPES = ("float32", "float16")
 ON_OFF = ("on", "off")  # --rebalance
+ON_WORKER_LOSS = ("continue", "stop")  # --on-worker-loss
 DATA_PLANES = ("peer", "star")  # peer (default): worker to worker; star: all via the master
 PADDINGS = (0, 1, 2)
 
@@ -59,12 +60,13 @@ class MasterConfig:
     curve_secret: str | None = None  # the master's NAME.key_secret
     curve_allow: str | None = None  # directory of allowed workers' NAME.key
     data_plane: str = DATA_PLANES[0]
-    peer_timeout_s: float = (limits.DEFAULT_HEARTBEAT_INTERVAL_S
-                             * limits.DEFAULT_HEARTBEAT_LIVENESS)
+    peer_timeout_s: float = limits.DEFAULT_PEER_TIMEOUT_S
     rebalance: bool | None = None  # re-split from measured step times; None: on for "model"
+    on_worker_loss: str = ON_WORKER_LOSS[0]  # when the last worker is gone
 
     def __post_init__(self) -> None:
         check_choice("--split", self.split, SPLIT_MODES)
+        check_choice("--on-worker-loss", self.on_worker_loss, ON_WORKER_LOSS)
         check_choice("--data-plane", self.data_plane, DATA_PLANES)
         check_choice("--wire-dtype", self.wire_dtype, WIRE_DTYPES)
         if self.min_workers < 0:
@@ -103,6 +105,8 @@ class TrainConfig:
     run_dir: str | None = None
     overwrite: bool = False
     progress: bool = True
+    checkpoint_every: int = 20  # steps between snapshots (0: epoch ends only)
+    resume: bool = False  # go on from run_dir's checkpoint.npz
     master: MasterConfig | None = None  # None: a local run
 
     def __post_init__(self) -> None:
@@ -132,6 +136,8 @@ class TrainConfig:
             "wire_dtype": master.wire_dtype if master else "float32",
             "data_plane": master.data_plane if master else None,
             "rebalance": master.rebalancing if master else False,
+            "checkpoint_every": self.checkpoint_every,
+            "on_worker_loss": master.on_worker_loss if master else None,
         }
 
 

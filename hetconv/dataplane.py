@@ -410,11 +410,13 @@ class PiecePort(Protocol):
 
 
 class PeerLost(Exception):
-    """A peer's piece did not come within the deadline, or could not be sent to it."""
+    """A peer's piece did not come within the deadline, or could not be sent to it
+    (``bad_data``: it came, holding NaN or Inf)."""
 
-    def __init__(self, peers: Sequence[str], message: str):
+    def __init__(self, peers: Sequence[str], message: str, bad_data: bool = False):
         super().__init__(message)
         self.peers = list(peers)
+        self.bad_data = bad_data
 
 
 @dataclass
@@ -629,6 +631,10 @@ class PeerParticipant:
                 if reason is not None:
                     self.on_drop(reason)
                     continue
+                if not np.isfinite(piece.data).all():  # a peer computing garbage
+                    raise PeerLost([piece.sender], f"peer {piece.sender} sent {piece.phase} "
+                                   f"data of layer {piece.layer + 1} holding NaN or Inf",
+                                   bad_data=True)
                 where = (piece.sender, piece.layer, piece.phase)
                 stats.received[where] = stats.received.get(where, 0) + piece.data.nbytes
                 deadline = time.monotonic() + self.timeout_s

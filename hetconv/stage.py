@@ -14,9 +14,25 @@ from typing import Any, Protocol
 import numpy as np
 
 from hetconv.config import MASTER_PARTICIPANT
+from hetconv.errors import UserError
 from hetconv.model import ModelConfig, conv_layer_shapes, layer_parameters
-from hetconv.names import PARAMETER_NAMES, layer_key, split_key
+from hetconv.names import PARAMETER_NAMES, STATE_NAMES, layer_key, split_key
 from hetconv.shard import ConvShard, LayerSettings
+
+
+class StageFault(UserError):
+    """A step's conv work was lost: a participant died, went silent, lost a peer or
+    answered wrongly. ``participant`` names the one at fault (None: unknown);
+    ``gone`` says it is known to be dead or gone (not merely late), ``evict`` that it
+    must go although alive (wrong or non-finite results). The trainer
+    restores its last snapshot and replays (see docs/resilience.md)."""
+
+    def __init__(self, message: str, participant: str | None = None, gone: bool = False,
+                 evict: bool = False):
+        super().__init__(message)
+        self.participant = participant
+        self.gone = gone
+        self.evict = evict  # its results were wrong: evict it even though it is alive
 
 
 class ConvStage(Protocol):
@@ -32,7 +48,24 @@ class ConvStage(Protocol):
         communication seconds: ``{"layers": [{"layer", "devices": [...]}], "comm_s"}``."""
         ...
 
-    def snapshot(self) -> dict[str, np.ndarray]: ...
+    def snapshot(self) -> dict[str, np.ndarray]:
+        """Every layer's whole state by ``conv{i}.<name>`` key (STATE_NAMES)."""
+        ...
+
+    def restore(self, state: dict[str, np.ndarray]) -> None:
+        """Put every shard back to ``state`` (a :meth:`snapshot`), between steps."""
+        ...
+
+    def recover(self, fault: StageFault, state: dict[str, np.ndarray]) -> ConvStage:
+        """After ``fault``: drop what failed, re-plan over what is left, restore every
+        shard to ``state`` and return the stage to go on with (this one, or a local one
+        when no worker is left). Raises when it cannot go on."""
+        ...
+
+    def replan_point(self, state: dict[str, np.ndarray]) -> ConvStage:
+        """Right after a snapshot (``state``, the current state): take in participants
+        that joined, if any; the stage to go on with."""
+        ...
 
     def close(self) -> None: ...
 
@@ -88,6 +121,18 @@ class LocalConvStage:
             for name, value in state.items():
                 out[layer_key(shard.layer, name)] = value
         return out
+
+    def restore(self, state: dict[str, np.ndarray]) -> None:
+        self.shards = [ConvShard(shard.layer, 0, shard.kernels, shard.settings,
+                                 {name: state[layer_key(shard.layer, name)]
+                                  for name in STATE_NAMES}, device=self.device)
+                       for shard in self.shards]
+
+    def recover(self, fault: StageFault, state: dict[str, np.ndarray]) -> ConvStage:
+        raise fault  # nothing here can fail that a restore would mend
+
+    def replan_point(self, state: dict[str, np.ndarray]) -> ConvStage:
+        return self
 
     def close(self) -> None:
         self.shards = []

@@ -18,13 +18,18 @@ import numpy as np
 from tqdm import tqdm
 
 from hetconv.checkpoint import save_weights
-from hetconv.data import Dataset, iterate_batches
+from hetconv.data import Dataset
+from hetconv.errors import UserError
 from hetconv.metrics import MetricsWriter
 from hetconv.model import ModelConfig, conv_layer_shapes
 from hetconv.ops.linear import linear, linear_backward
 from hetconv.ops.loss import softmax_cross_entropy, softmax_cross_entropy_backward
 from hetconv.optim import OptimizerConfig, learning_rate_at, sgd_update
-from hetconv.stage import ConvStage, split_snapshot
+from hetconv.stage import ConvStage, StageFault, split_snapshot
+from hetconv.train_state import CHECKPOINT_NAME, TrainingState, check_finite
+
+MAX_FAULTS_WITHOUT_PROGRESS = 8
+"""Faults in a row without a step beyond the failing one before the run gives up."""
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,8 @@ class LoopConfig:
     seed: int = 0
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     progress: bool = True
+    checkpoint_every: int = 20  # steps between snapshots (0: only at epoch ends)
+    checkpoints: bool = True  # also write each snapshot to RUN_DIR/checkpoint.npz
 
 
 @dataclass
@@ -64,6 +71,9 @@ class Trainer:
         self.metrics = metrics
         self.run_dir = run_dir
         self.out = out
+        self.last_state: TrainingState | None = None  # what a fault restores
+        self._faults_without_progress = 0
+        self._last_fault_step = -1
 
     def _conv_forward(self, x: np.ndarray, train: bool, step: int) -> np.ndarray:
         for layer in range(len(self.layers)):
@@ -118,52 +128,148 @@ class Trainer:
         save_weights(self.run_dir / "weights.npz", params)
         return params
 
-    def fit(self, data: Dataset) -> TrainResult:
+    # --- snapshots -------------------------------------------------------------------
+    def capture(self, step: int, epoch: int, position: int, seen: int, correct: int,
+                loss_sum: float, train_s: float, losses: list[float],
+                epochs: list[dict[str, Any]]) -> TrainingState:
+        """A snapshot of everything (the conv stage's state pulled from its shards);
+        ValueError when any array is non-finite (a diverged model is never saved)."""
+        conv = self.stage.snapshot()
+        check_finite(conv, f"snapshot at step {step}")
+        check_finite(self.dense, f"snapshot at step {step}")
+        return TrainingState(
+            step=step, epoch=epoch, position=position, conv=conv,
+            dense={k: v.copy() for k, v in self.dense.items()},
+            velocity={k: v.copy() for k, v in self.velocity.items()}, seen=seen,
+            correct=correct, loss_sum=loss_sum, train_s=train_s, losses=list(losses),
+            epochs=[dict(e) for e in epochs])
+
+    def restore(self, state: TrainingState) -> None:
+        """Put the dense layer and every conv shard back to ``state``."""
+        self.dense = {k: v.copy() for k, v in state.dense.items()}
+        self.velocity = {k: v.copy() for k, v in state.velocity.items()}
+        self.stage.restore(state.conv)
+
+    def _checkpoint(self, state: TrainingState, started: float) -> None:
+        """Keep ``state`` as the one to restore, write it to the run directory, and let
+        the stage take in joined participants (a re-plan point)."""
+        self.last_state = state
+        size = state.save(self.run_dir / CHECKPOINT_NAME) if self.loop.checkpoints else 0
+        self.metrics.write("checkpoint", step=state.step, epoch=state.epoch,
+                           position=state.position, state_bytes=state.nbytes(),
+                           file_bytes=size, seconds=time.perf_counter() - started)
+        self.stage = self.stage.replan_point(state.conv)
+
+    def _recover(self, fault: StageFault, step: int) -> TrainingState:
+        """Hand the fault to the stage (which drops what failed and re-plans), restore
+        the last snapshot and return it: training goes on from there."""
+        state = self.last_state
+        if state is None:
+            raise fault
+        self._faults_without_progress = (self._faults_without_progress + 1
+                                         if step <= self._last_fault_step else 1)
+        self._last_fault_step = step
+        if self._faults_without_progress > MAX_FAULTS_WITHOUT_PROGRESS:
+            raise UserError(f"step {step} failed {self._faults_without_progress} times in a "
+                            f"row; giving up: {fault}")
+        started = time.perf_counter()
+        self.stage = self.stage.recover(fault, state.conv)
+        self.restore(state)
+        seconds = time.perf_counter() - started
+        self.metrics.write("recovery", failed_step=step, resumed_step=state.step,
+                           participant=fault.participant, gone=fault.gone, reason=str(fault),
+                           seconds=seconds)
+        self.out(f"hetconv: {fault}; restored the snapshot of step {state.step} in "
+                 f"{seconds:.2f} s, replaying {step - state.step} step(s)")
+        return state
+
+    def fit(self, data: Dataset, start: TrainingState | None = None) -> TrainResult:
+        """Train ``loop.epochs`` epochs from the beginning or from ``start`` (a resumed
+        checkpoint). A :class:`StageFault` restores the last snapshot and replays."""
         loop = self.loop
-        steps_per_epoch = -(-len(data.train_images) // loop.batch)
-        result = TrainResult(epochs=[], losses=[])
-        step = 0
-        for epoch in range(loop.epochs):
-            epoch_start = time.perf_counter()
-            seen = correct = 0
-            loss_sum = 0.0
-            bar = tqdm(total=steps_per_epoch, desc=f"epoch {epoch + 1}/{loop.epochs}",
-                       unit="batch", disable=not loop.progress, leave=True, dynamic_ncols=True)
-            data_start = time.perf_counter()
-            for x, labels in iterate_batches(data.train_images, data.train_labels, loop.batch,
-                                             loop.seed, epoch):
-                data_s = time.perf_counter() - data_start
-                lr = learning_rate_at(loop.optimizer, step, steps_per_epoch, loop.epochs)
-                record = self.train_step(x, labels, step, lr)
-                seen += record["images"]
-                correct += record["correct"]
-                loss_sum += record["loss"] * record["images"]
-                result.losses.append(record["loss"])
-                timings = self.stage.take_step_timings()
-                self.metrics.write(
-                    "step", epoch=epoch, step=step, loss=record["loss"],
-                    accuracy=record["correct"] / record["images"], images=record["images"],
-                    learning_rate=lr, step_s=record["step_s"], conv_s=record["conv_s"],
-                    dense_s=record["dense_s"], comm_s=timings["comm_s"], data_s=data_s,
-                    layers=timings["layers"])
-                elapsed = time.perf_counter() - epoch_start
-                bar.set_postfix(loss=f"{loss_sum / seen:.4f}", acc=f"{correct / seen:.3f}",
-                                img_s=f"{seen / max(elapsed, 1e-9):.0f}", refresh=False)
-                bar.update(1)
-                step += 1
-                data_start = time.perf_counter()
-            bar.close()
-            train_s = time.perf_counter() - epoch_start
-            test_loss, test_accuracy = self.evaluate(data.test_images, data.test_labels)
+        count = len(data.train_images)
+        steps_per_epoch = -(-count // loop.batch)
+        if start is not None:
+            self.restore(start)
+            state = start
+            self.last_state = start
+        else:
+            state = self.capture(0, 0, 0, 0, 0, 0.0, 0.0, [], [])
+            self._checkpoint(state, time.perf_counter())
+        while True:
+            step, epoch, position = state.step, state.epoch, state.position
+            seen, correct, loss_sum = state.seen, state.correct, state.loss_sum
+            losses, epochs = list(state.losses), [dict(e) for e in state.epochs]
+            if epoch >= loop.epochs:
+                return TrainResult(epochs=epochs, losses=losses)
+            train_s = state.train_s
+            try:
+                order = np.random.default_rng([loop.seed, epoch]).permutation(count)
+                bar = tqdm(total=steps_per_epoch, initial=position,
+                           desc=f"epoch {epoch + 1}/{loop.epochs}", unit="batch",
+                           disable=not loop.progress, leave=True, dynamic_ncols=True)
+                try:
+                    while position < steps_per_epoch:
+                        data_start = time.perf_counter()
+                        index = order[position * loop.batch:(position + 1) * loop.batch]
+                        x, labels = data.train_images[index], data.train_labels[index]
+                        data_s = time.perf_counter() - data_start
+                        lr = learning_rate_at(loop.optimizer, step, steps_per_epoch,
+                                              loop.epochs)
+                        record = self.train_step(x, labels, step, lr)
+                        if not np.isfinite(record["loss"]):
+                            raise UserError(f"the model diverged at step {step}: the loss is "
+                                            f"{record['loss']}; lower --lr")
+                        seen += record["images"]
+                        correct += record["correct"]
+                        loss_sum += record["loss"] * record["images"]
+                        train_s += record["step_s"] + data_s
+                        losses.append(record["loss"])
+                        timings = self.stage.take_step_timings()
+                        self.metrics.write(
+                            "step", epoch=epoch, step=step, loss=record["loss"],
+                            accuracy=record["correct"] / record["images"],
+                            images=record["images"], learning_rate=lr,
+                            step_s=record["step_s"], conv_s=record["conv_s"],
+                            dense_s=record["dense_s"], comm_s=timings["comm_s"],
+                            data_s=data_s, layers=timings["layers"])
+                        bar.set_postfix(loss=f"{loss_sum / seen:.4f}",
+                                        acc=f"{correct / seen:.3f}",
+                                        img_s=f"{seen / max(train_s, 1e-9):.0f}", refresh=False)
+                        bar.update(1)
+                        step += 1
+                        position += 1
+                        if loop.checkpoint_every and step % loop.checkpoint_every == 0 \
+                                and position < steps_per_epoch:
+                            started = time.perf_counter()
+                            self._checkpoint(self.capture(
+                                step, epoch, position, seen, correct, loss_sum, train_s,
+                                losses, epochs), started)
+                finally:
+                    bar.close()
+                if state.position < steps_per_epoch or state.step != step:
+                    started = time.perf_counter()  # training of the epoch done: keep it
+                    self._checkpoint(self.capture(step, epoch, position, seen, correct,
+                                                  loss_sum, train_s, losses, epochs), started)
+                eval_start = time.perf_counter()
+                test_loss, test_accuracy = self.evaluate(data.test_images, data.test_labels)
+                self.save()
+            except StageFault as fault:
+                state = self._recover(fault, step)
+                continue
             summary = {"epoch": epoch, "train_loss": loss_sum / max(1, seen),
                        "train_accuracy": correct / max(1, seen), "test_loss": test_loss,
                        "test_accuracy": test_accuracy, "train_s": train_s,
-                       "epoch_s": time.perf_counter() - epoch_start,
+                       "epoch_s": train_s + time.perf_counter() - eval_start,
                        "images_per_s": seen / max(train_s, 1e-9)}
             self.metrics.write("epoch", **summary)
-            result.epochs.append(summary)
-            self.save()
+            epochs.append(summary)
             self.out(f"epoch {epoch + 1}/{loop.epochs}: train loss {summary['train_loss']:.4f} "
                      f"acc {summary['train_accuracy']:.4f} | test loss {test_loss:.4f} "
                      f"acc {test_accuracy:.4f} | {summary['images_per_s']:.0f} images/s")
-        return result
+            try:
+                started = time.perf_counter()
+                state = self.capture(step, epoch + 1, 0, 0, 0, 0.0, 0.0, losses, epochs)
+                self._checkpoint(state, started)
+            except StageFault as fault:  # the epoch is done; its end is replayed cheaply
+                state = self._recover(fault, step)

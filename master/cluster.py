@@ -42,6 +42,7 @@ from hetconv.master.membership import (
     payload_bytes,
 )
 from hetconv.protocol import EndRun, Message, ProtocolError, transport
+from hetconv.stage import StageFault
 
 __all__ = ["Cluster", "ClusterSettings", "Reply", "WorkerHandle", "WorkerLost",
            "payload_bytes"]
@@ -52,8 +53,11 @@ END_RUN_POLL_S = 0.05
 """Poll interval while collecting the Acks to EndRun."""
 
 
-class WorkerLost(UserError):
-    """A worker died, went silent or answered with an error during a run."""
+class WorkerLost(StageFault):
+    """A worker died, went silent or answered with an error during a run.
+
+    ``participant``: the worker at fault; ``gone``: it is dead, silent past the
+    liveness timeout or has left (not merely late or wrong)."""
 
 
 class Cluster:
@@ -117,6 +121,14 @@ class Cluster:
                     try:
                         transport.send_message(self.sock, action.message,
                                                identity=action.identity)
+                    except transport.PeerUnreachable as error:
+                        # no connection with this identity any more: its process died
+                        # (the kernel closed its socket) or the link was silent past
+                        # ZMTP's heartbeat timeout. A live worker behind a short cut
+                        # keeps its connection, so this does not fire for it.
+                        self.membership.connection_lost(action.identity)
+                        log.debug("%s to %r not sent: %s", action.message.TYPE,
+                                  action.identity, error)
                     except transport.TransportError as error:
                         log.debug("%s to %r not sent: %s", action.message.TYPE,
                                   action.identity, error)
@@ -127,7 +139,9 @@ class Cluster:
                 case Completed():
                     replies.append(action.reply)
         if failure is not None:
-            raise WorkerLost(failure.reason)
+            culprit = failure.culprit or failure.worker.worker_id
+            gone = failure.worker.gone if failure.culprit is None else False
+            raise WorkerLost(failure.reason, culprit, gone, failure.evict)
         return replies
 
     # --- receiving -----------------------------------------------------------------------
@@ -184,14 +198,15 @@ class Cluster:
 
     # --- request / reply -------------------------------------------------------------------
     def gather(self, pending: dict[int, WorkerHandle], what: str,
-               done: Callable[[], bool] = lambda: True) -> dict[int, Reply]:
+               done: Callable[[], bool] = lambda: True,
+               timeout_s: float | None = None) -> dict[int, Reply]:
         """Replies to ``pending`` request ids; also waits until ``done()`` is true.
 
         Raises :class:`WorkerLost` naming the worker when one goes silent for
         ``liveness_timeout_s``, answers with an ErrorReply or wrongly, leaves, or
         leaves a request unanswered for ``request_timeout_s``.
         """
-        self.membership.handle(RequestsAwaited(pending, what, time.monotonic()))
+        self.membership.handle(RequestsAwaited(pending, what, time.monotonic(), timeout_s))
         try:
             while True:
                 replies = self.membership.replies_for(pending)
@@ -200,6 +215,18 @@ class Cluster:
                 self.pump(0.5 if replies is None else 0.05)
         finally:
             self.membership.forget(pending)
+
+    def drop(self, worker: WorkerHandle, reason: str) -> None:
+        """Evict a live worker from the run: tell it the run is over (it drops its
+        shards and stays up, so it may say Hello again), without waiting; from now on
+        it counts as gone and its late replies are dropped."""
+        try:
+            transport.send_message(self.sock, EndRun(request_id=self.request_id(),
+                                                     reason=reason), identity=worker.identity)
+        except transport.TransportError as error:
+            log.debug("EndRun to %s not sent: %s", worker.name, error)
+        worker.gone = True
+        log.warning("worker %s evicted: %s", worker.name, reason)
 
     def end_run(self, reason: str, wait_s: float = 1.0) -> None:
         """Tell every member the run is over (they drop shards and stay up); waits up to

@@ -28,6 +28,8 @@ from typing import Any
 import numpy as np
 
 from hetconv.protocol import (
+    ERR_BAD_PEER_DATA,
+    ERR_PEER_LOST,
     ERR_UNEXPECTED,
     ERR_UNKNOWN_WORKER,
     NO_REQUEST_ID,
@@ -61,6 +63,7 @@ from hetconv.protocol import (
     VersionMismatch,
     Welcome,
     limits,
+    peer_named,
 )
 
 REPLY_TYPES: tuple[type[Message], ...] = (ForwardReply, BackwardReply, CalibrateReply,
@@ -81,6 +84,7 @@ class WorkerHandle:
     device: dict[str, Any]
     last_seen: float  # monotonic seconds of the last decoded message from it
     gone: bool = False
+    connection_lost: bool = False  # gone because the socket lost its connection
     data_endpoint: str = ""  # its peer data endpoint (DataEndpoint), "" until announced
     data_public_key: str = ""  # its CURVE public key for the data plane (z85), or ""
 
@@ -192,6 +196,7 @@ class RequestsAwaited:
     pending: Mapping[int, WorkerHandle]
     what: str
     now: float
+    timeout_s: float | None = None  # a deadline for these requests, counted from their send
 
 
 @dataclass(frozen=True)
@@ -228,6 +233,8 @@ class Fail:
 
     worker: WorkerHandle
     reason: str  # one line that names the worker
+    culprit: str | None = None  # the participant at fault, when not ``worker`` itself
+    evict: bool = False  # its results were wrong: evict it even though it is alive
 
 
 @dataclass(frozen=True)
@@ -250,6 +257,7 @@ class Request:
     message: Message | None  # None: registered by RequestsAwaited only
     what: str = "a request"
     reply: Reply | None = None
+    timeout_s: float | None = None  # its own deadline (None: the settings' backstop)
 
 
 @dataclass
@@ -293,6 +301,14 @@ class Membership:
             replies[request_id] = request.reply
         return replies
 
+    def connection_lost(self, identity: bytes) -> None:
+        """The socket has no connection for ``identity`` any more: that worker counts
+        as gone (a request waiting on it fails at the next tick)."""
+        worker = self.workers.get(identity)
+        if worker is not None and not worker.gone:
+            worker.gone = True
+            worker.connection_lost = True
+
     def forget(self, request_ids: Iterable[int]) -> None:
         """Stop tracking these requests; late replies to them are dropped."""
         for request_id in request_ids:
@@ -314,7 +330,7 @@ class Membership:
             case RequestSent():
                 return self._request_sent(event.worker, event.request, event.now)
             case RequestsAwaited():
-                return self._awaited(event.pending, event.what, event.now)
+                return self._awaited(event.pending, event.what, event.now, event.timeout_s)
             case SendFailed():
                 event.worker.gone = True
                 return [Fail(event.worker,
@@ -375,8 +391,11 @@ class Membership:
                 return [Log(logging.WARNING, f"{text}: {message.code}: {message.message}")]
             return [Log(logging.DEBUG, text)]
         if isinstance(message, ErrorReply):
+            culprit = (peer_named(message.message)
+                       if message.code in (ERR_PEER_LOST, ERR_BAD_PEER_DATA) else None)
             return [Fail(worker, f"worker {worker.name} failed {request.what}: "
-                                 f"{message.code}: {message.message}")]
+                                 f"{message.code}: {message.message}", culprit,
+                         evict=message.code == ERR_BAD_PEER_DATA)]
         if request.message is not None:
             expected = expected_reply(request.message)
             if expected is not None and not isinstance(message, expected):
@@ -430,15 +449,16 @@ class Membership:
             worker = request.worker
             silent_s = now - worker.last_seen
             if worker.gone:
-                actions.append(Fail(worker, f"worker {worker.name} left during {request.what}"))
+                how = "lost its connection" if worker.connection_lost else "left"
+                actions.append(Fail(worker, f"worker {worker.name} {how} during {request.what}"))
             elif silent_s > self.settings.liveness_timeout_s:
                 worker.gone = True
                 actions.append(Fail(worker, f"worker {worker.name} stopped responding during "
                                             f"{request.what} (silent for {silent_s:.1f} s)"))
-            elif now - request.sent_at > self.settings.request_timeout_s:
+            elif now - request.sent_at > (timeout := request.timeout_s
+                                          or self.settings.request_timeout_s):
                 actions.append(Fail(worker, f"worker {worker.name} did not answer "
-                                            f"{request.what} within "
-                                            f"{self.settings.request_timeout_s:.0f} s"))
+                                            f"{request.what} within {timeout:.0f} s"))
         return actions
 
     def _request_sent(self, worker: WorkerHandle, request: Message, now: float) -> list[Action]:
@@ -448,12 +468,13 @@ class Membership:
         return []
 
     def _awaited(self, pending: Mapping[int, WorkerHandle], what: str,
-                 now: float) -> list[Action]:
+                 now: float, timeout_s: float | None = None) -> list[Action]:
         for request_id, worker in pending.items():
             request = self.requests.get(request_id)
             if request is None or request.worker is not worker:
                 request = self.requests[request_id] = Request(worker, now, None)
             request.what = what
+            request.timeout_s = timeout_s
         return []
 
     def _fail_requests_of(self, worker: WorkerHandle, verb: str, detail: str) -> list[Action]:

@@ -13,9 +13,12 @@ helper thread and copy to and from it.
 """
 from __future__ import annotations
 
+import logging
+import statistics
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -24,6 +27,8 @@ from typing import Any
 import numpy as np
 import zmq
 
+from hetconv.dataplane import PeerLost
+from hetconv.errors import UserError
 from hetconv.master.cluster import Cluster, Reply, WorkerHandle, WorkerLost
 from hetconv.master.plan import Shard, reshard
 from hetconv.names import STATE_NAMES, TRAINABLE_NAMES, layer_key, velocity_name
@@ -36,8 +41,64 @@ from hetconv.protocol import (
     SnapshotRequest,
 )
 from hetconv.shard import ConvShard, LayerSettings
+from hetconv.stage import ConvStage, StageFault
 
 AfterStep = Callable[[dict[str, Any]], None]
+REQUEST_DEADLINE_MIN_S = 5.0
+REQUEST_DEADLINE_FACTOR = 10.0
+FIRST_REQUEST_DEADLINE_S = 120.0
+EVICT_AFTER_FAULTS = 2
+"""Faults in a row (no good step between) after which a live worker is evicted."""
+log = logging.getLogger("hetconv.master")
+
+
+def checked_result(shard: Shard, name: str, array: np.ndarray, batch: int,
+                   channels: int | None) -> np.ndarray:
+    """A worker's result array if it is (batch, channels, H, W) and finite; otherwise
+    WorkerLost that evicts the worker (its work is recomputed from the snapshot)."""
+    problem = None
+    if array.ndim != 4 or array.shape[0] != batch or (
+            channels is not None and array.shape[1] != channels):
+        expected = f"({batch}, {channels if channels is not None else 'C'}, H, W)"
+        problem = f"{name} of shape {tuple(array.shape)}, expected {expected}"
+    elif array.dtype.kind != "f":
+        problem = f"{name} of dtype {array.dtype}"
+    elif not np.isfinite(array).all():
+        problem = f"{name} holding NaN or Inf"
+    if problem is not None:
+        raise WorkerLost(f"worker {shard.participant} answered with {problem}; evicting it",
+                         shard.participant, evict=True)
+    return array
+
+
+def survivors_counts(shards: Sequence[Sequence[Shard]], evicted: set[str]) -> list[list[int]]:
+    """Kernel counts per layer per participant with the evicted participants' kernels
+    spread over the others in proportion to what they hold (evenly where they hold
+    none). The fallback when no planner profiles exist."""
+    out = []
+    for row in shards:
+        kernels = row[-1].stop if row else 0
+        keep = [0 if s.participant in evicted else s.kernels for s in row]
+        alive = [i for i, s in enumerate(row) if s.participant not in evicted]
+        if not alive:
+            raise ValueError("no participant left to hold the kernels")
+        weights = [keep[i] for i in alive] if sum(keep) else [1] * len(alive)
+        counts = [0] * len(row)
+        for i, share in zip(alive, balanced_shares(weights, kernels)):
+            counts[i] = share
+        out.append(counts)
+    return out
+
+
+def balanced_shares(weights: Sequence[int], total: int) -> list[int]:
+    """``total`` split in proportion to ``weights`` (largest remainders), summing exactly."""
+    whole = sum(weights)
+    raw = [total * w / whole for w in weights]
+    shares = [int(r) for r in raw]
+    for i in sorted(range(len(raw)), key=lambda i: raw[i] - shares[i],
+                    reverse=True)[:total - sum(shares)]:
+        shares[i] += 1
+    return shares
 
 
 @dataclass
@@ -87,6 +148,19 @@ class DistributedConvStage:
         self._comm_s = 0.0
         self._cancel_local = threading.Event()  # set when a phase fails: stop local waits
         self.after_step: AfterStep | None = None  # called with each step's timings
+        # --- set by the session for recovery (docs/resilience.md)
+        self.settings: LayerSettings | None = None
+        self.device = "cpu"  # the master's own device, for shards it newly holds
+        self.replan: Callable[[set[str]], list[list[int]]] | None = None
+        self.on_replan: Callable[[list[list[int]], str], None] | None = None
+        self.local_stage_factory: Callable[[], ConvStage] | None = None
+        self.stop_on_worker_loss = False
+        self.join: Callable[[DistributedConvStage], list[list[Shard]] | None] | None = None
+        self.quarantined: set[str] = set()  # evicted for wrong results: not taken back
+        self._known = {s.participant for row in shards for s in row}
+        self._faults: dict[str, int] = {}  # participant -> faults since the last good step
+        self._step_seconds: deque[float] = deque(maxlen=9)  # recent good steps, wall
+        self._last_step_end: float | None = None
 
     # --- local share in a helper thread ------------------------------------------------
     def _notify(self) -> None:
@@ -167,7 +241,8 @@ class DistributedConvStage:
             f"{phases[0].what} to {phases[-1].what}"
         try:
             replies = self.cluster.gather(pending, what,
-                                          done=lambda: all(job.done.is_set() for job in jobs))
+                                          done=lambda: all(job.done.is_set() for job in jobs),
+                                          timeout_s=self.request_deadline_s())
         finally:
             if not all(job.done.is_set() for job in jobs):  # failed: end local peer waits
                 self._cancel_local.set()
@@ -175,6 +250,10 @@ class DistributedConvStage:
                 job.done.wait()  # never leave the helper thread running on shared state
             self._cancel_local.clear()
         for job in jobs:
+            if isinstance(job.error, PeerLost):  # the master's own share lost a peer
+                error = job.error
+                raise WorkerLost(f"the master's share failed {what}: {error}",
+                                 error.peers[0] if error.peers else None, evict=error.bad_data)
             if job.error is not None:
                 raise job.error
         for phase in phases:
@@ -185,7 +264,7 @@ class DistributedConvStage:
                             getattr(reply_message, key) != getattr(message, key):
                         raise WorkerLost(f"worker {shard.participant} answered {phase.what} "
                                          f"with {key} {getattr(reply_message, key)}, expected "
-                                         f"{getattr(message, key)}")
+                                         f"{getattr(message, key)}", shard.participant)
             phase.replies = {phase.by_rid[rid].participant: replies[rid]
                              for rid in phase.pending}
 
@@ -223,7 +302,7 @@ class DistributedConvStage:
                 reply = replies[shard.participant]
                 forward = reply.message
                 assert isinstance(forward, ForwardReply)
-                outputs.append(forward.y)
+                outputs.append(checked_result(shard, "y", forward.y, x.shape[0], shard.kernels))
                 results.append((shard, forward.compute_s, reply.received_at,
                                 sent[shard.participant], reply.payload_bytes))
         self._account(layer, "forward", started, local_done, results, train)
@@ -259,7 +338,8 @@ class DistributedConvStage:
                 reply = replies[shard.participant]
                 backward = reply.message
                 assert isinstance(backward, BackwardReply)
-                partial = backward.dx
+                partial = (None if backward.dx is None else checked_result(
+                    shard, "dx", backward.dx, dy.shape[0], None))
                 results.append((shard, backward.compute_s, reply.received_at,
                                 sent[shard.participant], reply.payload_bytes))
             if need_dx and partial is not None:
@@ -267,7 +347,22 @@ class DistributedConvStage:
         self._account(layer, "backward", started, local_done, results, True)
         return total if need_dx else None
 
+    def request_deadline_s(self) -> float:
+        """How long a training phase's requests may stay unanswered before the phase is
+        retried (a lost request behind a short partition): REQUEST_DEADLINE_FACTOR
+        times the median of the recent steps, at least REQUEST_DEADLINE_MIN_S, and
+        FIRST_REQUEST_DEADLINE_S before any step was timed."""
+        if not self._step_seconds:
+            return FIRST_REQUEST_DEADLINE_S
+        return max(REQUEST_DEADLINE_MIN_S,
+                   REQUEST_DEADLINE_FACTOR * statistics.median(self._step_seconds))
+
     def take_step_timings(self) -> dict[str, Any]:
+        now = time.monotonic()
+        if self._faults == {} and self._last_step_end is not None:
+            self._step_seconds.append(now - self._last_step_end)
+        self._last_step_end = now
+        self._faults.clear()  # a step went through: faults so far were transient
         layers = [{"layer": layer, "devices": list(devices.values())}
                   for layer, devices in sorted(self._timings.items())]
         comm_s, self._comm_s, self._timings = self._comm_s, 0.0, {}
@@ -326,6 +421,105 @@ class DistributedConvStage:
                 self.cluster.send(new.worker, message)
                 pending[message.request_id] = new.worker
         self.cluster.gather(pending, "re-split shard assignment")
+        self.shards = shards
+        self._after_resplit()
+
+    # --- faults -------------------------------------------------------------------------
+    def restore(self, state: dict[str, np.ndarray]) -> None:
+        """Roll every shard (same split) back to ``state``, between steps."""
+        self._assign_from(self.shards, state, "restore")
+
+    def recover(self, fault: StageFault, state: dict[str, np.ndarray]) -> ConvStage:
+        """Evict the workers that are gone (and the one at fault, once it has failed
+        twice in a row while alive, or gave wrong results), re-plan over the rest and
+        restore every shard to ``state``. With no worker left: a local stage from
+        ``state`` (or UserError under ``--on-worker-loss stop``)."""
+        culprit = fault.participant
+        if culprit is not None:
+            self._faults[culprit] = self._faults.get(culprit, 0) + 1
+        workers = {s.participant: s.worker for row in self.shards for s in row
+                   if s.worker is not None}
+        evicted = {name for name, worker in workers.items() if worker.gone}
+        if culprit in workers and (fault.gone or fault.evict
+                                   or self._faults[culprit] >= EVICT_AFTER_FAULTS):
+            evicted.add(culprit)
+        if fault.evict and culprit is not None:
+            self.quarantined.add(culprit)
+        for name in sorted(evicted):
+            worker = workers[name]
+            if not worker.gone:  # alive but failing: tell it the run is over for it
+                self.cluster.drop(worker, f"evicted: {fault}")
+        self._quiesce_local()
+        alive = [name for name in workers if name not in evicted]
+        if not alive:
+            if self.stop_on_worker_loss:
+                raise UserError(f"every worker is lost ({fault}); stopping as "
+                                "--on-worker-loss stop asks")
+            if self.local_stage_factory is None:
+                raise fault
+            local = self.local_stage_factory()
+            local.restore(state)
+            self.close()
+            log.warning("every worker is lost: training on alone")
+            return local
+        counts = (self.replan(set(alive)) if self.replan is not None
+                  else survivors_counts(self.shards, set(evicted)))
+        self._assign_from(reshard(self.shards, counts), state, "recovery")
+        if self.on_replan is not None:
+            self.on_replan([[s.kernels for s in row] for row in self.shards],
+                           f"recovery from: {fault}")
+        return self
+
+    def replan_point(self, state: dict[str, np.ndarray]) -> ConvStage:
+        """Right after a snapshot: take in the workers that joined since the last one
+        (``join``), re-planning over everyone and restoring every shard from
+        ``state`` (which is the current state, so nothing is rolled back)."""
+        if self.join is None:
+            return self
+        shards = self.join(self)
+        if shards is None:
+            return self
+        self._assign_from(shards, state, "join")
+        if self.on_replan is not None:
+            joined = sorted({s.participant for row in shards for s in row} - self._known)
+            self.on_replan([[s.kernels for s in row] for row in self.shards],
+                           "join of " + (", ".join(joined) or "a returning worker"))
+        self._known = {s.participant for row in self.shards for s in row}
+        return self
+
+    def _quiesce_local(self) -> None:
+        """End every local job still queued or waiting for peers (a phase whose
+        requests failed may have left some), and wait until the helper thread is idle."""
+        self._cancel_local.set()
+        try:
+            self._executor.submit(lambda: None).result()
+        finally:
+            self._cancel_local.clear()
+
+    def _assign_from(self, shards: list[list[Shard]], state: dict[str, np.ndarray],
+                     why: str) -> None:
+        """Give every live participant its shard of ``shards`` with ``state``'s arrays
+        (workers that are gone get nothing); the master's own shards are rebuilt."""
+        if self.settings is None:
+            raise RuntimeError("the stage has no layer settings to restore shards with")
+        pending: dict[int, WorkerHandle] = {}
+        for layer, row in enumerate(shards):
+            for shard in row:
+                piece = {name: state[layer_key(layer, name)][shard.start:shard.stop]
+                         for name in STATE_NAMES}
+                if shard.worker is None:
+                    old = self.local_shards.get(layer)
+                    device = old.device if old is not None else self.device
+                    self.local_shards[layer] = ConvShard(layer, shard.start, shard.stop,
+                                                         self.settings, piece, device=device)
+                    continue
+                if shard.worker.gone:
+                    continue
+                message = assign_shard(self.cluster.request_id(), layer, shard.start,
+                                       shard.stop, self.settings, piece)
+                self.cluster.send(shard.worker, message)
+                pending[message.request_id] = shard.worker
+        self.cluster.gather(pending, f"{why} shard assignment")
         self.shards = shards
         self._after_resplit()
 

@@ -34,7 +34,7 @@ from hetconv.dataplane import (
 )
 from hetconv.errors import UserError
 from hetconv.master.cluster import Cluster, WorkerHandle
-from hetconv.master.offload import DistributedConvStage, OpenPhase
+from hetconv.master.offload import DistributedConvStage, OpenPhase, checked_result
 from hetconv.master.plan import Shard
 from hetconv.peer_sockets import PeerSockets, route_address
 from hetconv.protocol import (
@@ -62,8 +62,7 @@ class PeerConvStage(DistributedConvStage):
     def __init__(self, cluster: Cluster, shards: list[list[Shard]],
                  local_shards: dict[int, ConvShard], on_close: Callable[[], None],
                  wire_dtype: str, plan: PeerPlan, sockets: PeerSockets | None,
-                 peer_timeout_s: float = limits.DEFAULT_HEARTBEAT_INTERVAL_S
-                 * limits.DEFAULT_HEARTBEAT_LIVENESS):
+                 peer_timeout_s: float = limits.DEFAULT_PEER_TIMEOUT_S):
         super().__init__(cluster, shards, local_shards, on_close, wire_dtype=wire_dtype)
         self.plan = plan
         self.sockets = sockets
@@ -72,6 +71,7 @@ class PeerConvStage(DistributedConvStage):
         self._pass_id = 0
         self._told: set[str] = set()  # workers that were sent an AssignPeers this run
         self._open: list[tuple[int, OpenPhase]] = []  # this pass's phases awaiting replies
+        self._batch = 0  # samples in this pass
 
     # --- bookkeeping -------------------------------------------------------------------
     def _entry(self, layer: int, shard: Shard) -> dict[str, Any]:
@@ -125,6 +125,7 @@ class PeerConvStage(DistributedConvStage):
         if layer == 0:
             self._pass_id += 1
             self._open = []
+            self._batch = int(x.shape[0])
         pass_id = self._pass_id
         first = np.ascontiguousarray(x, dtype=np.float32) if layer == 0 else None
         wire_x = None if first is None else first.astype(self.wire_dtype, copy=False)
@@ -203,7 +204,8 @@ class PeerConvStage(DistributedConvStage):
                     if phase_name == "forward":
                         assert isinstance(message, PeerForwardReply)
                         if message.y is not None:
-                            last_output.append(message.y)
+                            last_output.append(checked_result(shard, "y", message.y,
+                                                              self._batch, shard.kernels))
                     else:
                         assert isinstance(message, PeerBackwardReply)
                     results.append((shard, message.compute_s, reply.received_at,
@@ -228,7 +230,7 @@ class PeerConvStage(DistributedConvStage):
         everyone: dict[str, WorkerHandle] = {}
         for layer in self.shards:
             for shard in layer:
-                if shard.worker is None:
+                if shard.worker is None or shard.worker.gone:
                     continue
                 everyone[shard.participant] = shard.worker
                 if shard.kernels > 0:
@@ -252,7 +254,7 @@ class PeerConvStage(DistributedConvStage):
             toward = next(iter(peers.values()), cluster.endpoint)
             peers[MASTER_PARTICIPANT] = self.sockets.endpoint(route_address(toward))
             keys[MASTER_PARTICIPANT] = self.sockets.public_key
-        told = {p: everyone[p] for p in sorted(set(workers) | self._told)}
+        told = {p: everyone[p] for p in sorted(set(workers) | self._told) if p in everyone}
         pending = {}
         for participant, worker in told.items():
             request_id = cluster.request_id()

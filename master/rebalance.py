@@ -149,6 +149,40 @@ class Rebalancer:
         self._last_change = step
         return decision
 
+    def adopt(self, counts: Sequence[Sequence[int]]) -> None:
+        """The split changed for another reason (a recovery, a join): expect ``counts``
+        from now on and start a new warm-up and window."""
+        self.counts = tuple(tuple(row) for row in counts)
+        self._window.clear()
+        self._ignore = self.settings.warmup_steps
+
+    def add_participant(self, profile: ParticipantProfile) -> None:
+        """A participant that joined (or rejoined under its old id): its calibrated
+        profile replaces the old one, or it is added at the end with 0 kernels."""
+        names = [p.participant for p in self.calibrated]
+        if profile.participant in names:
+            index = names.index(profile.participant)
+            self.calibrated = tuple(profile if i == index else p
+                                    for i, p in enumerate(self.calibrated))
+            self.profiles = tuple(profile if i == index else p
+                                  for i, p in enumerate(self.profiles))
+            self._points = {k: v for k, v in self._points.items() if k[1] != index}
+            return
+        self.calibrated += (profile,)
+        self.profiles += (profile,)
+        self.counts = tuple(row + (0,) for row in self.counts)
+        self._window.clear()
+
+    def plan_for(self, alive: set[str]) -> Counts:
+        """The planner's counts over the participants in ``alive`` only (the others 0),
+        from the current (measured-corrected) profiles."""
+        chosen = [i for i, p in enumerate(self.profiles) if p.participant in alive]
+        if not chosen:
+            raise ValueError("no participant left to plan for")
+        plan = choose_plan([self.profiles[i] for i in chosen], self.traffic, self.data_plane)
+        return tuple(tuple(row[chosen.index(i)] if i in chosen else 0
+                           for i in range(len(self.profiles))) for row in plan.counts)
+
     # --- the arithmetic ---------------------------------------------------------------
     def _ratios(self, layers: Sequence[LayerMeasure]) -> list[list[float | None]] | None:
         """Per layer per profile: measured / calibrated prediction (None: no kernels)."""

@@ -25,6 +25,7 @@ from hetconv.master.plan import (
     Participant,
     Shard,
     format_split,
+    reshard,
     shards_from_counts,
     split_layers,
 )
@@ -147,6 +148,56 @@ class StepRebalancing:
                     f"now {split} ({apply_s * 1e3:.0f} ms to apply)")
         self.metrics.write("rebalance", **decision.record(), apply_s=apply_s)
 
+class JoinHandler:
+    """At a re-plan point: calibrate and link-probe every worker that said Hello
+    since the last one (new, restarted or back after an eviction), add it as a
+    participant and re-plan over everyone alive. Workers evicted for wrong results
+    are not taken back in this run."""
+
+    def __init__(self, cluster: Cluster, shapes: list[ConvLayerShape], batch: int,
+                 wire_dtype: str, rebalancer: Rebalancer, data_plane: str,
+                 report: Callable[[str], None] = print):
+        self.cluster, self.shapes, self.batch = cluster, shapes, batch
+        self.wire_dtype, self.rebalancer, self.data_plane = wire_dtype, rebalancer, data_plane
+        self.report = report
+
+    def joiners(self, stage: DistributedConvStage) -> list[Participant]:
+        self.cluster.pump(0.0)  # take in any Hello waiting on the socket
+        holding = {id(s.worker) for row in stage.shards for s in row if s.worker is not None}
+        return [Participant(w.worker_id, w, w.device) for w in self.cluster.members
+                if not w.gone and id(w) not in holding
+                and w.worker_id not in stage.quarantined
+                and (self.data_plane != "peer" or w.data_endpoint)]
+
+    def __call__(self, stage: DistributedConvStage) -> list[list[Shard]] | None:
+        """The new shards (counts re-planned, joiners included) or None: nobody new."""
+        joiners = self.joiners(stage)
+        if not joiners:
+            return None
+        names = ", ".join(p.participant for p in joiners)
+        self.report(f"hetconv: worker(s) {names} joined: calibrating")
+        calibration = calibrate(self.cluster, joiners, self.shapes, self.batch,
+                                report=self.report)
+        links = probe_links(self.cluster, joiners, self.report)
+        shards = [list(row) for row in stage.shards]
+        for index, (joiner, link) in enumerate(zip(joiners, links)):
+            self.rebalancer.add_participant(ParticipantProfile(
+                joiner.participant, tuple(cal.cost_models()[index] for cal in calibration),
+                link))
+            column = next((i for i, s in enumerate(shards[0])
+                           if s.participant == joiner.participant), None)
+            for row in shards:
+                if column is None:  # new: an empty shard at the end of every layer
+                    end = row[-1].stop
+                    row.append(Shard(joiner.participant, joiner.worker, end, end))
+                else:  # back under its old id: the new connection takes the column
+                    old = row[column]
+                    row[column] = Shard(old.participant, joiner.worker, old.start, old.stop)
+        alive = {s.participant for s in shards[0] if s.worker is None or not s.worker.gone}
+        counts = self.rebalancer.plan_for(alive)
+        return reshard(shards, counts)
+
+
 def master_alone(plan: list[list[Shard]]) -> bool:
     """True when no worker holds a kernel in any layer."""
     return all(shard.worker is None or shard.kernels == 0 for row in plan for shard in row)
@@ -206,8 +257,31 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
         cluster.close()
 
     stage = build_stage(cluster, config, plan, local, finish)  # star or peer data plane
-    if config.rebalancing:
+    stage.settings, stage.device = settings, device
+    stage.stop_on_worker_loss = config.on_worker_loss == "stop"
+    stage.local_stage_factory = lambda: LocalConvStage(model, params, settings, device=device)
+    rebalancer: Rebalancer | None = None
+    if profiles:  # re-plans (recovery) use the planner over the participants left
         rebalancer = Rebalancer(profiles, traffic, [[s.kernels for s in row] for row in plan],
                                 config.data_plane)
+        planner = rebalancer
+        stage.replan = lambda alive: [list(row) for row in planner.plan_for(alive)]
+
+    def replanned(counts: list[list[int]], reason: str) -> None:
+        if rebalancer is not None:
+            rebalancer.adopt(counts)
+        names = [s.participant for s in stage.shards[0]]
+        report(f"hetconv: re-plan ({reason}): " + "; ".join(
+            f"layer {layer + 1}: " + ", ".join(f"{p} {c}" for p, c in zip(names, row))
+            for layer, row in enumerate(counts)))
+        metrics.write("replan", reason=reason, counts=[
+            {"layer": layer, "devices": [{"device": p, "kernels": c}
+                                         for p, c in zip(names, row)]}
+            for layer, row in enumerate(counts)])
+    stage.on_replan = replanned
+    if rebalancer is not None:
+        stage.join = JoinHandler(cluster, shapes, batch, config.wire_dtype, rebalancer,
+                                 config.data_plane, report)
+    if config.rebalancing and rebalancer is not None:
         stage.after_step = StepRebalancing(stage, rebalancer, settings, metrics, report)
     return stage

@@ -13,6 +13,7 @@ from __future__ import annotations
 from .codec import WIRE_DTYPES, decode, encode
 from .errors import (
     ERR_BAD_MESSAGE,
+    ERR_BAD_PEER_DATA,
     ERR_BAD_REQUEST,
     ERR_INTERNAL,
     ERR_NOT_READY,
@@ -24,6 +25,8 @@ from .errors import (
     ERROR_CODES,
     ProtocolError,
     VersionMismatch,
+    peer_error_message,
+    peer_named,
 )
 from .messages import (
     HANDSHAKE_TYPES,
@@ -79,6 +82,7 @@ from .version import PROTOCOL_VERSION
 __all__ = [
     "ERROR_CODES",
     "ERR_BAD_MESSAGE",
+    "ERR_BAD_PEER_DATA",
     "ERR_BAD_REQUEST",
     "ERR_INTERNAL",
     "ERR_NOT_READY",
@@ -92,6 +96,8 @@ __all__ = [
     "NO_REQUEST_ID",
     "PROTOCOL_VERSION",
     "WIRE_DTYPES",
+    "peer_error_message",
+    "peer_named",
     "Ack",
     "AnyMessage",
     "AssignPeers",

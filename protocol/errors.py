@@ -30,7 +30,11 @@ this version (a worker without a session answers ``ERR_BAD_REQUEST``, the master
 ``ERR_UNKNOWN_WORKER``)."""
 ERR_PEER_LOST = "peer_lost"
 """Peer data plane: a participant waited longer than its deadline for a piece from a
-peer (the message names the peer), or could not send one to it."""
+peer, or could not send one to it. The message starts with ``peer=NAME:`` (see
+:func:`peer_named`)."""
+ERR_BAD_PEER_DATA = "bad_peer_data"
+"""Peer data plane: a peer sent a piece holding NaN or Inf. The message starts with
+``peer=NAME:``; the master evicts that peer."""
 ERR_INTERNAL = "internal"
 """The worker failed while handling a valid request (a bug or resource failure)."""
 ERR_UNKNOWN_WORKER = "unknown_worker"
@@ -48,10 +52,27 @@ ERROR_CODES: frozenset[str] = frozenset(
         ERR_INTERNAL,
         ERR_UNKNOWN_WORKER,
         ERR_PEER_LOST,
+        ERR_BAD_PEER_DATA,
     }
 )
 """Codes defined by this protocol version. ``ErrorReply.code`` is not restricted to
 this set on decode, so that a newer peer's code still reaches the log."""
+
+
+PEER_PREFIX = "peer="
+
+
+def peer_error_message(peer: str, text: str) -> str:
+    """An ``ErrorReply.message`` about ``peer`` in the ``peer=NAME: text`` form."""
+    return f"{PEER_PREFIX}{peer}: {text}"
+
+
+def peer_named(message: str) -> str | None:
+    """The peer a ``peer=NAME: ...`` error message is about, or None."""
+    if not message.startswith(PEER_PREFIX):
+        return None
+    name, sep, _ = message[len(PEER_PREFIX):].partition(":")
+    return name if sep and name and " " not in name else None
 
 
 class ProtocolError(Exception):

@@ -74,8 +74,14 @@ DEFAULT_HEARTBEAT_INTERVAL_S = 0.5
 """Interval of application ``Heartbeat`` messages (the master sends its value in
 ``Welcome.heartbeat_interval_s``)."""
 DEFAULT_HEARTBEAT_LIVENESS = 10
-"""Missed heartbeat intervals before the master declares a worker dead (Paranoid
-Pirate): 10 x 0.5 s = 5 s."""
+"""Missed heartbeat intervals before the master declares a silent worker dead (Paranoid
+Pirate): 10 x 0.5 s = 5 s, longer than a short link cut (which must not cost a
+failover). A killed worker is found sooner: its connection closes, and the master's
+next heartbeat to it fails (``PeerUnreachable``), within one interval."""
+DEFAULT_PEER_TIMEOUT_S = 30.0
+"""The longest a participant waits for a peer's piece (sent in ``AssignPeers``). Long
+on purpose: a peer may compute a big layer for seconds before it sends, and a dead
+peer is found by the master's liveness check, whose recovery ends every wait at once."""
 MASTER_SILENCE_TIMEOUT_S = 30.0
 """A worker in a session drops its shards and says Hello again after this long
 without any message from the master (a new master is noticed at once anyway: it

@@ -39,7 +39,7 @@ from hetconv.protocol import (
     limits,
     transport,
 )
-from hetconv.worker.service import WorkerService
+from hetconv.worker.service import ENDS_EXCHANGES, WorkerService
 from hetconv.worker.session import (
     BadMessage,
     Compute,
@@ -168,6 +168,8 @@ class WorkerDaemon:
                     case Send():
                         self._send(sock, action.message)
                     case Compute():
+                        if isinstance(action.request, ENDS_EXCHANGES):
+                            self.service.cancel_wait.set()  # a peer wait ends at once
                         self._requests.put(action.request)
                     case Log():
                         log.log(action.level, "%s", action.text)

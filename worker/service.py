@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -25,6 +26,7 @@ from hetconv.config import WIRE_DTYPES as WIRE_DTYPE_CHOICES
 from hetconv.dataplane import PeerLost, PeerParticipant, PeerPlan, PiecePort
 from hetconv.names import STATE_NAMES
 from hetconv.protocol import (
+    ERR_BAD_PEER_DATA,
     ERR_BAD_REQUEST,
     ERR_INTERNAL,
     ERR_PEER_LOST,
@@ -47,6 +49,7 @@ from hetconv.protocol import (
     PeerForwardRequest,
     SnapshotReply,
     SnapshotRequest,
+    peer_error_message,
 )
 from hetconv.shard import ConvShard, LayerSettings
 
@@ -59,22 +62,35 @@ kernel of its shard in every training forward and backward, not in calibration, 
 that it is slower in training than calibrated. Unset or 0 in every real run."""
 
 
+TEST_CORRUPT_VARIABLE = "HETCONV_TEST_CORRUPT_FROM_STEP"
+"""Test hook only (tests/integration/test_failover.py): from this training step on, the
+worker's forward outputs are NaN, as a machine with broken memory would send them.
+Unset in every real run."""
+
+
 class DelayedShard(ConvShard):
-    """A shard that sleeps ``delay_per_kernel_s`` per kernel in each training forward
-    and backward (the :data:`TEST_DELAY_VARIABLE` hook); results are unchanged."""
+    """A shard for the test hooks: sleeps ``delay_per_kernel_s`` per kernel in each
+    training forward and backward (:data:`TEST_DELAY_VARIABLE`; results unchanged),
+    and answers NaN while ``corrupt`` is set (:data:`TEST_CORRUPT_VARIABLE`)."""
 
     delay_per_kernel_s = 0.0
+    corrupt = False
 
     def forward(self, x: Any, train: bool,
                 rows_ready: Callable[[int], None] | None = None) -> Any:
         if train:
             time.sleep(self.delay_per_kernel_s * self.kernels)
-        return super().forward(x, train, rows_ready)
+        y = super().forward(x, train, rows_ready)
+        return y * np.float32("nan") if self.corrupt else y
 
     def backward(self, dy: Any, need_dx: bool, learning_rate: float,
                  dx_rows: Callable[[Any, int, int], None] | None = None) -> Any:
         time.sleep(self.delay_per_kernel_s * self.kernels)
         return super().backward(dy, need_dx, learning_rate, dx_rows)
+
+
+ENDS_EXCHANGES = (AssignShard, AssignPeers, SnapshotRequest, EndRun)
+"""Requests after which no piece of an earlier exchange is worth waiting for."""
 
 
 class RequestError(Exception):
@@ -113,18 +129,29 @@ class WorkerService:
         self.last_step: dict[int, int] = {}  # last step whose update each layer applied
         self.data_plane = data_plane
         self.peer: PeerParticipant | None = None  # set by AssignPeers
+        # set (by the daemon's main thread) when a request arrives that ends the current
+        # exchange (a new assignment, a snapshot, the end of the run): a wait for peers
+        # stops at once instead of at its deadline
+        self.cancel_wait = threading.Event()
         self.test_delay_per_kernel_s = float(os.environ.get(TEST_DELAY_VARIABLE) or 0.0)
+        self.test_corrupt_from_step = int(os.environ.get(TEST_CORRUPT_VARIABLE) or -1)
 
     def handle(self, message: Message) -> Message:
         """The reply to ``message``; never raises."""
         request_id = int(getattr(message, "request_id", 0))
+        if isinstance(message, ENDS_EXCHANGES):
+            self.cancel_wait.clear()
         try:
             with on_device(self.device):
                 return self._dispatch(message)
         except RequestError as error:
             return ErrorReply(request_id=request_id, code=error.code, message=str(error))
         except PeerLost as error:
-            return ErrorReply(request_id=request_id, code=ERR_PEER_LOST, message=str(error))
+            text = str(error) if not error.peers else peer_error_message(error.peers[0],
+                                                                         str(error))
+            return ErrorReply(request_id=request_id,
+                              code=ERR_BAD_PEER_DATA if error.bad_data else ERR_PEER_LOST,
+                              message=text)
         except (ValueError, TypeError, IndexError) as error:
             return ErrorReply(request_id=request_id, code=ERR_BAD_REQUEST,
                               message=f"{type(message).__name__}: {error}")
@@ -188,7 +215,8 @@ class WorkerService:
             self.shards.pop(request.layer, None)
             self.need_dx.pop(request.layer, None)
             return Ack(request_id=request.request_id)
-        shard_class = DelayedShard if self.test_delay_per_kernel_s > 0 else ConvShard
+        hooked = self.test_delay_per_kernel_s > 0 or self.test_corrupt_from_step >= 0
+        shard_class = DelayedShard if hooked else ConvShard
         shard = shard_class(request.layer, request.kernel_start, request.kernel_stop, settings,
                             state, device=self.device)
         if isinstance(shard, DelayedShard):
@@ -197,7 +225,16 @@ class WorkerService:
         self.need_dx[request.layer] = request.need_dx
         return Ack(request_id=request.request_id)
 
+    def _test_corruption(self, step: int) -> None:
+        """The :data:`TEST_CORRUPT_VARIABLE` hook: corrupt from its step on."""
+        if self.test_corrupt_from_step < 0:
+            return
+        for shard in self.shards.values():
+            if isinstance(shard, DelayedShard):
+                shard.corrupt = step >= self.test_corrupt_from_step
+
     def _forward(self, request: ForwardRequest) -> ForwardReply:
+        self._test_corruption(request.step)
         shard = self._shard(request.layer)
         x = request.x
         _check_wire_dtype(x, "x")
@@ -251,6 +288,7 @@ class WorkerService:
         port = self.data_plane.open(request.participant, peers, keys, request.timeout_s)
         self.peer = PeerParticipant(request.participant, plan, self.shards, port,
                                     request.wire_dtype, request.timeout_s,
+                                    cancelled=self.cancel_wait.is_set,
                                     on_drop=lambda reason: log.debug("dropped %s", reason))
         return Ack(request_id=request.request_id)
 
@@ -260,6 +298,7 @@ class WorkerService:
         return self.peer
 
     def _peer_forward(self, request: PeerForwardRequest) -> PeerForwardReply:
+        self._test_corruption(request.step)
         peer = self._peer_participant()
         self._shard(request.layer)
         if request.x is not None:

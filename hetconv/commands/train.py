@@ -7,7 +7,10 @@ Local runs build a :class:`LocalConvStage`; distributed runs (``--listen``) ask
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +23,7 @@ from hetconv.commands.options import (
     env,
     env_positive_int,
     non_negative_float,
+    non_negative_int,
     positive_int,
 )
 from hetconv.config import (
@@ -27,6 +31,7 @@ from hetconv.config import (
     DATASETS,
     MASTER_PARTICIPANT,
     ON_OFF,
+    ON_WORKER_LOSS,
     PADDINGS,
     SCHEDULES,
     SPLIT_MODES,
@@ -42,11 +47,23 @@ from hetconv.metrics import SCHEMA_VERSION, MetricsWriter
 from hetconv.model import ModelConfig, conv_layer_shapes, init_parameters, parse_arch
 from hetconv.optim import OptimizerConfig
 from hetconv.stage import ConvStage, LocalConvStage, layer_settings
+from hetconv.train_state import CHECKPOINT_NAME, CheckpointError, TrainingState
 from hetconv.training import LoopConfig, Trainer
+
+RESUME_FLAGS = {
+    "data": "--data", "data_dir": "--data-dir", "limit": "--limit", "test_limit": "--test-limit",
+    "arch": "--arch", "kernel_size": "--kernel-size", "padding": "--padding",
+    "epochs": "--epochs", "batch": "--batch", "lr": "--lr", "momentum": "--momentum",
+    "weight_decay": "--weight-decay", "schedule": "--schedule", "seed": "--seed",
+    "wire_dtype": "--wire-dtype"}
+"""config.json key -> the flag that sets it: what a resumed run must keep."""
+_parser: argparse.ArgumentParser | None = None  # for the defaults, when resuming
 
 
 def add_parser(sub: Any) -> None:
+    global _parser
     p = sub.add_parser("train", help="train the network (locally or over worker daemons)")
+    _parser = p
     where = p.add_mutually_exclusive_group()
     where.add_argument("--local", action="store_true",
                        help="train on this machine's own device only (the default without --listen)")
@@ -71,6 +88,13 @@ def add_parser(sub: Any) -> None:
                    help="distributed: re-split the kernels when the measured step times show "
                    "the calibration was off (default: on for --split model, off for "
                    "calibrated and equal)")
+    p.add_argument("--on-worker-loss", choices=ON_WORKER_LOSS, default=ON_WORKER_LOSS[0],
+                   help="distributed: when the last worker is lost, 'continue' (default) "
+                   "training on the master alone or 'stop' with one line")
+    p.add_argument("--checkpoint-every", type=non_negative_int, default=20, metavar="STEPS",
+                   help="take a snapshot (and write RUN_DIR/checkpoint.npz) every STEPS steps "
+                   "and at every epoch end; a failed worker costs at most this many replayed "
+                   "steps (default 20; 0: epoch ends only)")
     p.add_argument("--data", default=env("DATA", DATASETS[0]), choices=DATASETS, help="dataset")
     p.add_argument("--data-dir", default=env("DATA_DIR", None),
                    help="dataset directory (default: Debian's /usr/share/datasets/fashion-mnist)")
@@ -97,6 +121,11 @@ def add_parser(sub: Any) -> None:
                    help="where config.json, metrics.jsonl and weights.npz go (default runs/<time>)")
     p.add_argument("--overwrite", action="store_true",
                    help="allow a --run-dir that already holds a run")
+    p.add_argument("--resume", metavar="RUN_DIR", default=None,
+                   help="go on with the run in RUN_DIR from its last checkpoint "
+                   "(RUN_DIR/checkpoint.npz): same data, network and optimisation as it "
+                   "was started with (a flag that would change the result is refused); "
+                   "local or distributed as the other flags say")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_curve_master(p)
 
@@ -108,6 +137,7 @@ def master_config(args: argparse.Namespace) -> MasterConfig:
                         wire_dtype=getattr(args, "wire_dtype", WIRE_DTYPES[0]),
                         data_plane=getattr(args, "data_plane", DATA_PLANES[0]),
                         rebalance=_on_off(getattr(args, "rebalance", None)),
+                        on_worker_loss=getattr(args, "on_worker_loss", ON_WORKER_LOSS[0]),
                         curve_secret=args.curve_secret, curve_allow=args.curve_allow)
 
 
@@ -125,6 +155,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         momentum=args.momentum, weight_decay=args.weight_decay, schedule=args.schedule,
         seed=args.seed, threads=args.threads, device=args.device, run_dir=args.run_dir,
         overwrite=args.overwrite, progress=not args.no_progress,
+        checkpoint_every=args.checkpoint_every,
         master=master_config(args) if args.listen and not args.local else None)
 
 
@@ -137,7 +168,8 @@ def prepare_run_dir(run_dir: str | None, overwrite: bool) -> Path:
         if not overwrite:
             raise UserError(f"--run-dir {path} already holds a run; choose another directory "
                             "or pass --overwrite")
-        for name in ("metrics.jsonl", "weights.npz", "config.json", "report.html"):
+        for name in ("metrics.jsonl", "weights.npz", "config.json", "report.html",
+                     CHECKPOINT_NAME):
             if (path / name).exists():
                 (path / name).unlink()
     path.mkdir(parents=True, exist_ok=True)
@@ -152,11 +184,66 @@ def _config_record(config: TrainConfig, model: ModelConfig) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    return run_training(train_config(args))
+    if args.resume is None:
+        return run_training(train_config(args))
+    run_dir = Path(args.resume)
+    saved = _saved_config(run_dir)
+    if args.overwrite:
+        raise UserError("--resume goes on with a run; --overwrite would start over: "
+                        "pass one of them")
+    if args.run_dir is not None and Path(args.run_dir) != run_dir:
+        raise UserError(f"--resume {run_dir} writes to that directory; drop --run-dir")
+    _take_saved_flags(args, saved)
+    args.run_dir = str(run_dir)
+    try:
+        state = TrainingState.load(run_dir / CHECKPOINT_NAME)
+    except CheckpointError as error:
+        raise UserError(f"--resume: {error}") from None
+    if state.epoch >= args.epochs:
+        raise UserError(f"--resume: nothing left to do: {run_dir} finished its "
+                        f"{args.epochs} epoch(s)")
+    return run_training(train_config(args), resume=state)
 
 
-def run_training(config: TrainConfig) -> int:
-    """One whole training run as configured; returns the exit status."""
+def _saved_config(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / "config.json"
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"--resume {run_dir}: no config.json there; is it a run "
+                        "directory?") from None
+    except (OSError, ValueError) as error:
+        raise UserError(f"--resume {run_dir}: unreadable config.json ({error})") from None
+    if not isinstance(saved, dict):
+        raise UserError(f"--resume {run_dir}: config.json is not a run's configuration")
+    return saved
+
+
+def _take_saved_flags(args: argparse.Namespace, saved: dict[str, Any]) -> None:
+    """Every result-changing flag from the saved run; one given on the command line
+    that differs from it is refused, naming the flag."""
+    assert _parser is not None
+    for key, flag in RESUME_FLAGS.items():
+        dest = flag[2:].replace("-", "_")
+        if key not in saved:
+            continue
+        value = saved[key]
+        if key == "arch":
+            value = ":".join(str(k) for k in value) if isinstance(value, list) else str(value)
+        given = getattr(args, dest)
+        if given != _parser.get_default(dest):
+            same = (parse_arch(str(given)) == parse_arch(str(value)) if key == "arch"
+                    else given == value)
+            if not same:
+                raise UserError(f"--resume: {flag} {given} differs from the run's {value}; "
+                                "resuming with it would change the result (start a new run "
+                                "for that)")
+        setattr(args, dest, value)
+
+
+def run_training(config: TrainConfig, resume: TrainingState | None = None) -> int:
+    """One whole training run as configured (from ``resume`` on, when given); returns
+    the exit status."""
     arch = parse_arch(config.arch)
     set_blas_threads(config.threads)
     try:
@@ -170,21 +257,48 @@ def run_training(config: TrainConfig) -> int:
                         classes=int(data.classes), kernel_size=config.kernel_size,
                         padding=config.padding)
     shapes = conv_layer_shapes(model)
-    run_dir = prepare_run_dir(config.run_dir, config.overwrite)
     record = _config_record(config, model)
-    save_json(run_dir / "config.json", record)
+    if resume is None:
+        run_dir = prepare_run_dir(config.run_dir, config.overwrite)
+        save_json(run_dir / "config.json", record)
+    else:
+        run_dir = Path(str(config.run_dir))
     params = init_parameters(model, config.seed)
     optimizer = OptimizerConfig(learning_rate=config.learning_rate, momentum=config.momentum,
                                 weight_decay=config.weight_decay, schedule=config.schedule)
     loop = LoopConfig(epochs=config.epochs, batch=config.batch, eval_batch=config.eval_batch,
-                      seed=config.seed, optimizer=optimizer, progress=config.progress)
+                      seed=config.seed, optimizer=optimizer, progress=config.progress,
+                      checkpoint_every=config.checkpoint_every)
     settings = layer_settings(model, optimizer.momentum, optimizer.weight_decay)
     print(f"hetconv: {data.name} ({len(data.train_images)} train / {len(data.test_images)} test "
           f"images of {'x'.join(map(str, model.input_shape))}), arch {config.arch}, "
           f"batch {config.batch}, {config.epochs} epochs -> {run_dir}", flush=True)
+    previous_term = signal.signal(signal.SIGTERM, _interrupt) \
+        if threading.current_thread() is threading.main_thread() else None
+    try:
+        return _train(config, resume, data, model, shapes, run_dir, record, params, loop,
+                      settings)
+    finally:
+        if previous_term is not None:
+            signal.signal(signal.SIGTERM, previous_term)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    """SIGTERM ends a run like Ctrl-C: the workers are told, run_end is written, the
+    last checkpoint stays for --resume."""
+    raise KeyboardInterrupt
+
+
+def _train(config: TrainConfig, resume: TrainingState | None, data: Any, model: ModelConfig,
+           shapes: Any, run_dir: Path, record: dict[str, Any], params: Any, loop: LoopConfig,
+           settings: Any) -> int:
     with MetricsWriter(run_dir / "metrics.jsonl") as metrics:
         metrics.write("run_start", pid=os.getpid(), config=record,
-                      layers=[shape.__dict__ for shape in shapes])
+                      layers=[shape.__dict__ for shape in shapes],
+                      resumed_from=None if resume is None else resume.step)
+        if resume is not None:
+            print(f"hetconv: resuming {run_dir} at step {resume.step} (epoch "
+                  f"{resume.epoch + 1}, batch {resume.position})", flush=True)
         status, error_text = "failed", None
         stage: ConvStage | None = None
         try:
@@ -199,7 +313,7 @@ def run_training(config: TrainConfig) -> int:
                 device = describe_device(config.device, threads=config.threads)
                 metrics.write("devices", devices=[{"id": MASTER_PARTICIPANT, **device}])
             trainer = Trainer(model, params, stage, loop, metrics, run_dir)
-            result = trainer.fit(data)
+            result = trainer.fit(data, resume)
             status = "completed"
         except UserError as error:
             error_text = str(error)
