@@ -19,6 +19,8 @@ DATASETS = ("fashion-mnist", "cifar10", "synthetic")
 SCHEDULES = ("cosine", "step", "constant")
 SPLIT_MODES = ("model", "calibrated", "equal")
 WIRE_DTYPES = ("float32", "float16")
+WIRE_DTYPE_AUTO = "auto"  # --wire-dtype auto: the planner picks per run (docs/scale-out.md)
+WIRE_DTYPE_FLAGS = WIRE_DTYPES + (WIRE_DTYPE_AUTO,)
 ON_OFF = ("on", "off")  # --rebalance
 ON_WORKER_LOSS = ("continue", "stop")  # --on-worker-loss
 DATA_PLANES = ("peer", "star")  # peer (default): worker to worker; star: all via the master
@@ -68,7 +70,7 @@ class MasterConfig:
         check_choice("--split", self.split, SPLIT_MODES)
         check_choice("--on-worker-loss", self.on_worker_loss, ON_WORKER_LOSS)
         check_choice("--data-plane", self.data_plane, DATA_PLANES)
-        check_choice("--wire-dtype", self.wire_dtype, WIRE_DTYPES)
+        check_choice("--wire-dtype", self.wire_dtype, WIRE_DTYPE_FLAGS)
         if self.min_workers < 0:
             raise UserError("--min-workers must be >= 0")
         if not self.use_local_device and self.min_workers < 1:

@@ -15,7 +15,9 @@ line there is fitted to those points (:func:`fit_cost_line`) instead of scaled f
 the calibration, so successive re-splits converge on the measured costs rather
 than swinging between two calibration-scaled guesses; a window far off the fitted
 line (DRIFT_FRACTION) drops the older points, so a machine that slows down or
-recovers is followed. It then asks the planner for a plan
+recovers is followed. A worker never measured in a layer (the calibration gave it no
+kernels) borrows the median measured / calibrated scale of the workers that were, so
+a calibration that overstated every worker does not keep one out for good. It then asks the planner for a plan
 on the same data plane and links, and proposes a re-split only when the corrected
 prediction of the current split is more than ``threshold`` slower than the new
 plan's, and at most once per ``min_interval_steps``. Pure: numbers in, a
@@ -214,6 +216,17 @@ class Rebalancer:
             scales.append(row)
         return scales
 
+    def _peers_scale(self, layer: int, index: int,
+                     scales: Sequence[Sequence[float | None]]) -> float | None:
+        """The median measured / calibrated scale of the other *workers* (participants
+        with a link) in ``layer``: calibrated under the same conditions, they share its
+        bias (the master's own device is timed differently)."""
+        if self.calibrated[index].link is None:
+            return None
+        values = [s for i, s in enumerate(scales[layer])
+                  if s is not None and i != index and self.calibrated[i].link is not None]
+        return statistics.median(values) if values else None
+
     def _remember_points(self) -> None:
         """One (kernels, median seconds) point per participant and layer of this window."""
         for layer, row in enumerate(self.counts):
@@ -240,6 +253,11 @@ class Rebalancer:
             fitted = fit_cost_line(self._points.get((layer, index), {}))
             if fitted is not None:  # measured at two or more kernel counts
                 costs.append(fitted)
+            elif scale is None and (layer, index) not in self._points \
+                    and (borrowed := self._peers_scale(layer, index, scales)) is not None:
+                # never measured here: its calibration is as far off as its peers' were
+                fixed_s, per_kernel_s = calibrated.costs[layer]
+                costs.append((fixed_s * borrowed, per_kernel_s * borrowed))
             elif scale is None:  # no kernels here: keep what we believed
                 costs.append(current.costs[layer])
             else:

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
-from hetconv.config import MASTER_PARTICIPANT, MasterConfig
+from hetconv.config import MASTER_PARTICIPANT, WIRE_DTYPE_AUTO, MasterConfig
 from hetconv.device_info import describe_device
 from hetconv.keys import server_keys
 from hetconv.master.calibration import LayerCalibration, calibrate
@@ -82,6 +83,31 @@ def assign_shards(cluster: Cluster, plan: list[list[Shard]], params: dict[str, n
     return local
 
 
+def layer_traffic(shapes: list[ConvLayerShape], batch: int,
+                  wire_dtype: str) -> list[LayerTraffic]:
+    """Every layer's bytes on the wire for a batch, in ``wire_dtype``."""
+    itemsize = np.dtype(wire_dtype).itemsize
+    return [LayerTraffic(input_bytes=int(np.prod(s.input_shape(batch))) * itemsize,
+                         output_bytes=int(np.prod(s.output_shape(batch))) * itemsize,
+                         kernels=s.kernels, need_dx=s.index > 0) for s in shapes]
+
+
+def choose_wire_dtype(profiles: list[ParticipantProfile], shapes: list[ConvLayerShape],
+                      batch: int, data_plane: str) -> tuple[str, float, float]:
+    """(dtype, predicted step with float32, with float16): float16 when the planner
+    predicts a step at least WIRE_FLOAT16_GAIN shorter with it (half the bytes on
+    every link), else float32."""
+    predicted = {dtype: choose_plan(profiles, layer_traffic(shapes, batch, dtype),
+                                    data_plane).predicted_step_s
+                 for dtype in ("float32", "float16")}
+    use16 = predicted["float16"] < predicted["float32"] * (1 - WIRE_FLOAT16_GAIN)
+    return ("float16" if use16 else "float32"), predicted["float32"], predicted["float16"]
+
+
+WIRE_FLOAT16_GAIN = 0.03
+"""--wire-dtype auto takes float16 only for a predicted step this much shorter."""
+
+
 def planner_inputs(cluster: Cluster, participants: list[Participant],
                    shapes: list[ConvLayerShape], calibration: list[LayerCalibration],
                    batch: int, wire_dtype: str, report: Callable[[str], None] = print
@@ -89,10 +115,7 @@ def planner_inputs(cluster: Cluster, participants: list[Participant],
     """Probe every worker's link; the participants' profiles (calibrated cost and link)
     and every layer's traffic, as the planner takes them."""
     links = probe_links(cluster, participants, report)
-    itemsize = np.dtype(wire_dtype).itemsize
-    traffic = [LayerTraffic(input_bytes=int(np.prod(s.input_shape(batch))) * itemsize,
-                            output_bytes=int(np.prod(s.output_shape(batch))) * itemsize,
-                            kernels=s.kernels, need_dx=s.index > 0) for s in shapes]
+    traffic = layer_traffic(shapes, batch, wire_dtype)
     profiles = [ParticipantProfile(p.participant,
                                    tuple(cal.cost_models()[i] for cal in calibration), link)
                 for i, (p, link) in enumerate(zip(participants, links))]
@@ -218,9 +241,20 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
         calibration = calibrate(cluster, participants, shapes, batch, report=report)
         profiles: list[ParticipantProfile] = []
         traffic: list[LayerTraffic] = []
+        if config.wire_dtype == WIRE_DTYPE_AUTO and config.split != "model":
+            config = replace(config, wire_dtype="float32")  # no link model to choose by
         if config.split == "model" or config.rebalancing:
+            wire = "float32" if config.wire_dtype == WIRE_DTYPE_AUTO else config.wire_dtype
             profiles, traffic = planner_inputs(cluster, participants, shapes, calibration, batch,
-                                               config.wire_dtype, report)
+                                               wire, report)
+            if config.wire_dtype == WIRE_DTYPE_AUTO:
+                chosen, step32, step16 = choose_wire_dtype(profiles, shapes, batch,
+                                                           config.data_plane)
+                report(f"hetconv: wire dtype {chosen} (--wire-dtype auto: predicted step "
+                       f"{step32 * 1e3:.1f} ms with float32, {step16 * 1e3:.1f} ms with "
+                       "float16)")
+                config = replace(config, wire_dtype=chosen)
+                traffic = layer_traffic(shapes, batch, chosen)
         if config.split == "model":  # link-aware: which participants, how many kernels
             plan = plan_with_links(participants, profiles, traffic, config.data_plane, metrics,
                                    report)

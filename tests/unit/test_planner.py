@@ -117,3 +117,16 @@ def test_never_predicted_worse_than_every_participant_with_the_compute_split() -
             assert plan.predicted_step_s <= plan.all_step_s + 1e-12, (plane, plan)
             assert set(plan.chosen) == {f for f, row in zip(
                 [p.participant for p in machines(workers)], zip(*plan.counts)) if any(row)}
+
+
+def test_wire_dtype_auto_takes_float16_only_where_links_matter() -> None:
+    from hetconv.master.session import choose_wire_dtype
+    from hetconv.model import ModelConfig, conv_layer_shapes
+    shapes = conv_layer_shapes(ModelConfig(conv_kernels=(32, 64), input_shape=(1, 28, 28),
+                                           classes=10))
+    slow = machines([link(0.3 * GBIT)] * 3)  # 300 Mbit: the bytes decide the step
+    chosen, step32, step16 = choose_wire_dtype(slow, shapes, 128, "peer")
+    assert chosen == "float16" and step16 < step32
+    fast = machines([link(100 * GBIT, rtt_s=1e-5)] * 3)  # compute is everything
+    chosen, step32, step16 = choose_wire_dtype(fast, shapes, 128, "peer")
+    assert chosen == "float32" and step16 >= step32 * 0.97

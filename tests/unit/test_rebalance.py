@@ -204,3 +204,23 @@ def test_re_splits_converge_instead_of_swinging() -> None:
     a, b = history[-1]
     finish = [truth["a"][0] + truth["a"][1] * a, truth["b"][0] + truth["b"][1] * b]
     assert max(finish) / min(finish) < 1.1  # balanced by the measured lines
+
+
+def test_a_worker_left_out_by_its_calibration_borrows_its_peers_correction() -> None:
+    """Calibration overstated every worker 2x; w3 got no kernels. Once w1 and w2 are
+    measured at half their calibrated cost, w3 (never measured) is given kernels."""
+    costly = tuple((2 * fixed, 2 * per_kernel) for fixed, per_kernel in COSTS)
+    calibrated = [ParticipantProfile("master", COSTS, None)] + [
+        ParticipantProfile(f"w{i}", costly, FAST) for i in (1, 2, 3)]
+    counts = [[row[0], row[1], row[2], 0] for row in
+              choose_plan(calibrated[:3], TRAFFIC, "star").counts]
+    rebalancer = Rebalancer(calibrated, TRAFFIC, counts, "star")
+    decision = None
+    for step in range(12):
+        layers = [{p.participant: (k, (p.costs[layer][0] + p.costs[layer][1] * k)
+                                   * (0.5 if p.link is not None else 1.0))
+                   for p, k in zip(calibrated, row) if k > 0}
+                  for layer, row in enumerate(rebalancer.counts)]
+        decision = rebalancer.observe(step, layers) or decision
+    assert decision is not None
+    assert all(row[3] > 0 for row in decision.counts)  # w3 now computes
