@@ -15,7 +15,7 @@ from hetconv.errors import UserError
 from hetconv.protocol import limits
 from hetconv.protocol.transport import CurveClientKeys
 
-DATASETS = ("fashion-mnist", "cifar10", "synthetic")
+DATASETS = ("fashion-mnist", "cifar10", "folder", "synthetic")
 SCHEDULES = ("cosine", "step", "constant")
 SPLIT_MODES = ("model", "calibrated", "equal")
 WIRE_DTYPES = ("float32", "float16")
@@ -38,15 +38,19 @@ def check_choice(flag: str, value: str, choices: tuple[str, ...]) -> str:
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Which dataset, where it lies and how much of it to use."""
+    """Which dataset, where it lies, how much of it to use and how to vary it."""
 
     name: str = "fashion-mnist"
     data_dir: str | None = None
     limit: int | None = None  # train on the first N images
     test_limit: int | None = None  # evaluate on the first N test images
+    image_size: int | None = None  # --data folder: resize to this side (None: detected)
+    augment: bool = False  # random crop with padding and horizontal flips while training
 
     def __post_init__(self) -> None:
         check_choice("--data", self.name, DATASETS)
+        if self.image_size is not None and self.name != "folder":
+            raise UserError(f"--image-size applies to --data folder only, not {self.name}")
 
 
 @dataclass(frozen=True)
@@ -126,7 +130,8 @@ class TrainConfig:
         return {
             "mode": "distributed" if master else "local",
             "data": self.data.name, "data_dir": self.data.data_dir, "limit": self.data.limit,
-            "test_limit": self.data.test_limit,
+            "test_limit": self.data.test_limit, "image_size": self.data.image_size,
+            "augment": self.data.augment,
             "epochs": self.epochs, "batch": self.batch, "eval_batch": self.eval_batch,
             "lr": self.learning_rate, "momentum": self.momentum,
             "weight_decay": self.weight_decay, "schedule": self.schedule, "seed": self.seed,

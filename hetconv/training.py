@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from hetconv.batches import Augmentation, BatchSource, augment_padding
 from hetconv.checkpoint import save_weights
 from hetconv.data import Dataset
 from hetconv.errors import UserError
@@ -44,6 +45,7 @@ class LoopConfig:
     progress: bool = True
     checkpoint_every: int = 20  # steps between snapshots (0: only at epoch ends)
     checkpoints: bool = True  # also write each snapshot to RUN_DIR/checkpoint.npz
+    augment: bool = False  # random crops and flips of the training batches (hetconv.batches)
 
 
 @dataclass
@@ -187,8 +189,11 @@ class Trainer:
         """Train ``loop.epochs`` epochs from the beginning or from ``start`` (a resumed
         checkpoint). A :class:`StageFault` restores the last snapshot and replays."""
         loop = self.loop
-        count = len(data.train_images)
-        steps_per_epoch = -(-count // loop.batch)
+        _, height, width = data.image_shape
+        source = BatchSource(data.train_images, data.train_labels, loop.batch, loop.seed,
+                             Augmentation(augment_padding(height, width)) if loop.augment
+                             else None)
+        steps_per_epoch = source.steps_per_epoch
         if start is not None:
             self.restore(start)
             state = start
@@ -204,15 +209,14 @@ class Trainer:
                 return TrainResult(epochs=epochs, losses=losses)
             train_s = state.train_s
             try:
-                order = np.random.default_rng([loop.seed, epoch]).permutation(count)
                 bar = tqdm(total=steps_per_epoch, initial=position,
                            desc=f"epoch {epoch + 1}/{loop.epochs}", unit="batch",
                            disable=not loop.progress, leave=True, dynamic_ncols=True)
+                batches = source.prefetch(epoch, position)  # the thread ends in `finally`
                 try:
                     while position < steps_per_epoch:
                         data_start = time.perf_counter()
-                        index = order[position * loop.batch:(position + 1) * loop.batch]
-                        x, labels = data.train_images[index], data.train_labels[index]
+                        x, labels = next(batches)
                         data_s = time.perf_counter() - data_start
                         lr = learning_rate_at(loop.optimizer, step, steps_per_epoch,
                                               loop.epochs)
@@ -246,6 +250,7 @@ class Trainer:
                                 step, epoch, position, seen, correct, loss_sum, train_s,
                                 losses, epochs), started)
                 finally:
+                    batches.close()
                     bar.close()
                 if state.position < steps_per_epoch or state.step != step:
                     started = time.perf_counter()  # training of the epoch done: keep it

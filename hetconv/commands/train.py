@@ -56,7 +56,7 @@ RESUME_FLAGS = {
     "arch": "--arch", "kernel_size": "--kernel-size", "padding": "--padding",
     "epochs": "--epochs", "batch": "--batch", "lr": "--lr", "momentum": "--momentum",
     "weight_decay": "--weight-decay", "schedule": "--schedule", "seed": "--seed",
-    "wire_dtype": "--wire-dtype"}
+    "wire_dtype": "--wire-dtype", "image_size": "--image-size", "augment": "--augment"}
 """config.json key -> the flag that sets it: what a resumed run must keep."""
 _parser: argparse.ArgumentParser | None = None  # for the defaults, when resuming
 
@@ -100,7 +100,15 @@ def add_parser(sub: Any) -> None:
                    "steps (default 20; 0: epoch ends only)")
     p.add_argument("--data", default=env("DATA", DATASETS[0]), choices=DATASETS, help="dataset")
     p.add_argument("--data-dir", default=env("DATA_DIR", None),
-                   help="dataset directory (default: Debian's /usr/share/datasets/fashion-mnist)")
+                   help="dataset directory (default: Debian's /usr/share/datasets/fashion-mnist); "
+                   "for --data folder: one sub-folder of PNG/JPEG images per class, or train/ "
+                   "and test/ holding such sub-folders")
+    p.add_argument("--image-size", type=positive_int, default=None, metavar="N",
+                   help="--data folder: resize every image to NxN (default: the images' own "
+                   "size when they all have the same, else 32)")
+    p.add_argument("--augment", action="store_true",
+                   help="random crop of the image padded by an eighth of its side (4 px for "
+                   "32x32) and random horizontal flips, while training")
     p.add_argument("--limit", type=positive_int, default=None,
                    help="train on the first N training images only")
     p.add_argument("--test-limit", type=positive_int, default=None,
@@ -152,7 +160,8 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
     """The typed configuration of ``hetconv train`` from parsed flags."""
     return TrainConfig(
         data=DataConfig(name=args.data, data_dir=args.data_dir, limit=args.limit,
-                        test_limit=args.test_limit),
+                        test_limit=args.test_limit, image_size=args.image_size,
+                        augment=args.augment),
         arch=args.arch, kernel_size=args.kernel_size, padding=args.padding, epochs=args.epochs,
         batch=args.batch, eval_batch=args.eval_batch, learning_rate=args.lr,
         momentum=args.momentum, weight_decay=args.weight_decay, schedule=args.schedule,
@@ -250,7 +259,8 @@ def run_training(config: TrainConfig, resume: TrainingState | None = None) -> in
     arch = parse_arch(config.arch)
     set_blas_threads(config.threads)
     try:
-        data = load_dataset(config.data.name, config.data.data_dir, limit=config.data.limit)
+        data = load_dataset(config.data.name, config.data.data_dir, limit=config.data.limit,
+                            image_size=config.data.image_size)
     except DatasetError as error:
         raise UserError(str(error)) from None
     if config.data.test_limit:
@@ -271,7 +281,7 @@ def run_training(config: TrainConfig, resume: TrainingState | None = None) -> in
                                 weight_decay=config.weight_decay, schedule=config.schedule)
     loop = LoopConfig(epochs=config.epochs, batch=config.batch, eval_batch=config.eval_batch,
                       seed=config.seed, optimizer=optimizer, progress=config.progress,
-                      checkpoint_every=config.checkpoint_every)
+                      checkpoint_every=config.checkpoint_every, augment=config.data.augment)
     settings = layer_settings(model, optimizer.momentum, optimizer.weight_decay)
     print(f"hetconv: {data.name} ({len(data.train_images)} train / {len(data.test_images)} test "
           f"images of {'x'.join(map(str, model.input_shape))}), arch {config.arch}, "
