@@ -18,12 +18,15 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterable, Sequence
 
+from hetconv.master.report.events import RECOVERY
 from hetconv.master.report.records import DeviceTiming, RunRecords, StepRecord
 from hetconv.master.report.summary import (
     DeviceLayer,
     DeviceSummary,
     LayerBalance,
+    Resilience,
     RunSummary,
+    SnapshotCost,
     TimeSplit,
     WhatIf,
 )
@@ -338,6 +341,36 @@ def what_if(split: TimeSplit, steps: Sequence[StepRecord], layer_kernels: dict[i
                   _ratio(split.step_s, fast_network) or 1.0, tuple(notes))
 
 
+def snapshot_cost(records: RunRecords, step_s: float | None) -> SnapshotCost | None:
+    """Totals of the ``checkpoint`` records, per step trained (``len(records.steps)``:
+    one per step, replays not counted) and as a fraction of the median step ``step_s``."""
+    checkpoints = records.checkpoints
+    if not checkpoints:
+        return None
+    total_s = sum(c.seconds for c in checkpoints)
+    state = sum(c.state_bytes for c in checkpoints)
+    written = sum(c.file_bytes for c in checkpoints)
+    steps = len(records.steps)
+    per_step_s = total_s / steps if steps else None
+    return SnapshotCost(
+        count=len(checkpoints), total_s=total_s,
+        median_s=median(c.seconds for c in checkpoints) or 0.0, state_bytes=state,
+        file_bytes=written, steps=steps, per_step_s=per_step_s,
+        per_step_state_bytes=state / steps if steps else None,
+        per_step_file_bytes=written / steps if steps else None,
+        step_fraction=_ratio(per_step_s, step_s))
+
+
+def resilience(records: RunRecords, step_s: float | None) -> Resilience:
+    """The run's membership events, recoveries, replays and snapshot cost."""
+    recoveries = [e for e in records.events if e.kind == RECOVERY]
+    return Resilience(events=records.events, start_time=records.start_time,
+                      recoveries=len(recoveries),
+                      recovery_s=sum(e.seconds or 0.0 for e in recoveries),
+                      replayed_steps=records.replayed_steps,
+                      snapshots=snapshot_cost(records, step_s))
+
+
 def summarize(records: RunRecords) -> RunSummary:
     """Every figure of the report for one run (see the module docstring)."""
     steps = used_steps(records.steps)
@@ -379,4 +412,10 @@ def summarize(records: RunRecords) -> RunSummary:
                  if split else None),
         epochs=epochs,
         final_test_accuracy=epochs[-1].test_accuracy if epochs else None,
-        images_per_s=epochs[-1].images_per_s if epochs else None, warnings=tuple(warnings))
+        images_per_s=epochs[-1].images_per_s if epochs else None, warnings=tuple(warnings),
+        resilience=resilience(records, split.step_s if split else None),
+        checkpoint_every=_opt_int(config.get("checkpoint_every")))
+
+
+def _opt_int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None

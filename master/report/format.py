@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hetconv.master.report.summary import RunSummary
+from hetconv.master.report.summary import Resilience, RunSummary
 
 MISSING = "-"
 
@@ -36,6 +36,10 @@ def kib(size_bytes: float | None) -> str:
     return MISSING if size_bytes is None else f"{size_bytes / 1024:.1f}"
 
 
+def mib(size_bytes: float | None) -> str:
+    return MISSING if size_bytes is None else f"{size_bytes / 2**20:.2f}"
+
+
 @dataclass(frozen=True)
 class Table:
     """A titled table; ``headers`` and every row have one string per column."""
@@ -44,6 +48,14 @@ class Table:
     headers: tuple[str, ...]
     rows: tuple[tuple[str, ...], ...]
     left_columns: int = 1  # the first columns are text (left-aligned), the rest numbers
+    text_columns: tuple[int, ...] | None = None  # instead: exactly these are text
+    wrap: bool = False  # the terminal wraps a text cell that does not fit, not clips it
+
+    def is_text(self, column: int) -> bool:
+        """Whether a column holds text (left-aligned) rather than numbers."""
+        if self.text_columns is not None:
+            return column in self.text_columns
+        return column < self.left_columns
 
 
 def headline(summary: RunSummary) -> str:
@@ -140,6 +152,72 @@ def notes(summary: RunSummary) -> list[str]:
     if summary.speedup is None and summary.split is not None:
         out.append("speedup: no device computed kernels in every layer; nothing to compare to")
     return out
+
+
+def _since(resilience: Resilience, time: float) -> str:
+    start = resilience.start_time
+    return MISSING if start is None else f"{time - start:.1f}"
+
+
+def _event_detail(event_kind: str, reason: str, split: str, failed: int | None,
+                  resumed: int | None) -> str:
+    if event_kind == "recovery" and failed is not None:
+        head = f"step {failed} failed; restored the snapshot of step {resumed}, replaying " \
+               f"{failed - (resumed or 0)} step(s): {reason}"
+        return head
+    return f"{reason}; now {split}" if split else reason
+
+
+def events_table(summary: RunSummary) -> Table:
+    """Membership and re-plans, one row per event in time order (times in seconds since
+    the run's first record; the step is where it shows on the per-step plots)."""
+    resilience = summary.resilience
+    events = resilience.events if resilience is not None else ()
+    rows = tuple((_since(resilience, e.time) if resilience else MISSING,
+                  MISSING if e.step is None else str(e.step), e.kind, e.participant or MISSING,
+                  num(e.seconds), _event_detail(e.kind, e.reason, e.split, e.failed_step,
+                                                e.resumed_step))
+                 for e in events)
+    return Table("Membership and re-plans (joins, losses, recoveries, re-plans, re-splits, "
+                 "resumes)", ("at\ns", "step", "event", "participant", "took\ns", "detail"),
+                 rows, text_columns=(2, 3, 5), wrap=True)
+
+
+def resilience_table(summary: RunSummary) -> Table:
+    """The fault-free cost of resilience (the snapshots) and what faults cost."""
+    resilience = summary.resilience
+    rows: list[tuple[str, str, str]] = []
+    if resilience is not None:
+        cost = resilience.snapshots
+        every = summary.checkpoint_every
+        when = ("at the start and epoch ends" if every == 0 else
+                f"every {every} steps, at the start and epoch ends" if every else
+                "at the start, every --checkpoint-every steps, epoch ends")
+        if cost is not None:
+            rows += [("snapshots taken", str(cost.count), when),
+                     ("snapshot time, all", f"{num(cost.total_s, 2)} s",
+                      f"median {ms(cost.median_s)} ms each"),
+                     ("snapshot time per step trained", f"{ms(cost.per_step_s)} ms",
+                      f"{pct(cost.step_fraction)} of the median step"),
+                     ("shard state pulled per step", f"{kib(cost.per_step_state_bytes)} KiB",
+                      f"{mib(cost.state_bytes)} MiB in all"),
+                     ("checkpoint file written per step", f"{kib(cost.per_step_file_bytes)} KiB",
+                      f"{mib(cost.file_bytes)} MiB in all")]
+        else:
+            rows.append(("snapshots taken", MISSING, "no checkpoint records in this run"))
+        rows += [("recoveries", str(resilience.recoveries),
+                  f"{num(resilience.recovery_s, 2)} s restoring in all"),
+                 ("replayed steps", str(resilience.replayed_steps),
+                  "step records replaced by a later record of the same step"),
+                 ("membership events", str(len(resilience.events)),
+                  "joins, losses, recoveries, re-plans, re-splits, resumes")]
+    return Table("Resilience: what the snapshots cost without faults, and what faults cost",
+                 ("figure", "value", "detail"), tuple(rows), left_columns=1)
+
+
+def resilience_tables(summary: RunSummary) -> list[Table]:
+    """The "Membership and re-plans" section: the events, then the costs."""
+    return [events_table(summary), resilience_table(summary)]
 
 
 def run_tables(summary: RunSummary) -> list[Table]:

@@ -10,10 +10,12 @@ import io
 from collections.abc import Sequence
 
 from matplotlib.artist import Artist
+from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
 from hetconv.errors import UserError
+from hetconv.master.report.events import JOIN, LOSS, RECOVERY, REPLAN, RESPLIT, RESUME
 from hetconv.master.report.records import RunRecords, StepRecord
 from hetconv.master.report.summary import RunSummary
 
@@ -24,6 +26,33 @@ COLOURS = {"comm": "#d62728", "conv": "#1f77b4", "dense": "#2ca02c", "other": "#
            "forward": "#1f77b4", "backward": "#ff7f0e", "wait": "#c7c7c7", "rest": "#f7b6d2",
            "kernels": "#9467bd", "throughput": "#17becf", "loss": "#1f77b4",
            "train": "#1f77b4", "test": "#d62728", "predicted": "#1f77b4", "ideal": "#7f7f7f"}
+EVENT_STYLE = {  # kind -> (colour, line style, where on the step axis: 0 at the step, -0.5 before)
+    LOSS: ("#000000", "-", 0.0), RECOVERY: ("#d62728", "--", 0.0),
+    JOIN: ("#2ca02c", "-", -0.5), REPLAN: ("#9467bd", ":", -0.5),
+    RESPLIT: ("#ff7f0e", ":", -0.5), RESUME: ("#8c564b", "-.", -0.5)}
+
+
+def event_marks(records: RunRecords) -> list[tuple[float, str, str | None]]:
+    """(x on the step axis, kind, participant) per membership event with a step: at the
+    failed step for a loss or a recovery, between two steps for the others."""
+    return [(event.step + EVENT_STYLE[event.kind][2], event.kind, event.participant)
+            for event in records.events if event.step is not None and event.kind in EVENT_STYLE]
+
+
+def _mark_events(axes: Axes, records: RunRecords) -> None:
+    """Vertical lines for the membership events, one legend entry per kind, the worker
+    named beside a join or a loss."""
+    labelled: set[str] = set()
+    for x, kind, participant in event_marks(records):
+        colour, style, _ = EVENT_STYLE[kind]
+        axes.axvline(x, color=colour, linestyle=style, linewidth=1.1,
+                     label=None if kind in labelled else kind)
+        labelled.add(kind)
+        if participant is not None and kind in (JOIN, LOSS):
+            axes.annotate(f"{'+' if kind == JOIN else '-'}{participant}", (x, 1.0),
+                          xycoords=("data", "axes fraction"), xytext=(2, -2),
+                          textcoords="offset points", ha="left", va="top", rotation=90,
+                          fontsize="x-small", color=colour)
 
 
 def _png(figure: Figure) -> bytes:
@@ -53,9 +82,11 @@ def time_breakdown(records: RunRecords) -> bytes | None:
         axes.stackplot(x, comm, conv, dense, colors=[COLOURS[k] for k in ("comm", "conv", "dense")],
                        labels=["communication (comm_s)", "distributed conv (conv_s - comm_s)",
                                "dense part (dense_s)"])
+    _mark_events(axes, records)
     axes.set_xlabel("training step (from 0; step 0 is warm-up)")
     axes.set_ylabel("time per step (ms)")
-    axes.set_title("Where each step's time goes")
+    axes.set_title("Where each step's time goes" + (", with membership events"
+                                                    if records.events else ""))
     axes.legend(loc="upper right", fontsize="small")
     axes.grid(axis="y", alpha=0.3)
     return _png(figure)

@@ -7,6 +7,14 @@ too and kept in :attr:`RunRecords.warnings`, so the report can show them. Works 
 a run still in progress (no ``epoch`` or ``run_end`` yet) and on a local run (no
 ``calibration`` records, one device ``"master"``). Nothing here computes figures;
 that is :mod:`master.report.analysis`.
+
+A step replayed after a recovery, or again after a ``--resume``, has several ``step``
+records; the last one counts (it is the one the run went on from), so
+:attr:`RunRecords.steps` holds one record per step, in step order, and
+:attr:`RunRecords.replayed_steps` counts the records it left out. Membership events
+(``recovery``, ``replan``, ``rebalance``, a resuming ``run_start``) become
+:class:`MembershipEvent` s in time order (:mod:`master.report.events`), and every
+``checkpoint`` record a :class:`CheckpointRecord`.
 """
 from __future__ import annotations
 
@@ -18,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from hetconv.errors import UserError
+from hetconv.master.report.events import CheckpointRecord, MembershipEvent, membership_events
 from hetconv.metrics import iter_metrics
 
 METRICS_FILE = "metrics.jsonl"
@@ -145,6 +154,10 @@ class RunRecords:
     error: str | None
     warnings: tuple[str, ...]
     plan_predicted_step_s: float | None = None  # the planner's conv + transfer prediction
+    events: tuple[MembershipEvent, ...] = ()  # joins, losses, re-plans, ... in time order
+    checkpoints: tuple[CheckpointRecord, ...] = ()  # every training snapshot taken
+    replayed_steps: int = 0  # step records left out: an earlier record of a replayed step
+    start_time: float | None = None  # Unix time of the first record
 
     @property
     def name(self) -> str:
@@ -297,13 +310,15 @@ def parse_run(run_dir: str | Path) -> RunRecords:
     layers: tuple[LayerShape, ...] = ()
     devices: tuple[DeviceInfo, ...] = ()
     calibration: dict[int, LayerCalibration] = {}
-    steps: list[StepRecord] = []
+    steps: dict[int, StepRecord] = {}  # the last record of each step counts
+    step_records = 0
     epochs: list[EpochRecord] = []
     status: str | None = None
     error: str | None = None
     predicted: float | None = None
     for kind, item in _dispatch(raw_records, warnings):
         if kind == "run_start":
+            status = error = None  # a resumed run: what the earlier process ended with is past
             config = {**config, **(item.get("config") or {})}
             try:
                 layers = tuple(_layer_shape(layer) for layer in item.get("layers") or [])
@@ -314,7 +329,8 @@ def parse_run(run_dir: str | Path) -> RunRecords:
         elif kind == "calibration":
             calibration[item.layer] = item
         elif kind == "step":
-            steps.append(item)
+            steps[item.step] = item
+            step_records += 1
         elif kind == "epoch":
             epochs.append(item)
         elif kind == "plan":
@@ -322,17 +338,37 @@ def parse_run(run_dir: str | Path) -> RunRecords:
         elif kind == "run_end":
             status = str(item.get("status") or "?")
             error = item.get("error")
+    ordered = [steps[number] for number in sorted(steps)]
     if not layers:
-        layers = _layers_from(steps, calibration)
+        layers = _layers_from(ordered, calibration)
+    events, checkpoints = membership_events(raw_records, warnings)
     if status is None:
         warnings.append("no run_end record: the run is in progress, or its master was killed")
     elif status != "completed":
         warnings.append(f"run ended with status {status}" + (f": {error}" if error else ""))
     return RunRecords(run_dir=str(run_dir), config=config, layers=layers, devices=devices,
                       calibration=tuple(calibration[k] for k in sorted(calibration)),
-                      steps=tuple(steps), epochs=tuple(epochs), status=status,
+                      steps=tuple(ordered), epochs=_last_per_epoch(epochs), status=status,
                       error=None if error is None else str(error), warnings=tuple(warnings),
-                      plan_predicted_step_s=predicted)
+                      plan_predicted_step_s=predicted, events=events, checkpoints=checkpoints,
+                      replayed_steps=step_records - len(ordered),
+                      start_time=_first_time(raw_records))
+
+
+def _first_time(records: list[dict[str, Any]]) -> float | None:
+    for record in records:
+        try:
+            return float(record["time"])
+        except (KeyError, TypeError, ValueError):
+            continue
+    return None
+
+
+def _last_per_epoch(epochs: list[EpochRecord]) -> tuple[EpochRecord, ...]:
+    """One record per epoch, the last one (an epoch end replayed after a fault or a
+    ``--resume`` is written again), in epoch order."""
+    by_epoch = {record.epoch: record for record in epochs}
+    return tuple(by_epoch[number] for number in sorted(by_epoch))
 
 
 def _layers_from(steps: list[StepRecord],

@@ -17,7 +17,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from hetconv.master.report import plots
-from hetconv.master.report.format import Table, comparison_table, headline, notes, run_tables
+from hetconv.master.report.format import (
+    Table,
+    comparison_table,
+    headline,
+    notes,
+    resilience_tables,
+    run_tables,
+)
 from hetconv.master.report.records import RunRecords
 from hetconv.master.report.summary import RunSummary
 
@@ -70,6 +77,10 @@ DEFINITIONS = [
      "with that device's speed added (balance efficiency kept), communication by (W+1)/W "
      "for W workers (the input goes to every worker). Network twice as fast: the median "
      "step time minus half the median communication.")),
+    ("replayed steps", ("a step replayed after a recovery, or again after --resume, has "
+     "several step records; the last one counts, in every figure and plot.")),
+    ("snapshot cost per step", ("the checkpoint records' seconds (pulling every shard's state, "
+     "checking it, writing the file) summed, over the steps trained; bytes likewise.")),
     ("medians", ("all per-step figures are medians over the steps, skipping the run's first "
      "step (warm-up) when there is more than one.")),
 ]
@@ -90,7 +101,7 @@ def _table(table: Table, caption: bool = False) -> str:
                    for h in table.headers)
     body = []
     for row in table.rows:
-        cells = "".join(f"<td>{_indent(c)}</td>" if i < table.left_columns
+        cells = "".join(f"<td>{_indent(c)}</td>" if table.is_text(i)
                         else f'<td class="num">{_esc(c)}</td>' for i, c in enumerate(row))
         body.append(f"<tr>{cells}</tr>")
     if not body:
@@ -120,7 +131,12 @@ def run_body(records: RunRecords, summary: RunSummary, level: int = 2) -> str:
     parts += [f"<p>Note: {_esc(note)}</p>" for note in notes(summary)]
     parts += [f"<{h}>Time per step</{h}>",
               _image(plots.time_breakdown(records), "stacked time per step: communication, "
-                     "distributed conv and dense part, in milliseconds")]
+                     "distributed conv and dense part, in milliseconds, with the membership "
+                     "events (joins, losses, recoveries, re-plans, re-splits, resumes) marked")]
+    if records.events:
+        parts.append("<p>The vertical lines mark the membership events listed under "
+                     "<em>Membership and re-plans</em>; a replayed step is drawn once, with "
+                     "its last record.</p>")
     parts += [f"<{h}>Devices</{h}>", _table(devices, caption=True)]
     parts += [f"<{h}>Kernel split against measured throughput</{h}>",
               ("<p>Balanced when each device's kernel share equals its share of the layer's "
@@ -146,6 +162,15 @@ def run_body(records: RunRecords, summary: RunSummary, level: int = 2) -> str:
               if scaling is not None else
               ('<p class="empty">No estimate: the run has no cost fits or no measured links '
                "(a distributed run with --split model has both).</p>")]
+    events, costs = resilience_tables(summary)
+    parts += [f"<{h}>Membership and re-plans</{h}>",
+              ("<p>Every worker join and loss, recovery (a fault that cost a step: the last "
+               "snapshot restored and the steps since replayed), re-plan, re-split from "
+               "measured times and <code>--resume</code>, in time order (seconds since the "
+               "run's first record). Below: what the snapshots cost in the fault-free case "
+               "(pulling every shard, checking it, writing <code>checkpoint.npz</code>) and "
+               "what the faults cost.</p>"),
+              _table(events, caption=True), _table(costs, caption=True)]
     parts += [f"<{h}>Training</{h}>",
               _image(plots.training_curves(records), "loss per step and accuracy per epoch"),
               _table(epochs, caption=True)]

@@ -9,7 +9,14 @@ from __future__ import annotations
 import textwrap
 from collections.abc import Sequence
 
-from hetconv.master.report.format import Table, comparison_table, headline, notes, run_tables
+from hetconv.master.report.format import (
+    Table,
+    comparison_table,
+    headline,
+    notes,
+    resilience_tables,
+    run_tables,
+)
 from hetconv.master.report.summary import RunSummary
 
 WIDTH = 100
@@ -26,8 +33,8 @@ def _widths(table: Table, width: int) -> list[int]:
     widths = [max([len(part) for part in table.headers[i].split("\n")]
                   + [len(row[i]) for row in table.rows]) for i in range(columns)]
     budget = width - len(GAP) * (columns - 1)
-    while sum(widths) > budget:
-        text_columns = range(min(table.left_columns, columns))
+    text_columns = [i for i in range(columns) if table.is_text(i)]
+    while sum(widths) > budget and text_columns:
         widest = max(text_columns, key=lambda i: widths[i])
         if widths[widest] <= 8:
             break  # the numbers themselves do not fit; let the line run long
@@ -40,9 +47,19 @@ def format_table(table: Table, width: int = WIDTH) -> list[str]:
     widths = _widths(table, width)
 
     def line(cells: Sequence[str]) -> str:
-        parts = [_clip(cell, w).ljust(w) if i < table.left_columns else _clip(cell, w).rjust(w)
+        parts = [_clip(cell, w).ljust(w) if table.is_text(i) else _clip(cell, w).rjust(w)
                  for i, (cell, w) in enumerate(zip(cells, widths))]
         return GAP.join(parts).rstrip()
+
+    def row_lines(cells: Sequence[str]) -> list[str]:
+        """One line, or with ``table.wrap`` as many as the wrapped text cells need."""
+        if not table.wrap:
+            return [line(cells)]
+        pieces = [textwrap.wrap(cell, w) or [""] if table.is_text(i) and len(cell) > w
+                  else [cell] for i, (cell, w) in enumerate(zip(cells, widths))]
+        height = max(len(piece) for piece in pieces)
+        return [line([piece[k] if k < len(piece) else "" for piece in pieces])
+                for k in range(height)]
 
     header_lines = max(header.count("\n") + 1 for header in table.headers)
     split_headers = [[""] * (header_lines - header.count("\n") - 1) + header.split("\n")
@@ -52,7 +69,7 @@ def format_table(table: Table, width: int = WIDTH) -> list[str]:
     lines.append(GAP.join("-" * w for w in widths))
     if not table.rows:
         return lines + ["(none yet)"]
-    return lines + [line(row) for row in table.rows]
+    return lines + [text for row in table.rows for text in row_lines(row)]
 
 
 def render_run(summary: RunSummary, width: int = WIDTH) -> str:
@@ -61,7 +78,7 @@ def render_run(summary: RunSummary, width: int = WIDTH) -> str:
     lines = [_clip(title.ljust(width, "="), width), *textwrap.wrap(headline(summary), width)]
     for warning in summary.warnings:
         lines += textwrap.wrap(f"warning: {warning}", width, subsequent_indent="  ")
-    for index, table in enumerate(run_tables(summary)):
+    for index, table in enumerate(run_tables(summary) + resilience_tables(summary)):
         lines.append("")
         lines += format_table(table, width)
         if index == 0:

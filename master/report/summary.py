@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hetconv.master.report.events import MembershipEvent
 from hetconv.master.report.records import EpochRecord
 
 
@@ -81,6 +82,35 @@ class WhatIf:
 
 
 @dataclass(frozen=True)
+class SnapshotCost:
+    """What the training snapshots cost in a run (``checkpoint`` records): the
+    fault-free price of resilience (pulling every shard, checking it, writing the file)."""
+
+    count: int  # snapshots taken (the start, every --checkpoint-every steps, epoch ends)
+    total_s: float  # seconds, all snapshots
+    median_s: float  # seconds per snapshot (median)
+    state_bytes: int  # array bytes pulled and kept, all snapshots
+    file_bytes: int  # bytes written to checkpoint.npz, all snapshots
+    steps: int  # steps trained (one per step, replays not counted)
+    per_step_s: float | None  # total_s / steps
+    per_step_state_bytes: float | None  # state_bytes / steps
+    per_step_file_bytes: float | None  # file_bytes / steps
+    step_fraction: float | None  # per_step_s / median step time
+
+
+@dataclass(frozen=True)
+class Resilience:
+    """Membership events and what faults and snapshots cost (seconds, steps)."""
+
+    events: tuple[MembershipEvent, ...]  # in time order
+    start_time: float | None  # Unix time of the run's first record (events are shown after it)
+    recoveries: int
+    recovery_s: float  # the recoveries' own seconds, summed
+    replayed_steps: int  # step records a later record of the same step replaced
+    snapshots: SnapshotCost | None  # None: no checkpoint records (an older run)
+
+
+@dataclass(frozen=True)
 class RunSummary:
     run_dir: str
     name: str
@@ -109,3 +139,5 @@ class RunSummary:
     final_test_accuracy: float | None
     images_per_s: float | None
     warnings: tuple[str, ...]
+    resilience: Resilience | None = None
+    checkpoint_every: int | None = None  # the run's --checkpoint-every (None: not recorded)
