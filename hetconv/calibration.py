@@ -1,7 +1,7 @@
 """The calibration benchmark a device runs for one conv layer's shape.
 
 A device times what one training step does with a shard of the layer: the whole
-block (conv -> batch norm -> ReLU -> pool) forward and backward with the optimizer
+block (conv -> [batch norm] -> ReLU -> [pool]) forward and backward with the optimizer
 update, on random data of the layer's real shape (batch, input channels, spatial
 size) and a given number of kernels (the master asks for an equal share of the
 layer, the size each device will roughly own). It runs through
@@ -24,11 +24,13 @@ from hetconv.shard import ConvShard, LayerSettings
 def time_block(batch: int, in_channels: int, height: int, width: int, kernels: int,
                kernel_size: int, padding: int = 0, stride: int = 1, need_dx: bool = True,
                repeats: int = 3, device: str = "cpu", seed: int = 0,
-               min_total_s: float = 0.3, max_repeats: int = 50) -> float:
+               min_total_s: float = 0.3, max_repeats: int = 50, pool: str = "max",
+               batch_norm: bool = True) -> float:
     """Median seconds of one block forward + backward at this shape on ``device``
     (``cpu`` or ``gpu:N``), host copies included, after a warm-up.
 
-    Runs at least ``repeats`` times and keeps going (up to ``max_repeats``) until the
+    ``pool`` ("max", "avg", "none") and ``batch_norm`` are the layer's (the paper's
+    block by default). Runs at least ``repeats`` times and keeps going (up to ``max_repeats``) until the
     timed runs add up to ``min_total_s``, so short layers are not judged on a single
     scheduler time slice.
     """
@@ -41,8 +43,8 @@ def time_block(batch: int, in_channels: int, height: int, width: int, kernels: i
         weight=rng.standard_normal((kernels, in_channels, kernel_size, kernel_size),
                                    dtype=np.float32) * np.float32(0.1),
         gamma=np.ones(kernels, np.float32), running_var=np.ones(kernels, np.float32))
-    shard = ConvShard(0, 0, kernels, LayerSettings(stride=stride, padding=padding), state,
-                      device=device)
+    settings = LayerSettings(stride=stride, padding=padding, pool=pool, batch_norm=batch_norm)
+    shard = ConvShard(0, 0, kernels, settings, state, device=device)
     dy: np.ndarray | None = None
     times: list[float] = []
     attempt = 0

@@ -95,7 +95,8 @@ class TrainConfig:
     """One training run: data, network, optimisation, where results go."""
 
     data: DataConfig = field(default_factory=DataConfig)
-    arch: str = "32:64"
+    arch: str = "32:64"  # the paper's kernel counts or a layer-token spec (hetconv.model)
+    model_file: str | None = None  # --model: the spec as a JSON or TOML file instead
     kernel_size: int = 5
     padding: int = 0
     epochs: int = 3

@@ -1,6 +1,6 @@
-"""Names of a conv layer's arrays, defined once.
+"""Names of the network's arrays, defined once.
 
-A conv layer (conv -> batch norm -> ReLU -> 2x2 max pool, distributed by kernels)
+A conv layer (conv -> [batch norm] -> ReLU -> [2x2 pool], distributed by kernels)
 ``i`` (0-based, as in messages and metrics) stores its arrays under
 ``conv{i}.<name>`` in ``weights.npz`` and every whole-network dictionary:
 
@@ -9,7 +9,14 @@ A conv layer (conv -> batch norm -> ReLU -> 2x2 max pool, distributed by kernels
 - SGD velocities: ``velocity_weight``, ``velocity_gamma``, ``velocity_beta``
   (shaped like the parameter they belong to)
 
+A conv layer without batch norm (``nobn``) uses ``beta`` as the convolution's bias;
+its ``gamma`` and running statistics are kept (so every layer has the same arrays)
+but unused.
+
 The dense classifier is ``fc.weight`` (classes, features) and ``fc.bias`` (classes,).
+Hidden dense layer ``j`` (0-based, in spec order) is ``dense{j}.weight`` (units,
+features) and ``dense{j}.bias`` (units,). The master keeps their SGD velocities
+under the same keys.
 A shard (kernels [start, stop) of one layer on one participant) holds the same
 names sliced along the first axis; ``AssignShard`` and ``SnapshotReply`` carry
 them as fields of the same names.
@@ -22,8 +29,14 @@ PARAMETER_NAMES = TRAINABLE_NAMES + STATISTIC_NAMES  # what weights.npz holds pe
 VELOCITY_NAMES = tuple(f"velocity_{name}" for name in TRAINABLE_NAMES)
 STATE_NAMES = PARAMETER_NAMES + VELOCITY_NAMES  # everything a shard keeps between steps
 
-DENSE_WEIGHT = "fc.weight"
-DENSE_BIAS = "fc.bias"
+CLASSIFIER = "fc"
+DENSE_WEIGHT = f"{CLASSIFIER}.weight"
+DENSE_BIAS = f"{CLASSIFIER}.bias"
+
+
+def hidden_prefix(index: int) -> str:
+    """``dense{index}``: the key prefix of hidden dense layer ``index`` (0-based)."""
+    return f"dense{index}"
 
 
 def layer_key(layer: int, name: str) -> str:

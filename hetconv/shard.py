@@ -3,12 +3,12 @@
 A device that owns kernels ``kernel_start..kernel_stop-1`` of a block holds their
 weights, batch-norm parameters and running statistics plus the SGD velocities
 (weight-stationary). ``forward`` runs the whole block (conv -> batch norm -> ReLU ->
-max pool) for its channels; ``backward`` computes the weight gradients, applies the
-optimizer update in place and returns the partial input gradient; ``forward_host``
-and ``backward_host`` do the same from and to host arrays with exactly the copies a
-training step makes (x and dy to the device, y and dx back). The master's own
-share and every worker daemon use this same class, which is why a distributed run
-reproduces a local one.
+pool, as its :class:`LayerSettings` say) for its channels; ``backward`` computes
+the weight gradients, applies the optimizer update in place and returns the
+partial input gradient; ``forward_host`` and ``backward_host`` do the same from
+and to host arrays with exactly the copies a training step makes (x and dy to the
+device, y and dx back). The master's own share and every worker daemon use this
+same class, which is why a distributed run reproduces a local one.
 """
 from __future__ import annotations
 
@@ -34,7 +34,13 @@ from hetconv.optim import sgd_update
 
 @dataclass(frozen=True)
 class LayerSettings:
-    """Per-layer hyper-parameters shared by every shard of the layer."""
+    """Per-layer hyper-parameters shared by every shard of the layer.
+
+    pool: "max" (the paper's), "avg" or "none" after the ReLU; batch_norm: False
+    makes ``beta`` the conv's bias. ``per_layer``: a whole network's settings, one
+    entry per conv layer; :meth:`for_layer` picks a layer's (a :class:`ConvShard`
+    does so itself), so one object can be handed around for every layer.
+    """
 
     stride: int = 1
     padding: int = 0
@@ -42,6 +48,18 @@ class LayerSettings:
     bn_eps: float = 1e-5
     momentum: float = 0.9
     weight_decay: float = 5e-4
+    pool: str = "max"
+    batch_norm: bool = True
+    per_layer: tuple[LayerSettings, ...] = ()
+
+    def for_layer(self, layer: int) -> LayerSettings:
+        """The settings of conv layer ``layer``: its ``per_layer`` entry, or these
+        settings themselves when they do not vary by layer."""
+        if not self.per_layer:
+            return self
+        if not 0 <= layer < len(self.per_layer):
+            raise ValueError(f"no settings for layer {layer} ({len(self.per_layer)} layers)")
+        return self.per_layer[layer]
 
 
 class ConvShard:
@@ -61,7 +79,7 @@ class ConvShard:
         self.layer = layer
         self.kernel_start = kernel_start
         self.kernel_stop = kernel_stop
-        self.settings = settings
+        self.settings = settings.for_layer(layer)
         self.device = current_device(xp) if device is None else device
         self.xp = xp if device is None else array_module_for(device)
         kernels = kernel_stop - kernel_start
@@ -96,7 +114,8 @@ class ConvShard:
                 x, s["weight"], s["gamma"], s["beta"], s["running_mean"], s["running_var"],
                 train, stride=self.settings.stride, padding=self.settings.padding,
                 bn_momentum=self.settings.bn_momentum, bn_eps=self.settings.bn_eps,
-                rows_ready=rows_ready)
+                rows_ready=rows_ready, pool=self.settings.pool,
+                batch_norm=self.settings.batch_norm)
         if train:
             s["running_mean"], s["running_var"] = mean, var
             self._cache = cache

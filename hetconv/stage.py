@@ -4,11 +4,13 @@ The trainer talks to its conv layers only through the :class:`ConvStage`
 interface, so the same training loop runs them on the master's own device
 (:class:`LocalConvStage`, here) or spread over worker daemons (the distributed
 stage in ``master/``). Inputs and outputs cross this interface as host numpy
-arrays: x (B, C, H, W) in, pooled block output (B, K, H', W') out.
+arrays: x (B, C, H, W) in, block output (B, K, H', W') out (pooled or not, as the
+layer's spec says).
 """
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -71,8 +73,15 @@ class ConvStage(Protocol):
 
 
 def layer_settings(model: ModelConfig, momentum: float, weight_decay: float) -> LayerSettings:
-    return LayerSettings(stride=1, padding=model.padding, bn_momentum=model.bn_momentum,
-                         bn_eps=model.bn_eps, momentum=momentum, weight_decay=weight_decay)
+    """The network's :class:`LayerSettings`: the paper's shared ones, plus one entry
+    per conv layer (stride, padding, pool, batch norm) when the layers differ."""
+    shared = LayerSettings(stride=1, padding=model.padding, bn_momentum=model.bn_momentum,
+                           bn_eps=model.bn_eps, momentum=momentum, weight_decay=weight_decay)
+    if not model.convs:
+        return shared
+    return replace(shared, per_layer=tuple(
+        replace(shared, stride=spec.stride, padding=spec.padding, pool=spec.pool,
+                batch_norm=spec.batch_norm) for spec in model.convs))
 
 
 class LocalConvStage:

@@ -22,7 +22,10 @@ from hetconv.checkpoint import save_weights
 from hetconv.data import Dataset
 from hetconv.errors import UserError
 from hetconv.metrics import MetricsWriter
-from hetconv.model import ModelConfig, conv_layer_shapes
+from hetconv.model import ModelConfig, conv_layer_shapes, dense_parameter_names
+from hetconv.names import hidden_prefix
+from hetconv.ops.activation import relu, relu_backward
+from hetconv.ops.dropout import dropout_backward, dropout_forward, dropout_mask
 from hetconv.ops.linear import linear, linear_backward
 from hetconv.ops.loss import softmax_cross_entropy, softmax_cross_entropy_backward
 from hetconv.optim import OptimizerConfig, learning_rate_at, sgd_update
@@ -59,14 +62,16 @@ class TrainResult:
 
 
 class Trainer:
-    """Owns the dense layer and its optimizer state; drives the conv stage."""
+    """Owns the dense layers (hidden fc, dropout, classifier) and their optimizer
+    state; drives the conv stage."""
 
     def __init__(self, model: ModelConfig, params: dict[str, np.ndarray], stage: ConvStage,
                  loop: LoopConfig, metrics: MetricsWriter, run_dir: Path,
                  out: Callable[[str], None] = tqdm.write):
         self.model = model
         self.layers = conv_layer_shapes(model)
-        self.dense = {"fc.weight": params["fc.weight"].copy(), "fc.bias": params["fc.bias"].copy()}
+        # every dense array (hidden layers' dense{j}.*, then the classifier's fc.*)
+        self.dense = {name: params[name].copy() for name in dense_parameter_names(model)}
         self.velocity = {name: np.zeros_like(value) for name, value in self.dense.items()}
         self.stage = stage
         self.loop = loop
@@ -82,6 +87,39 @@ class Trainer:
             x = self.stage.forward(layer, x, train, step)
         return x
 
+    def _dense_forward(self, flat: np.ndarray, train: bool, step: int
+                       ) -> tuple[np.ndarray, list[tuple[str, str, np.ndarray, np.ndarray]]]:
+        """flat (B, D) through the hidden dense layers (fc + ReLU; dropout when
+        training, its mask drawn from (seed, step, layer)) -> (the classifier's input
+        (B, D'), the tape ``_dense_backward`` needs). Without hidden layers: (flat, [])."""
+        tape: list[tuple[str, str, np.ndarray, np.ndarray]] = []
+        h, hidden = flat, 0
+        for index, spec in enumerate(self.model.dense):
+            if spec.kind == "fc":
+                prefix = hidden_prefix(hidden)
+                hidden += 1
+                out = relu(linear(h, self.dense[f"{prefix}.weight"], self.dense[f"{prefix}.bias"]))
+                tape.append(("fc", prefix, h, out))
+                h = out
+            elif train and spec.rate > 0.0:
+                mask = dropout_mask(h.shape, spec.rate, self.loop.seed, step, index)
+                tape.append(("dropout", "", mask, mask))
+                h = dropout_forward(h, mask)
+        return h, tape
+
+    def _dense_backward(self, tape: list[tuple[str, str, np.ndarray, np.ndarray]],
+                        grad: np.ndarray, grads: dict[str, np.ndarray]) -> np.ndarray:
+        """Back through the hidden dense layers: adds their weight and bias gradients
+        to ``grads`` and returns the gradient of the flattened conv output (B, D)."""
+        for kind, prefix, first, second in reversed(tape):
+            if kind == "fc":
+                dz = relu_backward(second, grad)
+                grad, dweight, dbias = linear_backward(first, self.dense[f"{prefix}.weight"], dz)
+                grads[f"{prefix}.weight"], grads[f"{prefix}.bias"] = dweight, dbias
+            else:
+                grad = dropout_backward(first, grad)
+        return grad
+
     def train_step(self, x: np.ndarray, labels: np.ndarray, step: int,
                    learning_rate: float) -> dict[str, Any]:
         """One SGD step on a batch x (B, C, H, W), labels (B,); returns the step record."""
@@ -89,11 +127,13 @@ class Trainer:
         features = self._conv_forward(x, True, step)
         conv_forward_done = time.perf_counter()
         flat = features.reshape(features.shape[0], -1)
-        logits = linear(flat, self.dense["fc.weight"], self.dense["fc.bias"])
+        hidden, tape = self._dense_forward(flat, True, step)
+        logits = linear(hidden, self.dense["fc.weight"], self.dense["fc.bias"])
         loss, probs = softmax_cross_entropy(logits, labels)
         dlogits = softmax_cross_entropy_backward(probs, labels)
-        dflat, dweight, dbias = linear_backward(flat, self.dense["fc.weight"], dlogits)
+        dhidden, dweight, dbias = linear_backward(hidden, self.dense["fc.weight"], dlogits)
         grads = {"fc.weight": dweight, "fc.bias": dbias}
+        dflat = self._dense_backward(tape, dhidden, grads)
         opt = self.loop.optimizer
         for name, grad in grads.items():
             decay = opt.weight_decay if name.endswith("weight") else 0.0
@@ -116,8 +156,8 @@ class Trainer:
             x = images[begin:begin + self.loop.eval_batch]
             y = labels[begin:begin + self.loop.eval_batch]
             features = self._conv_forward(x, False, -1)
-            logits = linear(features.reshape(len(x), -1), self.dense["fc.weight"],
-                            self.dense["fc.bias"])
+            hidden, _ = self._dense_forward(features.reshape(len(x), -1), False, -1)
+            logits = linear(hidden, self.dense["fc.weight"], self.dense["fc.bias"])
             loss, probs = softmax_cross_entropy(logits, y)
             total_loss += loss * len(x)
             correct += int((probs.argmax(axis=1) == y).sum())

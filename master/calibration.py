@@ -62,8 +62,9 @@ def calibrate(cluster: Cluster, participants: list[Participant], shapes: list[Co
                 cluster.send(participant.worker, CalibrateRequest(
                     request_id=rid, layer=shape.index, batch=batch,
                     in_channels=shape.in_channels, height=shape.height, width=shape.width,
-                    kernels=count, kernel_size=shape.kernel_size, stride=1,
-                    padding=shape.padding, repeats=repeats))
+                    kernels=count, kernel_size=shape.kernel_size, stride=shape.stride,
+                    padding=shape.padding, repeats=repeats, pool=shape.pool,
+                    batch_norm=shape.batch_norm))
                 pending[rid] = participant.worker
                 order[rid] = (index, count)
         timings: dict[tuple[int, int], float] = {}
@@ -74,8 +75,9 @@ def calibrate(cluster: Cluster, participants: list[Participant], shapes: list[Co
             for count in (kernels, small):
                 timings[(local_index, count)] = time_block(
                     batch, shape.in_channels, shape.height, shape.width, count,
-                    shape.kernel_size, padding=shape.padding, repeats=repeats,
-                    device=local_device)
+                    shape.kernel_size, padding=shape.padding, stride=shape.stride,
+                    repeats=repeats, device=local_device, pool=shape.pool,
+                    batch_norm=shape.batch_norm)
         replies = cluster.gather(pending, f"calibration of layer {shape.index + 1}")
         for rid, reply in replies.items():
             assert isinstance(reply.message, CalibrateReply)

@@ -537,7 +537,9 @@ class DistributedConvStage:
 def assign_shard(request_id: int, layer: int, start: int, stop: int, settings: LayerSettings,
                  state: dict[str, np.ndarray]) -> AssignShard:
     """The ``AssignShard`` of kernels [start, stop) of ``layer`` with this state (the
-    arrays sliced to the shard; velocities missing from ``state`` start at zero)."""
+    arrays sliced to the shard; velocities missing from ``state`` start at zero).
+    ``settings`` may be the whole network's: the layer's own are sent."""
+    settings = settings.for_layer(layer)
     arrays = {name: np.ascontiguousarray(state[name], dtype=np.float32)
               for name in STATE_NAMES if name in state}
     for name in TRAINABLE_NAMES:
@@ -546,4 +548,4 @@ def assign_shard(request_id: int, layer: int, start: int, stop: int, settings: L
                        stride=settings.stride, padding=settings.padding, need_dx=layer > 0,
                        bn_momentum=settings.bn_momentum, bn_eps=settings.bn_eps,
                        momentum=settings.momentum, weight_decay=settings.weight_decay,
-                       **arrays)
+                       pool=settings.pool, batch_norm=settings.batch_norm, **arrays)

@@ -93,8 +93,10 @@ class Goodbye(Message):
 class CalibrateRequest(Message):
     """master → worker: time one conv layer's forward+backward at this shape.
 
-    The layer is conv -> batch norm -> ReLU -> 2x2 max pool with ``kernels`` kernels,
-    on random data of shape (batch, in_channels, height, width).
+    The layer is conv -> batch norm -> ReLU -> 2x2 pool with ``kernels`` kernels,
+    on random data of shape (batch, in_channels, height, width); ``pool`` is
+    "max", "avg" or "none", ``batch_norm`` false drops the batch norm (as in
+    ``AssignShard``).
     """
 
     TYPE: ClassVar[str] = "calibrate_request"
@@ -109,6 +111,8 @@ class CalibrateRequest(Message):
     stride: int
     padding: int
     repeats: int
+    pool: str = "max"
+    batch_norm: bool = True
 
 
 @dataclass(frozen=True)
@@ -152,7 +156,8 @@ class AssignShard(Message):
 
     Shapes (K = kernel_stop - kernel_start, C = input channels, k = kernel size):
     weight and velocity_weight (K, C, k, k); gamma, beta, running_mean,
-    running_var, velocity_gamma, velocity_beta (K,).
+    running_var, velocity_gamma, velocity_beta (K,). ``pool`` ("max", "avg" or
+    "none") follows the ReLU; with ``batch_norm`` false ``beta`` is the conv's bias.
     """
 
     TYPE: ClassVar[str] = "assign_shard"
@@ -175,6 +180,8 @@ class AssignShard(Message):
     velocity_weight: np.ndarray
     velocity_gamma: np.ndarray
     velocity_beta: np.ndarray
+    pool: str = "max"
+    batch_norm: bool = True
 
 
 @dataclass(frozen=True)

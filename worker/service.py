@@ -25,6 +25,7 @@ from hetconv.config import MASTER_PARTICIPANT
 from hetconv.config import WIRE_DTYPES as WIRE_DTYPE_CHOICES
 from hetconv.dataplane import PeerLost, PeerParticipant, PeerPlan, PiecePort
 from hetconv.names import STATE_NAMES
+from hetconv.ops.conv_layer import POOLS
 from hetconv.protocol import (
     ERR_BAD_PEER_DATA,
     ERR_BAD_REQUEST,
@@ -197,16 +198,22 @@ class WorkerService:
     def _calibrate(self, request: CalibrateRequest) -> CalibrateReply:
         if not 1 <= request.repeats <= MAX_CALIBRATION_REPEATS:
             raise RequestError(ERR_BAD_REQUEST, f"repeats must be 1..{MAX_CALIBRATION_REPEATS}")
+        if request.pool not in POOLS:
+            raise RequestError(ERR_BAD_REQUEST, f"pool must be one of {POOLS}")
         seconds = time_block(request.batch, request.in_channels, request.height, request.width,
                              request.kernels, request.kernel_size, padding=request.padding,
                              stride=request.stride, repeats=request.repeats,
-                             device=self.device)
+                             device=self.device, pool=request.pool,
+                             batch_norm=request.batch_norm)
         return CalibrateReply(request_id=request.request_id, layer=request.layer, seconds=seconds)
 
     def _assign(self, request: AssignShard) -> Ack:
+        if request.pool not in POOLS:
+            raise RequestError(ERR_BAD_REQUEST, f"pool must be one of {POOLS}")
         settings = LayerSettings(stride=request.stride, padding=request.padding,
                                  bn_momentum=request.bn_momentum, bn_eps=request.bn_eps,
-                                 momentum=request.momentum, weight_decay=request.weight_decay)
+                                 momentum=request.momentum, weight_decay=request.weight_decay,
+                                 pool=request.pool, batch_norm=request.batch_norm)
         state = {name: getattr(request, name) for name in STATE_NAMES}
         if request.weight.ndim != 4:
             raise RequestError(ERR_BAD_REQUEST, "weight must be (K, C, k, k)")

@@ -45,7 +45,15 @@ from hetconv.data import DatasetError, load_dataset
 from hetconv.device_info import describe_device
 from hetconv.errors import UserError
 from hetconv.metrics import SCHEMA_VERSION, MetricsWriter
-from hetconv.model import ModelConfig, conv_layer_shapes, init_parameters, parse_arch
+from hetconv.model import (
+    ModelConfig,
+    NetworkSpec,
+    conv_layer_shapes,
+    init_parameters,
+    load_network_file,
+    model_config,
+    parse_network,
+)
 from hetconv.optim import OptimizerConfig
 from hetconv.stage import ConvStage, LocalConvStage, layer_settings
 from hetconv.train_state import CHECKPOINT_NAME, CheckpointError, TrainingState
@@ -114,7 +122,15 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--test-limit", type=positive_int, default=None,
                    help="evaluate on the first N test images only")
     p.add_argument("--arch", default="32:64",
-                   help="kernels per conv layer, e.g. 50:500 (default 32:64)")
+                   help="the network: kernels per paper block (5x5 conv, batch norm, ReLU, "
+                   "2x2 max pool), e.g. 50:500 (default 32:64); or comma-separated layers: "
+                   "c<K>k<size>[p<pad>][s<stride>][nobn] a conv of K kernels (batch norm "
+                   "and ReLU after it unless nobn), pool / avgpool 2x2 pooling of the conv "
+                   "before, fc<N> a hidden dense layer with ReLU, drop<p> dropout; the "
+                   "classifier is added, e.g. c32k3p1,c32k3p1,pool,c64k3p1,pool,fc128,drop0.5")
+    p.add_argument("--model", metavar="FILE", default=None,
+                   help="the --arch layer list from a file: JSON ({\"layers\": [\"c32k3p1\", "
+                   "\"pool\", ...]} or a list) or TOML (layers = [...], a .toml file)")
     p.add_argument("--kernel-size", type=positive_int, default=5, help="conv kernel size (5)")
     p.add_argument("--padding", type=int, default=0, choices=PADDINGS,
                    help="conv zero padding (default 0: valid convolution as in the paper)")
@@ -162,7 +178,8 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         data=DataConfig(name=args.data, data_dir=args.data_dir, limit=args.limit,
                         test_limit=args.test_limit, image_size=args.image_size,
                         augment=args.augment),
-        arch=args.arch, kernel_size=args.kernel_size, padding=args.padding, epochs=args.epochs,
+        arch=args.arch, model_file=args.model, kernel_size=args.kernel_size,
+        padding=args.padding, epochs=args.epochs,
         batch=args.batch, eval_batch=args.eval_batch, learning_rate=args.lr,
         momentum=args.momentum, weight_decay=args.weight_decay, schedule=args.schedule,
         seed=args.seed, threads=args.threads, device=args.device, run_dir=args.run_dir,
@@ -188,9 +205,21 @@ def prepare_run_dir(run_dir: str | None, overwrite: bool) -> Path:
     return path
 
 
-def _config_record(config: TrainConfig, model: ModelConfig) -> dict[str, Any]:
+def network_spec(config: TrainConfig) -> NetworkSpec:
+    """The parsed network of ``--arch`` or ``--model`` (UserError on a bad spec)."""
+    if config.model_file is None:
+        return parse_network(config.arch, config.kernel_size, config.padding)
+    if config.arch != "32:64":
+        raise UserError("--arch and --model both describe the network: give one of them")
+    return parse_network(load_network_file(config.model_file), where=f"--model "
+                         f"{config.model_file}")
+
+
+def _config_record(config: TrainConfig, model: ModelConfig, spec: NetworkSpec
+                   ) -> dict[str, Any]:
     return {"schema_version": SCHEMA_VERSION, **config.record(),
-            "arch": list(model.conv_kernels), "kernel_size": model.kernel_size,
+            "arch": list(model.conv_kernels), "network": spec.text,
+            "kernel_size": model.kernel_size,
             "padding": model.padding, "input_shape": list(model.input_shape),
             "classes": model.classes}
 
@@ -241,11 +270,18 @@ def _take_saved_flags(args: argparse.Namespace, saved: dict[str, Any]) -> None:
             continue
         value = saved[key]
         if key == "arch":
-            value = ":".join(str(k) for k in value) if isinstance(value, list) else str(value)
+            value = saved.get("network") or (
+                ":".join(str(k) for k in value) if isinstance(value, list) else str(value))
+            if args.model is not None:
+                given_spec = parse_network(load_network_file(args.model)).text
+                if given_spec != parse_network(str(value)).text:
+                    raise UserError(f"--resume: --model {args.model} differs from the run's "
+                                    f"network {value}; start a new run for that")
+                args.model = None
         given = getattr(args, dest)
         if given != _parser.get_default(dest):
-            same = (parse_arch(str(given)) == parse_arch(str(value)) if key == "arch"
-                    else given == value)
+            same = (parse_network(str(given)).text == parse_network(str(value)).text
+                    if key == "arch" else given == value)
             if not same:
                 raise UserError(f"--resume: {flag} {given} differs from the run's {value}; "
                                 "resuming with it would change the result (start a new run "
@@ -256,7 +292,7 @@ def _take_saved_flags(args: argparse.Namespace, saved: dict[str, Any]) -> None:
 def run_training(config: TrainConfig, resume: TrainingState | None = None) -> int:
     """One whole training run as configured (from ``resume`` on, when given); returns
     the exit status."""
-    arch = parse_arch(config.arch)
+    spec = network_spec(config)  # a bad spec stops here, before anything starts
     set_blas_threads(config.threads)
     try:
         data = load_dataset(config.data.name, config.data.data_dir, limit=config.data.limit,
@@ -266,11 +302,10 @@ def run_training(config: TrainConfig, resume: TrainingState | None = None) -> in
     if config.data.test_limit:
         data.test_images = data.test_images[:config.data.test_limit]
         data.test_labels = data.test_labels[:config.data.test_limit]
-    model = ModelConfig(conv_kernels=arch, input_shape=tuple(data.train_images.shape[1:]),
-                        classes=int(data.classes), kernel_size=config.kernel_size,
-                        padding=config.padding)
+    model = model_config(spec, tuple(data.train_images.shape[1:]), int(data.classes),
+                         config.kernel_size, config.padding)
     shapes = conv_layer_shapes(model)
-    record = _config_record(config, model)
+    record = _config_record(config, model, spec)
     if resume is None:
         run_dir = prepare_run_dir(config.run_dir, config.overwrite)
         save_json(run_dir / "config.json", record)
@@ -284,7 +319,7 @@ def run_training(config: TrainConfig, resume: TrainingState | None = None) -> in
                       checkpoint_every=config.checkpoint_every, augment=config.data.augment)
     settings = layer_settings(model, optimizer.momentum, optimizer.weight_decay)
     print(f"hetconv: {data.name} ({len(data.train_images)} train / {len(data.test_images)} test "
-          f"images of {'x'.join(map(str, model.input_shape))}), arch {config.arch}, "
+          f"images of {'x'.join(map(str, model.input_shape))}), arch {spec.text}, "
           f"batch {config.batch}, {config.epochs} epochs -> {run_dir}", flush=True)
     previous_term = signal.signal(signal.SIGTERM, _interrupt) \
         if threading.current_thread() is threading.main_thread() else None

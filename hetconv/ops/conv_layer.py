@@ -1,4 +1,4 @@
-"""One conv layer, conv (no bias) -> batch norm -> ReLU -> 2x2 max pool, forward and backward.
+"""One conv layer, conv -> batch norm -> ReLU -> 2x2 pool, forward and backward.
 
 This is the unit of work that the master and every worker daemon run: a device
 that owns kernels ``a..b-1`` of a layer calls these functions with
@@ -7,12 +7,17 @@ block's output, because every op after the convolution acts on each channel on
 its own (batch norm included, see :mod:`hetconv.ops.batchnorm`). In the backward
 pass each device returns its *partial* input gradient; the master sums them.
 
+Variants (``batch_norm``, ``pool``): without batch norm, ``beta`` is the
+convolution's bias (``gamma`` and the running statistics pass through unused and
+get zero gradients); the pool is ``max`` (the paper's), ``avg`` or ``none``.
+
 ReLU and max pooling commute exactly (ReLU is monotonic, so the max of the
 rectified window is the rectified max), and so do their gradients (the pooled
-winner is positive exactly when the gradient survives the ReLU). The block
-therefore pools first and rectifies the four-times smaller pooled map, and keeps
-only that map for the ReLU backward. A share of zero kernels is valid: it yields
-an output with 0 channels and a zero input gradient.
+winner is positive exactly when the gradient survives the ReLU). The max-pool
+block therefore pools first and rectifies the four-times smaller pooled map, and
+keeps only that map for the ReLU backward. Average pooling does not commute with
+ReLU: that block rectifies first and pools the rectified map. A share of zero
+kernels is valid: it yields an output with 0 channels and a zero input gradient.
 """
 from __future__ import annotations
 
@@ -22,9 +27,23 @@ from typing import Any
 
 from hetconv.backend import get_array_module
 from hetconv.ops.activation import relu, relu_backward
-from hetconv.ops.batchnorm import BatchNormCache, batch_norm_backward, batch_norm_forward
+from hetconv.ops.batchnorm import (
+    BatchNormCache,
+    batch_norm_backward,
+    batch_norm_forward,
+    channel_sum,
+)
 from hetconv.ops.conv import conv2d_backward_cached, conv2d_forward_cached
-from hetconv.ops.pooling import MaxPoolCache, max_pool2x2, max_pool2x2_backward
+from hetconv.ops.pooling import (
+    AvgPoolCache,
+    MaxPoolCache,
+    avg_pool2x2,
+    avg_pool2x2_backward,
+    max_pool2x2,
+    max_pool2x2_backward,
+)
+
+POOLS = ("max", "avg", "none")
 
 Array = Any  # a numpy or cupy ndarray
 
@@ -33,17 +52,23 @@ Array = Any  # a numpy or cupy ndarray
 class ConvBlockCache:
     """Everything ``conv_layer_backward`` needs from the forward pass.
 
-    conv, batch_norm, pool: the caches of the three ops (None for 0 kernels).
-    output: (B, K, H'', W'') the block output, used as the ReLU mask.
+    conv, batch_norm, pool: the caches of the three ops (None for 0 kernels, and
+    batch_norm / pool None when the block has none).
+    output: (B, K, H'', W'') the block output.
+    rectified: the ReLU output, used as its mask: ``output`` itself for the max and
+    no-pool blocks, the map before the average pool otherwise.
     input_shape: (B, C, H, W); weight_shape: (K, C, kh, kw).
+    empty: a share of 0 kernels (nothing was computed).
     """
 
     conv: Any
     batch_norm: BatchNormCache | None
-    pool: MaxPoolCache | None
+    pool: MaxPoolCache | AvgPoolCache | None
     output: Array
     input_shape: tuple[int, ...]
     weight_shape: tuple[int, ...]
+    rectified: Array = None
+    empty: bool = False
 
 
 def conv_output_size(size: int, kernel: int, stride: int, padding: int) -> int:
@@ -64,12 +89,15 @@ def conv_layer_forward(
     bn_momentum: float = 0.1,
     bn_eps: float = 1e-5,
     rows_ready: Callable[[int], None] | None = None,
+    pool: str = "max",
+    batch_norm: bool = True,
 ) -> tuple[Array, ConvBlockCache, Array, Array]:
     """Run the block on x (B, C, H, W) with weight (K, C, kh, kw) and (K,) BN arrays.
 
-    Returns (y (B, K, Ho // 2, Wo // 2), cache, new_running_mean (K,),
-    new_running_var (K,)) where Ho, Wo are the convolution's output size. In eval
-    mode (``train`` False) batch norm uses and returns the running statistics.
+    Returns (y (B, K, Ho // 2, Wo // 2), or (B, K, Ho, Wo) with ``pool`` "none",
+    cache, new_running_mean (K,), new_running_var (K,)) where Ho, Wo are the
+    convolution's output size. In eval mode (``train`` False) batch norm uses and
+    returns the running statistics; without ``batch_norm`` they pass through.
     rows_ready: stream x into the convolution as it arrives (see
     ``conv2d_forward_cached``); batch norm then waits for the whole batch, as it must.
     """
@@ -78,28 +106,47 @@ def conv_layer_forward(
             f"conv layer: x {x.shape} and weight {weight.shape} must be (B, C, H, W) and "
             "(K, C, kh, kw) with the same C"
         )
+    if pool not in POOLS:
+        raise ValueError(f"conv layer: pool must be one of {POOLS}, got {pool!r}")
     xp = get_array_module(x, weight)
     kernels = weight.shape[0]
     if kernels == 0:
         batch, _, height, width = x.shape
-        out_h = conv_output_size(height, weight.shape[2], stride, padding) // 2
-        out_w = conv_output_size(width, weight.shape[3], stride, padding) // 2
+        out_h = conv_output_size(height, weight.shape[2], stride, padding)
+        out_w = conv_output_size(width, weight.shape[3], stride, padding)
+        if pool != "none":
+            out_h, out_w = out_h // 2, out_w // 2
         if rows_ready is not None:
             rows_ready(batch)
         y = xp.zeros((batch, 0, max(out_h, 0), max(out_w, 0)), dtype=x.dtype)
-        cache = ConvBlockCache(None, None, None, y, tuple(x.shape), tuple(weight.shape))
+        cache = ConvBlockCache(None, None, None, y, tuple(x.shape), tuple(weight.shape),
+                               empty=True)
         return y, cache, running_mean, running_var
     conv_out, conv_cache = conv2d_forward_cached(x, weight, None, stride=stride, padding=padding,
                                                  rows_ready=rows_ready)
-    normalized, bn_cache, new_mean, new_var = batch_norm_forward(
-        conv_out, gamma, beta, running_mean, running_var, train, momentum=bn_momentum, eps=bn_eps
-    )
-    del conv_out
-    pooled, pool_cache = max_pool2x2(normalized)
-    del normalized
-    y = relu(pooled)
+    bn_cache: BatchNormCache | None = None
+    if batch_norm:
+        normalized, bn_cache, new_mean, new_var = batch_norm_forward(
+            conv_out, gamma, beta, running_mean, running_var, train, momentum=bn_momentum,
+            eps=bn_eps)
+        del conv_out
+    else:  # beta is the convolution's bias
+        normalized = conv_out
+        normalized += beta.astype(normalized.dtype, copy=False).reshape(1, -1, 1, 1)
+        new_mean, new_var = running_mean, running_var
+    pool_cache: MaxPoolCache | AvgPoolCache | None = None
+    if pool == "max":
+        pooled, pool_cache = max_pool2x2(normalized)
+        del normalized
+        y = rectified = relu(pooled)
+    elif pool == "avg":
+        rectified = relu(normalized)
+        del normalized
+        y, pool_cache = avg_pool2x2(rectified)
+    else:
+        y = rectified = relu(normalized)
     cache = ConvBlockCache(conv_cache, bn_cache, pool_cache, y, tuple(x.shape),
-                           tuple(weight.shape))
+                           tuple(weight.shape), rectified=rectified)
     return y, cache, new_mean, new_var
 
 
@@ -118,17 +165,26 @@ def conv_layer_backward(
         raise ValueError(f"dy has shape {dy.shape}, expected {cache.output.shape}")
     xp = get_array_module(cache.output)
     dtype = cache.output.dtype
-    if cache.batch_norm is None or cache.pool is None:  # a share of 0 kernels
+    if cache.empty:  # a share of 0 kernels
         dx = xp.zeros(cache.input_shape, dtype=dtype) if need_dx else None
         if dx is not None and dx_rows is not None:
             dx_rows(dx, 0, cache.input_shape[0])
         dweight = xp.zeros(cache.weight_shape, dtype=dtype)
         empty = xp.zeros((0,), dtype=dtype)
         return dx, dweight, empty, empty.copy()
-    d_pooled = relu_backward(cache.output, dy)
-    d_normalized = max_pool2x2_backward(cache.pool, d_pooled)
-    del d_pooled
-    d_conv, dgamma, dbeta = batch_norm_backward(cache.batch_norm, d_normalized)
+    if isinstance(cache.pool, MaxPoolCache):
+        d_pooled = relu_backward(cache.rectified, dy)
+        d_normalized = max_pool2x2_backward(cache.pool, d_pooled)
+        del d_pooled
+    elif isinstance(cache.pool, AvgPoolCache):
+        d_normalized = relu_backward(cache.rectified, avg_pool2x2_backward(cache.pool, dy))
+    else:
+        d_normalized = relu_backward(cache.rectified, dy)
+    if cache.batch_norm is not None:
+        d_conv, dgamma, dbeta = batch_norm_backward(cache.batch_norm, d_normalized)
+    else:  # the bias: its gradient is the per-channel sum; gamma is unused
+        d_conv, dbeta = d_normalized, channel_sum(d_normalized)
+        dgamma = xp.zeros_like(dbeta)
     del d_normalized
     dx, dweight, _ = conv2d_backward_cached(cache.conv, d_conv, need_dx=need_dx,
                                             dx_rows=dx_rows)

@@ -1,4 +1,4 @@
-"""2x2 max pooling with stride 2 over (B, C, H, W), forward and backward.
+"""2x2 max and average pooling with stride 2 over (B, C, H, W), forward and backward.
 
 The forward pass views the input as (B, C, H/2, 2, W/2, 2) windows without
 copying, takes the maximum of the four window positions elementwise and records
@@ -82,4 +82,44 @@ def max_pool2x2_backward(cache: MaxPoolCache, dy: Array) -> Array:
     zero = dy.dtype.type(0)
     for index, (row, col) in enumerate(WINDOW_POSITIONS):
         dx_windows[:, :, :, row, :, col] = xp.where(cache.argmax == index, dy, zero)
+    return dx
+
+
+@dataclass(frozen=True)
+class AvgPoolCache:
+    """What ``avg_pool2x2_backward`` needs: the forward input's (B, C, H, W) shape."""
+
+    input_shape: tuple[int, int, int, int]
+
+
+def avg_pool2x2(x: Array) -> tuple[Array, AvgPoolCache]:
+    """Mean over non-overlapping 2x2 windows.
+
+    x: (B, C, H, W) -> y: (B, C, H//2, W//2), same dtype (odd last rows and columns
+    dropped, like ``torch.nn.AvgPool2d(2)``); plus the cache. The four terms are
+    added in row-major window order, then scaled by 1/4, per channel.
+    """
+    if x.ndim != 4:
+        raise ValueError(f"avg_pool2x2 expects (B, C, H, W), got shape {x.shape}")
+    windows = _windows(x)
+    y = windows[:, :, :, 0, :, 0] + windows[:, :, :, 0, :, 1]
+    y += windows[:, :, :, 1, :, 0]
+    y += windows[:, :, :, 1, :, 1]
+    y *= x.dtype.type(0.25)
+    return y, AvgPoolCache(input_shape=tuple(x.shape))
+
+
+def avg_pool2x2_backward(cache: AvgPoolCache, dy: Array) -> Array:
+    """Spread dy (B, C, H//2, W//2) evenly over each window -> dx (B, C, H, W); dropped
+    odd rows and columns get zero."""
+    batch, channels, height, width = cache.input_shape
+    if dy.shape != (batch, channels, height // 2, width // 2):
+        raise ValueError(f"dy has shape {dy.shape}, expected "
+                         f"{(batch, channels, height // 2, width // 2)}")
+    xp = get_array_module(dy)
+    dx = xp.zeros(cache.input_shape, dtype=dy.dtype)
+    dx_windows = _windows(dx)
+    quarter = dy * dy.dtype.type(0.25)
+    for row, col in WINDOW_POSITIONS:
+        dx_windows[:, :, :, row, :, col] = quarter
     return dx
