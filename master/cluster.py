@@ -41,7 +41,16 @@ from hetconv.master.membership import (
     WorkerHandle,
     payload_bytes,
 )
-from hetconv.protocol import EndRun, Message, ProtocolError, transport
+from hetconv.protocol import (
+    EndRun,
+    ErrorReply,
+    Message,
+    ProtocolError,
+    Refuse,
+    admission,
+    limits,
+    transport,
+)
 from hetconv.stage import StageFault
 
 __all__ = ["Cluster", "ClusterSettings", "Reply", "WorkerHandle", "WorkerLost",
@@ -87,6 +96,7 @@ class Cluster:
             raise UserError(f"cannot listen on {endpoint}: {error.strerror}; use another "
                             "port or address (e.g. --listen tcp://*:5556)") from None
         self.extra_sockets: list[zmq.Socket[Any]] = []  # polled too: they wake pump early
+        self.budget = admission.SenderBudget()  # per-sender reads, error replies, warnings
 
     @property
     def run_id(self) -> str:
@@ -95,6 +105,15 @@ class Cluster:
     @property
     def members(self) -> list[WorkerHandle]:
         return self.membership.members
+
+    def known_workers(self) -> list[WorkerHandle]:
+        """Every worker that said Hello to this master (members or not), gone ones too."""
+        return list(self.membership.workers.values())
+
+    def admit(self, workers: list[WorkerHandle]) -> None:
+        """Make ``workers`` members of the run too (a join): heartbeats go to them."""
+        self.membership.fix_members([w for w in self.membership.members if not w.gone]
+                                    + workers)
 
     # --- sending -------------------------------------------------------------------------
     def request_id(self) -> int:
@@ -118,9 +137,9 @@ class Cluster:
         for action in actions:
             match action:
                 case Send():
-                    try:
+                    try:  # never blocks: a peer that does not read cannot hold us
                         transport.send_message(self.sock, action.message,
-                                               identity=action.identity)
+                                               identity=action.identity, block=False)
                     except transport.PeerUnreachable as error:
                         # no connection with this identity any more: its process died
                         # (the kernel closed its socket) or the link was silent past
@@ -159,19 +178,51 @@ class Cluster:
                 while extra.poll(0):
                     extra.recv()
         actions: list[Action] = []
-        while self.sock.poll(0):  # read everything before the tick judges liveness
+        now = time.monotonic()
+        # Read what is waiting before the tick judges liveness, but at most
+        # MAX_MESSAGES_PER_POLL messages: a flood waits, fair-queued with the workers'
+        # replies, instead of holding the training thread; a sender over its budget
+        # is dropped undecoded.
+        for _ in range(limits.MAX_MESSAGES_PER_POLL):
             try:
-                received = transport.recv_message(self.sock, 0, with_identity=True)
+                received = transport.recv_routed(
+                    self.sock, lambda identity: self.budget.admit(identity, now))
             except ProtocolError as error:
-                actions += self.membership.handle(BadMessage(error))
+                actions += self._complaints(error.identity, now,
+                                            self.membership.handle(BadMessage(error)))
                 continue
             if received is None:
                 break
-            identity, message = received
-            actions += self.membership.handle(MessageReceived(identity, message,
-                                                              time.monotonic()))
+            if isinstance(received, bytes):  # over its budget: dropped unread
+                continue
+            actions += self._complaints(received.identity, now, self.membership.handle(
+                MessageReceived(received.identity, received.message, now, received.user_id)))
         actions += self.membership.handle(Tick(time.monotonic(), time.time()))
         return self._perform(actions)
+
+    def _complaints(self, identity: bytes | None, now: float,
+                    actions: list[Action]) -> list[Action]:
+        """``actions`` with the error replies and warnings about ``identity`` kept to
+        MAX_ERROR_REPLIES_PER_SENDER per window; the next warning says how many
+        messages were dropped or not answered since."""
+        if not identity:
+            return actions
+        complaints = [a for a in actions
+                      if (isinstance(a, Send) and a.identity == identity
+                          and isinstance(a.message, (ErrorReply, Refuse)))
+                      or (isinstance(a, Log) and a.level >= logging.WARNING)]
+        if not complaints:
+            return actions
+        if not self.budget.may_complain(identity, now):
+            left_out = {id(a) for a in complaints}
+            return [a for a in actions if id(a) not in left_out]
+        dropped, suppressed = self.budget.take_counts(identity)
+        if not dropped and not suppressed:
+            return actions
+        note = Log(logging.WARNING, f"from {identity!r} since the last warning: "
+                                    f"{dropped} message(s) dropped over its budget, "
+                                    f"{suppressed} bad message(s) not answered")
+        return [*actions, note]
 
     # --- membership ------------------------------------------------------------------------
     def wait_for_workers(self, count: int, wait_s: float,

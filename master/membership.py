@@ -87,6 +87,8 @@ class WorkerHandle:
     connection_lost: bool = False  # gone because the socket lost its connection
     data_endpoint: str = ""  # its peer data endpoint (DataEndpoint), "" until announced
     data_public_key: str = ""  # its CURVE public key for the data plane (z85), or ""
+    curve_key: str = ""  # the CURVE key (ZAP User-Id) it said Hello with; "" without CURVE
+    forgeries: int = 0  # messages under its identity with another key, dropped
 
     @property
     def name(self) -> str:
@@ -154,11 +156,13 @@ def reply_mismatch(request: Message, reply: Message) -> str | None:
 # --- events in ---------------------------------------------------------------------
 @dataclass(frozen=True)
 class MessageReceived:
-    """``message`` decoded at ``now`` (monotonic seconds) from ROUTER peer ``identity``."""
+    """``message`` decoded at ``now`` (monotonic seconds) from ROUTER peer ``identity``;
+    ``user_id``: the ZAP User-Id of its connection (with CURVE its public key, z85)."""
 
     identity: bytes
     message: Message
     now: float
+    user_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -322,7 +326,11 @@ class Membership:
         """The actions ``event`` calls for, in order."""
         match event:
             case MessageReceived():
-                return self._received(event.identity, event.message, event.now)
+                forged = self._forged(event.identity, event.message, event.user_id)
+                if forged is not None:
+                    return forged
+                return self._received(event.identity, event.message, event.now,
+                                      event.user_id)
             case BadMessage():
                 return self._bad_message(event.error)
             case Tick():
@@ -336,9 +344,28 @@ class Membership:
                 return [Fail(event.worker,
                              f"worker {event.worker.name} is unreachable: {event.detail}")]
 
-    def _received(self, identity: bytes, message: Message, now: float) -> list[Action]:
+    def _forged(self, identity: bytes, message: Message, user_id: str) -> list[Action] | None:
+        """None if ``message`` may be from ``identity``; else the actions for dropping it.
+
+        A CURVE key is bound to the identity of the worker that said Hello with it:
+        a message under a live worker's identity from a connection authenticated with
+        another key is a forgery (another allowed worker taking that routing id), and
+        dropped; the first one is logged."""
+        worker = self.workers.get(identity)
+        if worker is None or worker.gone or worker.curve_key == user_id:
+            return None
+        worker.forgeries += 1
+        if worker.forgeries > 1:
+            return []
+        return [Log(logging.WARNING,
+                    f"dropped a {message.TYPE} under the identity of worker {worker.name} "
+                    f"from a connection with another CURVE key ({user_id[:8] or 'none'}...); "
+                    "further ones are dropped silently")]
+
+    def _received(self, identity: bytes, message: Message, now: float,
+                  user_id: str = "") -> list[Action]:
         if isinstance(message, Hello):
-            return self._hello(identity, message, now)
+            return self._hello(identity, message, now, user_id)
         worker = self.workers.get(identity)
         if worker is None or worker.gone:
             return [Send(identity, ErrorReply(request_id=NO_REQUEST_ID, code=ERR_UNKNOWN_WORKER,
@@ -359,7 +386,8 @@ class Membership:
         return [Send(identity, ErrorReply(request_id=request_id, code=ERR_UNEXPECTED,
                                           message=f"the master does not serve {message.TYPE}"))]
 
-    def _hello(self, identity: bytes, hello: Hello, now: float) -> list[Action]:
+    def _hello(self, identity: bytes, hello: Hello, now: float,
+               user_id: str = "") -> list[Action]:
         if hello.protocol_version != PROTOCOL_VERSION:
             reason = (f"protocol version mismatch: master speaks {PROTOCOL_VERSION}, worker "
                       f"{hello.worker_id} speaks {hello.protocol_version}; install the same "
@@ -369,7 +397,8 @@ class Membership:
         actions: list[Action] = []
         known = self.workers.get(identity)
         if known is None or known.gone:
-            worker = WorkerHandle(identity, hello.worker_id, dict(hello.device), now)
+            worker = WorkerHandle(identity, hello.worker_id, dict(hello.device), now,
+                                  curve_key=user_id)
             self.workers[identity] = worker
             actions.append(Log(logging.INFO,
                                f"worker {worker.name} joined: {hello.device.get('name')}"))

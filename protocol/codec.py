@@ -21,6 +21,7 @@ once at import, and each check is a plain loop (no generators, no per-call dicts
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -170,9 +171,9 @@ def _encode_array(name: str, value: object) -> tuple[dict[str, Any], Frame]:
     shape = value.shape
     if len(shape) > limits.MAX_NDIM:
         raise _fail(f"array field {name!r} has {len(shape)} dims, at most {limits.MAX_NDIM}")
-    for dim in shape:
-        if dim > limits.MAX_DIM:
-            raise _fail(f"array field {name!r} has a dim over {limits.MAX_DIM}: {shape}")
+    extent = math.prod(dim or 1 for dim in shape)  # a zero dim counted as 1
+    if max(shape, default=0) > limits.MAX_DIM or extent > limits.MAX_ELEMENTS:
+        raise _fail(f"array field {name!r}: shape {shape} has a dim over MAX_DIM or MAX_ELEMENTS")
     if needs_swap:
         value = value.astype(WIRE_DTYPES[dtype_name])
     if not value.flags.c_contiguous:
@@ -280,11 +281,12 @@ def _check_description(
     shape = entry["shape"]
     if type(shape) is not list or len(shape) > limits.MAX_NDIM:
         raise _fail(f"array {name!r}: shape must be a list of at most {limits.MAX_NDIM} ints")
-    expected = dtype.itemsize
+    expected, extent = dtype.itemsize, 1  # extent: prod(dims), a zero dim counted as 1
     for dim in shape:
-        if type(dim) is not int or not 0 <= dim <= limits.MAX_DIM:
-            raise _fail(f"array {name!r}: shape {_short(shape)} has a dim that is not an int "
-                        f"in [0, {limits.MAX_DIM}]")
+        if (type(dim) is not int or not 0 <= dim <= limits.MAX_DIM
+                or (extent := extent * (dim or 1)) > limits.MAX_ELEMENTS):
+            raise _fail(f"array {name!r}: shape {_short(shape)} has a dim not in [0, "
+                        f"{limits.MAX_DIM}] or over {limits.MAX_ELEMENTS} elements in all")
         expected *= dim
     nbytes = entry["nbytes"]
     if type(nbytes) is not int or nbytes != expected:
@@ -340,7 +342,7 @@ def _decode_body(header: dict[str, Any], spec: _Spec, views: list[memoryview]) -
         if view.nbytes != nbytes:
             raise _fail(f"array {name!r}: frame has {view.nbytes} bytes, described {nbytes}")
         array = np.ndarray(shape, dtype, view) if nbytes else np.empty(shape, dtype)
-        array.flags.writeable = False
+        array.flags.writeable = False  # the shape was bounded: MAX_ELEMENTS
         values[name] = array
     return spec.cls(**values)
 
@@ -351,7 +353,7 @@ def decode(frames: Sequence[object]) -> Message:
     Frames may be bytes, bytearray, memoryview or ``zmq.Frame``. Raises
     ``VersionMismatch`` for a non-handshake message of another protocol version
     (handshake types decode at any version; the caller compares
-    ``protocol_version``), and ``ProtocolError`` for everything else that is wrong.
+    ``protocol_version``), and ``ProtocolError`` for everything else (nothing else).
     """
     if not isinstance(frames, (list, tuple)) or not 1 <= len(frames) <= limits.MAX_FRAMES:
         count = len(frames) if isinstance(frames, (list, tuple)) else type(frames).__name__
@@ -391,6 +393,8 @@ def decode(frames: Sequence[object]) -> Message:
             raise VersionMismatch(
                 PROTOCOL_VERSION, version, message_type=message_type
             ) from error
+        except Exception as exc:  # noqa: BLE001 - a gap in the checks is still a bad message
+            raise _fail(f"undecodable: {type(exc).__name__}: {_short(str(exc))}") from None
     except ProtocolError as error:
         error.request_id, error.message_type = request_id, message_type
         raise

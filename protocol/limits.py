@@ -27,6 +27,10 @@ MAX_NDIM = 8
 """Most dimensions an array may have on the wire."""
 MAX_DIM = MAX_FRAME_BYTES
 """Largest single dimension (bounds shapes with a zero dimension, too)."""
+MAX_ELEMENTS = MAX_FRAME_BYTES
+"""Largest product of an array's dimensions, a zero dimension counted as 1: bounds the
+shape itself, not only its byte count, so that a shape such as
+``[0, 2**30, 2**30, 2**30]`` (0 bytes) is refused before numpy sees it."""
 MAX_STR_LEN = 4 * KIB
 """Longest string anywhere in a header (error messages, names, device fields)."""
 MAX_ARRAY_LEN = 256
@@ -44,8 +48,14 @@ DEFAULT_LINGER_MS = 500
 """How long ``close()`` may wait to flush unsent messages; shutdown never hangs."""
 DEFAULT_SNDHWM = 64
 """Send high-water mark in messages: a frozen peer cannot make us queue more."""
-DEFAULT_RCVHWM = 64
-"""Receive high-water mark in messages."""
+DEFAULT_RCVHWM = 0
+"""Receive high-water mark in messages: 0, no limit, on purpose. libzmq 4.3 aborts the
+process (``Assertion failed: !_io_error``, stream_engine_base.cpp) when a connection
+whose receive queue reached its high-water mark (input stopped) is closed by the peer
+and the engine then writes: a ZMTP heartbeat of ours, or the PONG to a PING the peer
+left in its last bytes. Any peer can do that with a few thousand small messages and a
+disconnect. Without a receive limit input never stops; the reader bounds what it
+keeps instead (``MAX_MESSAGES_PER_POLL``, per-sender drops, ``MAXMSGSIZE``)."""
 DEFAULT_SEND_TIMEOUT_MS = 10_000
 """SNDTIMEO: a send that cannot be queued within this raises ``SendTimeout``."""
 MAX_RECV_TIMEOUT_S = 86_400.0
@@ -62,10 +72,26 @@ RECONNECT_IVL_MS = 100
 """First reconnect delay of a worker's DEALER."""
 RECONNECT_IVL_MAX_MS = 5_000
 """Exponential reconnect back-off stops growing at this delay."""
-MAX_MSG_SIZE_BYTES = MAX_FRAME_BYTES
-"""ZMQ_MAXMSGSIZE. libzmq applies it to each frame (message part), not to the whole
-multipart message, so the per-frame limit is the tight one; ``decode`` checks the
-total against ``MAX_TOTAL_BYTES``."""
+MAX_MSG_SIZE_BYTES = max(MAX_HEADER_BYTES, MAX_FRAME_BYTES)
+"""ZMQ_MAXMSGSIZE, set on every socket (master ROUTER, worker DEALER, data-plane PULL
+and PUSH). libzmq applies it to each frame (message part) as soon as the frame's size
+arrives, before buffering it; it has no limit on the number of frames of one message.
+The receiver drops frames past ``MAX_FRAMES`` as it reads them, and ``decode`` checks
+the total against ``MAX_TOTAL_BYTES``."""
+
+# --- receiving: what one reader does per poll, and per sender -----------------------
+MAX_MESSAGES_PER_POLL = 64
+"""Most messages the master's loop reads per pump: a flood waits in the queue (and is
+dropped per sender, below) instead of holding the training thread."""
+SENDER_WINDOW_S = 1.0
+"""The window of the per-sender counters below."""
+MAX_MESSAGES_PER_SENDER = 2000
+"""Messages one sender may have decoded per window; past it the rest of the window's
+messages from that sender are dropped undecoded (a worker sends a few per step and two
+heartbeats a second: a run at 100 steps/s with 8 layers sends under this many)."""
+MAX_ERROR_REPLIES_PER_SENDER = 1
+"""Error replies (``ErrorReply``/``Refuse``) one sender gets per window, and warnings
+logged about it; more bad messages are counted and summed up in the next line."""
 
 # --- application level: handshake and liveness ------------------------------------
 DEFAULT_HELLO_TIMEOUT_S = 10.0

@@ -1,10 +1,13 @@
 """ZeroMQ socket helpers for the hetconv protocol: sockets, send, receive. No logic.
 
 The master binds one ROUTER; each worker connects one DEALER whose routing id is
-its identity. Both get bounded LINGER, small high-water marks, a send timeout,
+its identity. Both get bounded LINGER, a small send high-water mark, a send timeout,
 ZMTP heartbeats and a per-frame size limit (all from ``protocol.limits``), so that
-shutdown never hangs, a frozen peer cannot make us buffer without bound, and a dead
-TCP connection is noticed. ``recv_message`` always takes a deadline.
+shutdown never hangs, a frozen peer cannot make us queue sends without bound, and a
+dead TCP connection is noticed. The receive high-water mark is off on purpose (see
+``limits.DEFAULT_RCVHWM``: a bounded one lets any peer abort libzmq); readers bound
+their own work instead (``recv_frames``, ``recv_routed`` and
+``hetconv.protocol.admission``). ``recv_message`` always takes a deadline.
 
 CURVE: pass ``CurveServerKeys`` to ``master_socket`` and ``CurveClientKeys`` to
 ``worker_socket``. The listening socket then sets ``ZAP_DOMAIN`` and
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, overload
 
@@ -166,21 +170,25 @@ def bound_endpoint(sock: zmq.Socket[bytes]) -> str:
     return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
-def send_message(sock: zmq.Socket[bytes], msg: Message, identity: bytes | None = None) -> int:
+def send_message(sock: zmq.Socket[bytes], msg: Message, identity: bytes | None = None,
+                 *, block: bool = True) -> int:
     """Encode and send ``msg`` (to ``identity`` on a ROUTER); return the bytes sent.
 
     Array frames go without copying: do not mutate the message's arrays afterwards.
-    Raises ``ProtocolError`` (nothing sent) for an invalid message, ``SendTimeout``
-    when the peer's queue stays full, ``PeerUnreachable`` for an unknown identity.
+    ``block`` False: never wait, not even for the socket's SNDTIMEO (for answers to
+    strangers and other messages that may be lost: a peer that does not read cannot
+    hold the caller). Raises ``ProtocolError`` (nothing sent) for an invalid message,
+    ``SendTimeout`` when the peer's queue stays full (at once when not ``block``),
+    ``PeerUnreachable`` for an unknown identity.
     """
     frames = encode(msg)
     parts: list[bytes | memoryview] = frames if identity is None else [identity, *frames]
     try:
-        sock.send_multipart(parts, copy=False)
+        sock.send_multipart(parts, flags=0 if block else zmq.NOBLOCK, copy=False)
     except zmq.Again:
+        waited = f"after {limits.DEFAULT_SEND_TIMEOUT_MS} ms" if block else "at once"
         raise SendTimeout(
-            f"send of {msg.TYPE} timed out after {limits.DEFAULT_SEND_TIMEOUT_MS} ms; "
-            "the peer is not reading"
+            f"send of {msg.TYPE} timed out {waited}; the peer is not reading"
         ) from None
     except zmq.ZMQError as exc:
         if exc.errno == errno.EHOSTUNREACH:
@@ -220,9 +228,8 @@ def recv_message(
         raise ValueError("with_identity=True is for ROUTER sockets, and ROUTER needs it")
     # RCVTIMEO bounds the wait inside libzmq: one C call, cheaper than a Poller.
     sock.setsockopt(zmq.RCVTIMEO, math.ceil(timeout_s * 1000))
-    try:
-        frames = sock.recv_multipart(copy=False)
-    except zmq.Again:
+    frames = recv_frames(sock, routed=with_identity)
+    if frames is None:
         return None
     if not with_identity:
         return decode(frames)
@@ -232,3 +239,73 @@ def recv_message(
     except ProtocolError as error:
         error.identity = identity
         raise
+
+
+def recv_frames(sock: zmq.Socket[bytes], *, routed: bool = False,
+                flags: int = 0) -> list[zmq.Frame] | None:
+    """The frames of the next message (zero copy), or None if none came (``zmq.Again``).
+
+    Frames past what ``decode`` accepts (``MAX_FRAMES``, plus the identity frame when
+    ``routed``) are read and released one by one instead of being kept, and one frame
+    too many is kept, so that ``decode`` refuses the message: a message of a million
+    frames costs no more memory here than one of ``MAX_FRAMES + 1``.
+    """
+    keep = limits.MAX_FRAMES + 1 + int(routed)
+    try:
+        frames = [sock.recv(flags, copy=False)]
+    except zmq.Again:
+        return None
+    while sock.getsockopt(zmq.RCVMORE):  # the rest of a message is there already
+        frame = sock.recv(copy=False)
+        if len(frames) < keep:
+            frames.append(frame)
+    return frames
+
+
+def discard_message(sock: zmq.Socket[bytes]) -> bool:
+    """Read and drop the next message without decoding it; False if none was waiting."""
+    return recv_frames(sock, flags=zmq.NOBLOCK) is not None
+
+
+def user_id(frame: zmq.Frame) -> str:
+    """The ZAP ``User-Id`` of the connection a frame came on (with CURVE, the sender's
+    z85 public key; our authenticator sets it), or "" without authentication."""
+    try:
+        return str(frame.get("User-Id"))
+    except (zmq.ZMQError, UnicodeDecodeError):
+        return ""
+
+
+@dataclass(frozen=True)
+class Routed:
+    """One message read from a ROUTER: the sender's identity, its ZAP ``User-Id``
+    ("" without CURVE) and the message."""
+
+    identity: bytes
+    user_id: str
+    message: Message
+
+
+def recv_routed(sock: zmq.Socket[bytes], accept: Callable[[bytes], bool] | None = None
+                ) -> Routed | bytes | None:
+    """Read one waiting message from a ROUTER without waiting.
+
+    Returns None when nothing is waiting, the sender's identity (bytes) when
+    ``accept(identity)`` said no (the message was dropped undecoded), else a
+    :class:`Routed`. A message that fails to decode raises ``ProtocolError`` with
+    ``.identity`` set; the socket stays usable.
+    """
+    if sock.type != zmq.ROUTER:
+        raise ValueError("recv_routed is for ROUTER sockets")
+    frames = recv_frames(sock, routed=True, flags=zmq.NOBLOCK)
+    if frames is None:
+        return None
+    identity = frames[0].bytes
+    if accept is not None and not accept(identity):
+        return identity
+    try:
+        message = decode(frames[1:])
+    except ProtocolError as error:
+        error.identity = identity
+        raise
+    return Routed(identity, user_id(frames[-1]) if len(frames) > 1 else "", message)

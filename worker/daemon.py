@@ -180,7 +180,9 @@ class WorkerDaemon:
     def _receive(self, sock: zmq.Socket[Any]) -> list[Event]:
         """Every message waiting on ``sock``, decoded, as session events."""
         events: list[Event] = []
-        while sock.poll(0):
+        for _ in range(limits.MAX_MESSAGES_PER_POLL):  # a flood cannot starve the loop
+            if not sock.poll(0):
+                break
             try:
                 message = transport.recv_message(sock, 0)
             except ProtocolError as error:

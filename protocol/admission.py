@@ -1,0 +1,80 @@
+"""Per-sender budgets of a socket reader: who may be decoded, answered, logged (no I/O).
+
+A listening socket's reader (the master's loop) asks :class:`SenderBudget` before it
+decodes a message, before it answers a bad one with an error reply and before it logs
+a warning about a peer. Each sender (ROUTER identity) gets
+``limits.MAX_MESSAGES_PER_SENDER`` decoded messages and
+``limits.MAX_ERROR_REPLIES_PER_SENDER`` error replies and warnings per
+``limits.SENDER_WINDOW_S``; what is over is dropped and counted, and the count is
+reported once in the next window that allows a warning. So a flooding or garbage-
+sending peer costs the reader a bounded amount of work and log lines per second,
+whatever it sends. Pure counting: the caller passes the time (monotonic seconds).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import limits
+
+MAX_TRACKED_SENDERS = 4096
+"""Most senders with live counters; past it all counters restart (a flood of fresh
+identities cannot grow this table without bound)."""
+
+
+@dataclass
+class _Window:
+    start: float
+    messages: int = 0
+    errors: int = 0
+    dropped: int = 0  # messages dropped undecoded since the last reported warning
+    suppressed: int = 0  # error replies and warnings not given since the last one
+
+
+class SenderBudget:
+    """Counters per sender over fixed windows of ``window_s`` seconds."""
+
+    def __init__(self, window_s: float = limits.SENDER_WINDOW_S,
+                 max_messages: int = limits.MAX_MESSAGES_PER_SENDER,
+                 max_errors: int = limits.MAX_ERROR_REPLIES_PER_SENDER) -> None:
+        self.window_s = window_s
+        self.max_messages = max_messages
+        self.max_errors = max_errors
+        self._windows: dict[bytes, _Window] = {}
+
+    def _window(self, sender: bytes, now: float) -> _Window:
+        window = self._windows.get(sender)
+        if window is None:
+            if len(self._windows) >= MAX_TRACKED_SENDERS:
+                self._windows.clear()
+            window = self._windows[sender] = _Window(now)
+        elif now - window.start >= self.window_s:
+            window.start, window.messages, window.errors = now, 0, 0
+        return window
+
+    def admit(self, sender: bytes, now: float) -> bool:
+        """Whether to decode the next message of ``sender`` (False: drop it unread)."""
+        window = self._window(sender, now)
+        window.messages += 1
+        if window.messages <= self.max_messages:
+            return True
+        window.dropped += 1
+        return False
+
+    def may_complain(self, sender: bytes, now: float) -> bool:
+        """Whether to send ``sender`` an error reply and log a warning about it now."""
+        window = self._window(sender, now)
+        window.errors += 1
+        if window.errors <= self.max_errors:
+            return True
+        window.suppressed += 1
+        return False
+
+    def take_counts(self, sender: bytes) -> tuple[int, int]:
+        """(messages dropped undecoded, complaints suppressed) since the last call for
+        ``sender``; both restart at 0. For the summary in the next warning."""
+        window = self._windows.get(sender)
+        if window is None:
+            return 0, 0
+        counts = window.dropped, window.suppressed
+        window.dropped = window.suppressed = 0
+        return counts
