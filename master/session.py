@@ -33,6 +33,7 @@ from hetconv.master.plan import (
 from hetconv.master.planner import ParticipantProfile, choose_plan
 from hetconv.master.rebalance import Rebalancer, measured_compute
 from hetconv.metrics import MetricsWriter
+from hetconv.partition import balanced_counts, equal_counts
 from hetconv.model import ConvLayerShape, ModelConfig, conv_layer_shapes
 from hetconv.names import PARAMETER_NAMES, layer_key
 from hetconv.perf_model import LayerTraffic
@@ -171,6 +172,28 @@ class StepRebalancing:
                     f"now {split} ({apply_s * 1e3:.0f} ms to apply)")
         self.metrics.write("rebalance", **decision.record(), apply_s=apply_s)
 
+def split_for(mode: str, rebalancer: Rebalancer, alive: set[str]) -> list[list[int]]:
+    """Kernel counts per layer per participant (the rebalancer's order) over the
+    participants in ``alive`` (the others 0), as ``--split`` says: ``model`` the
+    link-aware planner, ``equal`` the same share each, ``calibrated`` equal finish times
+    under the (measured-corrected) cost lines."""
+    if mode == "model":
+        return [list(row) for row in rebalancer.plan_for(alive)]
+    profiles = rebalancer.profiles
+    chosen = [i for i, p in enumerate(profiles) if p.participant in alive]
+    if not chosen:
+        raise ValueError("no participant left to split the kernels over")
+    out = []
+    for layer, traffic in enumerate(rebalancer.traffic):
+        counts = (equal_counts(len(chosen), traffic.kernels) if mode == "equal" else
+                  balanced_counts([profiles[i].costs[layer] for i in chosen], traffic.kernels))
+        row = [0] * len(profiles)
+        for i, count in zip(chosen, counts):
+            row[i] = count
+        out.append(row)
+    return out
+
+
 class JoinHandler:
     """At a re-plan point: calibrate and link-probe every worker that said Hello
     since the last one (new, restarted or back after an eviction), add it as a
@@ -179,15 +202,16 @@ class JoinHandler:
 
     def __init__(self, cluster: Cluster, shapes: list[ConvLayerShape], batch: int,
                  wire_dtype: str, rebalancer: Rebalancer, data_plane: str,
-                 report: Callable[[str], None] = print):
+                 report: Callable[[str], None] = print, split: str = "model"):
         self.cluster, self.shapes, self.batch = cluster, shapes, batch
+        self.split = split
         self.wire_dtype, self.rebalancer, self.data_plane = wire_dtype, rebalancer, data_plane
         self.report = report
 
     def joiners(self, stage: DistributedConvStage) -> list[Participant]:
         self.cluster.pump(0.0)  # take in any Hello waiting on the socket
         holding = {id(s.worker) for row in stage.shards for s in row if s.worker is not None}
-        return [Participant(w.worker_id, w, w.device) for w in self.cluster.members
+        return [Participant(w.worker_id, w, w.device) for w in self.cluster.known_workers()
                 if not w.gone and id(w) not in holding
                 and w.worker_id not in stage.quarantined
                 and (self.data_plane != "peer" or w.data_endpoint)]
@@ -199,6 +223,7 @@ class JoinHandler:
             return None
         names = ", ".join(p.participant for p in joiners)
         self.report(f"hetconv: worker(s) {names} joined: calibrating")
+        self.cluster.admit([p.worker for p in joiners if p.worker is not None])
         calibration = calibrate(self.cluster, joiners, self.shapes, self.batch,
                                 report=self.report)
         links = probe_links(self.cluster, joiners, self.report)
@@ -217,8 +242,7 @@ class JoinHandler:
                     old = row[column]
                     row[column] = Shard(old.participant, joiner.worker, old.start, old.stop)
         alive = {s.participant for s in shards[0] if s.worker is None or not s.worker.gone}
-        counts = self.rebalancer.plan_for(alive)
-        return reshard(shards, counts)
+        return reshard(shards, split_for(self.split, self.rebalancer, alive))
 
 
 def master_alone(plan: list[list[Shard]]) -> bool:
@@ -243,7 +267,7 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
         traffic: list[LayerTraffic] = []
         if config.wire_dtype == WIRE_DTYPE_AUTO and config.split != "model":
             config = replace(config, wire_dtype="float32")  # no link model to choose by
-        if config.split == "model" or config.rebalancing:
+        if participants:  # profiles: for the planner, and re-plans after faults and joins
             wire = "float32" if config.wire_dtype == WIRE_DTYPE_AUTO else config.wire_dtype
             profiles, traffic = planner_inputs(cluster, participants, shapes, calibration, batch,
                                                wire, report)
@@ -298,8 +322,8 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
     if profiles:  # re-plans (recovery) use the planner over the participants left
         rebalancer = Rebalancer(profiles, traffic, [[s.kernels for s in row] for row in plan],
                                 config.data_plane)
-        planner = rebalancer
-        stage.replan = lambda alive: [list(row) for row in planner.plan_for(alive)]
+        planner, mode = rebalancer, config.split
+        stage.replan = lambda alive: split_for(mode, planner, alive)
 
     def replanned(counts: list[list[int]], reason: str) -> None:
         if rebalancer is not None:
@@ -315,7 +339,7 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
     stage.on_replan = replanned
     if rebalancer is not None:
         stage.join = JoinHandler(cluster, shapes, batch, config.wire_dtype, rebalancer,
-                                 config.data_plane, report)
+                                 config.data_plane, report, config.split)
     if config.rebalancing and rebalancer is not None:
         stage.after_step = StepRebalancing(stage, rebalancer, settings, metrics, report)
     return stage
