@@ -54,6 +54,9 @@ def parse_input_shape(text: str) -> tuple[int, int, int]:
 
 
 def calibrate_config(args: argparse.Namespace) -> CalibrateConfig:
+    if not args.input_shape and args.data not in INPUT_SHAPES:
+        raise UserError(f"--data {args.data}: the image shape depends on the files; give "
+                        "--input-shape CxHxW (e.g. 3x32x32)")
     shape = (parse_input_shape(args.input_shape) if args.input_shape
              else INPUT_SHAPES[args.data])
     return CalibrateConfig(master=master_config(args), input_shape=shape, arch=args.arch,
