@@ -240,6 +240,9 @@ def run(args: argparse.Namespace) -> int:
         state = TrainingState.load(run_dir / CHECKPOINT_NAME)
     except CheckpointError as error:
         raise UserError(f"--resume: {error}") from None
+    for name in (CHECKPOINT_NAME, "weights.npz", "report.html", "config.json"):
+        for leftover in run_dir.glob(f".{name}.*.tmp"):  # a write the kill interrupted
+            leftover.unlink(missing_ok=True)
     if state.epoch >= args.epochs:
         raise UserError(f"--resume: nothing left to do: {run_dir} finished its "
                         f"{args.epochs} epoch(s)")
