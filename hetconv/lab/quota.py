@@ -37,6 +37,12 @@ class CpuQuota:
         (self.path / "cpu.cfs_period_us").write_text(str(CFS_PERIOD_US))
         (self.path / "cpu.cfs_quota_us").write_text(str(int(CFS_PERIOD_US * fraction)))
 
+    def set(self, fraction: float) -> None:
+        """Change the group's share of a core (a machine that gets busy or recovers)."""
+        if not 0.01 <= fraction <= 64:
+            raise ValueError(f"CPU fraction must be within 0.01..64, got {fraction}")
+        (self.path / "cpu.cfs_quota_us").write_text(str(int(CFS_PERIOD_US * fraction)))
+
     def add(self, pid: int) -> None:
         (self.path / "cgroup.procs").write_text(str(pid))
 
