@@ -1,4 +1,4 @@
-"""``hetconv bench conv|split|protocol``: the benchmarks, each in ``hetconv.bench``.
+"""``hetconv bench conv|split|protocol|scale|chaos``: the benchmarks, each in ``hetconv.bench``.
 
 With ``--markdown FILE`` a benchmark also writes its result table as markdown,
 headed by the full command line that reproduces it (every option spelled out, so
@@ -19,7 +19,7 @@ from typing import Any
 
 from hetconv.checkpoint import save_text
 from hetconv.commands.options import Parser, positive_int
-from hetconv.config import DATA_PLANES
+from hetconv.config import DATA_PLANES, SPLIT_MODES
 from hetconv.errors import UserError
 
 FLAGS: dict[str, tuple[tuple[str, str], ...]] = {
@@ -31,6 +31,13 @@ FLAGS: dict[str, tuple[tuple[str, str], ...]] = {
               ("--arch", "arch"), ("--epochs", "epochs"),
               ("--batch", "batch"), ("--limit", "limit"), ("--repeats", "repeats"),
               ("--work-dir", "work_dir")),
+    "chaos": (("--minutes", "minutes"), ("--interval-min", "interval_min"),
+              ("--interval-max", "interval_max"), ("--faults", "faults"), ("--lab", "lab"),
+              ("--rate", "rate"), ("--arch", "arch"), ("--batch", "batch"),
+              ("--epochs", "epochs"), ("--limit", "limit"), ("--test-limit", "test_limit"),
+              ("--seed", "seed"), ("--checkpoint-every", "checkpoint_every"),
+              ("--split", "split"), ("--recovery-window", "recovery_window"),
+              ("--work-dir", "work_dir")),
 }
 """Per benchmark, the options that shape its result, as (flag, argparse dest)."""
 
@@ -40,7 +47,7 @@ MAX_SIZE_MIB = 1024.0  # one array frame is at most 1 GiB (protocol.limits.MAX_F
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("bench", help="benchmarks (conv kernels against PyTorch, kernel splits, "
                        "protocol overhead)")
-    bench = p.add_subparsers(dest="bench", metavar="{conv,split,protocol,scale}", parser_class=Parser)
+    bench = p.add_subparsers(dest="bench", metavar="{conv,split,protocol,scale,chaos}", parser_class=Parser)
     bench.required = True
     conv = bench.add_parser("conv", help="conv forward+backward against PyTorch's CPU conv2d")
     conv.add_argument("--repeats", type=positive_int, default=7)
@@ -81,7 +88,37 @@ def add_parser(sub: Any) -> None:
                        "re-split that 8 or more steps follow)")
     scale.add_argument("--repeats", type=positive_int, default=3)
     scale.add_argument("--work-dir", default=None, help="where the runs go (default a temp dir)")
-    for parser in (conv, proto, split, scale):
+    chaos = bench.add_parser("chaos", help="a master and 4 workers under a seeded random fault "
+                             "every 20-40 s (SIGKILL, SIGSTOP, restart; with --lab also CPU "
+                             "quota and link faults) against a fault-free run of the same seed")
+    chaos.add_argument("--minutes", type=float, default=10.0,
+                       help="inject faults for this long, or until the run ends (default 10)")
+    chaos.add_argument("--interval-min", type=float, default=20.0,
+                       help="shortest time between two faults in seconds (default 20)")
+    chaos.add_argument("--interval-max", type=float, default=40.0,
+                       help="longest time between two faults in seconds (default 40)")
+    chaos.add_argument("--faults", default=None, metavar="KIND,...",
+                       help="fault kinds to draw from: sigkill, sigstop, restart; with --lab "
+                       "also cpu-quota, link-down-2s, link-down-20s (default: all available)")
+    chaos.add_argument("--lab", action="store_true",
+                       help="every machine a network namespace with a capped link, every "
+                       "worker in a CPU quota (needs root); default loopback")
+    chaos.add_argument("--rate", default="1gbit", help="--lab: every link's cap (default 1gbit)")
+    chaos.add_argument("--arch", default="32:64")
+    chaos.add_argument("--batch", type=positive_int, default=64)
+    chaos.add_argument("--epochs", type=positive_int, default=3,
+                       help="epochs per run: make the run last at least --minutes")
+    chaos.add_argument("--limit", type=positive_int, default=None, help="training images")
+    chaos.add_argument("--test-limit", type=positive_int, default=None, help="test images")
+    chaos.add_argument("--seed", type=int, default=1,
+                       help="seeds the training and the fault schedule (default 1)")
+    chaos.add_argument("--checkpoint-every", type=positive_int, default=20)
+    chaos.add_argument("--split", choices=SPLIT_MODES, default="equal")
+    chaos.add_argument("--recovery-window", type=float, default=30.0,
+                       help="a recovery within this many seconds of a fault is its effect "
+                       "(default 30)")
+    chaos.add_argument("--work-dir", default=None, help="where the runs go (default a temp dir)")
+    for parser in (conv, proto, split, scale, chaos):
         parser.add_argument("--markdown", metavar="FILE", default=None,
                             help="also write the result table, the command line, the date "
                             "and the machine to FILE as markdown (e.g. docs/figures/NAME.md)")
@@ -93,7 +130,10 @@ def command_line(args: argparse.Namespace) -> str:
     words = ["hetconv", "bench", args.bench]
     for flag, dest in FLAGS[args.bench]:
         value = getattr(args, dest)
-        if value is None:
+        if value is None or value is False:
+            continue
+        if value is True:  # a switch
+            words.append(flag)
             continue
         if dest in ("machines", "data_plane"):  # one flag per value
             for configuration in value:
@@ -152,8 +192,13 @@ def write_markdown(path: str, lines: list[str]) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.markdown:
         check_markdown_path(args.markdown)
+    if args.bench == "chaos" and args.faults is None:  # spelled out in the command line
+        from hetconv.bench.chaos import FAULT_KINDS, LOOPBACK_FAULTS
+
+        args.faults = ",".join(FAULT_KINDS if args.lab else LOOPBACK_FAULTS)
     header = figure_header(args) if args.markdown else []  # load average before the run
     table: list[str]
+    failed = False
     if args.bench == "conv":
         from hetconv.bench.conv import markdown_table as conv_table
         from hetconv.bench.conv import run_conv_bench
@@ -190,9 +235,23 @@ def run(args: argparse.Namespace) -> int:
                                  work_dir=args.work_dir, data_planes=tuple(args.data_plane),
                                  epochs=args.epochs)
         table = result["table"]
+    elif args.bench == "chaos":
+        from hetconv.bench.chaos import run_chaos_bench
+
+        result = run_chaos_bench(
+            minutes=args.minutes, interval_min_s=args.interval_min,
+            interval_max_s=args.interval_max, faults=args.faults, lab=args.lab, rate=args.rate,
+            arch=args.arch, batch=args.batch, epochs=args.epochs, limit=args.limit,
+            test_limit=args.test_limit, seed=args.seed, checkpoint_every=args.checkpoint_every,
+            split=args.split, recovery_window_s=args.recovery_window, work_dir=args.work_dir)
+        table = result["table"]
+        failed = not result["completed"] or result["faults_survived"] < result["faults_injected"]
     else:
         raise UserError(f"unknown benchmark {args.bench!r}")
     if args.markdown:
         write_markdown(args.markdown, header + table)
         print(f"hetconv: wrote {args.markdown}")
+    if failed:
+        raise UserError("the run with faults did not complete: see the table above and the "
+                        "logs in the work directory")
     return 0
