@@ -2,7 +2,9 @@
 20-40 s, against a fault-free run of the same seed (docs/resilience.md).
 
 Both runs train the same network with the same flags and seed; the fault-free one
-runs first. In the second, once the first training step is recorded, a fault is
+runs first. With ``--epochs auto`` (the default) a one-epoch probe run first measures
+an epoch's wall time, and the runs get enough epochs to outlast ``--minutes`` by a
+quarter. In the second, once the first training step is recorded, a fault is
 injected every ``--interval-min``..``--interval-max`` seconds (seeded) for
 ``--minutes`` or until the run ends, into a worker that is not busy with an earlier
 fault:
@@ -33,6 +35,7 @@ and the final test accuracy of both runs. The decision logic (:func:`plan_faults
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import signal
@@ -64,6 +67,7 @@ STOPPED_FOR_S = 10.0  # SIGSTOP .. SIGCONT
 QUOTA_FRACTION = 0.2  # a cpu-quota fault's core fraction
 QUOTA_FOR_S = 60.0  # ... for this long
 LINK_DOWN_S = {LINK_DOWN_SHORT: 2.0, LINK_DOWN_LONG: 20.0}
+AUTO_MARGIN = 1.25  # --epochs auto: the runs last this many times --minutes
 WARM_UP_S = 30.0  # master resources are compared from this long after the first step on
 SAMPLE_EVERY_S = 5.0
 START_TIMEOUT_S = 180.0  # for the first step of a run (workers joining, calibration)
@@ -194,6 +198,19 @@ def median_step_s(records: Sequence[dict[str, Any]]) -> float:
     times = [by_step[s] for s in sorted(by_step)]
     times = times[1:] if len(times) > 1 else times
     return statistics.median(times) if times else 0.0
+
+
+def auto_epochs(minutes: float, epoch_s: float) -> int:
+    """Epochs whose wall time outlasts ``minutes`` by AUTO_MARGIN, given one epoch's."""
+    return max(1, math.ceil(minutes * 60 * AUTO_MARGIN / max(epoch_s, 1e-3)))
+
+
+def epoch_wall_s(records: Sequence[dict[str, Any]]) -> float:
+    """The first epoch's wall time, training and evaluation (seconds)."""
+    epochs = [r for r in records if r.get("type") == "epoch"]
+    if not epochs:
+        raise UserError("the probe run recorded no epoch")
+    return float(epochs[0].get("epoch_s") or epochs[0]["train_s"])
 
 
 def run_completed(records: Sequence[dict[str, Any]]) -> bool:
@@ -461,12 +478,14 @@ def run_once(name: str, root: Path, train_flags: list[str], lan: SwitchedLan | N
 
 def run_chaos_bench(minutes: float = 10.0, interval_min_s: float = 20.0,
                     interval_max_s: float = 40.0, faults: str | None = None, lab: bool = False,
-                    rate: str = "1gbit", arch: str = "32:64", batch: int = 64, epochs: int = 3,
+                    rate: str = "1gbit", arch: str = "32:64", batch: int = 64,
+                    epochs: int | None = None,
                     limit: int | None = None, test_limit: int | None = None, seed: int = 1,
                     checkpoint_every: int = 20, split: str = "equal",
                     recovery_window_s: float = 30.0, work_dir: str | None = None,
                     out: Callable[[str], None] = print) -> dict[str, Any]:
-    """The fault-free run, then the chaos run; the result rows and the table."""
+    """The fault-free run, then the chaos run; the result rows and the table.
+    ``epochs`` None: enough to outlast ``minutes`` (a one-epoch probe run first)."""
     kinds = parse_faults(faults, lab) if faults else (FAULT_KINDS if lab else LOOPBACK_FAULTS)
     if minutes <= 0 or recovery_window_s <= 0:
         raise UserError("--minutes and --recovery-window must be positive")
@@ -477,13 +496,20 @@ def run_chaos_bench(minutes: float = 10.0, interval_min_s: float = 20.0,
     planned = plan_faults(seed, minutes, interval_min_s, interval_max_s, kinds)
     root = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="hetconv-chaos-"))
     root.mkdir(parents=True, exist_ok=True)
-    flags = ["--data", "synthetic", "--arch", arch, "--batch", str(batch), "--epochs",
-             str(epochs), "--threads", "1", "--no-progress", "--seed", str(seed),
-             "--checkpoint-every", str(checkpoint_every), "--split", split]
-    flags += ["--limit", str(limit)] if limit else []
-    flags += ["--test-limit", str(test_limit)] if test_limit else []
+    common = ["--data", "synthetic", "--arch", arch, "--batch", str(batch), "--threads", "1",
+              "--no-progress", "--seed", str(seed), "--checkpoint-every",
+              str(checkpoint_every), "--split", split]
+    common += ["--limit", str(limit)] if limit else []
+    common += ["--test-limit", str(test_limit)] if test_limit else []
     with _terminate_as_interrupt(), ExitStack() as stack:
         lan = stack.enter_context(SwitchedLan(WORKERS + 1, rate)) if lab else None
+        if epochs is None:
+            probe = run_once("probe", root, [*common, "--epochs", "1"], lan, [], seed, out)
+            if not run_completed(probe.records):
+                raise UserError(f"the probe run failed; see {probe.run_dir.parent / 'master.log'}")
+            epochs = auto_epochs(minutes, epoch_wall_s(probe.records))
+            out(f"hetconv bench chaos: --epochs auto: {epochs} epoch(s)")
+        flags = [*common, "--epochs", str(epochs)]
         reference = run_once("fault-free", root, flags, lan, [], seed, out)
         if not run_completed(reference.records):
             raise UserError(f"the fault-free run failed (status {reference.returncode}); see "
@@ -494,6 +520,7 @@ def run_chaos_bench(minutes: float = 10.0, interval_min_s: float = 20.0,
     outcomes = assess(chaos.injected, chaos.records, completed, step_s, recovery_window_s)
     result: dict[str, Any] = {
         "mode": "lab" if lab else "loopback", "minutes": minutes, "seed": seed,
+        "epochs": epochs,
         "completed": completed, "faults_planned": len(planned),
         "faults_injected": len(outcomes),
         "faults_survived": sum(1 for o in outcomes if o.survived),
@@ -530,8 +557,8 @@ def format_table(result: dict[str, Any]) -> list[str]:
     """The summary lines and one table row per fault (markdown)."""
     free, chaos = result["fault_free_accuracy"], result["chaos_accuracy"]
     difference = None if free is None or chaos is None else chaos - free
-    lines = ["", f"- mode: {result['mode']}, seed {result['seed']}, faults for "
-             f"{result['minutes']:g} min or until the run ended",
+    lines = ["", f"- mode: {result['mode']}, seed {result['seed']}, {result['epochs']} "
+             f"epoch(s) per run, faults for {result['minutes']:g} min or until the run ended",
              f"- run completed: {'yes' if result['completed'] else 'NO'}",
              f"- faults injected: {result['faults_injected']} of {result['faults_planned']} "
              f"planned; survived: {result['faults_survived']}",

@@ -106,8 +106,9 @@ def add_parser(sub: Any) -> None:
     chaos.add_argument("--rate", default="1gbit", help="--lab: every link's cap (default 1gbit)")
     chaos.add_argument("--arch", default="32:64")
     chaos.add_argument("--batch", type=positive_int, default=64)
-    chaos.add_argument("--epochs", type=positive_int, default=3,
-                       help="epochs per run: make the run last at least --minutes")
+    chaos.add_argument("--epochs", type=epochs_or_auto, default="auto",
+                       help="epochs per run, or auto (default): enough to outlast --minutes, "
+                       "measured by a one-epoch probe run")
     chaos.add_argument("--limit", type=positive_int, default=None, help="training images")
     chaos.add_argument("--test-limit", type=positive_int, default=None, help="test images")
     chaos.add_argument("--seed", type=int, default=1,
@@ -122,6 +123,11 @@ def add_parser(sub: Any) -> None:
         parser.add_argument("--markdown", metavar="FILE", default=None,
                             help="also write the result table, the command line, the date "
                             "and the machine to FILE as markdown (e.g. docs/figures/NAME.md)")
+
+
+def epochs_or_auto(text: str) -> str:
+    """``auto`` or a positive integer (kept as text)."""
+    return text if text == "auto" else str(positive_int(text))
 
 
 # --- the figure file --------------------------------------------------------------------
@@ -241,7 +247,8 @@ def run(args: argparse.Namespace) -> int:
         result = run_chaos_bench(
             minutes=args.minutes, interval_min_s=args.interval_min,
             interval_max_s=args.interval_max, faults=args.faults, lab=args.lab, rate=args.rate,
-            arch=args.arch, batch=args.batch, epochs=args.epochs, limit=args.limit,
+            arch=args.arch, batch=args.batch,
+            epochs=None if args.epochs == "auto" else int(args.epochs), limit=args.limit,
             test_limit=args.test_limit, seed=args.seed, checkpoint_every=args.checkpoint_every,
             split=args.split, recovery_window_s=args.recovery_window, work_dir=args.work_dir)
         table = result["table"]

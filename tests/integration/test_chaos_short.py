@@ -9,9 +9,15 @@ from pathlib import Path
 
 import pytest
 
+from hetconv.bench.chaos import (
+    LOOPBACK_FAULTS,
+    InjectedFault,
+    assess,
+    auto_epochs,
+    format_table,
+    plan_faults,
+)
 from tests.conftest import run_hetconv
-
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 # seed 2 draws sigkill, sigstop and restart at about 10, 17 and 27 s (plan_faults)
 CHAOS = ["bench", "chaos", "--minutes", "0.5", "--interval-min", "7", "--interval-max", "10",
@@ -20,6 +26,8 @@ CHAOS = ["bench", "chaos", "--minutes", "0.5", "--interval-min", "7", "--interva
 SLOW_WORKERS = "0.006"  # HETCONV_TEST_DELAY_PER_KERNEL_S: steps long enough to fault mid-run
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_every_fault_is_survived_and_the_accuracy_kept(tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
@@ -50,3 +58,53 @@ def _children_left(pid: int) -> list[int]:
 
     return [child.pid for child in psutil.Process(pid).children(recursive=True)
             if "hetconv" in " ".join(child.cmdline())]
+
+
+# --- the pure parts: no processes ---------------------------------------------------------
+def test_the_schedule_is_seeded_and_within_the_intervals() -> None:
+    planned = plan_faults(2, 10, 20, 40, LOOPBACK_FAULTS)
+    assert planned == plan_faults(2, 10, 20, 40, LOOPBACK_FAULTS)
+    assert planned != plan_faults(3, 10, 20, 40, LOOPBACK_FAULTS)
+    gaps = [b.at_s - a.at_s for a, b in zip([*planned[:1], *planned], planned)][1:]
+    assert all(20 <= gap <= 40 for gap in gaps) and 20 <= planned[0].at_s <= 40
+    assert planned[-1].at_s <= 600 and 600 / 40 - 1 <= len(planned) <= 600 / 20
+    assert {p.kind for p in planned} == set(LOOPBACK_FAULTS)
+
+
+def test_each_fault_gets_the_recoveries_of_its_window() -> None:
+    faults = [InjectedFault("sigkill", "w1", 10.0, 1010.0, ended=1015.0),
+              InjectedFault("sigstop", "w2", 20.0, 1020.0, ended=1030.0),
+              InjectedFault("restart", "w3", 45.0, 1045.0, ended=1045.0)]
+    records = [{"type": "recovery", "time": 1012.0, "failed_step": 50, "resumed_step": 40,
+                "seconds": 0.5},
+               {"type": "replan", "time": 1016.0, "reason": "join of w1"},
+               {"type": "recovery", "time": 1025.0, "failed_step": 90, "resumed_step": 88,
+                "seconds": 0.25},
+               {"type": "recovery", "time": 1090.0, "failed_step": 300, "resumed_step": 290,
+                "seconds": 1.0}]  # past the last fault's window: nobody's
+    first, second, third = assess(faults, records, True, 0.1, 30.0)
+    assert (first.effect, first.replayed_steps) == ("recovery", 10)
+    assert first.time_lost_s == pytest.approx(0.5 + 10 * 0.1)
+    assert first.rejoined_s == pytest.approx(1.0)
+    assert (second.recoveries, second.time_lost_s) == (1, pytest.approx(0.25 + 0.2))
+    assert second.rejoined_s is None
+    assert (third.effect, third.time_lost_s) == ("none needed", 0.0)
+    assert all(o.survived for o in (first, second, third))
+    assert not any(o.survived for o in assess(faults, records, False, 0.1, 30.0))
+
+
+def test_auto_epochs_outlast_the_minutes() -> None:
+    assert auto_epochs(10, 60.0) == 13  # 750 s of 60 s epochs
+    assert auto_epochs(0.5, 100.0) == 1
+
+
+def test_the_table_has_a_row_per_fault() -> None:
+    outcome = assess([InjectedFault("sigkill", "w1", 10.0, 1010.0)], [], True, 0.1, 30.0)[0]
+    result = {"mode": "loopback", "seed": 1, "epochs": 3, "minutes": 0.5, "completed": True,
+              "faults_planned": 2, "faults_injected": 1, "faults_survived": 1,
+              "fault_free_accuracy": 0.5, "chaos_accuracy": 0.5, "fault_free_wall_s": 10.0,
+              "chaos_wall_s": 12.0, "median_step_s": 0.05, "master_warm": None,
+              "master_last": None, "faults": [outcome.__dict__]}
+    lines = format_table(result)
+    assert sum(1 for line in lines if line.startswith("| 1 | 10.0 | sigkill | w1 |")) == 1
+    assert "difference 0.00 points" in "\n".join(lines)
