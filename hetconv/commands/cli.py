@@ -1,7 +1,8 @@
 """The ``hetconv`` command: the top-level parser and dispatch to one module per subcommand.
 
 Subcommands (each a module of this package with ``add_parser`` and ``run``):
-``train``, ``worker``, ``report``, ``calibrate``, ``keygen``, ``bench`` and ``plan``. Settings
+``train``, ``worker``, ``report``, ``calibrate``, ``keygen``, ``bench``, ``plan``,
+``evaluate``, ``predict`` and ``export``. Settings
 come from flags, then ``HETCONV_*`` environment variables, then defaults; every
 subcommand turns its flags into a typed configuration (``hetconv.config``) before
 anything else sees them. A :class:`UserError` (or a bad flag) prints one line,
@@ -16,13 +17,25 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 
 from hetconv import __version__
-from hetconv.commands import bench, calibrate, keygen, plan, report, train, worker
+from hetconv.commands import (
+    bench,
+    calibrate,
+    evaluate,
+    export,
+    keygen,
+    plan,
+    predict,
+    report,
+    train,
+    worker,
+)
 from hetconv.commands.options import Parser
 from hetconv.errors import UserError
 
 SUBCOMMANDS: dict[str, ModuleType] = {
     "train": train, "worker": worker, "report": report, "calibrate": calibrate,
-    "keygen": keygen, "bench": bench, "plan": plan,
+    "keygen": keygen, "bench": bench, "plan": plan, "evaluate": evaluate, "predict": predict,
+    "export": export,
 }
 
 

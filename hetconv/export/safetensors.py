@@ -1,0 +1,80 @@
+"""The trained weights as a safetensors file under PyTorch's names and layouts.
+
+Conv layer ``i`` becomes the ``torch.nn.Conv2d`` ``conv{i}`` (``weight`` (K, C, k, k);
+``bias`` (K,) only for a ``nobn`` layer, holding hetconv's ``beta``) and, with batch
+norm, the ``torch.nn.BatchNorm2d`` ``bn{i}`` (``weight`` = gamma, ``bias`` = beta,
+``running_mean``, ``running_var`` (K,), ``num_batches_tracked`` int64 scalar 0);
+hidden dense layer ``j`` is the ``torch.nn.Linear`` ``dense{j}`` and the classifier
+``fc`` (``weight`` (out, in), ``bias`` (out,)). Every float tensor is float32, C
+order. A module with those attributes loads the file with ``load_state_dict``
+(strict); docs/export.md has one, built from the header's metadata
+(:func:`hetconv.export.metadata.export_metadata`).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hetconv.checkpoint import write_atomically
+from hetconv.export import missing_extra
+from hetconv.export.metadata import export_metadata
+from hetconv.inference import Preprocessing
+from hetconv.model import ModelConfig, conv_layer_shapes, dense_shapes
+from hetconv.names import layer_key
+
+BATCH_NORM_PREFIX = "bn"
+BATCH_NORM_NAMES = {"gamma": "weight", "beta": "bias", "running_mean": "running_mean",
+                    "running_var": "running_var"}
+"""hetconv's batch-norm array -> ``torch.nn.BatchNorm2d``'s."""
+
+
+def batch_norm_key(layer: int, name: str) -> str:
+    """``bn{layer}.{name}``: a torch BatchNorm2d tensor of conv layer ``layer``."""
+    return f"{BATCH_NORM_PREFIX}{layer}.{name}"
+
+
+def torch_tensors(model: ModelConfig, params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """hetconv's arrays under the PyTorch names above, float32 and contiguous."""
+    def f32(name: str) -> np.ndarray:
+        return np.ascontiguousarray(params[name], dtype=np.float32)
+
+    out: dict[str, np.ndarray] = {}
+    for shape in conv_layer_shapes(model):
+        i = shape.index
+        out[layer_key(i, "weight")] = f32(layer_key(i, "weight"))
+        if shape.batch_norm:
+            for ours, theirs in BATCH_NORM_NAMES.items():
+                out[batch_norm_key(i, theirs)] = f32(layer_key(i, ours))
+            out[batch_norm_key(i, "num_batches_tracked")] = np.array(0, dtype=np.int64)
+        else:
+            out[layer_key(i, "bias")] = f32(layer_key(i, "beta"))
+    for prefix, _, _ in dense_shapes(model):
+        out[f"{prefix}.weight"] = f32(f"{prefix}.weight")
+        out[f"{prefix}.bias"] = f32(f"{prefix}.bias")
+    return out
+
+
+def require_safetensors() -> Any:
+    try:
+        import safetensors.numpy
+    except ImportError as error:
+        raise missing_extra("safetensors", error) from None
+    return safetensors.numpy
+
+
+def safetensors_bytes(model: ModelConfig, params: dict[str, np.ndarray], network: str,
+                      preprocessing: Preprocessing) -> bytes:
+    """The whole file: the tensors of :func:`torch_tensors` and the metadata."""
+    writer = require_safetensors()
+    data: bytes = writer.save(torch_tensors(model, params),
+                              metadata=export_metadata(model, network, preprocessing))
+    return data
+
+
+def write_safetensors(path: str | Path, model: ModelConfig, params: dict[str, np.ndarray],
+                      network: str, preprocessing: Preprocessing) -> int:
+    """Write the safetensors file atomically; returns its size in bytes."""
+    data = safetensors_bytes(model, params, network, preprocessing)
+    return write_atomically(Path(path), lambda handle: handle.write(data))
