@@ -5,8 +5,9 @@ A run's membership changes are spread over four record types (docs/metrics.md):
 ``replan`` (the split changed after a recovery or a join), ``rebalance`` (a re-split
 from measured times) and a ``run_start`` with ``resumed_from`` (``--resume``). This
 module turns them into one list of :class:`MembershipEvent`, in the order they were
-written (their ``time``), with the worker joins and losses they imply as events of
-their own:
+written (time order; a resumed run appends), with the worker joins and losses they
+imply as events of their own. The master writes a recovery's ``replan`` before its
+``recovery`` record; it is listed after it, drawn at the step the run went on from:
 
 * a **loss** is a ``recovery`` whose participant was gone (dead, cut off), at the
   failed step;
@@ -104,10 +105,16 @@ class _Builder:
         self.holders = holders
         self.events: list[MembershipEvent] = []
         self.checkpoints: list[CheckpointRecord] = []
-        self.after_recovery = False
+        self.held: tuple[dict[str, Any], float] | None = None  # a recovery's re-plan
 
     def take(self, record: dict[str, Any]) -> None:
         kind, time = record.get("type"), float(record.get("time") or 0.0)
+        if kind == "replan" and str(record.get("reason", "")).startswith(RECOVERY_PREFIX):
+            self.flush()
+            self.held = (record, time)  # written before its recovery record: listed after it
+            return
+        if kind != "recovery":
+            self.flush()
         if kind == "step":
             self.next_step = int(record["step"]) + 1
         elif kind == "checkpoint":
@@ -147,7 +154,14 @@ class _Builder:
             seconds=_opt_float(record.get("seconds")), failed_step=failed,
             resumed_step=resumed))
         self.next_step = resumed
-        self.after_recovery = True
+        self.flush()
+
+    def flush(self) -> None:
+        """List a held re-plan (its recovery has come, or will not)."""
+        if self.held is not None:
+            record, time = self.held
+            self.held = None
+            self._replan(record, time)
 
     def _replan(self, record: dict[str, Any], time: float) -> None:
         counts = record.get("counts") or []
@@ -164,12 +178,11 @@ class _Builder:
                                                    reason=f"joined before step {self.next_step}"))
         detail = reason
         left = sorted(had - has)
-        if left and (self.after_recovery or reason.startswith(RECOVERY_PREFIX)):
+        if left and reason.startswith(RECOVERY_PREFIX):
             detail += f" ({', '.join(left)} left the split)"
         self.events.append(MembershipEvent(REPLAN, time, self.next_step, reason=detail,
                                            split=split_text(counts)))
         self.holders = after
-        self.after_recovery = False
 
 
 def _opt_float(value: Any) -> float | None:
@@ -179,15 +192,15 @@ def _opt_float(value: Any) -> float | None:
 def membership_events(records: Sequence[dict[str, Any]],
                       warnings: list[str] | None = None
                       ) -> tuple[tuple[MembershipEvent, ...], tuple[CheckpointRecord, ...]]:
-    """The events (in record order, which is time order) and the checkpoints of a run's
+    """The events (in record order, which is time order, a recovery's re-plan after the
+    recovery) and the checkpoints of a run's
     raw records; a malformed record is skipped, with a line added to ``warnings``."""
     builder = _Builder(_initial_holders(records))
-    for number, record in enumerate(records, start=1):
+    for number, record in enumerate([*records, {"type": "end of file"}], start=1):
         try:
             builder.take(record)
         except (KeyError, TypeError, ValueError) as error:
             if warnings is not None and record.get("type") != "step":  # records.py tells
                 warnings.append(f"record {number} ({record.get('type')}) is malformed "
                                 f"({error!r}); skipped")
-    events = sorted(builder.events, key=lambda event: event.time)  # stable: file order on ties
-    return tuple(events), tuple(builder.checkpoints)
+    return tuple(builder.events), tuple(builder.checkpoints)

@@ -59,12 +59,13 @@ def faulty_run() -> list[dict[str, Any]]:
     records += [step(n, 0.100, 0.080, 0.010, 0.020, layers(*three)) for n in range(5)]
     records += [checkpoint(5, 1005.5)]
     records += [step(n, 0.100, 0.080, 0.010, 0.020, layers(*three)) for n in (5, 6)]
-    records += [{"type": "recovery", "time": 1008.0, "failed_step": 7, "resumed_step": 5,
-                 "participant": "w2", "gone": True, "reason": "w2 is gone (peer_lost)",
-                 "seconds": 0.25},
-                {"type": "replan", "time": 1008.1,
+    # the master writes a recovery's re-plan first (the stage re-plans inside recover())
+    records += [{"type": "replan", "time": 1008.0,
                  "reason": "recovery from: w2 is gone (peer_lost)",
-                 "counts": counts({"master": (2, 4), "w1": (2, 4), "w2": (0, 0)})}]
+                 "counts": counts({"master": (2, 4), "w1": (2, 4), "w2": (0, 0)})},
+                {"type": "recovery", "time": 1008.1, "failed_step": 7, "resumed_step": 5,
+                 "participant": "w2", "gone": True, "reason": "w2 is gone (peer_lost)",
+                 "seconds": 0.25}]
     replayed = [timed(step(n, 0.120, 0.090, 0.010, 0.020, layers("master", "w1")),
                       1008.2 + n) for n in (5, 6, 7)]
     replayed[0]["loss"] = 0.123  # the replayed record of step 5 is the one that counts
@@ -202,6 +203,15 @@ def test_a_malformed_recovery_record_is_a_warning_not_a_crash(tmp_path: Path) ->
     assert summary.resilience is not None
     assert RECOVERY not in [e.kind for e in summary.resilience.events]
     render_run(summary)
+
+
+def test_a_recovery_re_plan_without_its_recovery_record_is_still_listed(
+        tmp_path: Path) -> None:
+    records = faulty_run()
+    end = next(i for i, r in enumerate(records) if r["type"] == "replan") + 3
+    records = [r for r in records[:end] if r["type"] != "recovery"]
+    events = parse_run(write_run(tmp_path / "run", records)).events
+    assert [(e.kind, e.step) for e in events] == [(REPLAN, 7)]  # the next step at that point
 
 
 def test_a_resumed_run_in_progress_is_not_ended_by_the_killed_runs_run_end(
