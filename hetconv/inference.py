@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from hetconv.checkpoint import load_weights, save_json
+from hetconv.checkpoint import save_json
 from hetconv.data import Dataset, DatasetError, load_dataset
 from hetconv.errors import UserError
 from hetconv.model import (
@@ -171,7 +171,8 @@ def load_run(run_dir: str | Path) -> TrainedRun:
         raise UserError(f"{path}: no {WEIGHTS_FILE} (the run ends an epoch before it "
                         "writes one); train it to the end of an epoch first")
     try:
-        params = {k: np.asarray(v, dtype=np.float32) for k, v in load_weights(weights).items()}
+        with open(weights, "rb") as handle, np.load(handle, allow_pickle=False) as data:
+            params = {k: np.asarray(data[k], dtype=np.float32) for k in data.files}
     except Exception as error:  # zip/npy errors of a damaged file: one line, no traceback
         raise UserError(f"{weights}: unreadable ({type(error).__name__}: {error})") from None
     check_parameters(model, params, str(weights))
