@@ -38,9 +38,6 @@ from hetconv.names import (
     layer_key,
 )
 
-POOL_KINDS = ("max", "avg", "none")
-"""What follows a conv layer's ReLU: 2x2 max pool, 2x2 average pool, or nothing."""
-
 _CONV = re.compile(r"c(\d+)k(\d+)(?:p(\d+))?(?:s(\d+))?(nobn)?")
 _FC = re.compile(r"fc(\d+)")
 _DROP = re.compile(r"drop(\d*\.?\d+(?:e-?\d+)?)")
@@ -52,7 +49,8 @@ GRAMMAR = ("c<K>k<size>[p<pad>][s<stride>][nobn], pool, avgpool, fc<N>, drop<p> 
 @dataclass(frozen=True)
 class ConvSpec:
     """One conv layer: ``kernels`` of ``kernel_size`` x ``kernel_size``, zero ``padding``
-    pixels on each side, ``stride``; batch norm or not; then ``pool`` (POOL_KINDS).
+    pixels on each side, ``stride``; batch norm or not; then ``pool``
+    (``hetconv.ops.conv_layer.POOLS``: "max", "avg" or "none").
     ``token``/``pool_token`` name where it came from, for error lines."""
 
     kernels: int

@@ -1,0 +1,60 @@
+"""A network that is not the paper's (3x3 "same" convs, a conv without batch norm,
+max and average pooling, a hidden dense layer with dropout), trained over two real
+worker processes on loopback, reproduces the local run."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from hetconv.checkpoint import load_weights
+from tests.conftest import run_hetconv, step_losses
+
+pytestmark = [pytest.mark.integration]
+
+SPEC = "c8k3p1,c8k3p1nobn,pool,c16k3p1,avgpool,fc32,drop0.25"
+RUN = ["--data", "synthetic", "--limit", "3200", "--test-limit", "128", "--arch", SPEC,
+       "--epochs", "1", "--batch", "64", "--threads", "1", "--no-progress", "--seed", "3"]
+STEPS = 50  # 3200 images / batch 64
+
+
+def records(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.timeout(300)
+def test_a_spec_over_two_workers_reproduces_the_local_run(endpoint: str, workers: Any,
+                                                          tmp_path: Path) -> None:
+    local_dir, dist_dir = tmp_path / "local", tmp_path / "dist"
+    local = run_hetconv("train", "--local", *RUN, "--run-dir", str(local_dir))
+    assert local.returncode == 0, local.stderr
+    workers("w1", "w2")
+    result = run_hetconv("train", "--listen", endpoint, "--min-workers", "2", "--wait", "30",
+                         "--split", "equal", *RUN, "--run-dir", str(dist_dir))
+    assert result.returncode == 0, result.stderr
+    local_losses, dist_losses = step_losses(local_dir), step_losses(dist_dir)
+    assert len(local_losses) == len(dist_losses) == STEPS
+    np.testing.assert_allclose(dist_losses, local_losses, rtol=1e-4)
+    assert len(set(local_losses)) > 1 and local_losses[-1] < local_losses[0]
+
+    local_w, dist_w = load_weights(local_dir / "weights.npz"), load_weights(
+        dist_dir / "weights.npz")
+    assert sorted(local_w) == sorted(dist_w)
+    assert {"dense0.weight", "dense0.bias", "fc.weight", "conv2.weight"} <= set(local_w)
+    for name in local_w:
+        np.testing.assert_allclose(dist_w[name], local_w[name], rtol=1e-3, atol=1e-4,
+                                   err_msg=name)
+
+    run = records(dist_dir)
+    start = next(r for r in run if r["type"] == "run_start")
+    assert start["config"]["network"] == SPEC
+    assert [(layer["pool"], layer["batch_norm"]) for layer in start["layers"]] == [
+        ("none", True), ("max", False), ("avg", True)]
+    calibrations = [r for r in run if r["type"] == "calibration"]
+    assert len(calibrations) == 3
+    for calibration in calibrations:  # every conv layer is spread over the workers
+        held = {d["device"] for d in calibration["devices"] if d["kernels"] > 0}
+        assert {"w1", "w2"} <= held
