@@ -35,16 +35,20 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--test-limit", type=positive_int, default=None, metavar="N",
                    help="the first N test images (default: the run's own --test-limit, "
                    "else the whole test set)")
-    p.add_argument("--batch", type=positive_int, default=DEFAULT_BATCH,
-                   help=f"images per forward pass (default {DEFAULT_BATCH})")
+    p.add_argument("--batch", type=positive_int, default=None,
+                   help="images per forward pass (default: the run's --eval-batch, so the "
+                   "accuracy is the one training recorded)")
     p.add_argument("--device", default="cpu", help="cpu or gpu:N (default cpu)")
     p.add_argument("--no-html", action="store_true", help=f"do not write {EVALUATION_FILE}")
 
 
-def run_evaluate(run_dir: str, test_limit: int | None = None, batch: int = DEFAULT_BATCH,
+def run_evaluate(run_dir: str, test_limit: int | None = None, batch: int | None = None,
                  device: str = "cpu", html: bool = True,
                  out: Callable[[str], None] = print) -> int:
     run = load_run(run_dir)
+    if batch is None:
+        saved = run.config.get("eval_batch")
+        batch = saved if isinstance(saved, int) and saved > 0 else DEFAULT_BATCH
     data = load_run_data(run, test_limit)
     run_preprocessing(run, data)  # keep the normalisation for predict and export
     classifier = Classifier(run.model, run.params, device)
