@@ -48,6 +48,7 @@ REQUEST_DEADLINE_MIN_S = 5.0
 REQUEST_DEADLINE_FACTOR = 10.0
 FIRST_REQUEST_DEADLINE_S = 120.0
 EVICT_AFTER_FAULTS = 2
+REJOIN_BACKOFF_STEPS = 50
 """Faults in a row (no good step between) after which a live worker is evicted."""
 log = logging.getLogger("hetconv.master")
 
@@ -157,6 +158,9 @@ class DistributedConvStage:
         self.stop_on_worker_loss = False
         self.join: Callable[[DistributedConvStage], list[list[Shard]] | None] | None = None
         self.quarantined: set[str] = set()  # evicted for wrong results: not taken back
+        self.evictions: dict[str, int] = {}  # participant -> times evicted this run
+        self.evicted_at: dict[str, int] = {}  # participant -> good steps done then
+        self.steps_done = 0  # good steps so far (the clock of the rejoin back-off)
         self._known = {s.participant for row in shards for s in row}
         self._faults: dict[str, int] = {}  # participant -> faults since the last good step
         self._step_seconds: deque[float] = deque(maxlen=9)  # recent good steps, wall
@@ -362,6 +366,7 @@ class DistributedConvStage:
         if self._faults == {} and self._last_step_end is not None:
             self._step_seconds.append(now - self._last_step_end)
         self._last_step_end = now
+        self.steps_done += 1
         self._faults.clear()  # a step went through: faults so far were transient
         layers = [{"layer": layer, "devices": list(devices.values())}
                   for layer, devices in sorted(self._timings.items())]
@@ -445,6 +450,9 @@ class DistributedConvStage:
             evicted.add(culprit)
         if fault.evict and culprit is not None:
             self.quarantined.add(culprit)
+        for name in evicted:
+            self.evictions[name] = self.evictions.get(name, 0) + 1
+            self.evicted_at[name] = self.steps_done
         for name in sorted(evicted):
             worker = workers[name]
             if not worker.gone:  # alive but failing: tell it the run is over for it
@@ -462,13 +470,27 @@ class DistributedConvStage:
             self.close()
             log.warning("every worker is lost: training on alone")
             return local
-        counts = (self.replan(set(alive)) if self.replan is not None
+        own = {s.participant for s in self.shards[0] if s.worker is None}  # the master's
+        counts = (self.replan(set(alive) | own) if self.replan is not None
                   else survivors_counts(self.shards, set(evicted)))
         self._assign_from(reshard(self.shards, counts), state, "recovery")
         if self.on_replan is not None:
             self.on_replan([[s.kernels for s in row] for row in self.shards],
                            f"recovery from: {fault}")
         return self
+
+    def may_rejoin(self, participant: str) -> bool:
+        """Whether an evicted participant may be taken back now: at once after its first
+        eviction (a restart, a healed partition), then after REJOIN_BACKOFF_STEPS good
+        steps, doubling with every further eviction (a machine that keeps failing does
+        not cost a recovery every re-plan point)."""
+        if participant in self.quarantined:
+            return False
+        count = self.evictions.get(participant, 0)
+        if count <= 1:
+            return True
+        wait = REJOIN_BACKOFF_STEPS * (1 << (count - 2))
+        return self.steps_done - self.evicted_at.get(participant, 0) >= wait
 
     def replan_point(self, state: dict[str, np.ndarray]) -> ConvStage:
         """Right after a snapshot: take in the workers that joined since the last one

@@ -33,9 +33,9 @@ from hetconv.master.plan import (
 from hetconv.master.planner import ParticipantProfile, choose_plan
 from hetconv.master.rebalance import Rebalancer, measured_compute
 from hetconv.metrics import MetricsWriter
-from hetconv.partition import balanced_counts, equal_counts
 from hetconv.model import ConvLayerShape, ModelConfig, conv_layer_shapes
 from hetconv.names import PARAMETER_NAMES, layer_key
+from hetconv.partition import balanced_counts, equal_counts
 from hetconv.perf_model import LayerTraffic
 from hetconv.shard import ConvShard, LayerSettings
 from hetconv.stage import ConvStage, LocalConvStage
@@ -213,7 +213,7 @@ class JoinHandler:
         holding = {id(s.worker) for row in stage.shards for s in row if s.worker is not None}
         return [Participant(w.worker_id, w, w.device) for w in self.cluster.known_workers()
                 if not w.gone and id(w) not in holding
-                and w.worker_id not in stage.quarantined
+                and stage.may_rejoin(w.worker_id)
                 and (self.data_plane != "peer" or w.data_endpoint)]
 
     def __call__(self, stage: DistributedConvStage) -> list[list[Shard]] | None:

@@ -83,7 +83,10 @@ class WorkerDaemon:
                 if request is None:
                     return
                 self._replies.put(self.service.handle(request))
-                wake.send(b"", zmq.NOBLOCK)
+                try:
+                    wake.send(b"", zmq.NOBLOCK)
+                except zmq.ZMQError:  # the main loop is gone (stopping): nobody to wake
+                    return
         finally:
             wake.close()
 
