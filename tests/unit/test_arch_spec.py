@@ -291,3 +291,26 @@ def test_a_replayed_step_draws_the_same_dropout(make_trainer: Callable[..., Trai
     other = make_trainer("c3k3p1,avgpool,c4k3nobn,fc8,drop0.5", seed=2)
     assert [other.train_step(x, labels, step, 0.05)["loss"] for step in range(3)] != first
     assert first[2] < first[0]  # it learns
+
+
+def test_resume_keeps_the_run_s_network(tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                        ) -> None:
+    run_dir = tmp_path / "run"
+    spec = "c4k3p1,pool,fc8,drop0.5"
+    assert main(["train", "--local", "--data", "synthetic", "--limit", "64", "--test-limit",
+                 "16", "--batch", "32", "--epochs", "1", "--no-progress", "--arch", spec,
+                 "--run-dir", str(run_dir)]) == 0
+    saved = json.loads((run_dir / "config.json").read_text())
+    assert saved["network"] == spec and saved["arch"] == [4]
+    capsys.readouterr()
+    same = tmp_path / "same.toml"
+    same.write_text('layers = ["c4k3p1", "pool", "fc8", "drop0.5"]\n')
+    other = tmp_path / "other.json"
+    other.write_text('["c4k3p1", "pool", "fc9"]')
+    for extra, message in (([], "nothing left to do"), (["--arch", spec], "nothing left to do"),
+                           (["--model", str(same)], "nothing left to do"),
+                           (["--arch", "c4k3p1,avgpool,fc8,drop0.5"], "--arch c4k3p1,avgpool"),
+                           (["--arch", "4"], "differs from the run's c4k3p1,pool,fc8"),
+                           (["--model", str(other)], f"--model {other} differs")):
+        assert main(["train", "--resume", str(run_dir), "--no-progress", *extra]) == 2
+        assert message in capsys.readouterr().err, extra
