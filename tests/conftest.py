@@ -18,7 +18,8 @@ from hetconv.lab import LocalWorkers, free_port
 REPO = Path(__file__).resolve().parents[1]
 TORCH_SKIP_REASON = "could not import 'torch'"  # pytest.importorskip("torch")'s reason
 SMALL_RUN = ["--data", "synthetic", "--limit", "6400", "--test-limit", "256", "--arch", "4:8",
-             "--epochs", "1", "--batch", "64", "--threads", "1", "--no-progress", "--seed", "3"]
+             "--epochs", "1", "--batch", "64", "--threads", "1", "--no-progress", "--seed", "3",
+             "--wire-dtype", "float32"]  # exactness tests compare with a float32 wire
 
 
 def hetconv_command(*args: str) -> list[str]:

@@ -35,6 +35,7 @@ from hetconv.config import (
     PADDINGS,
     SCHEDULES,
     SPLIT_MODES,
+    WIRE_DTYPE_AUTO,
     WIRE_DTYPE_FLAGS,
     WIRE_DTYPES,
     DataConfig,
@@ -85,11 +86,12 @@ def add_parser(sub: Any) -> None:
                    "'equal' gives every participant the same share")
     p.add_argument("--device", default=env("DEVICE", "cpu"),
                    help="the master's own device: cpu or gpu:N (default cpu)")
-    p.add_argument("--wire-dtype", choices=WIRE_DTYPE_FLAGS, default=WIRE_DTYPES[0],
+    p.add_argument("--wire-dtype", choices=WIRE_DTYPE_FLAGS, default=WIRE_DTYPE_AUTO,
                    help="distributed: activations and gradients on the wire; float16 halves "
-                   "the traffic for slow links (computation stays float32); 'auto' lets "
-                   "the planner take float16 when it predicts a shorter step (with "
-                   "--split model)")
+                   "the traffic (computation stays float32; its effect on accuracy: "
+                   "docs/scale-out.md); 'auto' "
+                   "(default) lets the planner take float16 when it predicts a shorter "
+                   "step (with --split model; float32 otherwise)")
     p.add_argument("--data-plane", choices=DATA_PLANES, default=DATA_PLANES[0],
                    help="distributed: 'peer' (default) has the participants exchange every "
                    "layer's input and gradients among themselves, so the master's link "

@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.integration]
 
 RUN = ["--data", "synthetic", "--limit", "3200", "--test-limit", "128", "--arch", "4:8",
        "--epochs", "3", "--batch", "64", "--threads", "1", "--no-progress", "--seed", "5",
-       "--checkpoint-every", "10"]
+       "--checkpoint-every", "10", "--wire-dtype", "float32"]
 SLOW = {"HETCONV_TEST_DELAY_PER_KERNEL_S": "0.006"}
 
 

@@ -22,7 +22,8 @@ pytestmark = [pytest.mark.lab, pytest.mark.integration]
 REASON = netns_unavailable_reason()
 RUN = ["--data", "synthetic", "--limit", "3200", "--test-limit", "128", "--arch", "4:8",
        "--epochs", "4", "--batch", "64", "--threads", "1", "--no-progress", "--seed", "7",
-       "--checkpoint-every", "10", "--split", "equal", "--data-plane", "star"]
+       "--checkpoint-every", "10", "--wire-dtype", "float32", "--split", "equal",
+       "--data-plane", "star"]
 # LanHost namespaces reach the master's host, not each other: the star plane here (the
 # peer plane over a switched LAN is what `hetconv bench scale` and tests/lab/
 # test_bench_scale.py run)
