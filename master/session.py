@@ -125,7 +125,8 @@ def planner_inputs(cluster: Cluster, participants: list[Participant],
 
 def plan_with_links(participants: list[Participant], profiles: list[ParticipantProfile],
                     traffic: list[LayerTraffic], data_plane: str, metrics: MetricsWriter,
-                    report: Callable[[str], None] = print) -> list[list[Shard]]:
+                    report: Callable[[str], None] = print,
+                    wire_dtype: str = "float32") -> list[list[Shard]]:
     """Let the planner choose participants and kernels, print and record the plan and
     its prediction."""
     choice = choose_plan(profiles, traffic, data_plane)
@@ -137,7 +138,7 @@ def plan_with_links(participants: list[Participant], profiles: list[ParticipantP
            + (f"; not used: {', '.join(unused)}" if unused else ""))
     metrics.write("plan", chosen=list(choice.chosen), predicted_step_s=choice.predicted_step_s,
                   best_single=choice.best_single, best_single_step_s=choice.best_single_step_s,
-                  all_step_s=choice.all_step_s,
+                  all_step_s=choice.all_step_s, wire_dtype=wire_dtype,
                   links=[{"device": p.participant, "down_bytes_per_s": profile.link.down_bytes_per_s,
                           "up_bytes_per_s": profile.link.up_bytes_per_s,
                           "rtt_s": profile.link.rtt_s}
@@ -281,7 +282,7 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
                 traffic = layer_traffic(shapes, batch, chosen)
         if config.split == "model":  # link-aware: which participants, how many kernels
             plan = plan_with_links(participants, profiles, traffic, config.data_plane, metrics,
-                                   report)
+                                   report, config.wire_dtype)
         else:
             plan = split_layers(participants, shapes, calibration, config.split)
         for shape, cal, shards in zip(shapes, calibration, plan):

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +68,14 @@ from hetconv.master.planner import (
 from hetconv.master.report.analysis import median, used_steps
 from hetconv.master.report.records import METRICS_FILE, RunRecords
 from hetconv.metrics import iter_metrics
-from hetconv.model import ConvLayerShape, ModelConfig, conv_layer_shapes, dense_features
+from hetconv.model import (
+    ConvLayerShape,
+    ModelConfig,
+    conv_layer_shapes,
+    dense_features,
+    model_config,
+    parse_network,
+)
 from hetconv.perf_model import LayerTraffic, Link, ParticipantCost, compute_seconds, ideal_speedup
 
 MAX_MACHINES = 128
@@ -167,6 +174,19 @@ def read_plan_links(run_dir: str | Path) -> dict[str, Link]:
     return links
 
 
+def run_wire_dtype(run_dir: str | Path, config: dict[str, object]) -> str:
+    """The dtype the run's wire carried: its ``--wire-dtype``, or under ``auto`` the one
+    the planner chose (the ``plan`` record's ``wire_dtype``; float32 without one)."""
+    flag = str(config.get("wire_dtype") or "float32")
+    if flag in ("float32", "float16"):
+        return flag
+    chosen = "float32"
+    for record in iter_metrics(Path(run_dir) / METRICS_FILE):
+        if record["type"] == "plan" and record.get("wire_dtype") in ("float32", "float16"):
+            chosen = str(record["wire_dtype"])
+    return chosen
+
+
 def measured_run(records: RunRecords, links: dict[str, Link]) -> MeasuredRun:
     """The model's inputs from a parsed run directory; a :class:`UserError` when the run
     has no cost fits to start from (a local run, or one from before the fits)."""
@@ -190,11 +210,12 @@ def measured_run(records: RunRecords, links: dict[str, Link]) -> MeasuredRun:
     config = records.config
     try:
         channels, height, width = (int(d) for d in config["input_shape"])
-        model = ModelConfig(conv_kernels=tuple(int(k) for k in config["arch"]),
-                            input_shape=(channels, height, width),
-                            classes=int(config.get("classes", 10)),
-                            kernel_size=int(config.get("kernel_size", 5)),
-                            padding=int(config.get("padding", 0)))
+        kernel_size = int(config.get("kernel_size", 5))
+        padding = int(config.get("padding", 0))
+        text = str(config.get("network") or ":".join(str(int(k)) for k in config["arch"]))
+        model = model_config(parse_network(text, kernel_size, padding, where="network"),
+                             (channels, height, width), int(config.get("classes", 10)),
+                             kernel_size, padding)
         batch = int(config["batch"])
     except (KeyError, TypeError, ValueError) as error:
         raise UserError(f"{where}: config has no usable arch, input_shape or batch "
@@ -204,7 +225,7 @@ def measured_run(records: RunRecords, links: dict[str, Link]) -> MeasuredRun:
                         f"{':'.join(map(str, model.conv_kernels))}")
     steps = used_steps(records.steps)
     return MeasuredRun(run_dir=where, profiles=profiles, model=model, batch=batch,
-                       wire_itemsize=np.dtype(str(config.get("wire_dtype", "float32"))).itemsize,
+                       wire_itemsize=np.dtype(run_wire_dtype(where, config)).itemsize,
                        data_plane=str(config.get("data_plane") or "star"),
                        dense_s=median(s.dense_s for s in steps) or 0.0,
                        measured_step_s=median(s.step_s for s in steps), steps_used=len(steps),
@@ -251,9 +272,19 @@ def scaled_dense_s(run: MeasuredRun, arch: tuple[int, ...], batch: int) -> float
 
 
 def _model(run: MeasuredRun, arch: tuple[int, ...]) -> ModelConfig:
+    """The run's network with ``arch`` kernels per conv layer (a layer-token network
+    keeps its layers and takes the new kernel counts)."""
     m = run.model
+    if not m.convs:
+        return ModelConfig(conv_kernels=arch, input_shape=m.input_shape, classes=m.classes,
+                           kernel_size=m.kernel_size, padding=m.padding)
+    if len(arch) != len(m.convs):
+        raise UserError(f"--arch {':'.join(map(str, arch))}: the run's network has "
+                        f"{len(m.convs)} conv layers; give one kernel count per layer")
+    convs = tuple(replace(c, kernels=k) for c, k in zip(m.convs, arch))
     return ModelConfig(conv_kernels=arch, input_shape=m.input_shape, classes=m.classes,
-                       kernel_size=m.kernel_size, padding=m.padding)
+                       kernel_size=m.kernel_size, padding=m.padding, convs=convs,
+                       dense=m.dense)
 
 
 # --- the hypothetical cluster ---------------------------------------------------------------

@@ -22,7 +22,7 @@ from hetconv.commands.options import (
 from hetconv.commands.train import master_config
 from hetconv.config import DATASETS, PADDINGS, SPLIT_MODES, CalibrateConfig
 from hetconv.errors import UserError
-from hetconv.model import ModelConfig, conv_layer_shapes, parse_arch
+from hetconv.model import conv_layer_shapes, model_config, parse_network
 from hetconv.partition import predicted_affine_seconds
 
 INPUT_SHAPES = {"fashion-mnist": (1, 28, 28), "synthetic": (1, 28, 28), "cifar10": (3, 32, 32)}
@@ -74,8 +74,9 @@ def run_calibrate(config: CalibrateConfig, report: Callable[[str], None] = print
     from hetconv.master.session import open_cluster
 
     set_blas_threads(config.threads)
-    model = ModelConfig(conv_kernels=parse_arch(config.arch), input_shape=config.input_shape,
-                        kernel_size=config.kernel_size, padding=config.padding)
+    model = model_config(parse_network(config.arch, config.kernel_size, config.padding),
+                         config.input_shape, kernel_size=config.kernel_size,
+                         padding=config.padding)
     layers = conv_layer_shapes(model)
     cluster, participants = open_cluster(config.master, config.device, config.threads, report)
     try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from types import ModuleType
@@ -66,6 +67,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("hetconv: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (hetconv ... | head): not an error
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # no second error when Python flushes stdout
+        return 0
 
 
 if __name__ == "__main__":

@@ -398,6 +398,7 @@ def summarize(records: RunRecords) -> RunSummary:
         run_dir=records.run_dir, name=records.name, mode=records.mode,
         status=records.status or "in progress",
         arch=tuple(int(k) for k in config.get("arch") or layer_kernels.values()),
+        network=str(config.get("network") or ""),
         batch=config.get("batch"), steps_total=len(records.steps), steps_used=len(steps),
         epochs_planned=config.get("epochs"), devices=devices, split=split, layers=layers,
         conv_ideal_s=ideal_s, conv_slowest_s=slowest_s,

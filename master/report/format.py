@@ -59,7 +59,7 @@ class Table:
 
 
 def headline(summary: RunSummary) -> str:
-    arch = ":".join(str(k) for k in summary.arch) or "?"
+    arch = summary.network or ":".join(str(k) for k in summary.arch) or "?"
     epochs = f"{len(summary.epochs)}/{summary.epochs_planned or '?'} epochs"
     skipped = ", first skipped as warm-up" if summary.steps_used < summary.steps_total else ""
     return (f"{summary.mode} run, arch {arch}, batch {summary.batch or '?'}, "

@@ -141,3 +141,4 @@ class RunSummary:
     warnings: tuple[str, ...]
     resilience: Resilience | None = None
     checkpoint_every: int | None = None  # the run's --checkpoint-every (None: not recorded)
+    network: str = ""  # the run's network spec (--arch / --model), "" for older runs

@@ -227,3 +227,13 @@ def test_a_local_run_has_no_profiles(tmp_path: Path) -> None:
         {**STEP, "step": 0, "step_s": 0.03, "dense_s": 0.004}])
     with pytest.raises(UserError, match="no calibration records"):
         whatif.measured_run(parse_run(run_dir), whatif.read_plan_links(run_dir))
+
+
+def test_the_wire_dtype_of_an_auto_run_is_the_planners_choice(tmp_path: Path) -> None:
+    from hetconv.master.whatif import run_wire_dtype
+    (tmp_path / "metrics.jsonl").write_text(
+        '{"type":"plan","time":1,"wire_dtype":"float16"}\n', encoding="utf-8")
+    assert run_wire_dtype(tmp_path, {"wire_dtype": "auto"}) == "float16"
+    assert run_wire_dtype(tmp_path, {"wire_dtype": "float32"}) == "float32"
+    (tmp_path / "metrics.jsonl").write_text('{"type":"step","time":1}\n', encoding="utf-8")
+    assert run_wire_dtype(tmp_path, {"wire_dtype": "auto"}) == "float32"
