@@ -185,8 +185,8 @@ class Cluster:
         # is dropped undecoded.
         for _ in range(limits.MAX_MESSAGES_PER_POLL):
             try:
-                received = transport.recv_routed(
-                    self.sock, lambda identity: self.budget.admit(identity, now))
+                received = transport.recv_routed(self.sock, lambda identity: self.budget.admit(
+                    identity, now, identity in self.membership.workers))
             except ProtocolError as error:
                 actions += self._complaints(error.identity, now,
                                             self.membership.handle(BadMessage(error)))

@@ -3,7 +3,8 @@
 A listening socket's reader (the master's loop) asks :class:`SenderBudget` before it
 decodes a message, before it answers a bad one with an error reply and before it logs
 a warning about a peer. Each sender (ROUTER identity) gets
-``limits.MAX_MESSAGES_PER_SENDER`` decoded messages and
+``limits.MAX_MESSAGES_PER_SENDER`` decoded messages (``MAX_MESSAGES_PER_STRANGER``
+before it is a known worker) and
 ``limits.MAX_ERROR_REPLIES_PER_SENDER`` error replies and warnings per
 ``limits.SENDER_WINDOW_S``; what is over is dropped and counted, and the count is
 reported once in the next window that allows a warning. So a flooding or garbage-
@@ -35,10 +36,12 @@ class SenderBudget:
 
     def __init__(self, window_s: float = limits.SENDER_WINDOW_S,
                  max_messages: int = limits.MAX_MESSAGES_PER_SENDER,
-                 max_errors: int = limits.MAX_ERROR_REPLIES_PER_SENDER) -> None:
+                 max_errors: int = limits.MAX_ERROR_REPLIES_PER_SENDER,
+                 max_stranger_messages: int = limits.MAX_MESSAGES_PER_STRANGER) -> None:
         self.window_s = window_s
         self.max_messages = max_messages
         self.max_errors = max_errors
+        self.max_stranger_messages = max_stranger_messages
         self._windows: dict[bytes, _Window] = {}
 
     def _window(self, sender: bytes, now: float) -> _Window:
@@ -51,11 +54,12 @@ class SenderBudget:
             window.start, window.messages, window.errors = now, 0, 0
         return window
 
-    def admit(self, sender: bytes, now: float) -> bool:
-        """Whether to decode the next message of ``sender`` (False: drop it unread)."""
+    def admit(self, sender: bytes, now: float, known: bool = True) -> bool:
+        """Whether to decode the next message of ``sender`` (False: drop it unread);
+        ``known``: it is a worker that said Hello (else the stranger's budget holds)."""
         window = self._window(sender, now)
         window.messages += 1
-        if window.messages <= self.max_messages:
+        if window.messages <= (self.max_messages if known else self.max_stranger_messages):
             return True
         window.dropped += 1
         return False

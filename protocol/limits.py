@@ -89,6 +89,9 @@ MAX_MESSAGES_PER_SENDER = 2000
 """Messages one sender may have decoded per window; past it the rest of the window's
 messages from that sender are dropped undecoded (a worker sends a few per step and two
 heartbeats a second: a run at 100 steps/s with 8 layers sends under this many)."""
+MAX_MESSAGES_PER_STRANGER = 20
+"""The same for a sender that is not a known worker: it has a Hello to say, and little
+else; a flood from a stranger costs a read each and no decode."""
 MAX_ERROR_REPLIES_PER_SENDER = 1
 """Error replies (``ErrorReply``/``Refuse``) one sender gets per window, and warnings
 logged about it; more bad messages are counted and summed up in the next line."""

@@ -233,7 +233,7 @@ def recv_message(
         return None
     if not with_identity:
         return decode(frames)
-    identity = frames[0].bytes
+    identity = frames[0] if isinstance(frames[0], bytes) else frames[0].bytes
     try:
         return identity, decode(frames[1:])
     except ProtocolError as error:
@@ -241,30 +241,31 @@ def recv_message(
         raise
 
 
-def recv_frames(sock: zmq.Socket[bytes], *, routed: bool = False,
-                flags: int = 0) -> list[zmq.Frame] | None:
+def recv_frames(sock: zmq.Socket[bytes], *, routed: bool = False, flags: int = 0,
+                accept: Callable[[bytes], bool] | None = None
+                ) -> list[zmq.Frame | bytes] | None:
     """The frames of the next message (zero copy), or None if none came (``zmq.Again``).
 
-    Frames past what ``decode`` accepts (``MAX_FRAMES``, plus the identity frame when
-    ``routed``) are read and released one by one instead of being kept, and one frame
-    too many is kept, so that ``decode`` refuses the message: a message of a million
-    frames costs no more memory here than one of ``MAX_FRAMES + 1``.
+    ``routed``: the first frame is a ROUTER identity, returned as bytes; when
+    ``accept(identity)`` says no, the rest is read and released and only the identity
+    is returned. Frames past what ``decode`` accepts (``MAX_FRAMES``) are read and
+    released one by one instead of being kept, and one frame too many is kept, so that
+    ``decode`` refuses the message: a message of a million frames costs no more memory
+    here than one of ``MAX_FRAMES + 1``.
     """
     keep = limits.MAX_FRAMES + 1 + int(routed)
-    try:
-        frames = [sock.recv(flags, copy=False)]
+    try:  # a small identity is cheaper copied than wrapped in a zmq.Frame
+        frames: list[zmq.Frame | bytes] = [sock.recv(flags, copy=not routed)]
     except zmq.Again:
         return None
+    if accept is not None and not accept(frames[0].bytes if isinstance(frames[0], zmq.Frame)
+                                         else frames[0]):
+        keep = 1
     while sock.getsockopt(zmq.RCVMORE):  # the rest of a message is there already
         frame = sock.recv(copy=False)
         if len(frames) < keep:
             frames.append(frame)
     return frames
-
-
-def discard_message(sock: zmq.Socket[bytes]) -> bool:
-    """Read and drop the next message without decoding it; False if none was waiting."""
-    return recv_frames(sock, flags=zmq.NOBLOCK) is not None
 
 
 def user_id(frame: zmq.Frame) -> str:
@@ -297,15 +298,16 @@ def recv_routed(sock: zmq.Socket[bytes], accept: Callable[[bytes], bool] | None 
     """
     if sock.type != zmq.ROUTER:
         raise ValueError("recv_routed is for ROUTER sockets")
-    frames = recv_frames(sock, routed=True, flags=zmq.NOBLOCK)
+    frames = recv_frames(sock, routed=True, flags=zmq.NOBLOCK, accept=accept)
     if frames is None:
         return None
-    identity = frames[0].bytes
-    if accept is not None and not accept(identity):
-        return identity
+    identity = frames[0] if isinstance(frames[0], bytes) else frames[0].bytes
+    if len(frames) == 1 and accept is not None:
+        return identity  # not accepted (an identity alone is no message anyway)
     try:
         message = decode(frames[1:])
     except ProtocolError as error:
         error.identity = identity
         raise
-    return Routed(identity, user_id(frames[-1]) if len(frames) > 1 else "", message)
+    last = frames[-1]
+    return Routed(identity, user_id(last) if isinstance(last, zmq.Frame) else "", message)
