@@ -65,8 +65,10 @@ RESUME_FLAGS = {
     "arch": "--arch", "kernel_size": "--kernel-size", "padding": "--padding",
     "epochs": "--epochs", "batch": "--batch", "lr": "--lr", "momentum": "--momentum",
     "weight_decay": "--weight-decay", "schedule": "--schedule", "seed": "--seed",
-    "wire_dtype": "--wire-dtype", "image_size": "--image-size", "augment": "--augment"}
-"""config.json key -> the flag that sets it: what a resumed run must keep."""
+    "wire_dtype": "--wire-dtype", "image_size": "--image-size", "augment": "--augment",
+    "threads": "--threads", "device": "--device"}
+"""config.json key -> the flag that sets it: what a resumed run must keep (the threads
+and the device too: they change how sums are split, so the float rounding)."""
 _parser: argparse.ArgumentParser | None = None  # for the defaults, when resuming
 
 
