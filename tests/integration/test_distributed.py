@@ -148,8 +148,8 @@ def test_float16_on_the_wire_halves_traffic_and_still_trains(endpoint: str, work
     workers("w1", "w2")
     run_dir = tmp_path / "fp16"
     result = run_hetconv("train", "--listen", endpoint, "--min-workers", "2", "--wait", "30",
-                         "--wire-dtype", "float16", "--data-plane", "star",  # byte counts below
-                         *SMALL_RUN, "--run-dir", str(run_dir))
+                         *SMALL_RUN, "--wire-dtype", "float16",  # after SMALL_RUN's float32
+                         "--data-plane", "star", "--run-dir", str(run_dir))  # byte counts below
     assert result.returncode == 0, result.stderr
     local, half = step_losses(local_reference), step_losses(run_dir)
     np.testing.assert_allclose(half[:20], local[:20], rtol=2e-2)  # fp16 rounding, no more
