@@ -19,7 +19,7 @@ from typing import Any
 
 from hetconv.checkpoint import save_text
 from hetconv.commands.options import Parser, positive_int
-from hetconv.config import DATA_PLANES, SPLIT_MODES
+from hetconv.config import DATA_PLANES, DATASETS, SPLIT_MODES
 from hetconv.errors import UserError
 
 FLAGS: dict[str, tuple[tuple[str, str], ...]] = {
@@ -38,6 +38,11 @@ FLAGS: dict[str, tuple[tuple[str, str], ...]] = {
               ("--seed", "seed"), ("--checkpoint-every", "checkpoint_every"),
               ("--split", "split"), ("--recovery-window", "recovery_window"),
               ("--work-dir", "work_dir")),
+    "accuracy": (("--seeds", "seeds"), ("--arch", "arch"), ("--epochs", "epochs"),
+                 ("--batch", "batch"), ("--workers", "workers"), ("--data", "data"),
+                 ("--data-dir", "data_dir"), ("--limit", "limit"),
+                 ("--test-limit", "test_limit"), ("--train-flags", "train_flags"),
+                 ("--target", "target"), ("--work-dir", "work_dir")),
 }
 """Per benchmark, the options that shape its result, as (flag, argparse dest)."""
 
@@ -47,7 +52,7 @@ MAX_SIZE_MIB = 1024.0  # one array frame is at most 1 GiB (protocol.limits.MAX_F
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("bench", help="benchmarks (conv kernels against PyTorch, kernel splits, "
                        "protocol overhead)")
-    bench = p.add_subparsers(dest="bench", metavar="{conv,split,protocol,scale,chaos}", parser_class=Parser)
+    bench = p.add_subparsers(dest="bench", metavar="{conv,split,protocol,scale,chaos,accuracy}", parser_class=Parser)
     bench.required = True
     conv = bench.add_parser("conv", help="conv forward+backward against PyTorch's CPU conv2d")
     conv.add_argument("--repeats", type=positive_int, default=7)
@@ -119,7 +124,25 @@ def add_parser(sub: Any) -> None:
                        help="a recovery within this many seconds of a fault is its effect "
                        "(default 30)")
     chaos.add_argument("--work-dir", default=None, help="where the runs go (default a temp dir)")
-    for parser in (conv, proto, split, scale, chaos):
+    accuracy = bench.add_parser("accuracy", help="final test accuracy of real distributed "
+                                "trainings over local worker daemons, one per seed")
+    accuracy.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
+    accuracy.add_argument("--arch", default="32:64", help="network (as hetconv train --arch)")
+    accuracy.add_argument("--epochs", type=positive_int, default=3)
+    accuracy.add_argument("--batch", type=positive_int, default=128)
+    accuracy.add_argument("--workers", type=positive_int, default=2,
+                          help="local worker daemons (default 2)")
+    accuracy.add_argument("--data", choices=DATASETS, default=DATASETS[0])
+    accuracy.add_argument("--data-dir", default=None)
+    accuracy.add_argument("--limit", type=positive_int, default=None, help="training images")
+    accuracy.add_argument("--test-limit", type=positive_int, default=None, help="test images")
+    accuracy.add_argument("--train-flags", default=None, metavar="FLAGS",
+                          help="more hetconv train flags, quoted as one word "
+                          "(e.g. '--augment --lr 0.1')")
+    accuracy.add_argument("--target", type=float, default=None, metavar="PERCENT",
+                          help="the test accuracy every seed must reach (e.g. 90)")
+    accuracy.add_argument("--work-dir", default=None, help="where the runs go (default a temp dir)")
+    for parser in (conv, proto, split, scale, chaos, accuracy):
         parser.add_argument("--markdown", metavar="FILE", default=None,
                             help="also write the result table, the command line, the date "
                             "and the machine to FILE as markdown (e.g. docs/figures/NAME.md)")
@@ -140,6 +163,9 @@ def command_line(args: argparse.Namespace) -> str:
             continue
         if value is True:  # a switch
             words.append(flag)
+            continue
+        if dest == "train_flags":  # flags as a value: --train-flags='--augment'
+            words.append(f"{flag}={value}")
             continue
         if dest in ("machines", "data_plane"):  # one flag per value
             for configuration in value:
@@ -253,11 +279,29 @@ def run(args: argparse.Namespace) -> int:
             split=args.split, recovery_window_s=args.recovery_window, work_dir=args.work_dir)
         table = result["table"]
         failed = not result["completed"] or result["faults_survived"] < result["faults_injected"]
+    elif args.bench == "accuracy":
+        from hetconv.bench.accuracy import parse_seeds, run_accuracy_bench
+
+        if args.target is not None and not 0.0 <= args.target <= 100.0:
+            raise UserError("--target is a percentage within 0..100")
+        try:
+            train_flags = shlex.split(args.train_flags or "")
+        except ValueError as error:
+            raise UserError(f"--train-flags: {error}") from None
+        result = run_accuracy_bench(
+            parse_seeds(args.seeds), arch=args.arch, epochs=args.epochs, batch=args.batch,
+            workers=args.workers, data=args.data, data_dir=args.data_dir, limit=args.limit,
+            test_limit=args.test_limit, train_args=train_flags, target=args.target,
+            work_dir=args.work_dir)
+        table = result["table"]
+        failed = result["all_met"] is False
     else:
         raise UserError(f"unknown benchmark {args.bench!r}")
     if args.markdown:
         write_markdown(args.markdown, header + table)
         print(f"hetconv: wrote {args.markdown}")
+    if failed and args.bench == "accuracy":
+        raise UserError("not every seed reached --target: see the table above")
     if failed:
         raise UserError("the run with faults did not complete: see the table above and the "
                         "logs in the work directory")

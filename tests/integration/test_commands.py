@@ -1,4 +1,4 @@
-"""The user-facing commands other tests do not cover: calibrate and bench split."""
+"""The user-facing commands other tests do not cover: calibrate, bench split and bench accuracy."""
 from __future__ import annotations
 
 import re
@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from hetconv.lab import cpu_quota_unavailable_reason
-from tests.conftest import run_hetconv
+from tests.conftest import epoch_records, run_hetconv
 
 pytestmark = [pytest.mark.integration]
 
@@ -40,3 +40,34 @@ def test_bench_split_prints_the_comparison(tmp_path: Path) -> None:
         assert label in result.stdout
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == [
         "calibrated-0", "equal-0", "model-0", "one-0"]
+
+
+@pytest.mark.timeout(120)
+def test_bench_accuracy_trains_each_seed_and_checks_the_target(tmp_path: Path) -> None:
+    figures = tmp_path / "accuracy.md"
+    result = run_hetconv("bench", "accuracy", "--seeds", "4,5", "--data", "synthetic",
+                         "--limit", "256", "--test-limit", "128", "--arch", "4:8",
+                         "--epochs", "2", "--batch", "64", "--workers", "2",
+                         "--train-flags=--wire-dtype float32", "--target", "0",
+                         "--work-dir", str(tmp_path / "runs"), "--markdown", str(figures),
+                         timeout=110)
+    assert result.returncode == 0, result.stderr
+    assert "every seed reached the target of 0.00% test accuracy" in result.stdout
+    text = figures.read_text()
+    assert "'--train-flags=--wire-dtype float32'" in text  # the command line re-runs as is
+    rows = re.findall(r"^\| (\d) \| ([\d.]+) \| ([\d. /]+) \|", text, re.MULTILINE)
+    assert [row[0] for row in rows] == ["4", "5"]
+    for seed, final, per_epoch in rows:  # the table holds what each run recorded
+        run_dir = tmp_path / "runs" / f"seed-{seed}"
+        accuracies = [100 * r["test_accuracy"] for r in epoch_records(run_dir)]
+        assert len(accuracies) == 2
+        assert float(final) == pytest.approx(accuracies[-1], abs=0.006)
+        assert [float(a) for a in per_epoch.split(" / ")] == pytest.approx(accuracies, abs=0.006)
+    # an unreachable target fails the command with one line, after the table
+    missed = run_hetconv("bench", "accuracy", "--seeds", "4", "--data", "synthetic",
+                         "--limit", "128", "--test-limit", "64", "--arch", "4:8", "--epochs", "1",
+                         "--batch", "64", "--workers", "1", "--target", "100.0",
+                         "--work-dir", str(tmp_path / "missed"), timeout=110)
+    assert missed.returncode == 2
+    assert "NOT every seed reached" in missed.stdout
+    assert missed.stderr.strip().splitlines()[-1].startswith("hetconv: error: not every seed")
