@@ -146,6 +146,7 @@ class FaultOutcome:
     effect: str  # "recovery" (a snapshot restored) or "none needed"
     recoveries: int
     recovery_s: float  # the recoveries' own seconds
+    detected_s: float | None  # from the fault to the start of its first recovery
     replayed_steps: int
     time_lost_s: float  # recovery_s + replayed_steps * the fault-free median step
     rejoined_s: float | None  # from the fault's end to the re-plan that took the worker in
@@ -168,6 +169,11 @@ def assess(faults: Sequence[InjectedFault], records: Sequence[dict[str, Any]],
         mine = [r for r in recoveries if fault.time <= float(r["time"]) < until]
         seconds = sum(float(r.get("seconds") or 0.0) for r in mine)
         replayed = sum(max(0, int(r["failed_step"]) - int(r["resumed_step"])) for r in mine)
+        detected = None
+        if mine:  # a recovery record is written when it ends, after ``seconds`` of work
+            first = min(mine, key=lambda r: float(r["time"]))
+            detected = max(0.0, float(first["time"]) - float(first.get("seconds") or 0.0)
+                           - fault.time)
         rejoined = None
         if fault.ended is not None:
             back = next((r for r in joins if float(r["time"]) >= fault.ended
@@ -176,7 +182,7 @@ def assess(faults: Sequence[InjectedFault], records: Sequence[dict[str, Any]],
         outcomes.append(FaultOutcome(
             kind=fault.kind, worker=fault.worker, at_s=fault.at_s,
             effect="recovery" if mine else "none needed", recoveries=len(mine),
-            recovery_s=seconds, replayed_steps=replayed,
+            recovery_s=seconds, detected_s=detected, replayed_steps=replayed,
             time_lost_s=seconds + replayed * median_step_s, rejoined_s=rejoined,
             survived=completed))
     return outcomes
@@ -569,13 +575,14 @@ def format_table(result: dict[str, Any]) -> list[str]:
              f"{result['chaos_wall_s']:.0f} s; fault-free median step "
              f"{result['median_step_s'] * 1e3:.1f} ms",
              _resources_line(result), "",
-             "| # | at s | fault | worker | effect | recovery s | replayed steps | "
-             "time lost s | back after s | survived |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| # | at s | fault | worker | effect | detected after s | recovery s | "
+             "replayed steps | time lost s | back after s | survived |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for number, fault in enumerate(result["faults"], start=1):
         lines.append(
             f"| {number} | {fault['at_s']:.1f} | {fault['kind']} | {fault['worker']} | "
-            f"{fault['effect']} | {fault['recovery_s']:.2f} | {fault['replayed_steps']} | "
+            f"{fault['effect']} | {_opt(fault.get('detected_s'), digits=2)} | "
+            f"{fault['recovery_s']:.2f} | {fault['replayed_steps']} | "
             f"{fault['time_lost_s']:.2f} | {_opt(fault['rejoined_s'])} | "
             f"{'yes' if fault['survived'] else 'NO'} |")
     return lines

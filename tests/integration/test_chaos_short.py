@@ -86,9 +86,11 @@ def test_each_fault_gets_the_recoveries_of_its_window() -> None:
     assert (first.effect, first.replayed_steps) == ("recovery", 10)
     assert first.time_lost_s == pytest.approx(0.5 + 10 * 0.1)
     assert first.rejoined_s == pytest.approx(1.0)
+    assert first.detected_s == pytest.approx(1.5)  # written at 1012 after 0.5 s of recovery
+    assert second.detected_s == pytest.approx(4.75)
     assert (second.recoveries, second.time_lost_s) == (1, pytest.approx(0.25 + 0.2))
     assert second.rejoined_s is None
-    assert (third.effect, third.time_lost_s) == ("none needed", 0.0)
+    assert (third.effect, third.time_lost_s, third.detected_s) == ("none needed", 0.0, None)
     assert all(o.survived for o in (first, second, third))
     assert not any(o.survived for o in assess(faults, records, False, 0.1, 30.0))
 
