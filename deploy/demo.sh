@@ -26,7 +26,7 @@ done
 echo "== started worker daemons worker-a, worker-b (logs in $run_dir/)"
 # --no-local: the master trains the dense part only, so the two workers own the two cores.
 "$hetconv" train --listen "tcp://127.0.0.1:$port" --min-workers 2 --wait 60 --no-local \
-  --data fashion-mnist --arch 32:64 --epochs 3 --batch 128 --threads 1 \
+  --data fashion-mnist --arch 32:64 --epochs 4 --batch 128 --threads 1 \
   --run-dir "$run_dir" "$@"
 cleanup; pids=()
 echo "== workload-balance report"
