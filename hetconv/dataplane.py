@@ -32,6 +32,7 @@ import numpy as np
 from hetconv.config import MASTER_PARTICIPANT
 from hetconv.protocol import PeerPiece
 from hetconv.shard import ConvShard
+from hetconv.wire_cast import to_wire
 
 PHASE_INPUT = "input"
 PHASE_FORWARD = "forward"
@@ -533,7 +534,7 @@ class PeerParticipant:
             self.inbox.put_own(key, y)
         remote = [t for t in targets if t != self.participant]
         if remote:
-            wire = np.ascontiguousarray(y, dtype=self.wire_dtype)
+            wire = to_wire(y, self.wire_dtype)
             for start, stop in row_chunks(y.shape[0], self._rows(y.shape[0], wire[:1].nbytes)):
                 for target in remote:
                     self._send(target, key, own, wire[start:stop], start, y.shape[0], stats)
@@ -576,7 +577,7 @@ class PeerParticipant:
                     self.inbox.put_own(key, channels, sent_upto, batch)
                 else:
                     self._send(target.participant, key, target,
-                               np.ascontiguousarray(channels, dtype=self.wire_dtype),
+                               to_wire(channels, self.wire_dtype),
                                sent_upto, batch, stats)
             sent_upto = stop
 

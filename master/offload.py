@@ -42,6 +42,7 @@ from hetconv.protocol import (
 )
 from hetconv.shard import ConvShard, LayerSettings
 from hetconv.stage import ConvStage, StageFault
+from hetconv.wire_cast import to_wire
 
 AfterStep = Callable[[dict[str, Any]], None]
 REQUEST_DEADLINE_MIN_S = 5.0
@@ -286,7 +287,7 @@ class DistributedConvStage:
     # --- the ConvStage interface --------------------------------------------------------------
     def forward(self, layer: int, x: np.ndarray, train: bool, step: int) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)
-        wire_x = x.astype(self.wire_dtype, copy=False)
+        wire_x = to_wire(x, self.wire_dtype)
         shards = [s for s in self.shards[layer] if s.kernels > 0]
         requests = [(s, ForwardRequest(request_id=self.cluster.request_id(), step=step,
                                        layer=layer, attempt=0, train=train, x=wire_x))
@@ -318,8 +319,8 @@ class DistributedConvStage:
         shards = [s for s in self.shards[layer] if s.kernels > 0]
         requests = [(s, BackwardRequest(request_id=self.cluster.request_id(), step=step,
                                         layer=layer, attempt=0, learning_rate=learning_rate,
-                                        dy=np.ascontiguousarray(dy[:, s.start:s.stop],
-                                                                dtype=self.wire_dtype)))
+                                        dy=to_wire(dy[:, s.start:s.stop],
+                                                                   self.wire_dtype)))
                     for s in shards if s.worker is not None]
         local_shard = self.local_shards.get(layer)
         local: Callable[[], Any] | None = None

@@ -46,6 +46,7 @@ from hetconv.protocol import (
     limits,
 )
 from hetconv.shard import ConvShard
+from hetconv.wire_cast import to_wire
 
 log = logging.getLogger("hetconv.master")
 
@@ -128,7 +129,7 @@ class PeerConvStage(DistributedConvStage):
             self._batch = int(x.shape[0])
         pass_id = self._pass_id
         first = np.ascontiguousarray(x, dtype=np.float32) if layer == 0 else None
-        wire_x = None if first is None else first.astype(self.wire_dtype, copy=False)
+        wire_x = None if first is None else to_wire(first, self.wire_dtype)
         relay = self.plan.input_relay()  # layer 0's input goes once, to the relay
         requests = [(s, PeerForwardRequest(request_id=self.cluster.request_id(), pass_id=pass_id,
                                            step=step, layer=layer, attempt=0, train=train,
@@ -156,7 +157,7 @@ class PeerConvStage(DistributedConvStage):
         requests = [(s, PeerBackwardRequest(
             request_id=self.cluster.request_id(), pass_id=pass_id, step=step, layer=layer,
             attempt=0, learning_rate=learning_rate,
-            dy=np.ascontiguousarray(dy[:, s.start:s.stop], dtype=self.wire_dtype) if last
+            dy=to_wire(dy[:, s.start:s.stop], self.wire_dtype) if last
             else None)) for s in self.shards[layer] if s.worker is not None and s.kernels > 0]
         participant = self.participant
         local: Callable[[], Any] | None = None

@@ -53,6 +53,7 @@ from hetconv.protocol import (
     peer_error_message,
 )
 from hetconv.shard import ConvShard, LayerSettings
+from hetconv.wire_cast import to_wire
 
 log = logging.getLogger(__name__)
 
@@ -253,7 +254,7 @@ class WorkerService:
         compute_s = time.perf_counter() - start
         return ForwardReply(request_id=request.request_id, step=request.step,
                             layer=request.layer, attempt=request.attempt, compute_s=compute_s,
-                            y=np.ascontiguousarray(y, dtype=x.dtype))
+                            y=to_wire(y, x.dtype))
 
     def _backward(self, request: BackwardRequest) -> BackwardReply:
         shard = self._shard(request.layer)
@@ -270,7 +271,7 @@ class WorkerService:
         compute_s = time.perf_counter() - start
         return BackwardReply(request_id=request.request_id, step=request.step,
                              layer=request.layer, attempt=request.attempt, compute_s=compute_s,
-                             dx=None if dx is None else np.ascontiguousarray(dx, dtype=wire))
+                             dx=None if dx is None else to_wire(dx, wire))
 
     def _snapshot(self, request: SnapshotRequest) -> SnapshotReply:
         shard = self._shard(request.layer)
@@ -317,7 +318,7 @@ class WorkerService:
             request_id=request.request_id, step=request.step, layer=request.layer,
             attempt=request.attempt, compute_s=stats.compute_s, peer_wait_s=stats.wait_s,
             peer_bytes_sent=sent, peer_bytes_received=received,
-            y=None if y is None else np.ascontiguousarray(y, dtype=peer.wire_dtype))
+            y=None if y is None else to_wire(y, peer.wire_dtype))
 
     def _peer_backward(self, request: PeerBackwardRequest) -> PeerBackwardReply:
         peer = self._peer_participant()

@@ -81,9 +81,10 @@ def train_with_cut(lan: list[LanHost], tmp_path: Path, cut_s: float) -> tuple[Pa
 
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(REASON is not None, reason=f"cannot emulate a LAN here: {REASON}")
+@pytest.mark.parametrize("cut_s", [2.0, 4.0])  # the two short cuts
 def test_a_short_link_cut_costs_no_failover(lan: list[LanHost], tmp_path: Path,
-                                            reference: list[float]) -> None:
-    run_dir, _ = train_with_cut(lan, tmp_path, 3.0)
+                                            reference: list[float], cut_s: float) -> None:
+    run_dir, _ = train_with_cut(lan, tmp_path, cut_s)
     evictions = [r for r in records(run_dir) if r["type"] == "recovery" and r["gone"]]
     assert not evictions, evictions  # late, not lost: nobody was evicted
     np.testing.assert_allclose(final_losses(run_dir), reference, rtol=1e-4)
