@@ -18,11 +18,39 @@ SCHEMA_VERSION = 1
 log = logging.getLogger(__name__)
 
 
+def drop_cut_off_line(path: Path) -> None:
+    """Truncate ``path`` after its last newline when a killed writer left half a line."""
+    if not path.exists():
+        return
+    with open(path, "rb+") as file:
+        size = file.seek(0, os.SEEK_END)
+        if size == 0:
+            return
+        file.seek(size - 1)
+        if file.read(1) == b"\n":
+            return
+        keep, block = 0, 65536
+        position = size
+        while position > 0:  # find the last newline, reading backwards
+            start = max(0, position - block)
+            file.seek(start)
+            chunk = file.read(position - start)
+            newline = chunk.rfind(b"\n")
+            if newline >= 0:
+                keep = start + newline + 1
+                break
+            position = start
+        file.truncate(keep)
+        log.warning("%s: dropped a cut-off last line (%d bytes) before appending", path,
+                    size - keep)
+
+
 class MetricsWriter:
     """Append-only JSON-lines writer; every record gets ``type`` and ``time``."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        drop_cut_off_line(self.path)  # a killed writer's half line would swallow our first
         self._file = open(self.path, "a", encoding="utf-8")
 
     def write(self, record_type: str, **fields: Any) -> None:

@@ -28,7 +28,7 @@ METRICS_MD = ROOT / "docs" / "metrics.md"
 FIGURES = ROOT / "docs" / "figures"
 README = ROOT / "README.md"
 SOURCE_DIRS = ("hetconv", "master", "worker", "protocol")
-BENCHES = ("conv", "split", "protocol")
+BENCHES = ("conv", "split", "protocol", "scale", "chaos", "accuracy")
 
 Row = dict[str, str]
 

@@ -102,3 +102,19 @@ def test_shards_of_a_block_reproduce_the_whole_block() -> None:
     for name in whole.state:
         joined = np.concatenate([p.snapshot()[name] for p in parts])
         np.testing.assert_allclose(joined, whole.snapshot()[name], rtol=1e-4, atol=1e-6)
+
+
+def test_metrics_writer_drops_a_killed_writer_s_half_line(tmp_path: Path) -> None:
+    from hetconv.metrics import MetricsWriter, read_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"type":"step","step":0}\n{"type":"step","st')  # killed mid-line
+    with MetricsWriter(path) as writer:
+        writer.write("run_start", resumed_from=1)
+    lines = path.read_text().splitlines()
+    assert lines[0] == '{"type":"step","step":0}' and len(lines) == 2
+    assert [r["type"] for r in read_metrics(path)] == ["step", "run_start"]
+    path.write_text("")  # an empty file stays empty until the first record
+    with MetricsWriter(path) as writer:
+        writer.write("run_start")
+    assert len(path.read_text().splitlines()) == 1
