@@ -502,9 +502,12 @@ class DistributedConvStage:
         shards = self.join(self)
         if shards is None:
             return self
+        holding = {s.participant for row in self.shards for s in row if s.kernels > 0}
         self._assign_from(shards, state, "join")
-        if self.on_replan is not None:
-            joined = sorted({s.participant for row in shards for s in row} - self._known)
+        if self.on_replan is not None:  # the joined: new, or back (evicted: no kernels)
+            joined = sorted({s.participant for row in shards for s in row if s.kernels > 0}
+                            - holding) or sorted({s.participant for row in shards for s in row}
+                                                 - self._known)
             self.on_replan([[s.kernels for s in row] for row in self.shards],
                            "join of " + (", ".join(joined) or "a returning worker"))
         self._known = {s.participant for row in self.shards for s in row}

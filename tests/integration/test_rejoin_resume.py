@@ -70,6 +70,7 @@ def test_a_frozen_worker_is_evicted_then_rejoins(endpoint: str, workers: Any, tm
     assert lost and lost[0]["participant"] == "w2" and lost[0]["gone"], lost
     joins = [r for r in events if r["type"] == "replan" and "join" in r["reason"]]
     assert joins, "the worker never came back"
+    assert joins[0]["reason"] == "join of w2"  # named: bench chaos measures its way back
     back = next(r for r in events if r["type"] == "checkpoint" and r["time"] >= woke)
     assert joins[0]["time"] - woke < 5.0 + (back["time"] - woke)  # at the next re-plan point
     rejoined_at = max(r["step"] for r in events if r["type"] == "checkpoint"
