@@ -319,8 +319,7 @@ class DistributedConvStage:
         shards = [s for s in self.shards[layer] if s.kernels > 0]
         requests = [(s, BackwardRequest(request_id=self.cluster.request_id(), step=step,
                                         layer=layer, attempt=0, learning_rate=learning_rate,
-                                        dy=to_wire(dy[:, s.start:s.stop],
-                                                                   self.wire_dtype)))
+                                        dy=to_wire(dy[:, s.start:s.stop], self.wire_dtype)))
                     for s in shards if s.worker is not None]
         local_shard = self.local_shards.get(layer)
         local: Callable[[], Any] | None = None
