@@ -408,6 +408,10 @@ class DistributedConvStage:
         stays) and rebuild the master's own shards on its device."""
         state = self.snapshot()
         shards = reshard(self.shards, counts)
+        for shard in (s for row in shards for s in row if s.kernels > 0):
+            if shard.worker is not None and shard.worker.gone:  # never re-assign the gone
+                raise WorkerLost(f"worker {shard.participant} is gone; not re-splitting onto it",
+                                 shard.participant, gone=True)
         pending: dict[int, WorkerHandle] = {}
         for layer, (old_row, new_row) in enumerate(zip(self.shards, shards)):
             for old, new in zip(old_row, new_row):

@@ -111,6 +111,8 @@ class Rebalancer:
         self._last_change: int | None = None
         # (layer, profile index) -> kernels -> median measured seconds of a full window
         self._points: dict[tuple[int, int], dict[int, float]] = {}
+        # who may be given kernels: every profile until a fault evicts one (``restrict``)
+        self.active: frozenset[str] = frozenset(p.participant for p in calibrated)
 
     def observe(self, step: int, layers: Sequence[LayerMeasure]) -> RebalanceDecision | None:
         """Take one step's measurements; a decision (already adopted) or None."""
@@ -130,22 +132,22 @@ class Rebalancer:
         self._remember_points()
         self.profiles = tuple(self._corrected(index, scales) for index in range(len(scales[0])))
         old_s = predict(self.profiles, self.counts, self.traffic, self.data_plane)
-        plan = choose_plan(self.profiles, self.traffic, self.data_plane)
-        improved = plan.predicted_step_s < old_s * (1 - self.settings.threshold)
-        if plan.counts == self.counts or not improved:
+        counts, new_s = self._plan_over(self.active)
+        improved = new_s < old_s * (1 - self.settings.threshold)
+        if counts == self.counts or not improved:
             return None
         factors = ", ".join(
             f"{p.participant} x{statistics.median(values):.2f}"
             for i, p in enumerate(self.profiles)
             if (values := [s for row in scales if (s := row[i]) is not None]))
         reason = (f"measured / calibrated compute: {factors}; predicted step "
-                  f"{old_s * 1e3:.1f} -> {plan.predicted_step_s * 1e3:.1f} ms")
+                  f"{old_s * 1e3:.1f} -> {new_s * 1e3:.1f} ms")
         decision = RebalanceDecision(
-            step=step, counts=plan.counts, old_predicted_step_s=old_s,
-            new_predicted_step_s=plan.predicted_step_s, reason=reason,
+            step=step, counts=counts, old_predicted_step_s=old_s,
+            new_predicted_step_s=new_s, reason=reason,
             participants=tuple(p.participant for p in self.profiles),
             scales=tuple(tuple(1.0 if s is None else s for s in row) for row in scales))
-        self.counts = plan.counts
+        self.counts = counts
         self._window.clear()
         self._ignore = self.settings.warmup_steps
         self._last_change = step
@@ -158,32 +160,49 @@ class Rebalancer:
         self._window.clear()
         self._ignore = self.settings.warmup_steps
 
+    def restrict(self, alive: set[str] | frozenset[str]) -> None:
+        """Only the participants in ``alive`` may hold kernels from now on: the others
+        were evicted (a fault) and come back only through a join, which calls
+        :meth:`add_participant`. Re-splits never hand an evicted participant kernels."""
+        names = {p.participant for p in self.profiles}
+        unknown = set(alive) - names
+        if unknown:
+            raise ValueError(f"no profile for participant(s) {sorted(unknown)}")
+        self.active = frozenset(alive)
+
     def add_participant(self, profile: ParticipantProfile) -> None:
         """A participant that joined (or rejoined under its old id): its calibrated
         profile replaces the old one, or it is added at the end with 0 kernels."""
         names = [p.participant for p in self.calibrated]
         if profile.participant in names:
             index = names.index(profile.participant)
+            self.active = self.active | {profile.participant}
             self.calibrated = tuple(profile if i == index else p
                                     for i, p in enumerate(self.calibrated))
             self.profiles = tuple(profile if i == index else p
                                   for i, p in enumerate(self.profiles))
             self._points = {k: v for k, v in self._points.items() if k[1] != index}
             return
+        self.active = self.active | {profile.participant}
         self.calibrated += (profile,)
         self.profiles += (profile,)
         self.counts = tuple(row + (0,) for row in self.counts)
         self._window.clear()
 
-    def plan_for(self, alive: set[str]) -> Counts:
+    def plan_for(self, alive: set[str] | frozenset[str]) -> Counts:
         """The planner's counts over the participants in ``alive`` only (the others 0),
         from the current (measured-corrected) profiles."""
+        return self._plan_over(alive)[0]
+
+    def _plan_over(self, alive: set[str] | frozenset[str]) -> tuple[Counts, float]:
+        """(counts over every profile, 0 outside ``alive``; the plan's predicted step)."""
         chosen = [i for i, p in enumerate(self.profiles) if p.participant in alive]
         if not chosen:
             raise ValueError("no participant left to plan for")
         plan = choose_plan([self.profiles[i] for i in chosen], self.traffic, self.data_plane)
-        return tuple(tuple(row[chosen.index(i)] if i in chosen else 0
-                           for i in range(len(self.profiles))) for row in plan.counts)
+        counts = tuple(tuple(row[chosen.index(i)] if i in chosen else 0
+                             for i in range(len(self.profiles))) for row in plan.counts)
+        return counts, plan.predicted_step_s
 
     # --- the arithmetic ---------------------------------------------------------------
     def _ratios(self, layers: Sequence[LayerMeasure]) -> list[list[float | None]] | None:

@@ -243,6 +243,7 @@ class JoinHandler:
                     old = row[column]
                     row[column] = Shard(old.participant, joiner.worker, old.start, old.stop)
         alive = {s.participant for s in shards[0] if s.worker is None or not s.worker.gone}
+        self.rebalancer.restrict(alive)  # the joined in, the gone (still) out
         return reshard(shards, split_for(self.split, self.rebalancer, alive))
 
 
@@ -324,7 +325,11 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
         rebalancer = Rebalancer(profiles, traffic, [[s.kernels for s in row] for row in plan],
                                 config.data_plane)
         planner, mode = rebalancer, config.split
-        stage.replan = lambda alive: split_for(mode, planner, alive)
+
+        def replan(alive: set[str]) -> list[list[int]]:  # after a fault: only the survivors
+            planner.restrict(alive)
+            return split_for(mode, planner, alive)
+        stage.replan = replan
 
     def replanned(counts: list[list[int]], reason: str) -> None:
         if rebalancer is not None:
