@@ -66,8 +66,11 @@ that it is slower in training than calibrated. Unset or 0 in every real run."""
 
 TEST_CORRUPT_VARIABLE = "HETCONV_TEST_CORRUPT_FROM_STEP"
 """Test hook only (tests/integration/test_failover.py): from this training step on, the
-worker's forward outputs are NaN, as a machine with broken memory would send them.
-Unset in every real run."""
+worker's forward outputs are wrong, as a machine with broken memory would send them
+(how: :data:`TEST_CORRUPT_MODE_VARIABLE`). Unset in every real run."""
+TEST_CORRUPT_MODE_VARIABLE = "HETCONV_TEST_CORRUPT_MODE"
+"""Test hook only: how corrupted outputs are wrong: ``nan`` (default), ``scale`` (finite,
+y x 1000) or ``crop`` (one row and column short: the wrong H and W)."""
 
 
 class DelayedShard(ConvShard):
@@ -83,7 +86,14 @@ class DelayedShard(ConvShard):
         if train:
             time.sleep(self.delay_per_kernel_s * self.kernels)
         y = super().forward(x, train, rows_ready)
-        return y * np.float32("nan") if self.corrupt else y
+        if not self.corrupt:
+            return y
+        mode = os.environ.get(TEST_CORRUPT_MODE_VARIABLE, "nan")
+        if mode == "scale":
+            return y * np.float32(1000.0)
+        if mode == "crop":
+            return np.ascontiguousarray(y[:, :, :-1, :-1])
+        return y * np.float32("nan")
 
     def backward(self, dy: Any, need_dx: bool, learning_rate: float,
                  dx_rows: Callable[[Any, int, int], None] | None = None) -> Any:
