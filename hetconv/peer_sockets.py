@@ -7,12 +7,17 @@ encoded by the protocol codec (every array description checked on receipt). With
 CURVE the PULL is a CURVE server with ZAP domain enforcement (fails closed) whose
 authenticator admits exactly the keys the master handed out; each PUSH is a CURVE
 client that knows its peer's public key. These sockets are used by one thread
-only: the worker's compute thread, or the master's helper thread.
+only: the worker's compute thread, or the master's helper thread. Outside a run
+(before ``AssignPeers``, after ``EndRun``) nothing is expected on the data endpoint:
+the worker's compute thread calls :meth:`PeerSockets.drain` while idle, so that what
+strangers send there is released instead of piling up in libzmq's queue. Warnings
+about bad messages are rate-limited (``admission.WarningBudget``).
 """
 from __future__ import annotations
 
 import logging
 import socket
+import time
 from typing import Any, cast
 from urllib.parse import urlsplit
 
@@ -20,7 +25,7 @@ import zmq
 
 from hetconv.dataplane import PeerLost
 from hetconv.errors import UserError
-from hetconv.protocol import PeerPiece, ProtocolError, limits, transport
+from hetconv.protocol import PeerPiece, ProtocolError, admission, limits, transport
 
 log = logging.getLogger("hetconv.dataplane")
 
@@ -80,6 +85,7 @@ class PeerSockets:
         self.pushes: dict[str, zmq.Socket[Any]] = {}
         self.routes: dict[str, tuple[str, str]] = {}  # peer -> (endpoint, CURVE key)
         self.send_timeout_ms = limits.DEFAULT_SEND_TIMEOUT_MS
+        self.warnings = admission.WarningBudget()
         if curve is not None and authenticate:
             self._authenticator = transport.start_curve_authenticator(ctx, frozenset())
             self._authenticator.configure_curve_callback(domain=limits.ZAP_DOMAIN,
@@ -179,10 +185,42 @@ class PeerSockets:
         try:
             message = transport.recv_message(self.pull, 0)
         except ProtocolError as error:
-            log.warning("dropped an undecodable data-plane message: %s", error)
+            self._warn(f"dropped an undecodable data-plane message: {error}")
             return None
         if not isinstance(message, PeerPiece):
             if message is not None:
-                log.warning("dropped a %s on the data endpoint", message.TYPE)
+                self._warn(f"dropped a {message.TYPE} on the data endpoint")
             return None
         return message
+
+    # --- outside a run ---------------------------------------------------------------------
+    def drain(self, max_messages: int = limits.MAX_MESSAGES_PER_POLL) -> int:
+        """Read and release, undecoded, up to ``max_messages`` messages waiting on the
+        data endpoint (outside a run nothing should be there); how many there were."""
+        dropped = 0
+        while dropped < max_messages and self.pull.poll(0):
+            try:
+                frames = transport.recv_frames(self.pull, flags=zmq.NOBLOCK, max_total_bytes=0)
+            except ProtocolError:
+                frames = []  # over the limit of 0 bytes: every frame is released already
+            if frames is None:
+                break
+            dropped += 1
+        if dropped:
+            self._warn(f"dropped {dropped} message(s) that came to the data endpoint "
+                       "outside a run")
+        else:
+            self._summarize(time.monotonic())
+        return dropped
+
+    def _warn(self, text: str) -> None:
+        now = time.monotonic()
+        self._summarize(now)
+        if self.warnings.admit(now):
+            log.warning("%s", text)
+
+    def _summarize(self, now: float) -> None:
+        suppressed = self.warnings.take_suppressed(now)
+        if suppressed:
+            log.warning("%d more data-plane warning(s) not logged in the last %.0f s",
+                        suppressed, self.warnings.window_s)

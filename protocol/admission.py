@@ -9,7 +9,11 @@ before it is a known worker) and
 ``limits.SENDER_WINDOW_S``; what is over is dropped and counted, and the count is
 reported once in the next window that allows a warning. So a flooding or garbage-
 sending peer costs the reader a bounded amount of work and log lines per second,
-whatever it sends. Pure counting: the caller passes the time (monotonic seconds).
+whatever it sends. A sender that is not a known worker (a stranger) may also send
+only small messages (``MAX_STRANGER_MESSAGE_BYTES``, enforced by the transport while
+it reads). :class:`WarningBudget` is the same idea for one stream of warnings (a
+worker's about its master, a data endpoint's about its peers). Pure counting: the
+caller passes the time (monotonic seconds).
 """
 from __future__ import annotations
 
@@ -20,6 +24,15 @@ from . import limits
 MAX_TRACKED_SENDERS = 4096
 """Most senders with live counters; past it all counters restart (a flood of fresh
 identities cannot grow this table without bound)."""
+MAX_STRANGER_MESSAGE_BYTES = limits.MAX_HEADER_BYTES
+"""Most bytes (all frames) of one message from a sender that has not said Hello: what
+it may say (Hello, Heartbeat, Goodbye) is a header alone. A bigger one is dropped
+while it is read (``transport.recv_frames``), never decoded."""
+WARNING_WINDOW_S = 10.0
+"""The window of a :class:`WarningBudget`."""
+MAX_WARNINGS_PER_WINDOW = 3
+"""Warnings of one :class:`WarningBudget` logged per window; the rest are counted and
+summed up in one line once the window is over."""
 
 
 @dataclass
@@ -82,3 +95,36 @@ class SenderBudget:
         counts = window.dropped, window.suppressed
         window.dropped = window.suppressed = 0
         return counts
+
+
+class WarningBudget:
+    """At most ``max_lines`` warnings per window of ``window_s`` seconds; the rest are
+    counted. Call :meth:`take_suppressed` often (each tick, and before :meth:`admit`)
+    and log one summary line when it returns more than 0."""
+
+    def __init__(self, window_s: float = WARNING_WINDOW_S,
+                 max_lines: int = MAX_WARNINGS_PER_WINDOW) -> None:
+        self.window_s = window_s
+        self.max_lines = max_lines
+        self._start: float | None = None
+        self._lines = 0
+        self._suppressed = 0
+
+    def admit(self, now: float) -> bool:
+        """Whether to log the next warning now (False: it is counted instead)."""
+        if self._start is None or now - self._start >= self.window_s:
+            self._start, self._lines = now, 0
+        self._lines += 1
+        if self._lines <= self.max_lines:
+            return True
+        self._suppressed += 1
+        return False
+
+    def take_suppressed(self, now: float) -> int:
+        """Warnings not logged in a window that is over by ``now`` (then 0 again); 0
+        while the window that suppressed them is still open."""
+        if not self._suppressed or (self._start is not None
+                                    and now - self._start < self.window_s):
+            return 0
+        count, self._suppressed = self._suppressed, 0
+        return count

@@ -20,16 +20,16 @@ from __future__ import annotations
 
 import errno
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 from typing import Literal, overload
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from . import limits
+from . import admission, limits
 from .codec import decode, encode
-from .errors import ProtocolError
+from .errors import ERR_BAD_MESSAGE, ProtocolError
 from .messages import Message
 
 
@@ -199,26 +199,30 @@ def send_message(sock: zmq.Socket[bytes], msg: Message, identity: bytes | None =
 
 @overload
 def recv_message(
-    sock: zmq.Socket[bytes], timeout_s: float, with_identity: Literal[False] = False
+    sock: zmq.Socket[bytes], timeout_s: float, with_identity: Literal[False] = False, *,
+    max_total_bytes: int = limits.MAX_TOTAL_BYTES
 ) -> Message | None: ...
 
 
 @overload
 def recv_message(
-    sock: zmq.Socket[bytes], timeout_s: float, with_identity: Literal[True]
+    sock: zmq.Socket[bytes], timeout_s: float, with_identity: Literal[True], *,
+    max_total_bytes: int = limits.MAX_TOTAL_BYTES
 ) -> tuple[bytes, Message] | None: ...
 
 
 def recv_message(
-    sock: zmq.Socket[bytes], timeout_s: float, with_identity: bool = False
+    sock: zmq.Socket[bytes], timeout_s: float, with_identity: bool = False, *,
+    max_total_bytes: int = limits.MAX_TOTAL_BYTES
 ) -> Message | tuple[bytes, Message] | None:
     """Wait at most ``timeout_s`` for one message and decode it (zero copy).
 
     Returns the message, ``(identity, message)`` when ``with_identity`` (ROUTER),
     or None on timeout. The deadline is set as the socket's RCVTIMEO, which stays
-    set after the call. A message that fails to decode is consumed and raises
-    ``ProtocolError`` with ``.identity`` set (ROUTER), so the caller can answer with
-    an ``ErrorReply``; the socket stays usable.
+    set after the call. A message that fails to decode, or whose frames hold more than
+    ``max_total_bytes`` (counted while reading, see ``recv_frames``), is consumed and
+    raises ``ProtocolError`` with ``.identity`` set (ROUTER), so the caller can answer
+    with an ``ErrorReply``; the socket stays usable.
     """
     if not (math.isfinite(timeout_s) and 0 <= timeout_s <= limits.MAX_RECV_TIMEOUT_S):
         raise ValueError(
@@ -228,12 +232,12 @@ def recv_message(
         raise ValueError("with_identity=True is for ROUTER sockets, and ROUTER needs it")
     # RCVTIMEO bounds the wait inside libzmq: one C call, cheaper than a Poller.
     sock.setsockopt(zmq.RCVTIMEO, math.ceil(timeout_s * 1000))
-    frames = recv_frames(sock, routed=with_identity)
+    frames = recv_frames(sock, routed=with_identity, max_total_bytes=max_total_bytes)
     if frames is None:
         return None
     if not with_identity:
         return decode(frames)
-    identity = frames[0] if isinstance(frames[0], bytes) else frames[0].bytes
+    identity = _identity(frames[0])
     try:
         return identity, decode(frames[1:])
     except ProtocolError as error:
@@ -241,8 +245,14 @@ def recv_message(
         raise
 
 
+def _identity(frame: zmq.Frame | bytes) -> bytes:
+    return frame if isinstance(frame, bytes) else frame.bytes
+
+
 def recv_frames(sock: zmq.Socket[bytes], *, routed: bool = False, flags: int = 0,
-                accept: Callable[[bytes], bool] | None = None
+                accept: Callable[[bytes], bool] | None = None,
+                admitted: Container[bytes] | None = None,
+                max_total_bytes: int = limits.MAX_TOTAL_BYTES
                 ) -> list[zmq.Frame | bytes] | None:
     """The frames of the next message (zero copy), or None if none came (``zmq.Again``).
 
@@ -252,19 +262,49 @@ def recv_frames(sock: zmq.Socket[bytes], *, routed: bool = False, flags: int = 0
     released one by one instead of being kept, and one frame too many is kept, so that
     ``decode`` refuses the message: a message of a million frames costs no more memory
     here than one of ``MAX_FRAMES + 1``.
+
+    Bytes are bounded the same way, while reading: ``max_total_bytes`` is the most the
+    message's frames (a routing identity not counted) may hold, and on a ROUTER a
+    sender whose identity is not in ``admitted`` (a stranger: it has not said Hello)
+    gets ``admission.MAX_STRANGER_MESSAGE_BYTES`` instead (``admitted`` None: every
+    sender is admitted). Once the frames read pass the limit, those kept are released,
+    the rest are read and released, and ``ProtocolError`` (``identity`` set) is raised:
+    this reader never holds more than the limit. libzmq itself hands out no frame of a
+    message before its last frame has arrived, so the whole message was in memory, once
+    and briefly, before this runs (``limits.MAX_MSG_SIZE_BYTES`` bounds each frame
+    before it is buffered; only CURVE keeps a stranger from sending one at all).
     """
     keep = limits.MAX_FRAMES + 1 + int(routed)
     try:  # a small identity is cheaper copied than wrapped in a zmq.Frame
-        frames: list[zmq.Frame | bytes] = [sock.recv(flags, copy=not routed)]
+        first: zmq.Frame | bytes = sock.recv(flags, copy=routed)
     except zmq.Again:
         return None
-    if accept is not None and not accept(frames[0].bytes if isinstance(frames[0], zmq.Frame)
-                                         else frames[0]):
-        keep = 1
+    frames: list[zmq.Frame | bytes] = [first]
+    identity: bytes | None = None
+    limit = max_total_bytes
+    total = 0
+    if routed:
+        identity = _identity(first)
+        if accept is not None and not accept(identity):
+            keep = limit = 1  # dropped unread: nothing but the identity is kept
+        elif admitted is not None and identity not in admitted:
+            limit = min(limit, admission.MAX_STRANGER_MESSAGE_BYTES)
+    else:
+        total = len(first)
+        if total > limit:
+            frames.clear()
     while sock.getsockopt(zmq.RCVMORE):  # the rest of a message is there already
         frame = sock.recv(copy=False)
-        if len(frames) < keep:
+        total += len(frame)
+        if total > limit:
+            del frames[int(routed):]  # release what was kept; keep reading to the end
+        elif len(frames) < keep:
             frames.append(frame)
+    if total > limit and keep > 1:
+        whose = " for a sender that has not said Hello" if limit < max_total_bytes else ""
+        raise ProtocolError(ERR_BAD_MESSAGE, f"message of {total} bytes exceeds the limit "
+                            f"of {limit} bytes{whose}; dropped while reading",
+                            identity=identity)
     return frames
 
 
@@ -287,21 +327,25 @@ class Routed:
     message: Message
 
 
-def recv_routed(sock: zmq.Socket[bytes], accept: Callable[[bytes], bool] | None = None
-                ) -> Routed | bytes | None:
+def recv_routed(sock: zmq.Socket[bytes], accept: Callable[[bytes], bool] | None = None,
+                admitted: Container[bytes] | None = None) -> Routed | bytes | None:
     """Read one waiting message from a ROUTER without waiting.
 
     Returns None when nothing is waiting, the sender's identity (bytes) when
     ``accept(identity)`` said no (the message was dropped undecoded), else a
-    :class:`Routed`. A message that fails to decode raises ``ProtocolError`` with
-    ``.identity`` set; the socket stays usable.
+    :class:`Routed`. ``admitted``: the identities of peers that said Hello; any other
+    sender's message may hold at most ``admission.MAX_STRANGER_MESSAGE_BYTES`` (None:
+    every sender gets ``MAX_TOTAL_BYTES``), see ``recv_frames``. A message that fails
+    to decode or is over its limit raises ``ProtocolError`` with ``.identity`` set;
+    the socket stays usable.
     """
     if sock.type != zmq.ROUTER:
         raise ValueError("recv_routed is for ROUTER sockets")
-    frames = recv_frames(sock, routed=True, flags=zmq.NOBLOCK, accept=accept)
+    frames = recv_frames(sock, routed=True, flags=zmq.NOBLOCK, accept=accept,
+                         admitted=admitted)
     if frames is None:
         return None
-    identity = frames[0] if isinstance(frames[0], bytes) else frames[0].bytes
+    identity = _identity(frames[0])
     if len(frames) == 1 and accept is not None:
         return identity  # not accepted (an identity alone is no message anyway)
     try:

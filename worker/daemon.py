@@ -10,7 +10,9 @@ within a second or two. What to do when is decided by :class:`WorkerSession`
 (worker/session.py, no I/O); this module only polls, decodes, feeds it events
 and carries out its actions. It also binds the worker's data endpoint (the peer
 data plane, :mod:`hetconv.peer_sockets`), which only the compute thread uses after
-start-up, and announces it to the master after every Welcome.
+start-up, and announces it to the master after every Welcome; while the compute
+thread has nothing to do outside a run it drains that endpoint, so nothing a
+stranger sends there stays in memory.
 """
 from __future__ import annotations
 
@@ -31,6 +33,8 @@ from hetconv.config import WorkerConfig
 from hetconv.device_info import describe_device
 from hetconv.peer_sockets import PeerSockets, route_address
 from hetconv.protocol import (
+    ERR_INTERNAL,
+    ErrorReply,
     Goodbye,
     Heartbeat,
     Hello,
@@ -56,6 +60,9 @@ from hetconv.worker.session import (
 
 log = logging.getLogger("hetconv.worker")
 
+IDLE_DRAIN_INTERVAL_S = 0.5
+"""How often an idle compute thread drains the data endpoint outside a run."""
+
 
 class WorkerDaemon:
     """One worker process: a socket loop around a :class:`WorkerService`."""
@@ -79,7 +86,11 @@ class WorkerDaemon:
         wake.connect(wake_endpoint)
         try:
             while True:
-                request = self._requests.get()
+                try:
+                    request = self._requests.get(timeout=IDLE_DRAIN_INTERVAL_S)
+                except queue.Empty:
+                    self.service.drain_idle_data_plane()
+                    continue
                 if request is None:
                     return
                 self._replies.put(self.service.handle(request))
@@ -181,7 +192,8 @@ class WorkerDaemon:
         return None
 
     def _receive(self, sock: zmq.Socket[Any]) -> list[Event]:
-        """Every message waiting on ``sock``, decoded, as session events."""
+        """Every message waiting on ``sock``, decoded, as session events (a message
+        over ``MAX_TOTAL_BYTES`` is released while it is read: ``transport.recv_frames``)."""
         events: list[Event] = []
         for _ in range(limits.MAX_MESSAGES_PER_POLL):  # a flood cannot starve the loop
             if not sock.poll(0):
@@ -189,7 +201,7 @@ class WorkerDaemon:
             try:
                 message = transport.recv_message(sock, 0)
             except ProtocolError as error:
-                events.append(BadMessage(error))
+                events.append(BadMessage(error, time.monotonic()))
                 continue
             if message is None:
                 break
@@ -205,6 +217,12 @@ class WorkerDaemon:
             transport.send_message(sock, message)
         except transport.TransportError as error:
             log.debug("%s not sent: %s", type(message).__name__, error)
+        except ProtocolError as error:  # a reply the codec will not encode (too big)
+            log.warning("%s not sent: %s", type(message).__name__, error)
+            request_id = getattr(message, "request_id", None)
+            if isinstance(request_id, int) and not isinstance(message, ErrorReply):
+                self._send(sock, ErrorReply(request_id=request_id, code=ERR_INTERNAL,
+                                            message=f"{message.TYPE} not sent: {error}"))
         except zmq.ZMQError as error:
             log.warning("send failed: %s", error)
 

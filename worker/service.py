@@ -54,10 +54,14 @@ from hetconv.protocol import (
 )
 from hetconv.shard import ConvShard, LayerSettings
 from hetconv.wire_cast import to_wire
+from hetconv.worker.validation import (
+    ACTIVATION_DTYPES,
+    calibrate_refusal,
+    conv_size_refusal,
+)
 
 log = logging.getLogger(__name__)
 
-MAX_CALIBRATION_REPEATS = 20
 TEST_DELAY_VARIABLE = "HETCONV_TEST_DELAY_PER_KERNEL_S"
 """Test hook only (tests/integration/test_rebalance.py): seconds a worker sleeps per
 kernel of its shard in every training forward and backward, not in calibration, so
@@ -113,9 +117,6 @@ class RequestError(Exception):
         self.code = code
 
 
-ACTIVATION_DTYPES = tuple(np.dtype(name) for name in WIRE_DTYPE_CHOICES)  # hetconv.config
-
-
 def _check_wire_dtype(array: np.ndarray, name: str) -> None:
     if array.dtype not in ACTIVATION_DTYPES:
         raise RequestError(ERR_BAD_REQUEST, f"{name} must be float32 or float16, got {array.dtype}")
@@ -128,6 +129,8 @@ class DataPlane(Protocol):
              timeout_s: float) -> PiecePort: ...
 
     def reset(self) -> None: ...
+
+    def drain(self) -> int: ...
 
 
 class WorkerService:
@@ -206,11 +209,16 @@ class WorkerService:
             raise RequestError(ERR_UNKNOWN_LAYER, f"no shard assigned for layer {layer}")
         return shard
 
+    def drain_idle_data_plane(self) -> None:
+        """Outside a run (no AssignPeers in force), release what waits on the data
+        endpoint: nothing should, and a stranger's bytes must not stay in memory."""
+        if self.peer is None and self.data_plane is not None:
+            self.data_plane.drain()
+
     def _calibrate(self, request: CalibrateRequest) -> CalibrateReply:
-        if not 1 <= request.repeats <= MAX_CALIBRATION_REPEATS:
-            raise RequestError(ERR_BAD_REQUEST, f"repeats must be 1..{MAX_CALIBRATION_REPEATS}")
-        if request.pool not in POOLS:
-            raise RequestError(ERR_BAD_REQUEST, f"pool must be one of {POOLS}")
+        reason = calibrate_refusal(request)  # sizes bounded as a training step's
+        if reason is not None:
+            raise RequestError(ERR_BAD_REQUEST, reason)
         seconds = time_block(request.batch, request.in_channels, request.height, request.width,
                              request.kernels, request.kernel_size, padding=request.padding,
                              stride=request.stride, repeats=request.repeats,
@@ -243,6 +251,17 @@ class WorkerService:
         self.need_dx[request.layer] = request.need_dx
         return Ack(request_id=request.request_id)
 
+    @staticmethod
+    def _check_sizes(shard: ConvShard, x: np.ndarray) -> None:
+        """Refuse an input whose padded copy or output would not fit in a frame."""
+        settings = shard.settings
+        batch, channels, height, width = x.shape
+        reason = conv_size_refusal(batch, channels, height, width, shard.kernels,
+                                   shard.state["weight"].shape[2], settings.stride,
+                                   settings.padding, settings.pool, x.dtype.itemsize)
+        if reason is not None:
+            raise RequestError(ERR_BAD_REQUEST, f"layer {shard.layer}: {reason}")
+
     def _test_corruption(self, step: int) -> None:
         """The :data:`TEST_CORRUPT_VARIABLE` hook: corrupt from its step on."""
         if self.test_corrupt_from_step < 0:
@@ -259,6 +278,7 @@ class WorkerService:
         if x.ndim != 4 or x.shape[1] != shard.state["weight"].shape[1]:
             raise RequestError(ERR_BAD_REQUEST, f"layer {request.layer}: input of shape "
                                f"{tuple(x.shape)} does not match the shard's weights")
+        self._check_sizes(shard, x)
         start = time.perf_counter()
         y = shard.forward_host(x, request.train)  # host copies included, as in calibration
         compute_s = time.perf_counter() - start
@@ -275,6 +295,10 @@ class WorkerService:
         need_dx = self.need_dx.get(request.layer, True)
         start = time.perf_counter()
         _check_wire_dtype(request.dy, "dy")
+        if request.dy.ndim != 4 or request.dy.shape[1] != shard.kernels:
+            raise RequestError(ERR_BAD_REQUEST, f"layer {request.layer}: dy of shape "
+                               f"{tuple(request.dy.shape)} does not match the shard's "
+                               f"{shard.kernels} kernels")
         wire = request.dy.dtype  # answer in the dtype the master chose for the wire
         dx = shard.backward_host(request.dy, need_dx, request.learning_rate)
         self.last_step[request.layer] = request.step

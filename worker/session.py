@@ -11,6 +11,9 @@ never touches a socket or reads a clock: every event that needs the time carries
 it, so the tests drive it through hours of back-off in microseconds (the shape of
 dask/distributed's worker state machine). After every ``Welcome`` it announces the
 worker's data endpoint (``DataEndpoint``), where the peer data plane reaches it.
+Requests are checked (worker/validation.py) before they reach the compute thread: a
+nonsensical one is answered ``bad_request`` at once. Warnings about bad messages
+are rate-limited: a few per window, then one line counting the rest.
 """
 from __future__ import annotations
 
@@ -38,8 +41,10 @@ from hetconv.protocol import (
     ProtocolError,
     Refuse,
     Welcome,
+    admission,
     limits,
 )
+from hetconv.worker.validation import refusal
 
 WAITING_LOG_INTERVAL_S = 30.0
 """How often a worker without a master says that it is still trying."""
@@ -74,9 +79,11 @@ class MessageReceived:
 
 @dataclass(frozen=True)
 class BadMessage:
-    """A message from the master that did not decode."""
+    """A message from the master that did not decode (or was too big), at ``now``
+    (None: the time of the last event that carried one)."""
 
     error: ProtocolError
+    now: float | None = None
 
 
 @dataclass(frozen=True)
@@ -152,6 +159,8 @@ class WorkerSession:
         self._in_flight: deque[bool] = deque()
         self.flush_deadline: float | None = None  # set while stopping
         self.exited = False
+        self.warnings = admission.WarningBudget()  # bad messages and refused requests
+        self.clock = 0.0  # the latest time an event carried
 
     @property
     def busy(self) -> int:
@@ -162,13 +171,16 @@ class WorkerSession:
         """The actions ``event`` calls for; none once :class:`Exit` was returned."""
         if self.exited:
             return []
+        now = getattr(event, "now", None)
+        if now is not None:
+            self.clock = now
         match event:
             case Tick():
                 actions = self._tick(event.now, event.wall_time)
             case MessageReceived():
                 actions = self._received(event.message, event.now)
             case BadMessage():
-                actions = self._bad_message(event.error)
+                actions = self._bad_message(event.error, self.clock)
             case ReplyReady():
                 actions = self._reply_ready(event.reply)
             case StopRequested():
@@ -184,7 +196,7 @@ class WorkerSession:
                 return []
             return [Log(logging.WARNING, f"stopping without {self.busy} last replies"),
                     Exit(EXIT_OK)]
-        actions: list[Action] = []
+        actions: list[Action] = self._summary(now)
         if (self.in_session and self.busy == 0 and self.last_heard is not None
                 and now - self.last_heard > self.config.master_timeout_s):
             actions.append(Log(logging.WARNING, f"master silent for {now - self.last_heard:.0f}"
@@ -231,16 +243,46 @@ class WorkerSession:
             case LinkProbeRequest() if self.in_session:
                 return [Send(link_probe_reply(message))]
             case _ if self.in_session:
+                reason = refusal(message)
+                if reason is not None:
+                    return self._refuse(message, reason, now)
                 return [self._compute(message)]
             case _:
                 request_id = int(getattr(message, "request_id", NO_REQUEST_ID))
                 return [Send(ErrorReply(request_id=request_id, code=ERR_BAD_REQUEST,
                                         message="no session: say hello first"))]
 
-    def _bad_message(self, error: ProtocolError) -> list[Action]:
-        request_id = error.request_id if error.request_id is not None else NO_REQUEST_ID
-        return [Log(logging.WARNING, f"bad message from the master: {error}"),
-                Send(ErrorReply(request_id=request_id, code=error.code, message=str(error)))]
+    def _bad_message(self, error: ProtocolError, now: float) -> list[Action]:
+        """A warning and an error reply, both within the warning budget; a reply to a
+        request the master is waiting for (its id was read) goes out regardless."""
+        actions = self._summary(now)
+        logged = self.warnings.admit(now)
+        if logged:
+            actions.append(Log(logging.WARNING, f"bad message from the master: {error}"))
+        if logged or error.request_id is not None:
+            request_id = error.request_id if error.request_id is not None else NO_REQUEST_ID
+            actions.append(Send(ErrorReply(request_id=request_id, code=error.code,
+                                           message=str(error))))
+        return actions
+
+    def _refuse(self, request: Message, reason: str, now: float) -> list[Action]:
+        """Answer ``bad_request`` without computing (and warn, within the budget)."""
+        request_id = int(getattr(request, "request_id", NO_REQUEST_ID))
+        actions = self._summary(now)
+        if self.warnings.admit(now):
+            actions.append(Log(logging.WARNING, f"refused a request from the master: {reason}"))
+        actions.append(Send(ErrorReply(request_id=request_id, code=ERR_BAD_REQUEST,
+                                       message=reason)))
+        return actions
+
+    def _summary(self, now: float) -> list[Action]:
+        """One line counting the warnings held back in a window now over, if any."""
+        suppressed = self.warnings.take_suppressed(now)
+        if not suppressed:
+            return []
+        return [Log(logging.WARNING, f"{suppressed} more bad message(s) or refused request(s)"
+                    f" from the master not logged in the last "
+                    f"{self.warnings.window_s:.0f} s")]
 
     def _reply_ready(self, reply: Message) -> list[Action]:
         to_master = self._in_flight.popleft() if self._in_flight else True
