@@ -10,7 +10,8 @@ performs what it decides: it sends its messages, logs its lines and raises
 :meth:`Cluster.gather` waits for the replies to a set of requests under two
 deadlines: a worker silent for ``liveness_timeout_s`` and a request older than
 ``request_timeout_s``. Garbage and stale replies are answered or dropped and
-never disturb the run.
+never disturb the run; with CURVE, a message under a worker's routing id from another
+key is refused (``Membership`` binds each routing id to its key).
 """
 from __future__ import annotations
 
@@ -95,6 +96,16 @@ class Cluster:
             self.ctx.term()
             raise UserError(f"cannot listen on {endpoint}: {error.strerror}; use another "
                             "port or address (e.g. --listen tcp://*:5556)") from None
+        if curve is not None:
+            # With CURVE a routing id belongs to the first connection that holds it: with
+            # ROUTER_HANDOVER any allowed key could take over a live worker's routing id
+            # (libzmq hands the id to the newest connection before any message says
+            # whose key it is), receive its traffic and leave its connection mute until
+            # it is evicted. A duplicate connection now stays mute instead. The cost: a
+            # worker's own reconnect that arrives while this socket still holds its old
+            # connection is mute too (libzmq never reads its routing id again) until the
+            # worker opens another connection.
+            self.sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
         self.extra_sockets: list[zmq.Socket[Any]] = []  # polled too: they wake pump early
         self.budget = admission.SenderBudget()  # per-sender reads, error replies, warnings
 
@@ -188,8 +199,10 @@ class Cluster:
                 received = transport.recv_routed(self.sock, lambda identity: self.budget.admit(
                     identity, now, identity in self.membership.workers))
             except ProtocolError as error:
-                actions += self._complaints(error.identity, now,
-                                            self.membership.handle(BadMessage(error)))
+                # the connection's User-Id, where the transport read it (None: unknown)
+                user_id: str | None = getattr(error, "user_id", None)
+                actions += self._complaints(error.identity, now, self.membership.handle(
+                    BadMessage(error, user_id, now)))
                 continue
             if received is None:
                 break

@@ -16,6 +16,15 @@ Replies are matched by request id, by the worker the request went to, by type
 ``step``, ``layer`` and ``attempt`` they echo. A reply nobody waits for (stale,
 duplicate, from another worker) is dropped; a reply that answers the right request
 wrongly fails the run naming the worker.
+
+With CURVE, a routing id is bound to the key (the connection's ZAP User-Id) that first
+said Hello under it, for as long as the master runs: a message under that routing id
+from a connection with another allowed key is refused (dropped, never answered, never
+acted on: no forged reply, Goodbye or Hello can fail, evict or rebind the worker) and
+logged at most once per ``ClusterSettings.forgery_log_interval_s``. The worker itself,
+back with its own key, is welcome as before. (This guards the routing id while no live
+connection holds it; while one does, the cluster's socket keeps it, see
+:class:`hetconv.master.cluster.Cluster`.)
 """
 from __future__ import annotations
 
@@ -88,7 +97,7 @@ class WorkerHandle:
     data_endpoint: str = ""  # its peer data endpoint (DataEndpoint), "" until announced
     data_public_key: str = ""  # its CURVE public key for the data plane (z85), or ""
     curve_key: str = ""  # the CURVE key (ZAP User-Id) it said Hello with; "" without CURVE
-    forgeries: int = 0  # messages under its identity with another key, dropped
+    forgeries: int = 0  # messages under its identity with another key, refused
 
     @property
     def name(self) -> str:
@@ -103,6 +112,17 @@ class ClusterSettings:
     liveness_timeout_s: float = (limits.DEFAULT_HEARTBEAT_INTERVAL_S
                                  * limits.DEFAULT_HEARTBEAT_LIVENESS)
     request_timeout_s: float = limits.DEFAULT_REQUEST_TIMEOUT_S
+    forgery_log_interval_s: float = 60.0  # at most one warning per routing id this often
+
+
+@dataclass
+class KeyBinding:
+    """The CURVE key a routing id is bound to, and what was refused under it."""
+
+    key: str  # the ZAP User-Id (z85 public key) that first said Hello; "" without CURVE
+    refused: int = 0  # messages under this routing id from another key, dropped
+    unlogged: int = 0  # of those, not yet counted in a warning
+    logged_at: float = -math.inf  # monotonic seconds of the last warning
 
 
 @dataclass
@@ -168,9 +188,12 @@ class MessageReceived:
 @dataclass(frozen=True)
 class BadMessage:
     """A message that did not decode (``error.identity`` says from whom, if known);
-    a :class:`~hetconv.protocol.VersionMismatch` for another protocol version."""
+    a :class:`~hetconv.protocol.VersionMismatch` for another protocol version.
+    ``user_id``: the ZAP User-Id of its connection, None where unknown."""
 
     error: ProtocolError
+    user_id: str | None = None
+    now: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -276,6 +299,7 @@ class Membership:
         self.workers: dict[bytes, WorkerHandle] = {}
         self.members: list[WorkerHandle] = []
         self.requests: dict[int, Request] = {}
+        self.bindings: dict[bytes, KeyBinding] = {}  # routing id -> the key bound to it
         self._next_request_id = 1
         self._last_beat = -math.inf
 
@@ -326,12 +350,18 @@ class Membership:
         """The actions ``event`` calls for, in order."""
         match event:
             case MessageReceived():
-                forged = self._forged(event.identity, event.message, event.user_id)
-                if forged is not None:
-                    return forged
+                refused = self._refused(event.identity, event.message.TYPE, event.user_id,
+                                        event.now)
+                if refused is not None:
+                    return refused
                 return self._received(event.identity, event.message, event.now,
                                       event.user_id)
             case BadMessage():
+                identity, user_id = event.error.identity, event.user_id
+                if identity and user_id is not None:
+                    refused = self._refused(identity, "bad message", user_id, event.now)
+                    if refused is not None:
+                        return refused
                 return self._bad_message(event.error)
             case Tick():
                 return self._tick(event.now, event.wall_time)
@@ -344,23 +374,33 @@ class Membership:
                 return [Fail(event.worker,
                              f"worker {event.worker.name} is unreachable: {event.detail}")]
 
-    def _forged(self, identity: bytes, message: Message, user_id: str) -> list[Action] | None:
-        """None if ``message`` may be from ``identity``; else the actions for dropping it.
+    def _refused(self, identity: bytes, what: str, user_id: str,
+                 now: float) -> list[Action] | None:
+        """None if a message from ``user_id``'s connection may use routing id ``identity``;
+        else the actions for refusing it (a warning, at most one per
+        ``forgery_log_interval_s`` for this routing id; none when it is due later).
 
-        A CURVE key is bound to the identity of the worker that said Hello with it:
-        a message under a live worker's identity from a connection authenticated with
-        another key is a forgery (another allowed worker taking that routing id), and
-        dropped; the first one is logged."""
-        worker = self.workers.get(identity)
-        if worker is None or worker.gone or worker.curve_key == user_id:
+        A routing id is bound to the CURVE key that first said Hello under it
+        (:attr:`bindings`), even after that worker left: another allowed key using it
+        is a forgery (taking over a worker's routing id), and is dropped unanswered."""
+        binding = self.bindings.get(identity)
+        if binding is None or binding.key == user_id:
             return None
-        worker.forgeries += 1
-        if worker.forgeries > 1:
+        binding.refused += 1
+        worker = self.workers.get(identity)
+        if worker is not None:
+            worker.forgeries += 1
+        if now - binding.logged_at < self.settings.forgery_log_interval_s:
+            binding.unlogged += 1
             return []
-        return [Log(logging.WARNING,
-                    f"dropped a {message.TYPE} under the identity of worker {worker.name} "
-                    f"from a connection with another CURVE key ({user_id[:8] or 'none'}...); "
-                    "further ones are dropped silently")]
+        earlier, binding.unlogged, binding.logged_at = binding.unlogged, 0, now
+        name = worker.name if worker is not None else repr(identity)
+        text = (f"refused a {what} under the routing id of worker {name}: it came from "
+                f"another CURVE key ({user_id[:8] or 'none'}...) than the one bound to it "
+                f"({binding.key[:8] or 'none'}...)")
+        if earlier:
+            text += f"; {earlier} more refused since the last warning"
+        return [Log(logging.WARNING, text)]
 
     def _received(self, identity: bytes, message: Message, now: float,
                   user_id: str = "") -> list[Action]:
@@ -395,6 +435,7 @@ class Membership:
             return [Log(logging.WARNING, f"refused worker {hello.worker_id}: {reason}"),
                     Send(identity, Refuse(reason=reason, protocol_version=PROTOCOL_VERSION))]
         actions: list[Action] = []
+        self.bindings.setdefault(identity, KeyBinding(user_id))  # _refused checked the key
         known = self.workers.get(identity)
         if known is None or known.gone:
             worker = WorkerHandle(identity, hello.worker_id, dict(hello.device), now,
