@@ -36,6 +36,39 @@ def check_choice(flag: str, value: str, choices: tuple[str, ...]) -> str:
     return value
 
 
+ENDPOINT_SCHEMES = ("tcp", "ipc", "inproc")
+
+
+def check_endpoint(flag: str, endpoint: str, *, bind: bool) -> str:
+    """``endpoint`` if ZeroMQ can bind (``bind``) or connect to it, else one line.
+
+    tcp needs a host and a port in 1-65535 (binding also takes ``*`` for both: any
+    address, a free port); ipc and inproc need a name. Checked here, before any socket,
+    because libzmq takes some bad ports (``tcp://*:310730``) without a word.
+    """
+    example = "tcp://*:5555" if bind else "tcp://192.168.1.10:5555"
+    scheme, separator, address = endpoint.partition("://")
+    if not separator or scheme not in ENDPOINT_SCHEMES:
+        raise UserError(f"{flag} {endpoint!r}: expected an endpoint like {example} "
+                        f"(schemes: {', '.join(ENDPOINT_SCHEMES)})")
+    if not address:
+        raise UserError(f"{flag} {endpoint!r}: names no address; e.g. {example}")
+    if scheme != "tcp":
+        return endpoint
+    host, colon, port = address.rpartition(":")
+    if not colon or not host or host == "[]":
+        raise UserError(f"{flag} {endpoint!r}: expected tcp://HOST:PORT, e.g. {example}")
+    if host == "*" and not bind:
+        raise UserError(f"{flag} {endpoint!r}: name the host to connect to, e.g. {example}")
+    if port == "*" and bind:
+        return endpoint
+    if not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+        accepted = "1-65535, or * for any free port" if bind else "1-65535"
+        raise UserError(f"{flag} {endpoint!r}: port {port!r} is not a port number "
+                        f"({accepted})")
+    return endpoint
+
+
 @dataclass(frozen=True)
 class DataConfig:
     """Which dataset, where it lies, how much of it to use and how to vary it."""
@@ -71,6 +104,7 @@ class MasterConfig:
     on_worker_loss: str = ON_WORKER_LOSS[0]  # when the last worker is gone
 
     def __post_init__(self) -> None:
+        check_endpoint("--listen", self.listen, bind=True)
         check_choice("--split", self.split, SPLIT_MODES)
         check_choice("--on-worker-loss", self.on_worker_loss, ON_WORKER_LOSS)
         check_choice("--data-plane", self.data_plane, DATA_PLANES)
@@ -183,6 +217,4 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.data_port <= 65535:
             raise UserError(f"--data-port {self.data_port}: expected 0 (any) to 65535")
-        if not self.master.startswith(("tcp://", "ipc://", "inproc://")):
-            raise UserError(f"--master {self.master!r}: expected an endpoint like "
-                            "tcp://host:5555")
+        check_endpoint("--master", self.master, bind=False)

@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import signal
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -193,19 +194,26 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
 
 
 def prepare_run_dir(run_dir: str | None, overwrite: bool) -> Path:
-    """Create the run directory; refuse to mix a new run into an old one."""
+    """Create the run directory; refuse to mix a new run into an old one. A directory
+    that cannot be made or written is one line."""
     path = Path(run_dir) if run_dir else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     if path.exists() and not path.is_dir():
         raise UserError(f"--run-dir {path} exists and is not a directory")
-    if (path / "metrics.jsonl").exists():
-        if not overwrite:
-            raise UserError(f"--run-dir {path} already holds a run; choose another directory "
-                            "or pass --overwrite")
-        for name in ("metrics.jsonl", "weights.npz", "config.json", "report.html",
-                     CHECKPOINT_NAME):
-            if (path / name).exists():
-                (path / name).unlink()
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        if (path / "metrics.jsonl").exists():
+            if not overwrite:
+                raise UserError(f"--run-dir {path} already holds a run; choose another "
+                                "directory or pass --overwrite")
+            for name in ("metrics.jsonl", "weights.npz", "config.json", "report.html",
+                         CHECKPOINT_NAME):
+                if (path / name).exists():
+                    (path / name).unlink()
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):  # what the run will do: write files there
+            pass
+    except OSError as error:
+        raise UserError(f"--run-dir {path}: cannot create or write it: "
+                        f"{error.strerror or error}; choose another directory") from None
     return path
 
 

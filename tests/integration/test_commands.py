@@ -71,3 +71,61 @@ def test_bench_accuracy_trains_each_seed_and_checks_the_target(tmp_path: Path) -
     assert missed.returncode == 2
     assert "NOT every seed reached" in missed.stdout
     assert missed.stderr.strip().splitlines()[-1].startswith("hetconv: error: not every seed")
+
+
+# --- bad endpoints, run directories and key files: one line each, exit status 2 ----------------
+LOCAL_RUN = ["--data", "synthetic", "--limit", "64", "--test-limit", "64", "--arch", "2:2",
+             "--epochs", "1", "--batch", "32", "--no-progress"]
+
+
+def assert_one_line_error(result: Any, *expected: str) -> None:
+    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("hetconv: error:")]
+    assert len(errors) == 1 and result.stderr.strip() == errors[0], result.stderr
+    assert all(text in errors[0] for text in expected), errors[0]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("argv, expected", [
+    (["train", "--listen", "tcp://*:310730"], ["--listen", "port '310730'", "1-65535"]),
+    (["train", "--listen", "tcp://*:0"], ["--listen", "port '0'"]),
+    (["train", "--listen", "udp://*:5555"], ["--listen", "expected an endpoint like"]),
+    (["train", "--listen", "tcp://:5555"], ["--listen", "HOST:PORT"]),
+    (["calibrate", "--listen", "tcp://127.0.0.1:65536"], ["--listen", "port '65536'"]),
+    (["worker", "--master", "tcp://127.0.0.1:70000"], ["--master", "port '70000'", "1-65535"]),
+    (["worker", "--master", "tcp://127.0.0.1:*"], ["--master", "port '*'"]),
+    (["worker", "--master", "tcp://*:5555"], ["--master", "name the host"]),
+    (["worker", "--master", "ipc://"], ["--master", "names no address"]),
+])
+def test_a_bad_endpoint_is_one_line(argv: list[str], expected: list[str],
+                                    tmp_path: Path) -> None:
+    extra = [*LOCAL_RUN, "--run-dir", str(tmp_path / "r"), "--wait", "1"] \
+        if argv[0] == "train" else []
+    result = run_hetconv(*argv, *extra, timeout=60)
+    assert_one_line_error(result, *expected)
+    assert not (tmp_path / "r").exists()  # refused before anything was made
+
+
+@pytest.mark.timeout(120)
+def test_a_run_dir_that_cannot_be_made_is_one_line(tmp_path: Path) -> None:
+    regular_file = tmp_path / "file"
+    regular_file.write_text("not a directory")
+    for run_dir, reason in ((Path("/proc/hetconv-run"), "No such file or directory"),
+                            (regular_file / "run", "Not a directory")):
+        result = run_hetconv("train", "--local", *LOCAL_RUN, "--run-dir", str(run_dir),
+                             timeout=60)
+        assert_one_line_error(result, f"--run-dir {run_dir}: cannot create or write it",
+                              reason)
+
+
+@pytest.mark.timeout(60)
+def test_a_garbage_allowed_key_file_is_one_line_naming_it(endpoint: str, tmp_path: Path) -> None:
+    keys, allowed = tmp_path / "keys", tmp_path / "allowed"
+    assert run_hetconv("keygen", "--dir", str(keys), "--name", "master").returncode == 0
+    allowed.mkdir()
+    (allowed / "garbage.key").write_bytes(b"\x00\xffnot a certificate\n")
+    result = run_hetconv("train", "--listen", endpoint, *LOCAL_RUN, "--run-dir",
+                         str(tmp_path / "r"), "--curve-secret", str(keys / "master.key_secret"),
+                         "--curve-allow", str(allowed), timeout=50)
+    assert_one_line_error(result, str(allowed / "garbage.key"), "not a public key file")
