@@ -40,6 +40,7 @@ from hetconv.worker.session import (
     WorkerSession,
 )
 from hetconv.worker.validation import (
+    FINITE_CHUNK,
     MAX_CALIBRATION_REPEATS,
     all_finite,
     conv_size_refusal,
@@ -221,11 +222,12 @@ def test_conv_sizes_follow_the_wire_dtype() -> None:
                              itemsize=2) is None
 
 
-def test_all_finite_needs_no_temporary_and_cannot_overflow() -> None:
-    big = np.full(1 << 16, np.finfo(np.float16).max, np.float16)
+def test_all_finite_in_chunks() -> None:
+    big = np.full((3, FINITE_CHUNK), np.finfo(np.float16).max, np.float16)
     assert all_finite(big) and all_finite(np.zeros(0, np.float32))
-    mixed = np.array([np.inf, -np.inf], np.float32)  # sums to NaN: still caught
-    assert not all_finite(mixed) and not all_finite(np.array([np.nan], np.float16))
+    big[2, -1] = np.inf  # in the last chunk
+    assert not all_finite(big) and not all_finite(np.array([np.nan], np.float32))
+    assert all_finite(np.ones((4, 4), np.float32)[:, ::2])  # not contiguous: still right
 
 
 # --- the session answers bad_request without computing -------------------------------------
