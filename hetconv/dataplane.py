@@ -69,8 +69,13 @@ class PeerPlan:
     """Every layer's kernel ranges, one per participant in kernel order, and the routes
     that follow from them. ``layers[l]`` lists ranges that tile [0, K_l)."""
 
-    def __init__(self, layers: Sequence[Sequence[KernelRange]]):
+    def __init__(self, layers: Sequence[Sequence[KernelRange]],
+                 input_sizes: Sequence[tuple[int, int]] = ()):
         self.layers = [list(ranges) for ranges in layers]
+        # (H, W) of every layer's input, when known: a piece of another size is bad data
+        self.input_sizes = [tuple(size) for size in input_sizes]
+        if self.input_sizes and len(self.input_sizes) != len(self.layers):
+            raise ValueError("plan: input sizes must give one (H, W) per layer")
         for index, ranges in enumerate(self.layers):
             position = 0
             for kernel_range in ranges:
@@ -83,8 +88,18 @@ class PeerPlan:
     # --- wire form (AssignPeers.plan) --------------------------------------------------
     @classmethod
     def from_wire(cls, plan: list[Any]) -> PeerPlan:
-        """From ``[[[participant, start, stop], ...] per layer]``; ValueError if malformed."""
+        """From ``[[[participant, start, stop], ...] per layer]``, optionally followed by
+        ``{"input_sizes": [[H, W], ...]}``; ValueError if malformed."""
         layers: list[list[KernelRange]] = []
+        sizes: list[tuple[int, int]] = []
+        if plan and isinstance(plan[-1], dict):
+            extra, plan = plan[-1], plan[:-1]
+            raw = extra.get("input_sizes", [])
+            if not (isinstance(raw, list) and all(
+                    isinstance(hw, list) and len(hw) == 2
+                    and all(type(v) is int and 0 < v <= 1 << 16 for v in hw) for hw in raw)):
+                raise ValueError("plan: input_sizes must be [[H, W], ...] of positive ints")
+            sizes = [(hw[0], hw[1]) for hw in raw]
         for ranges in plan:
             if not isinstance(ranges, list):
                 raise ValueError("plan: every layer must be a list of ranges")
@@ -95,10 +110,18 @@ class PeerPlan:
                     raise ValueError("plan: a range must be [participant, start, stop]")
                 layer.append(KernelRange(item[0], item[1], item[2]))
             layers.append(layer)
-        return cls(layers)
+        return cls(layers, sizes)
 
     def to_wire(self) -> list[Any]:
-        return [[[r.participant, r.start, r.stop] for r in ranges] for ranges in self.layers]
+        ranges: list[Any] = [[[r.participant, r.start, r.stop] for r in layer]
+                             for layer in self.layers]
+        if self.input_sizes:
+            ranges.append({"input_sizes": [list(size) for size in self.input_sizes]})
+        return ranges
+
+    def input_size(self, layer: int) -> tuple[int, ...] | None:
+        """(H, W) of ``layer``'s input, if known (None past the last layer)."""
+        return self.input_sizes[layer] if 0 <= layer < len(self.input_sizes) else None
 
     # --- queries -------------------------------------------------------------------------
     @property
@@ -312,9 +335,11 @@ class RowGather:
     buffers are made when the first piece shows the batch size and the shape.
     """
 
-    def __init__(self, sources: Sequence[KernelRange], concat: bool):
+    def __init__(self, sources: Sequence[KernelRange], concat: bool,
+                 spatial: tuple[int, ...] | None = None):
         self.sources = list(sources)
         self.concat = concat
+        self.spatial = spatial  # (H, W) every piece must have, when known
         self.buffers: dict[str, np.ndarray] = {}
         self.buffer: np.ndarray | None = None  # the concatenated array (concat only)
         self.rows: dict[str, list[tuple[int, int]]] = {r.participant: [] for r in sources}
@@ -340,6 +365,21 @@ class RowGather:
             for r in self.sources:
                 self.buffers[r.participant] = np.empty((size, piece.data.shape[1]) + rest,
                                                        np.float32)
+
+    def misfit(self, sender: str, piece: PeerPiece) -> str | None:
+        """Why a source's ``piece`` cannot be right (bad data: its sender computed the
+        wrong shape), or None. Only what is known before any piece came is checked."""
+        if sender not in self.rows:
+            return None
+        shape = tuple(piece.data.shape)
+        if self.spatial is not None and shape[2:] != tuple(self.spatial):
+            return (f"peer {sender} sent a {piece.phase} piece of shape {shape}, expected "
+                    f"H, W = {tuple(self.spatial)}")
+        source = next(r for r in self.sources if r.participant == sender)
+        if self.concat and source.stop > source.start and shape[1] != source.kernels:
+            return (f"peer {sender} sent a {piece.phase} piece of {shape[1]} channels, "
+                    f"expected {source.kernels}")
+        return None
 
     def add(self, sender: str, piece: PeerPiece) -> str | None:
         """Write ``piece`` into place; the reason it does not fit, or None."""
@@ -492,7 +532,8 @@ class PeerParticipant:
                 if relay is None or relay == self.participant:
                     raise ValueError("layer 0 needs its input x")
                 key = PieceKey(pass_id, step, 0, PHASE_INPUT, 0)
-                gather = RowGather([KernelRange(relay, 0, 0)], concat=True)
+                gather = RowGather([KernelRange(relay, 0, 0)], concat=True,
+                                   spatial=self.plan.input_size(0))
             else:
                 targets = self.plan.input_targets(self.participant)
                 if targets:
@@ -505,7 +546,8 @@ class PeerParticipant:
                                        channels, wire[start:stop], start, x.shape[0], stats)
         else:
             key = PieceKey(pass_id, step, layer - 1, PHASE_FORWARD, 0)
-            gather = RowGather(self.plan.forward_sources(layer, self.participant), concat=True)
+            gather = RowGather(self.plan.forward_sources(layer, self.participant), concat=True,
+                               spatial=self.plan.input_size(layer))
         start_time = time.perf_counter()
         waited = stats.wait_s
         if gather is None:
@@ -554,7 +596,7 @@ class PeerParticipant:
         else:
             sources = self.plan.backward_sources(layer, self.participant)
             key = PieceKey(pass_id, step, layer, PHASE_BACKWARD, 0)
-            gather = RowGather(sources, concat=False)
+            gather = RowGather(sources, concat=False, spatial=self.plan.input_size(layer + 1))
             self._wait(key, gather, lambda: gather.complete, stats)
             gradient = reduce_gradient(gather.buffers, sources)
         targets = self.plan.backward_targets(layer, self.participant) if layer > 0 else []
@@ -609,6 +651,9 @@ class PeerParticipant:
             while True:
                 for sender, waiting in self.inbox.take(key).items():
                     for held in waiting:
+                        wrong = gather.misfit(sender, held)
+                        if wrong is not None:  # a peer computing the wrong shape
+                            raise PeerLost([sender], wrong, bad_data=True)
                         refused = gather.add(sender, held)
                         if refused is not None:
                             self.on_drop(refused)

@@ -29,8 +29,10 @@ import zmq
 
 from hetconv.dataplane import PeerLost
 from hetconv.errors import UserError
+from hetconv.master.audit import audit_input, audit_mismatch
 from hetconv.master.cluster import Cluster, Reply, WorkerHandle, WorkerLost
 from hetconv.master.plan import Shard, reshard
+from hetconv.model import ConvLayerShape
 from hetconv.names import STATE_NAMES, TRAINABLE_NAMES, layer_key, velocity_name
 from hetconv.protocol import (
     AssignShard,
@@ -54,15 +56,16 @@ REJOIN_BACKOFF_STEPS = 50
 log = logging.getLogger("hetconv.master")
 
 
-def checked_result(shard: Shard, name: str, array: np.ndarray, batch: int,
-                   channels: int | None) -> np.ndarray:
-    """A worker's result array if it is (batch, channels, H, W) and finite; otherwise
-    WorkerLost that evicts the worker (its work is recomputed from the snapshot)."""
+def checked_result(shard: Shard, name: str, array: np.ndarray,
+                   expected: Sequence[int | None]) -> np.ndarray:
+    """A worker's result array if its shape is ``expected`` (batch, channels, H, W;
+    None: any size on that axis) and it is finite; otherwise WorkerLost that evicts
+    the worker (its work is recomputed from the snapshot)."""
     problem = None
-    if array.ndim != 4 or array.shape[0] != batch or (
-            channels is not None and array.shape[1] != channels):
-        expected = f"({batch}, {channels if channels is not None else 'C'}, H, W)"
-        problem = f"{name} of shape {tuple(array.shape)}, expected {expected}"
+    if array.ndim != len(expected) or any(
+            want is not None and got != want for got, want in zip(array.shape, expected)):
+        wanted = ", ".join("?" if want is None else str(want) for want in expected)
+        problem = f"{name} of shape {tuple(array.shape)}, expected ({wanted})"
     elif array.dtype.kind != "f":
         problem = f"{name} of dtype {array.dtype}"
     elif not np.isfinite(array).all():
@@ -134,8 +137,11 @@ class DistributedConvStage:
 
     def __init__(self, cluster: Cluster, shards: list[list[Shard]],
                  local_shards: dict[int, ConvShard], on_close: Callable[[], None],
-                 wire_dtype: str = "float32"):
+                 wire_dtype: str = "float32", layer_shapes: Sequence[ConvLayerShape] = ()):
         self.cluster = cluster
+        # every conv layer's shapes: results are checked against them, snapshots audited
+        self.layer_shapes = tuple(layer_shapes)
+        self._step = 0  # the last step a forward request was sent for
         self.wire_dtype = np.dtype(wire_dtype)  # activations and gradients on the wire
         self.shards = shards  # shards[layer] in kernel order, empty ranges included
         self.local_shards = local_shards
@@ -285,7 +291,22 @@ class DistributedConvStage:
         return phase.replies, local_result, local_s, local_done, phase.sent
 
     # --- the ConvStage interface --------------------------------------------------------------
+    def output_shape(self, layer: int, batch: int, kernels: int) -> tuple[int | None, ...]:
+        """What a participant's y of ``layer`` must be: (batch, kernels, H', W')."""
+        if layer >= len(self.layer_shapes):
+            return (batch, kernels, None, None)
+        shape = self.layer_shapes[layer]
+        return (batch, kernels, shape.pooled_height, shape.pooled_width)
+
+    def input_shape(self, layer: int, batch: int) -> tuple[int | None, ...]:
+        """What a participant's partial dx of ``layer`` must be: (batch, C, H, W)."""
+        if layer >= len(self.layer_shapes):
+            return (batch, None, None, None)
+        return self.layer_shapes[layer].input_shape(batch)
+
     def forward(self, layer: int, x: np.ndarray, train: bool, step: int) -> np.ndarray:
+        if train:
+            self._step = step
         x = np.ascontiguousarray(x, dtype=np.float32)
         wire_x = to_wire(x, self.wire_dtype)
         shards = [s for s in self.shards[layer] if s.kernels > 0]
@@ -307,7 +328,8 @@ class DistributedConvStage:
                 reply = replies[shard.participant]
                 forward = reply.message
                 assert isinstance(forward, ForwardReply)
-                outputs.append(checked_result(shard, "y", forward.y, x.shape[0], shard.kernels))
+                outputs.append(checked_result(
+                    shard, "y", forward.y, self.output_shape(layer, x.shape[0], shard.kernels)))
                 results.append((shard, forward.compute_s, reply.received_at,
                                 sent[shard.participant], reply.payload_bytes))
         self._account(layer, "forward", started, local_done, results, train)
@@ -343,7 +365,7 @@ class DistributedConvStage:
                 backward = reply.message
                 assert isinstance(backward, BackwardReply)
                 partial = (None if backward.dx is None else checked_result(
-                    shard, "dx", backward.dx, dy.shape[0], None))
+                    shard, "dx", backward.dx, self.input_shape(layer, dy.shape[0])))
                 results.append((shard, backward.compute_s, reply.received_at,
                                 sent[shard.participant], reply.payload_bytes))
             if need_dx and partial is not None:
@@ -397,7 +419,50 @@ class DistributedConvStage:
                     pieces[name].append(np.asarray(state[name]))
             for name, arrays in pieces.items():
                 out[layer_key(layer, name)] = np.concatenate(arrays, axis=0)
+        self.audit(out)
         return out
+
+    def audit(self, state: dict[str, np.ndarray]) -> None:
+        """Check every worker's forward computation against the master's own, from the
+        shard state it has just sent (``state``, whole layers): an evaluation-mode
+        request of a few seeded images per layer it holds (master/audit.py). A worker
+        answering differently is evicted (WorkerLost), before this snapshot is kept."""
+        if not self.layer_shapes or self.settings is None:
+            return
+        pending: dict[int, WorkerHandle] = {}
+        asked: dict[int, tuple[Shard, int, np.ndarray]] = {}
+        for layer, row in enumerate(self.shards):
+            holders = [s for s in row if s.worker is not None and s.kernels > 0]
+            if not holders or layer >= len(self.layer_shapes):
+                continue
+            x = to_wire(audit_input(self.layer_shapes[layer], self._step, layer),
+                        self.wire_dtype)
+            for shard in holders:
+                assert shard.worker is not None
+                request_id = self.cluster.request_id()
+                self.cluster.send(shard.worker, ForwardRequest(
+                    request_id=request_id, step=self._step, layer=layer, attempt=0,
+                    train=False, x=x))
+                pending[request_id] = shard.worker
+                asked[request_id] = (shard, layer, x)
+        if not pending:
+            return
+        replies = self.cluster.gather(pending, "result audit",
+                                      timeout_s=self.request_deadline_s())
+        for request_id, (shard, layer, x) in asked.items():
+            message = replies[request_id].message
+            if not isinstance(message, ForwardReply) or message.layer != layer:
+                raise WorkerLost(f"worker {shard.participant} answered the result audit of "
+                                 f"layer {layer + 1} with another message", shard.participant)
+            piece = {name: state[layer_key(layer, name)][shard.start:shard.stop]
+                     for name in STATE_NAMES}
+            reference = ConvShard(layer, shard.start, shard.stop, self.settings, piece,
+                                  device="cpu").forward_host(x.astype(np.float32), False)
+            problem = audit_mismatch(np.asarray(message.y), np.asarray(reference))
+            if problem is not None:
+                raise WorkerLost(f"worker {shard.participant} failed the result audit of layer "
+                                 f"{layer + 1}: {problem}; evicting it", shard.participant,
+                                 evict=True)
 
     # --- re-splitting between steps -----------------------------------------------------
     def resplit(self, counts: Sequence[Sequence[int]], settings: LayerSettings) -> None:

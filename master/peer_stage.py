@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -36,6 +36,7 @@ from hetconv.errors import UserError
 from hetconv.master.cluster import Cluster, WorkerHandle
 from hetconv.master.offload import DistributedConvStage, OpenPhase, checked_result
 from hetconv.master.plan import Shard
+from hetconv.model import ConvLayerShape
 from hetconv.peer_sockets import PeerSockets, route_address
 from hetconv.protocol import (
     AssignPeers,
@@ -63,8 +64,10 @@ class PeerConvStage(DistributedConvStage):
     def __init__(self, cluster: Cluster, shards: list[list[Shard]],
                  local_shards: dict[int, ConvShard], on_close: Callable[[], None],
                  wire_dtype: str, plan: PeerPlan, sockets: PeerSockets | None,
-                 peer_timeout_s: float = limits.DEFAULT_PEER_TIMEOUT_S):
-        super().__init__(cluster, shards, local_shards, on_close, wire_dtype=wire_dtype)
+                 peer_timeout_s: float = limits.DEFAULT_PEER_TIMEOUT_S,
+                 layer_shapes: Sequence[ConvLayerShape] = ()):
+        super().__init__(cluster, shards, local_shards, on_close, wire_dtype=wire_dtype,
+                         layer_shapes=layer_shapes)
         self.plan = plan
         self.sockets = sockets
         self.peer_timeout_s = peer_timeout_s
@@ -123,6 +126,8 @@ class PeerConvStage(DistributedConvStage):
     # overlap of hetconv.dataplane). The last layer's forward gathers every forward
     # reply of the pass; layer 0's backward gathers every backward reply.
     def forward(self, layer: int, x: np.ndarray, train: bool, step: int) -> np.ndarray:
+        if train:
+            self._step = step
         if layer == 0:
             self._pass_id += 1
             self._open = []
@@ -205,8 +210,9 @@ class PeerConvStage(DistributedConvStage):
                     if phase_name == "forward":
                         assert isinstance(message, PeerForwardReply)
                         if message.y is not None:
-                            last_output.append(checked_result(shard, "y", message.y,
-                                                              self._batch, shard.kernels))
+                            last_output.append(checked_result(
+                                shard, "y", message.y,
+                                self.output_shape(layer, self._batch, shard.kernels)))
                     else:
                         assert isinstance(message, PeerBackwardReply)
                     results.append((shard, message.compute_s, reply.received_at,
@@ -276,7 +282,7 @@ class PeerConvStage(DistributedConvStage):
                 on_drop=lambda reason: log.debug("data plane: dropped %s", reason))
 
     def _after_resplit(self) -> None:
-        self.plan = plan_of(self.shards)
+        self.plan = plan_of(self.shards, self.layer_shapes)
         self.assign_peers()
 
     def close(self) -> None:
@@ -301,19 +307,23 @@ def _await_endpoints(cluster: Cluster, workers: list[WorkerHandle]) -> None:
         cluster.pump(0.1)
 
 
-def plan_of(shards: list[list[Shard]]) -> PeerPlan:
-    """The data plane's view of the shards: every layer's kernel ranges."""
+def plan_of(shards: list[list[Shard]], layer_shapes: Sequence[ConvLayerShape] = ()) -> PeerPlan:
+    """The data plane's view of the shards: every layer's kernel ranges (and, with
+    ``layer_shapes``, every layer's input H and W, so a misshapen piece is bad data)."""
+    sizes = [(shape.height, shape.width) for shape in layer_shapes]
     return PeerPlan([[KernelRange(s.participant, s.start, s.stop) for s in layer]
-                     for layer in shards])
+                     for layer in shards], sizes if len(sizes) == len(shards) else ())
 
 
 def open_peer_stage(cluster: Cluster, config: MasterConfig, shards: list[list[Shard]],
                     local_shards: dict[int, ConvShard],
-                    on_close: Callable[[], None]) -> PeerConvStage:
+                    on_close: Callable[[], None],
+                    layer_shapes: Sequence[ConvLayerShape] = ()) -> PeerConvStage:
     """Hand every participating worker its peers and plan, bind the master's own data
     endpoint when it holds kernels, and return the stage."""
     stage = PeerConvStage(cluster, shards, local_shards, on_close, config.wire_dtype,
-                          plan_of(shards), None, config.peer_timeout_s)
+                          plan_of(shards, layer_shapes), None, config.peer_timeout_s,
+                          layer_shapes)
     try:
         stage.assign_peers()
     except BaseException:
@@ -325,15 +335,16 @@ def open_peer_stage(cluster: Cluster, config: MasterConfig, shards: list[list[Sh
 
 
 def build_stage(cluster: Cluster, config: MasterConfig, shards: list[list[Shard]],
-                local_shards: dict[int, ConvShard],
-                on_close: Callable[[], None]) -> DistributedConvStage:
+                local_shards: dict[int, ConvShard], on_close: Callable[[], None],
+                layer_shapes: Sequence[ConvLayerShape] = ()) -> DistributedConvStage:
     """The stage for ``config.data_plane``: star (every activation through the master)
-    or peer. A failure here ends the run on the workers and closes the cluster."""
+    or peer. A failure here ends the run on the workers and closes the cluster.
+    ``layer_shapes``: every conv layer's, to check results and audit snapshots by."""
     if config.data_plane != "peer":
         return DistributedConvStage(cluster, shards, local_shards, on_close,
-                                    wire_dtype=config.wire_dtype)
+                                    wire_dtype=config.wire_dtype, layer_shapes=layer_shapes)
     try:
-        return open_peer_stage(cluster, config, shards, local_shards, on_close)
+        return open_peer_stage(cluster, config, shards, local_shards, on_close, layer_shapes)
     except BaseException:
         cluster.end_run("master failed during setup")
         cluster.close()

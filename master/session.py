@@ -316,7 +316,7 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
         cluster.end_run("training finished")
         cluster.close()
 
-    stage = build_stage(cluster, config, plan, local, finish)  # star or peer data plane
+    stage = build_stage(cluster, config, plan, local, finish, shapes)  # star or peer plane
     stage.settings, stage.device = settings, device
     stage.stop_on_worker_loss = config.on_worker_loss == "stop"
     stage.local_stage_factory = lambda: LocalConvStage(model, params, settings, device=device)
