@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from hetconv.config import SPLIT_MODES, check_choice
 from hetconv.errors import UserError
 from hetconv.lab import CpuQuota, LocalWorker, cpu_quota_unavailable_reason, free_port
 from hetconv.lab.network import SwitchedLan, netns_unavailable_reason, parse_rate_bits
@@ -160,9 +161,13 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
                     arch: str = "32:64", batch: int = 128, limit: int | None = None,
                     repeats: int = 3, work_dir: str | None = None,
                     data_planes: tuple[str, ...] = ("peer",), epochs: int = 4,
-                    out: Callable[[str], None] = print) -> dict[str, Any]:
+                    out: Callable[[str], None] = print, split: str = "model"
+                    ) -> dict[str, Any]:
     """Run every machine set with every data plane, and the baselines, ``repeats``
-    times, interleaved within each repeat."""
+    times, interleaved within each repeat. ``split``: the runs' ``--split``; ``model``
+    (the default) lets the link-aware planner choose the machines from its timings,
+    ``equal`` has every machine compute the same share whatever they measure."""
+    check_choice("split", split, SPLIT_MODES)
     configurations = [(fractions, plane) for fractions in machine_sets for plane in data_planes]
     for reason in (netns_unavailable_reason(), cpu_quota_unavailable_reason()):
         if reason:
@@ -223,7 +228,7 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
                     train = [python, "-m", "hetconv", "train", "--listen",
                              f"tcp://{master.address}:{port}", "--min-workers",
                              str(len(config) - 1), "--wait", "60", "--data-plane", plane,
-                             *common, "--run-dir", str(run_dir)]
+                             "--split", split, *common, "--run-dir", str(run_dir)]
                     if len(config) == 1:
                         train[train.index("--min-workers") + 1] = "0"
                     status = _run_in_quota(master.command(train), config[0],
