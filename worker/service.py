@@ -75,6 +75,9 @@ worker's forward outputs are wrong, as a machine with broken memory would send t
 TEST_CORRUPT_MODE_VARIABLE = "HETCONV_TEST_CORRUPT_MODE"
 """Test hook only: how corrupted outputs are wrong: ``nan`` (default), ``scale`` (finite,
 y x 1000) or ``crop`` (one row and column short: the wrong H and W)."""
+TEST_CORRUPT_FILE_VARIABLE = "HETCONV_TEST_CORRUPT_FILE"
+"""Test hook only: outputs are corrupted while this file exists (a test turns a worker
+bad at the moment it holds kernels). Unset in every real run."""
 
 
 class DelayedShard(ConvShard):
@@ -241,7 +244,8 @@ class WorkerService:
             self.shards.pop(request.layer, None)
             self.need_dx.pop(request.layer, None)
             return Ack(request_id=request.request_id)
-        hooked = self.test_delay_per_kernel_s > 0 or self.test_corrupt_from_step >= 0
+        hooked = (self.test_delay_per_kernel_s > 0 or self.test_corrupt_from_step >= 0
+                  or bool(os.environ.get(TEST_CORRUPT_FILE_VARIABLE)))
         shard_class = DelayedShard if hooked else ConvShard
         shard = shard_class(request.layer, request.kernel_start, request.kernel_stop, settings,
                             state, device=self.device)
@@ -264,11 +268,13 @@ class WorkerService:
 
     def _test_corruption(self, step: int) -> None:
         """The :data:`TEST_CORRUPT_VARIABLE` hook: corrupt from its step on."""
-        if self.test_corrupt_from_step < 0:
+        flag = os.environ.get(TEST_CORRUPT_FILE_VARIABLE)
+        if self.test_corrupt_from_step < 0 and not flag:
             return
+        corrupt = os.path.exists(flag) if flag else step >= self.test_corrupt_from_step
         for shard in self.shards.values():
             if isinstance(shard, DelayedShard):
-                shard.corrupt = step >= self.test_corrupt_from_step
+                shard.corrupt = corrupt
 
     def _forward(self, request: ForwardRequest) -> ForwardReply:
         self._test_corruption(request.step)
