@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hetconv.config import SCHEDULES
+from hetconv.ops.timers import timed
 
 
 @dataclass(frozen=True)
@@ -32,12 +33,23 @@ class OptimizerConfig:
 
 def sgd_update(param: Any, grad: Any, velocity: Any, learning_rate: float,
                momentum: float, weight_decay: float) -> None:
-    """Update ``param`` and ``velocity`` in place (any shape, same dtype)."""
-    if weight_decay:
-        grad = grad + weight_decay * param
-    velocity *= momentum
-    velocity += grad
-    param -= learning_rate * velocity
+    """Update ``param`` and ``velocity`` in place (any shape, same dtype).
+
+    One temporary the size of param (the decayed gradient, reused for the step), the
+    same roundings as the formulas in the module docstring.
+    """
+    with timed("SGD update"):
+        velocity *= momentum
+        if weight_decay:
+            step = param * weight_decay
+            step += grad
+            velocity += step
+            step[...] = velocity
+            step *= learning_rate
+        else:
+            velocity += grad
+            step = velocity * learning_rate
+        param -= step
 
 
 def learning_rate_at(config: OptimizerConfig, step: int, steps_per_epoch: int,

@@ -29,6 +29,7 @@ from hetconv.backend import (
 )
 from hetconv.names import PARAMETER_NAMES, TRAINABLE_NAMES, velocity_name
 from hetconv.ops.conv_layer import conv_layer_backward, conv_layer_forward
+from hetconv.ops.workspace import Workspace
 from hetconv.optim import sgd_update
 
 
@@ -96,6 +97,9 @@ class ConvShard:
                     self.xp.zeros_like(self.state[name]) if velocity is None
                     else to_module(np.array(velocity, dtype=np.float32), self.xp))
         self._cache: Any = None
+        # the training forward's big arrays (conv output, padded input, masks), reused by
+        # the next training step instead of allocated anew (numpy only)
+        self.workspace = Workspace()
 
     @property
     def kernels(self) -> int:
@@ -115,7 +119,8 @@ class ConvShard:
                 train, stride=self.settings.stride, padding=self.settings.padding,
                 bn_momentum=self.settings.bn_momentum, bn_eps=self.settings.bn_eps,
                 rows_ready=rows_ready, pool=self.settings.pool,
-                batch_norm=self.settings.batch_norm)
+                batch_norm=self.settings.batch_norm,
+                workspace=self.workspace if train else None)
         if train:
             s["running_mean"], s["running_var"] = mean, var
             self._cache = cache

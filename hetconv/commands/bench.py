@@ -1,4 +1,4 @@
-"""``hetconv bench conv|split|protocol|scale|chaos``: the benchmarks, each in ``hetconv.bench``.
+"""``hetconv bench conv|step|split|protocol|scale|chaos``: the benchmarks, each in ``hetconv.bench``.
 
 With ``--markdown FILE`` a benchmark also writes its result table as markdown,
 headed by the full command line that reproduces it (every option spelled out, so
@@ -24,6 +24,8 @@ from hetconv.errors import UserError
 
 FLAGS: dict[str, tuple[tuple[str, str], ...]] = {
     "conv": (("--repeats", "repeats"), ("--batch", "batch"), ("--threads", "threads")),
+    "step": (("--arch", "arch"), ("--batch", "batch"), ("--repeats", "repeats"),
+             ("--threads", "threads"), ("--quota", "quota")),
     "protocol": (("--repeats", "repeats"), ("--sizes", "sizes")),
     "split": (("--slow-fraction", "slow_fraction"), ("--arch", "arch"), ("--batch", "batch"),
               ("--limit", "limit"), ("--repeats", "repeats"), ("--work-dir", "work_dir")),
@@ -52,12 +54,28 @@ MAX_SIZE_MIB = 1024.0  # one array frame is at most 1 GiB (protocol.limits.MAX_F
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("bench", help="benchmarks (conv kernels against PyTorch, kernel splits, "
                        "protocol overhead)")
-    bench = p.add_subparsers(dest="bench", metavar="{conv,split,protocol,scale,chaos,accuracy}", parser_class=Parser)
+    bench = p.add_subparsers(dest="bench",
+                             metavar="{conv,step,split,protocol,scale,chaos,accuracy}",
+                             parser_class=Parser)
     bench.required = True
     conv = bench.add_parser("conv", help="conv forward+backward against PyTorch's CPU conv2d")
     conv.add_argument("--repeats", type=positive_int, default=7)
     conv.add_argument("--batch", type=positive_int, default=64)
     conv.add_argument("--threads", type=positive_int, default=None)
+    step = bench.add_parser("step", help="one machine's whole training step against a "
+                            "PyTorch CPU loop of the same layers, with per-op breakdowns")
+    step.add_argument("--arch", action="append", default=None, metavar="SPEC",
+                      help="network (as hetconv train --arch); repeat for several "
+                      "(default 32:64)")
+    step.add_argument("--batch", type=positive_int, default=128)
+    step.add_argument("--repeats", type=positive_int, default=7,
+                      help="timed steps per side (interleaved; default 7)")
+    step.add_argument("--threads", type=positive_int, action="append", default=None,
+                      help="threads for both sides; repeat for several settings "
+                      "(default: every core)")
+    step.add_argument("--quota", action="append", default=None, metavar="CORES",
+                      help="cgroup v1 CPU quota for both sides in cores (e.g. 0.45) or "
+                      "none: one for every --threads, or one per --threads (needs root)")
     proto = bench.add_parser("protocol", help="loopback round trip: hetconv codec vs bare pyzmq")
     proto.add_argument("--repeats", type=positive_int, default=9)
     proto.add_argument("--sizes", type=float, nargs="+", default=[4.0, 64.0], metavar="MIB",
@@ -142,7 +160,7 @@ def add_parser(sub: Any) -> None:
     accuracy.add_argument("--target", type=float, default=None, metavar="PERCENT",
                           help="the test accuracy every seed must reach (e.g. 90)")
     accuracy.add_argument("--work-dir", default=None, help="where the runs go (default a temp dir)")
-    for parser in (conv, proto, split, scale, chaos, accuracy):
+    for parser in (conv, step, proto, split, scale, chaos, accuracy):
         parser.add_argument("--markdown", metavar="FILE", default=None,
                             help="also write the result table, the command line, the date "
                             "and the machine to FILE as markdown (e.g. docs/figures/NAME.md)")
@@ -167,12 +185,20 @@ def command_line(args: argparse.Namespace) -> str:
         if dest == "train_flags":  # flags as a value: --train-flags='--augment'
             words.append(f"{flag}={value}")
             continue
-        if dest in ("machines", "data_plane"):  # one flag per value
+        if dest in ("machines", "data_plane") or (args.bench == "step" and isinstance(
+                value, list)):  # one flag per value
+            if args.bench == "step" and dest in ("threads", "quota"):
+                continue  # written as pairs below
             for configuration in value:
                 words += [flag, configuration]
             continue
         words += [flag, *(f"{v:g}" if isinstance(v, float) else str(v)
                           for v in (value if isinstance(value, list) else [value]))]
+    if args.bench == "step":
+        for index, threads in enumerate(args.threads or []):
+            words += ["--threads", str(threads)]
+            if args.quota:
+                words += ["--quota", args.quota[index if len(args.quota) > 1 else 0]]
     if args.markdown:
         words += ["--markdown", args.markdown]
     return shlex.join(words)
@@ -228,6 +254,13 @@ def run(args: argparse.Namespace) -> int:
         from hetconv.bench.chaos import FAULT_KINDS, LOOPBACK_FAULTS
 
         args.faults = ",".join(FAULT_KINDS if args.lab else LOOPBACK_FAULTS)
+    if args.bench == "step":  # spelled out in the command line
+        from hetconv.bench.step import parse_settings
+
+        args.arch = args.arch or ["32:64"]
+        settings = parse_settings(args.threads, args.quota)
+        args.threads = [setting.threads for setting in settings]
+        args.quota = ["none" if s.quota is None else f"{s.quota:g}" for s in settings]
     header = figure_header(args) if args.markdown else []  # load average before the run
     table: list[str]
     failed = False
@@ -237,6 +270,12 @@ def run(args: argparse.Namespace) -> int:
 
         table = conv_table(run_conv_bench(repeats=args.repeats, threads=args.threads,
                                           batch=args.batch))
+    elif args.bench == "step":
+        from hetconv.bench.step import parse_settings, run_step_bench
+
+        settings = parse_settings(args.threads, args.quota)
+        table = run_step_bench(args.arch, settings, batch=args.batch,
+                               repeats=args.repeats)["table"]
     elif args.bench == "protocol":
         from hetconv.bench.protocol_roundtrip import markdown_table as protocol_table
         from hetconv.bench.protocol_roundtrip import run_roundtrip_bench

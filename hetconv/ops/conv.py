@@ -33,33 +33,58 @@ thread), so the memory-bound copies run in parallel too. The cached pair keeps o
 padded input; the backward pass unfolds each chunk again while it is hot, which is
 cheaper than writing the kh*kw times larger unfolded input to memory and reading it
 back. Everything is dtype-generic and works on cupy through ``get_array_module`` (one
-chunk).
+chunk). The per-chunk kernels live in ``hetconv.ops.conv_chunks``.
+
+Channel-major output (``windows``, numpy, batch-inner and shifted-taps layouts): y is
+written as (K, windows, Ho*Wo/windows, B) instead of (B, K, Ho, Wo), every 2x2 pooling
+window position (windows=4) or the whole map (windows=1) one contiguous run per
+channel, and the backward pass takes dy in that layout. The layer's batch norm, ReLU
+and pooling then work on long contiguous rows of a channel (``hetconv.ops.block_fast``)
+instead of rows of ``Wo`` numbers. With a ``workspace`` the padded inputs and y are
+kept between calls (no page faults from fresh allocations every step).
 """
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from hetconv.backend import get_array_module, host_threads, run_parallel
-from hetconv.ops.conv_shifted import shifted_backward, shifted_forward, tap_weights
+from hetconv.ops.conv_chunks import (
+    BATCH_INNER,
+    SAMPLE_MAJOR,
+    SHIFTED_TAPS,  # no unfolding: see hetconv.ops.conv_shifted
+    backward_rows,
+    backward_sample_major,
+    forward_chunk,
+    load_windows,
+    padded_input,
+    product,
+    rows_of,
+    store_windows,
+    unfold,
+)
+from hetconv.ops.conv_shifted import (
+    shifted_backward,
+    shifted_forward,
+    shifted_product,
+    tap_weights,
+)
+from hetconv.ops.workspace import Workspace
 
-BATCH_INNER = "batch_inner"
-SAMPLE_MAJOR = "sample_major"
-SHIFTED_TAPS = "shifted_taps"  # no unfolding: see hetconv.ops.conv_shifted
 LAYOUTS = (BATCH_INNER, SAMPLE_MAJOR, SHIFTED_TAPS)
 SAMPLE_MAJOR_MIN_POSITIONS = 576  # Ho*Wo from which one GEMM per sample is cheaper ...
 SAMPLE_MAJOR_MIN_POSITIONS_FEW_TAPS = 144  # ... or from here when K >= Q (y is the big one)
 PARALLEL_MIN_FLOP = 2e7  # below this a forward runs on the calling thread only
 CHUNKS_PER_THREAD = 2  # more chunks than threads: a busy core does not hold the rest up
 MIN_CHUNK_COLUMNS = 1024  # ... but each chunk's GEMMs stay at least this wide (nb*Ho*Wo)
-TRANSPOSE_BLOCK_ELEMENTS = 1 << 15  # numbers per block of the y / dy transposes
-SAMPLE_BLOCK = 8  # samples per GEMM batch in the sample-major layout
 CHUNK_WORKING_BYTES = 2 << 20  # numpy: batch chunks whose big temporary stays in cache
 MIN_CACHE_CHUNK = 4  # ... but at least this many samples (fewer: per-call overheads win)
+MIN_WINDOW_CHUNK = 16  # windows output: samples per chunk (the copies run nb numbers long)
+WINDOWS = (1, 4)  # channel-major output: 1 window (no pool) or the 4 of a 2x2 pool
 # choose_layout's cost model, measured at one BLAS thread (AMD EPYC, float32): GEMM
 # multiply-adds per second, and seconds per number moved by a strided copy or add.
 MODEL_FLOP_PER_S = 85e9
@@ -118,6 +143,7 @@ class ConvCache:
     threads: int  # threads that run the chunks
     inputs: list[Any]
     weights_by_tap: Any = None  # (kh*kw*K, C), shifted taps only
+    windows: int = 0  # 0: y canonical (B, K, Ho, Wo); 1 or 4: (K, windows, P/windows, B)
 
 
 def make_geometry(x_shape: tuple[int, ...], w_shape: tuple[int, ...], stride: int,
@@ -189,13 +215,15 @@ def _working_bytes_per_sample(g: ConvGeometry, layout: str, itemsize: int) -> in
     return g.taps * g.positions * itemsize
 
 
-def _plan_chunks(xp: Any, g: ConvGeometry, layout: str, itemsize: int
+def _plan_chunks(xp: Any, g: ConvGeometry, layout: str, itemsize: int, windows: int = 0
                  ) -> tuple[list[tuple[int, int]], int]:
     """(batch ranges [start, stop), threads to run them).
 
     cupy: one range. numpy: a few ranges per host thread for large work (backend),
     and ranges small enough that each chunk's big temporary stays in cache
-    (CHUNK_WORKING_BYTES, at least MIN_CACHE_CHUNK samples).
+    (CHUNK_WORKING_BYTES, at least MIN_CACHE_CHUNK samples). With a channel-major output
+    (windows) chunks keep at least MIN_WINDOW_CHUNK samples while there are enough of
+    them for every thread: its copies move runs of nb numbers.
     """
     threads, count = 1, 1
     if xp is np:
@@ -205,147 +233,41 @@ def _plan_chunks(xp: Any, g: ConvGeometry, layout: str, itemsize: int
             count = max(threads, min(threads * CHUNKS_PER_THREAD, widest, g.batch))
         per_sample = max(1, _working_bytes_per_sample(g, layout, itemsize))
         samples = max(MIN_CACHE_CHUNK, CHUNK_WORKING_BYTES // per_sample)
+        if windows:
+            samples = max(samples, min(MIN_WINDOW_CHUNK, g.batch // max(1, threads)))
         count = max(count, -(-g.batch // samples))
+        if windows:
+            count = min(count, max(threads, -(-g.batch // MIN_WINDOW_CHUNK)))
     count = max(1, min(count, g.batch))
     edges = [g.batch * i // count for i in range(count + 1)]
     chunks = [(edges[i], edges[i + 1]) for i in range(count) if edges[i + 1] > edges[i]]
     return chunks, threads
 
 
-# ---------------------------------------------------------------- per-chunk kernels
-def _padded_input(xp: Any, g: ConvGeometry, layout: str, x_chunk: Any) -> Any:
-    """x_chunk (nb, C, H, W) zero-padded into a new array: (C, Hp, Wp, nb) for the
-    batch-inner and shifted-taps layouts, (nb, C, Hp, Wp) for the sample-major one."""
-    nb, pad = x_chunk.shape[0], g.padding
-    hp, wp = g.height + 2 * pad, g.width + 2 * pad
-    if layout == SAMPLE_MAJOR:
-        if not pad:
-            return x_chunk.copy()
-        padded = xp.zeros((nb, g.channels, hp, wp), x_chunk.dtype)
-        padded[:, :, pad:pad + g.height, pad:pad + g.width] = x_chunk
-        return padded
-    padded = (xp.zeros if pad else xp.empty)((g.channels, hp, wp, nb), x_chunk.dtype)
-    padded[:, pad:pad + g.height, pad:pad + g.width, :] = x_chunk.transpose(1, 2, 3, 0)
-    return padded
-
-
-def _unfold(xp: Any, g: ConvGeometry, layout: str, padded: Any) -> Any:
-    """im2col of a padded chunk: (Q, P*nb) batch-inner or (nb, Q, P) sample-major."""
-    kh, kw, ho, wo, st = g.kernel_h, g.kernel_w, g.out_h, g.out_w, g.stride
-    as_strided = xp.lib.stride_tricks.as_strided
-    s0, s1, s2, s3 = padded.strides
-    if layout == BATCH_INNER:
-        nb = padded.shape[3]
-        shape = (g.channels, kh, kw, ho, wo, nb)
-        strides = (s0, s1, s2, s1 * st, s2 * st, s3)
-        columns = xp.empty((g.taps, g.positions * nb), padded.dtype)
-    else:
-        nb = padded.shape[0]
-        shape = (nb, g.channels, kh, kw, ho, wo)
-        strides = (s0, s1, s2, s3, s2 * st, s3 * st)
-        columns = xp.empty((nb, g.taps, g.positions), padded.dtype)
-    columns.reshape(shape)[...] = as_strided(padded, shape, strides)
-    return columns
-
-
-def _kernel_blocks(xp: Any, kernels: int, numbers_per_kernel: int) -> Iterator[slice]:
-    """Kernel ranges whose slice of y holds about TRANSPOSE_BLOCK_ELEMENTS numbers."""
-    step = max(1, TRANSPOSE_BLOCK_ELEMENTS // max(1, numbers_per_kernel))
-    step = step if xp is np else kernels
-    for start in range(0, kernels, step):
-        yield slice(start, min(kernels, start + step))
-
-
-def _forward_chunk(xp: Any, g: ConvGeometry, layout: str, weight_matrix: Any, columns: Any,
-                   bias: Any, y_chunk: Any) -> None:
-    """Write y_chunk (nb, K, Ho, Wo) = conv of the chunk whose unfolding is ``columns``."""
-    nb, kernels, positions = y_chunk.shape[0], g.kernels, g.positions
-    y3 = y_chunk.reshape(nb, kernels, positions)  # a view: y_chunk is contiguous
-    if layout == BATCH_INNER:
-        product = (weight_matrix @ columns).reshape(kernels, positions, nb)
-        for block in _kernel_blocks(xp, kernels, positions * nb):
-            target = y3[:, block]
-            target[...] = product[block].transpose(2, 0, 1)
-            if bias is not None:
-                target += bias[block, None]
-        return
-    for start in range(0, nb, SAMPLE_BLOCK):
-        target = y3[start:start + SAMPLE_BLOCK]
-        xp.matmul(weight_matrix, columns[start:start + SAMPLE_BLOCK], out=target)
-        if bias is not None:
-            target += bias[:, None]
-
-
-def _col2im_add(g: ConvGeometry, dcol: Any, dx_padded: Any, batch_last: bool) -> None:
-    """dx_padded += col2im(dcol): kh*kw strided adds, each of one contiguous dcol block.
-
-    batch_last: dcol (kh, kw, C, Ho, Wo, nb) into dx_padded (C, Hp, Wp, nb);
-    otherwise dcol (nb, kh, kw, C, Ho, Wo) into dx_padded (nb, C, Hp, Wp).
-    """
-    st = g.stride
-    for i in range(g.kernel_h):
-        rows = slice(i, i + st * (g.out_h - 1) + 1, st)
-        for j in range(g.kernel_w):
-            cols = slice(j, j + st * (g.out_w - 1) + 1, st)
-            if batch_last:
-                dx_padded[:, rows, cols, :] += dcol[i, j]
-            else:
-                dx_padded[:, :, rows, cols] += dcol[:, i, j]
-
-
-def _backward_chunk(xp: Any, g: ConvGeometry, layout: str, offset_weights: Any | None,
-                    columns: Any, dy_chunk: Any, dx_chunk: Any | None) -> tuple[Any, Any]:
-    """(dw (K, Q), db (K,)) of one batch chunk; writes dx_chunk (nb, C, H, W) when given.
-
-    offset_weights: (K, kh*kw*C), the weights with taps ordered (i, j, c), so that the
-    rows of dcol for one kernel offset are contiguous (None when dx is not needed).
-    """
-    nb, kernels, positions = dy_chunk.shape[0], g.kernels, g.positions
-    kh, kw, ho, wo, pad = g.kernel_h, g.kernel_w, g.out_h, g.out_w, g.padding
-    hp, wp = g.height + 2 * pad, g.width + 2 * pad
-    dy3 = dy_chunk.reshape(nb, kernels, positions)
-    if layout == BATCH_INNER:
-        dy_rows = xp.empty((kernels, positions, nb), dy_chunk.dtype)
-        for block in _kernel_blocks(xp, kernels, positions * nb):
-            dy_rows[block] = dy3[:, block].transpose(1, 2, 0)
-        dy_matrix = dy_rows.reshape(kernels, positions * nb)
-        db = dy_matrix.sum(axis=1)
-        dw = dy_matrix @ columns.T
-        if dx_chunk is not None and offset_weights is not None:
-            dcol = (offset_weights.T @ dy_matrix).reshape(kh, kw, g.channels, ho, wo, nb)
-            dx_padded = xp.zeros((g.channels, hp, wp, nb), dy_chunk.dtype)
-            _col2im_add(g, dcol, dx_padded, batch_last=True)
-            inner = dx_padded[:, pad:pad + g.height, pad:pad + g.width, :]
-            dx_chunk[...] = inner.transpose(3, 0, 1, 2)
-        return dw, db
-    db = dy3.sum(axis=(0, 2))
-    dw = xp.zeros((kernels, g.taps), dy_chunk.dtype)
-    for start in range(0, nb, SAMPLE_BLOCK):
-        stop = min(nb, start + SAMPLE_BLOCK)
-        dy_block = dy3[start:stop]
-        dw += xp.matmul(dy_block, columns[start:stop].transpose(0, 2, 1)).sum(axis=0)
-        if dx_chunk is not None and offset_weights is not None:
-            dcol = xp.matmul(offset_weights.T, dy_block)
-            dcol = dcol.reshape(stop - start, kh, kw, g.channels, ho, wo)
-            dx_padded = xp.zeros((stop - start, g.channels, hp, wp), dy_chunk.dtype)
-            _col2im_add(g, dcol, dx_padded, batch_last=False)
-            dx_chunk[start:stop] = dx_padded[:, :, pad:pad + g.height, pad:pad + g.width]
-    return dw, db
-
-
 # ---------------------------------------------------------------- public functions
-def _prepare(x: Any, w: Any, stride: int, padding: int, layout: str | None
+def _prepare(x: Any, w: Any, stride: int, padding: int, layout: str | None, windows: int = 0
              ) -> tuple[Any, Any, ConvCache]:
     """(xp, x cast to the common dtype, cache without inputs)."""
     xp = get_array_module(x, w)
     dtype = xp.result_type(x.dtype, w.dtype)
     g = make_geometry(tuple(x.shape), tuple(w.shape), stride, padding)
+    if windows:
+        if windows not in WINDOWS:
+            raise ValueError(f"conv2d: windows must be one of {WINDOWS}")
+        if windows == 4 and (g.out_h % 2 or g.out_w % 2):
+            raise ValueError(f"conv2d: 4 windows need an even output, got {g.out_h}x{g.out_w}")
+        if layout == SAMPLE_MAJOR:
+            raise ValueError("conv2d: a channel-major output needs the batch-inner or "
+                             "shifted-taps layout")
+        if layout is None:
+            layout = SHIFTED_TAPS if choose_layout(g) == SHIFTED_TAPS else BATCH_INNER
     layout = layout or choose_layout(g)
     if layout not in LAYOUTS:
         raise ValueError(f"conv2d: unknown layout {layout!r}, use one of {LAYOUTS}")
     weight_matrix = xp.ascontiguousarray(w, dtype=dtype).reshape(g.kernels, g.taps)
     cache = ConvCache(g, layout, weight_matrix,
-                      *_plan_chunks(xp, g, layout, np.dtype(dtype).itemsize), [])
+                      *_plan_chunks(xp, g, layout, np.dtype(dtype).itemsize, windows), [],
+                      windows=windows)
     if layout == SHIFTED_TAPS:
         cache.weights_by_tap = tap_weights(xp, weight_matrix, g)
     return xp, x.astype(dtype, copy=False), cache
@@ -353,7 +275,8 @@ def _prepare(x: Any, w: Any, stride: int, padding: int, layout: str | None
 
 def conv2d_forward_cached(x: Any, w: Any, b: Any | None = None, stride: int = 1,
                           padding: int = 0, *, layout: str | None = None,
-                          rows_ready: Callable[[int], None] | None = None
+                          rows_ready: Callable[[int], None] | None = None,
+                          windows: int = 0, workspace: Workspace | None = None
                           ) -> tuple[Any, ConvCache]:
     """Forward convolution that keeps the (padded) input for the backward pass.
 
@@ -364,6 +287,11 @@ def conv2d_forward_cached(x: Any, w: Any, b: Any | None = None, stride: int = 1,
     ``conv2d_backward_cached``. layout: force one of LAYOUTS (tests, benchmarks);
     default ``choose_layout``.
 
+    windows: 1 or 4 returns y channel-major as (K, windows,
+    Ho*Wo/windows, B) (module docstring; 4 needs an even Ho and Wo), and the backward
+    pass then takes dy in that layout. workspace: keep y and the padded input in it
+    (reused by the next call with the same workspace; y is then valid until then).
+
     rows_ready (streaming, for overlapping a transfer with the products): x is a buffer
     still being filled in batch order; ``rows_ready(n)`` is called before the chunks
     that read samples below ``n`` run and returns once samples [0, n) of x are in. x
@@ -373,21 +301,32 @@ def conv2d_forward_cached(x: Any, w: Any, b: Any | None = None, stride: int = 1,
     if rows_ready is not None and x.dtype != get_array_module(x, w).result_type(x.dtype,
                                                                                  w.dtype):
         raise ValueError("conv2d: a streamed input must already have the weights' dtype")
-    xp, x, cache = _prepare(x, w, stride, padding, layout)
+    xp, x, cache = _prepare(x, w, stride, padding, layout, windows)
     g = cache.geometry
-    y = xp.empty((g.batch, g.kernels, g.out_h, g.out_w), x.dtype)
+    keep = workspace if xp is np else None
+    if windows:
+        shape: tuple[int, ...] = (g.kernels, windows, g.positions // windows, g.batch)
+    else:
+        shape = (g.batch, g.kernels, g.out_h, g.out_w)
+    y = xp.empty(shape, x.dtype) if keep is None else keep.get("conv_y", shape, x.dtype)
     bias = None if b is None else xp.asarray(b, dtype=x.dtype).reshape(g.kernels)
 
     def task(index: int) -> Any:
         start, stop = cache.chunks[index]
-        padded = _padded_input(xp, g, cache.layout, x[start:stop])
+        padded = padded_input(xp, g, cache.layout, x[start:stop],
+                              None if keep is None else (keep, f"conv_padded{index}"))
         if not g.kernels:
             return padded
-        if cache.layout == SHIFTED_TAPS:
+        if windows:
+            rows = (shifted_product(xp, g, cache.weights_by_tap, padded)
+                    if cache.layout == SHIFTED_TAPS else
+                    product(xp, g, cache.weight_matrix, unfold(xp, g, cache.layout, padded)))
+            store_windows(g, rows, y, start, stop, bias)
+        elif cache.layout == SHIFTED_TAPS:
             shifted_forward(xp, g, cache.weights_by_tap, padded, bias, y[start:stop])
         else:
-            _forward_chunk(xp, g, cache.layout, cache.weight_matrix,
-                           _unfold(xp, g, cache.layout, padded), bias, y[start:stop])
+            forward_chunk(xp, g, cache.layout, cache.weight_matrix,
+                          unfold(xp, g, cache.layout, padded), bias, y[start:stop])
         return padded
 
     cache.inputs = run_chunks(task, cache.chunks, cache.threads, before=rows_ready)
@@ -395,12 +334,14 @@ def conv2d_forward_cached(x: Any, w: Any, b: Any | None = None, stride: int = 1,
 
 
 def conv2d_backward_cached(cache: ConvCache, dy: Any, need_dx: bool = True,
-                           dx_rows: Callable[[Any, int, int], None] | None = None
-                           ) -> tuple[Any | None, Any, Any]:
-    """Gradients from the cache of ``conv2d_forward_cached`` and dy (B, K, Ho, Wo).
+                           dx_rows: Callable[[Any, int, int], None] | None = None,
+                           need_db: bool = True) -> tuple[Any | None, Any, Any]:
+    """Gradients from the cache of ``conv2d_forward_cached`` and dy (B, K, Ho, Wo), or
+    (K, windows, Ho*Wo/windows, B) when the forward pass had a channel-major output.
 
     Returns (dx (B, C, H, W) or None when need_dx is False, dw (K, C, kh, kw),
-    db (K,)), all in the forward's dtype. With 0 kernels dx is zeros.
+    db (K,); zeros when need_db is False), all in the forward's dtype. With 0 kernels
+    dx is zeros.
 
     dx_rows (streaming, for sending dx while the rest is computed): called on the
     calling thread as ``dx_rows(dx, start, stop)`` each time samples [start, stop) of dx
@@ -409,7 +350,11 @@ def conv2d_backward_cached(cache: ConvCache, dy: Any, need_dx: bool = True,
     g = cache.geometry
     xp = get_array_module(dy, cache.weight_matrix)
     dtype = cache.weight_matrix.dtype
-    expected = (g.batch, g.kernels, g.out_h, g.out_w)
+    windows = cache.windows
+    if windows:
+        expected: tuple[int, ...] = (g.kernels, windows, g.positions // windows, g.batch)
+    else:
+        expected = (g.batch, g.kernels, g.out_h, g.out_w)
     if tuple(dy.shape) != expected:
         raise ValueError(f"conv2d backward: dy has shape {tuple(dy.shape)}, expected {expected}")
     dy = xp.ascontiguousarray(dy, dtype=dtype)
@@ -428,19 +373,29 @@ def conv2d_backward_cached(cache: ConvCache, dy: Any, need_dx: bool = True,
             start, stop = cache.chunks[index]
             padded, dx_chunk = cache.inputs[index], None if dx is None else dx[start:stop]
             if cache.layout == SHIFTED_TAPS:
+                dy_t = (load_windows(xp, g, dy, start, stop).reshape(
+                    g.kernels, g.out_h, g.out_w, stop - start) if windows
+                    else dy[start:stop].transpose(1, 2, 3, 0))
                 return shifted_backward(xp, g, cache.weights_by_tap if need_dx else None,
-                                        padded, dy[start:stop], dx_chunk)
-            return _backward_chunk(xp, g, cache.layout, offset_weights,
-                                   _unfold(xp, g, cache.layout, padded), dy[start:stop],
-                                   dx_chunk)
+                                        padded, dy_t, dx_chunk, need_db)
+            columns = unfold(xp, g, cache.layout, padded)
+            if cache.layout == SAMPLE_MAJOR:
+                return backward_sample_major(xp, g, offset_weights, columns, dy[start:stop],
+                                             dx_chunk, need_db)
+            rows = load_windows(xp, g, dy, start, stop) if windows else rows_of(
+                xp, g, dy[start:stop])
+            return backward_rows(xp, g, offset_weights, columns, rows, dx_chunk, need_db)
 
         after = None if dx_rows is None or dx is None else (
             lambda start, stop: dx_rows(dx, start, stop))
         parts = run_chunks(task, cache.chunks, cache.threads, after=after)
-        dw, db = parts[0]
-        for part_dw, part_db in parts[1:]:
+        dw = parts[0][0]
+        for part_dw, _ in parts[1:]:
             dw += part_dw
-            db += part_db
+        if need_db:
+            db = parts[0][1]
+            for _, part_db in parts[1:]:
+                db += part_db
     elif dx_rows is not None and dx is not None:
         dx_rows(dx, 0, g.batch)
     return dx, dw.reshape(g.kernels, g.channels, g.kernel_h, g.kernel_w), db
@@ -492,6 +447,6 @@ def conv2d_backward(x: Any, w: Any, dy: Any, stride: int = 1, padding: int = 0,
     xp, x, cache = _prepare(x, w, stride, padding, None)
     g = cache.geometry
     cache.inputs = run_parallel(
-        lambda index: _padded_input(xp, g, cache.layout, x[slice(*cache.chunks[index])]),
+        lambda index: padded_input(xp, g, cache.layout, x[slice(*cache.chunks[index])]),
         len(cache.chunks), cache.threads)
     return conv2d_backward_cached(cache, dy, need_dx)

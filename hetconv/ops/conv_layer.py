@@ -18,6 +18,13 @@ block therefore pools first and rectifies the four-times smaller pooled map, and
 keeps only that map for the ReLU backward. Average pooling does not commute with
 ReLU: that block rectifies first and pools the rectified map. A share of zero
 kernels is valid: it yields an output with 0 channels and a zero input gradient.
+
+Two implementations: on numpy arrays (``fast``, the default where
+``hetconv.ops.block_fast.supported`` says so) the convolution writes its output
+channel-major and batch norm, ReLU and the pool run in one pass per channel block
+(``hetconv.ops.block_fast``); otherwise (cupy, odd maps before a pool, ``fast=False``)
+the separate ops below compose the block, which is also the reference the fast pass
+is tested against. A ``workspace`` keeps the big arrays between training steps.
 """
 from __future__ import annotations
 
@@ -26,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hetconv.backend import get_array_module
+from hetconv.ops import block_fast
 from hetconv.ops.activation import relu, relu_backward
 from hetconv.ops.batchnorm import (
     BatchNormCache,
@@ -42,6 +50,8 @@ from hetconv.ops.pooling import (
     max_pool2x2,
     max_pool2x2_backward,
 )
+from hetconv.ops.timers import timed
+from hetconv.ops.workspace import Workspace
 
 POOLS = ("max", "avg", "none")
 
@@ -69,6 +79,7 @@ class ConvBlockCache:
     weight_shape: tuple[int, ...]
     rectified: Array = None
     empty: bool = False
+    fused: block_fast.BlockCache | None = None  # the fast path's (then no batch_norm, pool)
 
 
 def conv_output_size(size: int, kernel: int, stride: int, padding: int) -> int:
@@ -91,6 +102,8 @@ def conv_layer_forward(
     rows_ready: Callable[[int], None] | None = None,
     pool: str = "max",
     batch_norm: bool = True,
+    fast: bool | None = None,
+    workspace: Workspace | None = None,
 ) -> tuple[Array, ConvBlockCache, Array, Array]:
     """Run the block on x (B, C, H, W) with weight (K, C, kh, kw) and (K,) BN arrays.
 
@@ -100,6 +113,9 @@ def conv_layer_forward(
     returns the running statistics; without ``batch_norm`` they pass through.
     rows_ready: stream x into the convolution as it arrives (see
     ``conv2d_forward_cached``); batch norm then waits for the whole batch, as it must.
+    fast: the fused pass (None: wherever it applies; False: the separate ops);
+    workspace: where the fused pass keeps its arrays until the backward pass (the next
+    call with the same workspace reuses them).
     """
     if x.ndim != 4 or weight.ndim != 4 or weight.shape[1] != x.shape[1]:
         raise ValueError(
@@ -122,29 +138,41 @@ def conv_layer_forward(
         cache = ConvBlockCache(None, None, None, y, tuple(x.shape), tuple(weight.shape),
                                empty=True)
         return y, cache, running_mean, running_var
-    conv_out, conv_cache = conv2d_forward_cached(x, weight, None, stride=stride, padding=padding,
-                                                 rows_ready=rows_ready)
-    bn_cache: BatchNormCache | None = None
-    if batch_norm:
-        normalized, bn_cache, new_mean, new_var = batch_norm_forward(
-            conv_out, gamma, beta, running_mean, running_var, train, momentum=bn_momentum,
-            eps=bn_eps)
-        del conv_out
-    else:  # beta is the convolution's bias
-        normalized = conv_out
-        normalized += beta.astype(normalized.dtype, copy=False).reshape(1, -1, 1, 1)
-        new_mean, new_var = running_mean, running_var
-    pool_cache: MaxPoolCache | AvgPoolCache | None = None
-    if pool == "max":
-        pooled, pool_cache = max_pool2x2(normalized)
-        del normalized
-        y = rectified = relu(pooled)
-    elif pool == "avg":
-        rectified = relu(normalized)
-        del normalized
-        y, pool_cache = avg_pool2x2(rectified)
-    else:
-        y = rectified = relu(normalized)
+    for name, vector in (("gamma", gamma), ("beta", beta), ("running_mean", running_mean),
+                         ("running_var", running_var)):
+        if vector.shape != (kernels,):
+            raise ValueError(f"{name} must have shape ({kernels},), got {vector.shape}")
+    conv_h = conv_output_size(x.shape[2], weight.shape[2], stride, padding)
+    conv_w = conv_output_size(x.shape[3], weight.shape[3], stride, padding)
+    if fast is not False and block_fast.supported(pool, conv_h, conv_w):
+        return _fused_forward(x, weight, gamma, beta, running_mean, running_var, train,
+                              stride, padding, bn_momentum, bn_eps, rows_ready, pool,
+                              batch_norm, workspace, (conv_h, conv_w))
+    with timed("conv forward"):
+        conv_out, conv_cache = conv2d_forward_cached(x, weight, None, stride=stride,
+                                                     padding=padding, rows_ready=rows_ready)
+    with timed("BN+ReLU+pool forward"):
+        bn_cache: BatchNormCache | None = None
+        if batch_norm:
+            normalized, bn_cache, new_mean, new_var = batch_norm_forward(
+                conv_out, gamma, beta, running_mean, running_var, train, momentum=bn_momentum,
+                eps=bn_eps)
+            del conv_out
+        else:  # beta is the convolution's bias
+            normalized = conv_out
+            normalized += beta.astype(normalized.dtype, copy=False).reshape(1, -1, 1, 1)
+            new_mean, new_var = running_mean, running_var
+        pool_cache: MaxPoolCache | AvgPoolCache | None = None
+        if pool == "max":
+            pooled, pool_cache = max_pool2x2(normalized)
+            del normalized
+            y = rectified = relu(pooled)
+        elif pool == "avg":
+            rectified = relu(normalized)
+            del normalized
+            y, pool_cache = avg_pool2x2(rectified)
+        else:
+            y = rectified = relu(normalized)
     cache = ConvBlockCache(conv_cache, bn_cache, pool_cache, y, tuple(x.shape),
                            tuple(weight.shape), rectified=rectified)
     return y, cache, new_mean, new_var
@@ -172,20 +200,52 @@ def conv_layer_backward(
         dweight = xp.zeros(cache.weight_shape, dtype=dtype)
         empty = xp.zeros((0,), dtype=dtype)
         return dx, dweight, empty, empty.copy()
-    if isinstance(cache.pool, MaxPoolCache):
-        d_pooled = relu_backward(cache.rectified, dy)
-        d_normalized = max_pool2x2_backward(cache.pool, d_pooled)
-        del d_pooled
-    elif isinstance(cache.pool, AvgPoolCache):
-        d_normalized = relu_backward(cache.rectified, avg_pool2x2_backward(cache.pool, dy))
-    else:
-        d_normalized = relu_backward(cache.rectified, dy)
-    if cache.batch_norm is not None:
-        d_conv, dgamma, dbeta = batch_norm_backward(cache.batch_norm, d_normalized)
-    else:  # the bias: its gradient is the per-channel sum; gamma is unused
-        d_conv, dbeta = d_normalized, channel_sum(d_normalized)
-        dgamma = xp.zeros_like(dbeta)
-    del d_normalized
-    dx, dweight, _ = conv2d_backward_cached(cache.conv, d_conv, need_dx=need_dx,
-                                            dx_rows=dx_rows)
+    if cache.fused is not None:
+        with timed("BN+ReLU+pool backward"):
+            d_conv, dgamma, dbeta = block_fast.block_backward(
+                cache.fused, dy.reshape(dy.shape[0], dy.shape[1], -1))
+        with timed("conv backward"):
+            dx, dweight, _ = conv2d_backward_cached(cache.conv, d_conv, need_dx=need_dx,
+                                                    dx_rows=dx_rows, need_db=False)
+        return (dx if need_dx else None), dweight, dgamma, dbeta
+    with timed("BN+ReLU+pool backward"):
+        if isinstance(cache.pool, MaxPoolCache):
+            d_pooled = relu_backward(cache.rectified, dy)
+            d_normalized = max_pool2x2_backward(cache.pool, d_pooled)
+            del d_pooled
+        elif isinstance(cache.pool, AvgPoolCache):
+            d_normalized = relu_backward(cache.rectified, avg_pool2x2_backward(cache.pool, dy))
+        else:
+            d_normalized = relu_backward(cache.rectified, dy)
+        if cache.batch_norm is not None:
+            d_conv, dgamma, dbeta = batch_norm_backward(cache.batch_norm, d_normalized)
+        else:  # the bias: its gradient is the per-channel sum; gamma is unused
+            d_conv, dbeta = d_normalized, channel_sum(d_normalized)
+            dgamma = xp.zeros_like(dbeta)
+        del d_normalized
+    with timed("conv backward"):
+        dx, dweight, _ = conv2d_backward_cached(cache.conv, d_conv, need_dx=need_dx,
+                                                dx_rows=dx_rows, need_db=False)
     return (dx if need_dx else None), dweight, dgamma, dbeta
+
+
+def _fused_forward(x: Array, weight: Array, gamma: Array, beta: Array, running_mean: Array,
+                   running_var: Array, train: bool, stride: int, padding: int,
+                   bn_momentum: float, bn_eps: float, rows_ready: Callable[[int], None] | None,
+                   pool: str, batch_norm: bool, workspace: Workspace | None,
+                   conv_size: tuple[int, int]) -> tuple[Array, ConvBlockCache, Array, Array]:
+    """The fast path of ``conv_layer_forward`` (numpy): a channel-major convolution,
+    then ``block_fast.block_forward``."""
+    with timed("conv forward"):
+        conv_out, conv_cache = conv2d_forward_cached(
+            x, weight, None, stride=stride, padding=padding, rows_ready=rows_ready,
+            windows=block_fast.windows_of(pool), workspace=workspace)
+    with timed("BN+ReLU+pool forward"):
+        out, fused, new_mean, new_var = block_fast.block_forward(
+            conv_out, gamma, beta, running_mean, running_var, train, pool, batch_norm,
+            momentum=bn_momentum, eps=bn_eps, keep=workspace)
+    out_h, out_w = conv_size if pool == "none" else (conv_size[0] // 2, conv_size[1] // 2)
+    y = out.reshape(x.shape[0], weight.shape[0], out_h, out_w)
+    cache = ConvBlockCache(conv_cache, None, None, y, tuple(x.shape), tuple(weight.shape),
+                           fused=fused)
+    return y, cache, new_mean, new_var

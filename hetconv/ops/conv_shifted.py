@@ -44,9 +44,8 @@ def tap_weights(xp: Any, weight_matrix: Array, geometry: Any) -> Array:
         g.kernel_h * g.kernel_w * g.kernels, g.channels)
 
 
-def shifted_forward(xp: Any, geometry: Any, weights_by_tap: Array, padded: Array,
-                    bias: Array | None, y_chunk: Array) -> None:
-    """Write y_chunk (nb, K, Ho, Wo) from padded (C, Hp, Wp, nb) and (kh*kw*K, C) weights."""
+def shifted_product(xp: Any, geometry: Any, weights_by_tap: Array, padded: Array) -> Array:
+    """The convolution of padded (C, Hp, Wp, nb) as (K, Ho, Wo, nb), batch innermost."""
     g = geometry
     nb = padded.shape[3]
     hp, wp = padded.shape[1], padded.shape[2]
@@ -57,28 +56,38 @@ def shifted_forward(xp: Any, geometry: Any, weights_by_tap: Array, padded: Array
     summed = products[i, j, :, rows, cols, :].copy()  # (K, Ho, Wo, nb)
     for i, j, rows, cols in taps[1:]:
         summed += products[i, j, :, rows, cols, :]
+    return summed
+
+
+def shifted_forward(xp: Any, geometry: Any, weights_by_tap: Array, padded: Array,
+                    bias: Array | None, y_chunk: Array) -> None:
+    """Write y_chunk (nb, K, Ho, Wo) from padded (C, Hp, Wp, nb) and (kh*kw*K, C) weights."""
+    summed = shifted_product(xp, geometry, weights_by_tap, padded)
     y_chunk[...] = summed.transpose(3, 0, 1, 2)
     if bias is not None:
         y_chunk += bias[:, None, None]
 
 
 def shifted_backward(xp: Any, geometry: Any, weights_by_tap: Array | None, padded: Array,
-                     dy_chunk: Array, dx_chunk: Array | None) -> tuple[Array, Array]:
-    """(dw (K, C*kh*kw), db (K,)) of one chunk; writes dx_chunk (nb, C, H, W) when given.
+                     dy_t: Array, dx_chunk: Array | None, need_db: bool = True
+                     ) -> tuple[Array, Array | None]:
+    """(dw (K, C*kh*kw), db (K,) or None) of one chunk; writes dx_chunk (nb, C, H, W)
+    when given.
 
-    weights_by_tap: (kh*kw*K, C) as from ``tap_weights`` (None when dx is not needed).
+    dy_t: the chunk's dy as (K, Ho, Wo, nb) (a transposed view of the canonical dy is
+    fine); weights_by_tap: (kh*kw*K, C) as from ``tap_weights`` (None when dx is not
+    needed).
     """
     g = geometry
     nb, hp, wp = padded.shape[3], padded.shape[1], padded.shape[2]
     kh, kw, kernels, channels, pad = g.kernel_h, g.kernel_w, g.kernels, g.channels, g.padding
     positions = hp * wp * nb
     columns = padded.reshape(channels, positions)
-    dy_t = dy_chunk.transpose(1, 2, 3, 0)  # (K, Ho, Wo, nb), a view
-    db = dy_chunk.reshape(nb, kernels, g.positions).sum(axis=(0, 2))
+    db = dy_t.sum(axis=(1, 2, 3)) if need_db else None
     if dx_chunk is None and g.stride == 1:
         dw_taps = _weight_grad_from_views(xp, g, columns, dy_t, hp, wp, nb)
     else:
-        spread = xp.zeros((kh, kw, kernels, hp, wp, nb), dy_chunk.dtype)
+        spread = xp.zeros((kh, kw, kernels, hp, wp, nb), dy_t.dtype)
         for i, j, rows, cols in _taps(g):
             spread[i, j, :, rows, cols, :] = dy_t
         spread2 = spread.reshape(kh * kw * kernels, positions)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from hetconv.backend import get_array_module
+from hetconv.ops.timers import timed
 
 Array = Any  # a numpy or cupy ndarray
 
@@ -19,8 +20,9 @@ def linear(x: Array, w: Array, b: Array) -> Array:
             f"linear: incompatible shapes x {x.shape}, w {w.shape}, b {b.shape}; "
             "expected x (B, D), w (O, D), b (O,)"
         )
-    y = x @ w.T
-    y += b
+    with timed("dense"):
+        y = x @ w.T
+        y += b
     return y
 
 
@@ -32,7 +34,8 @@ def linear_backward(x: Array, w: Array, dy: Array) -> tuple[Array, Array, Array]
     if dy.shape != (x.shape[0], w.shape[0]):
         raise ValueError(f"dy has shape {dy.shape}, expected {(x.shape[0], w.shape[0])}")
     xp = get_array_module(x, w, dy)
-    dx = dy @ w
-    dw = dy.T @ x
-    db = xp.add.reduce(dy, axis=0)
+    with timed("dense"):
+        dx = dy @ w
+        dw = dy.T @ x
+        db = xp.add.reduce(dy, axis=0)
     return dx, dw, db

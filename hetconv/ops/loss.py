@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from hetconv.backend import get_array_module
+from hetconv.ops.timers import timed
 
 Array = Any  # a numpy or cupy ndarray
 
@@ -36,14 +37,15 @@ def softmax_cross_entropy(logits: Array, labels: Array) -> tuple[float, Array]:
     if batch == 0:
         raise ValueError("softmax_cross_entropy needs a non-empty batch")
     xp = get_array_module(logits, labels)
-    shifted = logits - logits.max(axis=1, keepdims=True)
-    exp = xp.exp(shifted)
-    sum_exp = exp.sum(axis=1, keepdims=True)
-    rows = xp.arange(batch)
-    log_likelihood = shifted[rows, labels] - xp.log(sum_exp[:, 0])
-    loss = -float(log_likelihood.sum()) / batch
-    probs = exp
-    probs /= sum_exp
+    with timed("loss"):
+        shifted = logits - logits.max(axis=1, keepdims=True)
+        exp = xp.exp(shifted)
+        sum_exp = exp.sum(axis=1, keepdims=True)
+        rows = xp.arange(batch)
+        log_likelihood = shifted[rows, labels] - xp.log(sum_exp[:, 0])
+        loss = -float(log_likelihood.sum()) / batch
+        probs = exp
+        probs /= sum_exp
     return loss, probs
 
 
@@ -56,7 +58,8 @@ def softmax_cross_entropy_backward(probs: Array, labels: Array) -> Array:
     if labels.shape != (batch,):
         raise ValueError(f"labels must have shape ({batch},), got {labels.shape}")
     xp = get_array_module(probs, labels)
-    dlogits = probs.copy()
-    dlogits[xp.arange(batch), labels] -= 1
-    dlogits /= batch
+    with timed("loss"):
+        dlogits = probs.copy()
+        dlogits[xp.arange(batch), labels] -= 1
+        dlogits /= batch
     return dlogits

@@ -1,0 +1,235 @@
+"""The per-chunk kernels of the im2col convolution (``hetconv.ops.conv``), and the
+copies between its layouts.
+
+Every function works on one batch chunk of ``nb`` samples. Layouts of a chunk:
+
+* canonical: x (nb, C, H, W), y and dy (nb, K, Ho, Wo), as the caller sees them;
+* batch-inner: padded input (C, Hp, Wp, nb), columns (Q, Ho*Wo*nb), the product and
+  dy rows (K, Ho*Wo*nb), i.e. (K, Ho, Wo, nb): the batch innermost, so that the
+  unfolding and folding copy runs of ``Wo*nb`` numbers;
+* sample-major: padded input (nb, C, Hp, Wp), columns (nb, Q, Ho*Wo);
+* channel-major windows: the whole layer's y (K, windows, Ho*Wo/windows, B), where
+  ``windows`` is 4 for a following 2x2 pool (window position (r, c) = 2r + c, so each
+  position of every window is one contiguous run per channel) or 1 (no pool). The
+  fused batch norm / ReLU / pool pass (``hetconv.ops.block_fast``) works on whole
+  channel rows of it; ``store_windows`` / ``load_windows`` copy a chunk's batch-inner
+  product in and its gradient out.
+
+Temporaries come from the calling thread's scratch (``thread_scratch``) when ``xp`` is
+numpy; nothing returned to a caller is scratch unless the docstring says so.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from hetconv.ops.workspace import Workspace, thread_scratch
+
+BATCH_INNER = "batch_inner"
+SAMPLE_MAJOR = "sample_major"
+SHIFTED_TAPS = "shifted_taps"
+TRANSPOSE_BLOCK_ELEMENTS = 1 << 15  # numbers per block of the y / dy transposes
+SAMPLE_BLOCK = 8  # samples per GEMM batch in the sample-major layout
+
+
+def _scratch(xp: Any) -> Workspace | None:
+    return thread_scratch() if xp is np else None
+
+
+def _empty(xp: Any, name: str, shape: tuple[int, ...], dtype: Any) -> Any:
+    """Uninitialised scratch (numpy: the thread's ``name`` array; else a new array)."""
+    scratch = _scratch(xp)
+    return xp.empty(shape, dtype) if scratch is None else scratch.get(name, shape, dtype)
+
+
+def _zeros(xp: Any, name: str, shape: tuple[int, ...], dtype: Any) -> Any:
+    scratch = _scratch(xp)
+    return xp.zeros(shape, dtype) if scratch is None else scratch.zeros(name, shape, dtype)
+
+
+def padded_input(xp: Any, g: Any, layout: str, x_chunk: Any,
+                 keep: tuple[Workspace, str] | None = None) -> Any:
+    """x_chunk (nb, C, H, W) zero-padded: (C, Hp, Wp, nb) for the batch-inner and
+    shifted-taps layouts, (nb, C, Hp, Wp) for the sample-major one. ``keep``
+    (workspace, name): the array is that workspace's, kept for the next step (its zero
+    border is written once), else a new array."""
+    nb, pad = x_chunk.shape[0], g.padding
+    hp, wp = g.height + 2 * pad, g.width + 2 * pad
+    shape = (nb, g.channels, hp, wp) if layout == SAMPLE_MAJOR else (g.channels, hp, wp, nb)
+    if keep is not None and xp is np:
+        padded = keep[0].kept_zeros(keep[1], shape, x_chunk.dtype)
+    elif layout == SAMPLE_MAJOR and not pad:
+        return x_chunk.copy()
+    else:
+        padded = (xp.zeros if pad else xp.empty)(shape, x_chunk.dtype)
+    if layout == SAMPLE_MAJOR:
+        padded[:, :, pad:pad + g.height, pad:pad + g.width] = x_chunk
+    else:
+        padded[:, pad:pad + g.height, pad:pad + g.width, :] = x_chunk.transpose(1, 2, 3, 0)
+    return padded
+
+
+def unfold(xp: Any, g: Any, layout: str, padded: Any) -> Any:
+    """im2col of a padded chunk into the thread's scratch: (Q, P*nb) batch-inner or
+    (nb, Q, P) sample-major. Scratch: valid until the thread's next ``unfold``."""
+    kh, kw, ho, wo, st = g.kernel_h, g.kernel_w, g.out_h, g.out_w, g.stride
+    as_strided = xp.lib.stride_tricks.as_strided
+    s0, s1, s2, s3 = padded.strides
+    if layout == BATCH_INNER:
+        nb = padded.shape[3]
+        shape = (g.channels, kh, kw, ho, wo, nb)
+        strides = (s0, s1, s2, s1 * st, s2 * st, s3)
+        columns = _empty(xp, "columns", (g.taps, g.positions * nb), padded.dtype)
+    else:
+        nb = padded.shape[0]
+        shape = (nb, g.channels, kh, kw, ho, wo)
+        strides = (s0, s1, s2, s3, s2 * st, s3 * st)
+        columns = _empty(xp, "columns", (nb, g.taps, g.positions), padded.dtype)
+    columns.reshape(shape)[...] = as_strided(padded, shape, strides)
+    return columns
+
+
+def kernel_blocks(xp: Any, kernels: int, numbers_per_kernel: int) -> list[slice]:
+    """Kernel ranges whose slice of y holds about TRANSPOSE_BLOCK_ELEMENTS numbers."""
+    step = max(1, TRANSPOSE_BLOCK_ELEMENTS // max(1, numbers_per_kernel))
+    step = step if xp is np else kernels
+    return [slice(start, min(kernels, start + step)) for start in range(0, kernels, step)]
+
+
+def product(xp: Any, g: Any, weight_matrix: Any, columns: Any) -> Any:
+    """W (K, Q) @ columns (Q, P*nb) into scratch: (K, P*nb), the batch-inner y."""
+    out = _empty(xp, "product", (g.kernels, columns.shape[1]), columns.dtype)
+    xp.matmul(weight_matrix, columns, out=out)
+    return out
+
+
+def forward_chunk(xp: Any, g: Any, layout: str, weight_matrix: Any, columns: Any,
+                  bias: Any, y_chunk: Any) -> None:
+    """Write y_chunk (nb, K, Ho, Wo) = conv of the chunk whose unfolding is ``columns``."""
+    nb, kernels, positions = y_chunk.shape[0], g.kernels, g.positions
+    y3 = y_chunk.reshape(nb, kernels, positions)  # a view: y_chunk is contiguous
+    if layout == BATCH_INNER:
+        rows = product(xp, g, weight_matrix, columns).reshape(kernels, positions, nb)
+        for block in kernel_blocks(xp, kernels, positions * nb):
+            target = y3[:, block]
+            target[...] = rows[block].transpose(2, 0, 1)
+            if bias is not None:
+                target += bias[block, None]
+        return
+    for start in range(0, nb, SAMPLE_BLOCK):
+        target = y3[start:start + SAMPLE_BLOCK]
+        xp.matmul(weight_matrix, columns[start:start + SAMPLE_BLOCK], out=target)
+        if bias is not None:
+            target += bias[:, None]
+
+
+def window_view(y_windows: Any, g: Any) -> Any:
+    """(K, windows, P/windows, B) as (K, 2, 2, Ho/2, Wo/2, B) (4 windows) or
+    (K, Ho, Wo, B) (1 window): views that the chunk copies index."""
+    kernels, windows, batch = y_windows.shape[0], y_windows.shape[1], y_windows.shape[3]
+    if windows == 4:
+        return y_windows.reshape(kernels, 2, 2, g.out_h // 2, g.out_w // 2, batch)
+    return y_windows.reshape(kernels, g.out_h, g.out_w, batch)
+
+
+def store_windows(g: Any, rows: Any, y_windows: Any, start: int, stop: int,
+                  bias: Any | None) -> None:
+    """Copy a chunk's batch-inner y rows (K, Ho*Wo*nb) into samples [start, stop) of
+    the channel-major y (K, windows, P/windows, B), adding bias (K,) when given."""
+    nb, kernels = stop - start, g.kernels
+    target = window_view(y_windows, g)[..., start:stop]
+    if y_windows.shape[1] == 4:
+        source = rows.reshape(kernels, g.out_h // 2, 2, g.out_w // 2, 2, nb)
+        target[...] = source.transpose(0, 2, 4, 1, 3, 5)
+    else:
+        target[...] = rows.reshape(kernels, g.out_h, g.out_w, nb)
+    if bias is not None:
+        target += bias.reshape((kernels,) + (1,) * (target.ndim - 1))
+
+
+def load_windows(xp: Any, g: Any, dy_windows: Any, start: int, stop: int) -> Any:
+    """Samples [start, stop) of the channel-major dy as batch-inner rows (K, Ho*Wo*nb),
+    in the thread's scratch (valid until its next ``load_windows`` or ``rows_of``)."""
+    nb, kernels = stop - start, g.kernels
+    rows = _empty(xp, "dy_rows", (kernels, g.positions * nb), dy_windows.dtype)
+    source = window_view(dy_windows, g)[..., start:stop]
+    if dy_windows.shape[1] == 4:
+        rows.reshape(kernels, g.out_h // 2, 2, g.out_w // 2, 2, nb)[...] = \
+            source.transpose(0, 3, 1, 4, 2, 5)
+    else:
+        rows.reshape(kernels, g.out_h, g.out_w, nb)[...] = source
+    return rows
+
+
+def rows_of(xp: Any, g: Any, dy_chunk: Any) -> Any:
+    """Canonical dy (nb, K, Ho, Wo) as batch-inner rows (K, Ho*Wo*nb), in scratch."""
+    nb, kernels, positions = dy_chunk.shape[0], g.kernels, g.positions
+    dy3 = dy_chunk.reshape(nb, kernels, positions)
+    rows = _empty(xp, "dy_rows", (kernels, positions, nb), dy_chunk.dtype)
+    for block in kernel_blocks(xp, kernels, positions * nb):
+        rows[block] = dy3[:, block].transpose(1, 2, 0)
+    return rows.reshape(kernels, positions * nb)
+
+
+def col2im_add(g: Any, dcol: Any, dx_padded: Any, batch_last: bool) -> None:
+    """dx_padded += col2im(dcol): kh*kw strided adds, each of one contiguous dcol block.
+
+    batch_last: dcol (kh, kw, C, Ho, Wo, nb) into dx_padded (C, Hp, Wp, nb);
+    otherwise dcol (nb, kh, kw, C, Ho, Wo) into dx_padded (nb, C, Hp, Wp).
+    """
+    st = g.stride
+    for i in range(g.kernel_h):
+        rows = slice(i, i + st * (g.out_h - 1) + 1, st)
+        for j in range(g.kernel_w):
+            cols = slice(j, j + st * (g.out_w - 1) + 1, st)
+            if batch_last:
+                dx_padded[:, rows, cols, :] += dcol[i, j]
+            else:
+                dx_padded[:, :, rows, cols] += dcol[:, i, j]
+
+
+def backward_rows(xp: Any, g: Any, offset_weights: Any | None, columns: Any, dy_rows: Any,
+                  dx_chunk: Any | None, need_db: bool) -> tuple[Any, Any]:
+    """Batch-inner backward of one chunk: (dw (K, Q), db (K,) or None) from dy rows
+    (K, Ho*Wo*nb) and the chunk's columns (Q, Ho*Wo*nb); writes dx_chunk (nb, C, H, W)
+    when given (offset_weights: (K, kh*kw*C), the weights with taps ordered (i, j, c),
+    so that the rows of dcol for one kernel offset are contiguous)."""
+    kh, kw, ho, wo, pad = g.kernel_h, g.kernel_w, g.out_h, g.out_w, g.padding
+    hp, wp = g.height + 2 * pad, g.width + 2 * pad
+    db = dy_rows.sum(axis=1) if need_db else None
+    dw = dy_rows @ columns.T
+    if dx_chunk is not None and offset_weights is not None:
+        nb = dx_chunk.shape[0]
+        dcol = _empty(xp, "dcol", (g.taps, dy_rows.shape[1]), dy_rows.dtype)
+        xp.matmul(offset_weights.T, dy_rows, out=dcol)
+        dx_padded = _zeros(xp, "dx_padded", (g.channels, hp, wp, nb), dy_rows.dtype)
+        col2im_add(g, dcol.reshape(kh, kw, g.channels, ho, wo, nb), dx_padded, batch_last=True)
+        inner = dx_padded[:, pad:pad + g.height, pad:pad + g.width, :]
+        dx_chunk[...] = inner.transpose(3, 0, 1, 2)
+    return dw, db
+
+
+def backward_sample_major(xp: Any, g: Any, offset_weights: Any | None, columns: Any,
+                          dy_chunk: Any, dx_chunk: Any | None, need_db: bool
+                          ) -> tuple[Any, Any]:
+    """Sample-major backward of one chunk: (dw (K, Q), db (K,) or None) from canonical
+    dy_chunk (nb, K, Ho, Wo) and columns (nb, Q, P); writes dx_chunk when given."""
+    nb, kernels, positions = dy_chunk.shape[0], g.kernels, g.positions
+    kh, kw, ho, wo, pad = g.kernel_h, g.kernel_w, g.out_h, g.out_w, g.padding
+    hp, wp = g.height + 2 * pad, g.width + 2 * pad
+    dy3 = dy_chunk.reshape(nb, kernels, positions)
+    db = dy3.sum(axis=(0, 2)) if need_db else None
+    dw = xp.zeros((kernels, g.taps), dy_chunk.dtype)
+    for start in range(0, nb, SAMPLE_BLOCK):
+        stop = min(nb, start + SAMPLE_BLOCK)
+        dy_block = dy3[start:stop]
+        dw += xp.matmul(dy_block, columns[start:stop].transpose(0, 2, 1)).sum(axis=0)
+        if dx_chunk is not None and offset_weights is not None:
+            dcol = xp.matmul(offset_weights.T, dy_block)
+            dcol = dcol.reshape(stop - start, kh, kw, g.channels, ho, wo)
+            dx_padded = _zeros(xp, "dx_padded", (stop - start, g.channels, hp, wp),
+                               dy_chunk.dtype)
+            col2im_add(g, dcol, dx_padded, batch_last=False)
+            dx_chunk[start:stop] = dx_padded[:, :, pad:pad + g.height, pad:pad + g.width]
+    return dw, db
