@@ -197,7 +197,8 @@ class Cluster:
         for _ in range(limits.MAX_MESSAGES_PER_POLL):
             try:
                 received = transport.recv_routed(self.sock, lambda identity: self.budget.admit(
-                    identity, now, identity in self.membership.workers))
+                    identity, now, identity in self.membership.workers),
+                    admitted=self.membership.workers)
             except ProtocolError as error:
                 # the connection's User-Id, where the transport read it (None: unknown)
                 user_id: str | None = getattr(error, "user_id", None)
