@@ -21,6 +21,7 @@ from hetconv.batches import Augmentation, BatchSource, augment_padding
 from hetconv.checkpoint import save_weights
 from hetconv.data import Dataset
 from hetconv.errors import UserError
+from hetconv.logs import progress_bar
 from hetconv.metrics import MetricsWriter
 from hetconv.model import ModelConfig, conv_layer_shapes, dense_parameter_names
 from hetconv.names import hidden_prefix
@@ -249,9 +250,8 @@ class Trainer:
                 return TrainResult(epochs=epochs, losses=losses)
             train_s = state.train_s
             try:
-                bar = tqdm(total=steps_per_epoch, initial=position,
-                           desc=f"epoch {epoch + 1}/{loop.epochs}", unit="batch",
-                           disable=not loop.progress, leave=True, dynamic_ncols=True)
+                bar = progress_bar(steps_per_epoch, position, f"epoch {epoch + 1}/{loop.epochs}",
+                                   disable=not loop.progress)  # lines when not a terminal
                 batches = source.prefetch(epoch, position)  # the thread ends in `finally`
                 try:
                     while position < steps_per_epoch:
