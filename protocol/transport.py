@@ -268,7 +268,8 @@ def recv_frames(sock: zmq.Socket[bytes], *, routed: bool = False, flags: int = 0
     sender whose identity is not in ``admitted`` (a stranger: it has not said Hello)
     gets ``admission.MAX_STRANGER_MESSAGE_BYTES`` instead (``admitted`` None: every
     sender is admitted). Once the frames read pass the limit, those kept are released,
-    the rest are read and released, and ``ProtocolError`` (``identity`` set) is raised:
+    the rest are read and released, and ``ProtocolError`` (``identity`` set, and on a
+    ROUTER ``user_id``: see :func:`recv_routed`) is raised:
     this reader never holds more than the limit. libzmq itself hands out no frame of a
     message before its last frame has arrived, so the whole message was in memory, once
     and briefly, before this runs (``limits.MAX_MSG_SIZE_BYTES`` bounds each frame
@@ -281,6 +282,7 @@ def recv_frames(sock: zmq.Socket[bytes], *, routed: bool = False, flags: int = 0
         return None
     frames: list[zmq.Frame | bytes] = [first]
     identity: bytes | None = None
+    crossed_on: str | None = None  # the User-Id of the connection of an over-limit message
     limit = max_total_bytes
     total = 0
     if routed:
@@ -297,14 +299,16 @@ def recv_frames(sock: zmq.Socket[bytes], *, routed: bool = False, flags: int = 0
         frame = sock.recv(copy=False)
         total += len(frame)
         if total > limit:
+            if routed and crossed_on is None:
+                crossed_on = user_id(frame)
             del frames[int(routed):]  # release what was kept; keep reading to the end
         elif len(frames) < keep:
             frames.append(frame)
     if total > limit and keep > 1:
         whose = " for a sender that has not said Hello" if limit < max_total_bytes else ""
-        raise ProtocolError(ERR_BAD_MESSAGE, f"message of {total} bytes exceeds the limit "
-                            f"of {limit} bytes{whose}; dropped while reading",
-                            identity=identity)
+        raise _from_connection(ProtocolError(
+            ERR_BAD_MESSAGE, f"message of {total} bytes exceeds the limit of {limit} bytes"
+            f"{whose}; dropped while reading", identity=identity), crossed_on)
     return frames
 
 
@@ -315,6 +319,14 @@ def user_id(frame: zmq.Frame) -> str:
         return str(frame.get("User-Id"))
     except (zmq.ZMQError, UnicodeDecodeError):
         return ""
+
+
+def _from_connection(error: ProtocolError, connection_user_id: str | None) -> ProtocolError:
+    """``error`` with ``user_id`` set: the ZAP User-Id of the connection its message came
+    on ("" without CURVE), None where no frame said (ProtocolError itself has no such
+    field; the master reads it with ``getattr``)."""
+    error.user_id = connection_user_id  # type: ignore[attr-defined]
+    return error
 
 
 @dataclass(frozen=True)
@@ -336,8 +348,10 @@ def recv_routed(sock: zmq.Socket[bytes], accept: Callable[[bytes], bool] | None 
     :class:`Routed`. ``admitted``: the identities of peers that said Hello; any other
     sender's message may hold at most ``admission.MAX_STRANGER_MESSAGE_BYTES`` (None:
     every sender gets ``MAX_TOTAL_BYTES``), see ``recv_frames``. A message that fails
-    to decode or is over its limit raises ``ProtocolError`` with ``.identity`` set;
-    the socket stays usable.
+    to decode or is over its limit raises ``ProtocolError`` with ``.identity`` and
+    ``.user_id`` set (the connection's ZAP User-Id, as :attr:`Routed.user_id`; None
+    where it could not be read), so that the master can tell a forgery under a worker's
+    routing id from that worker's own bad message; the socket stays usable.
     """
     if sock.type != zmq.ROUTER:
         raise ValueError("recv_routed is for ROUTER sockets")
@@ -348,10 +362,11 @@ def recv_routed(sock: zmq.Socket[bytes], accept: Callable[[bytes], bool] | None 
     identity = _identity(frames[0])
     if len(frames) == 1 and accept is not None:
         return identity  # not accepted (an identity alone is no message anyway)
+    last = frames[-1]
     try:
         message = decode(frames[1:])
     except ProtocolError as error:
         error.identity = identity
+        _from_connection(error, user_id(last) if isinstance(last, zmq.Frame) else None)
         raise
-    last = frames[-1]
     return Routed(identity, user_id(last) if isinstance(last, zmq.Frame) else "", message)
