@@ -10,7 +10,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-import zmq
 
 from hetconv.master.membership import (
     BadMessage,
