@@ -15,6 +15,11 @@ the master's link and on the busiest worker link (from the run's metrics), and t
 performance model's prediction (:mod:`hetconv.perf_model`) beside the measurement.
 Needs root (namespaces, cgroup v1 quotas); everything is torn down on exit, also on
 Ctrl-C or SIGTERM.
+
+With ``peer="ddp"`` (``--peer ddp``) every repeat also runs what a user would run instead
+on the same machines (:mod:`hetconv.bench.ddp`): PyTorch DDP over gloo with the batch
+split evenly and split by speed, and PyTorch alone on the fastest machine, interleaved
+with hetconv's runs; a second table gives both step times and their ratio.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from hetconv.bench.ddp import SPLITS, batch_shares, rank_command
 from hetconv.config import SPLIT_MODES, check_choice
 from hetconv.errors import UserError
 from hetconv.lab import CpuQuota, LocalWorker, cpu_quota_unavailable_reason, free_port
@@ -39,6 +45,7 @@ from hetconv.metrics import read_metrics
 from hetconv.perf_model import ParticipantCost, ideal_speedup, star_step_seconds
 
 RUN_TIMEOUT_S = 600.0
+PEERS = ("ddp",)
 
 
 def parse_machines(text: str) -> tuple[float, ...]:
@@ -157,17 +164,65 @@ def _run_in_quota(command: list[str], fraction: float, log_path: Path) -> int:
             quota.remove()
 
 
+def _run_ddp(lan: SwitchedLan, fractions: tuple[float, ...], arch: str, batch: int,
+             split: str, run_dir: Path) -> float:
+    """One PyTorch DDP run over the first ``len(fractions)`` machines of ``lan`` (rank i
+    on machine i, in its quota); the median step time rank 0 measured, seconds."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    shares = batch_shares(fractions, batch, split)
+    result = run_dir / "ddp.json"
+    result.unlink(missing_ok=True)
+    port = free_port()
+    running: list[tuple[subprocess.Popen[bytes], CpuQuota, Any]] = []
+    statuses: list[int | None] = []
+    try:
+        for rank, (fraction, samples) in enumerate(zip(fractions, shares)):
+            machine = lan.machines[rank]
+            command = machine.command(rank_command(
+                sys.executable, rank, len(fractions), lan.machines[0].address, port, arch,
+                samples, machine.interface, result if rank == 0 else None))
+            log = open(run_dir / f"rank{rank}.log", "wb")
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+            quota = CpuQuota(fraction)
+            running.append((process, quota, log))
+            quota.add(process.pid)
+        for process, _, _ in running:
+            statuses.append(process.wait(RUN_TIMEOUT_S))
+    finally:
+        for process, quota, log in running:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+            quota.remove()
+            log.close()
+    if any(status != 0 for status in statuses) or not result.exists():
+        raise UserError(f"the PyTorch DDP run failed (status {statuses}); see "
+                        f"{run_dir}/rank*.log")
+    return float(statistics.median(json.loads(result.read_text())["step_s"]))
+
+
+def ddp_label(fractions: tuple[float, ...], split: str) -> str:
+    """``ddp-even 4x[0.45,...]``: the peer's run of a machine set with a batch split."""
+    return f"ddp-{split} {len(fractions)}x[{','.join(f'{f:g}' for f in fractions)}]"
+
+
 def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
                     arch: str = "32:64", batch: int = 128, limit: int | None = None,
                     repeats: int = 3, work_dir: str | None = None,
                     data_planes: tuple[str, ...] = ("peer",), epochs: int = 4,
-                    out: Callable[[str], None] = print, split: str = "model"
-                    ) -> dict[str, Any]:
+                    out: Callable[[str], None] = print, split: str = "model",
+                    peer: str | None = None) -> dict[str, Any]:
     """Run every machine set with every data plane, and the baselines, ``repeats``
     times, interleaved within each repeat. ``split``: the runs' ``--split``; ``model``
     (the default) lets the link-aware planner choose the machines from its timings,
-    ``equal`` has every machine compute the same share whatever they measure."""
+    ``equal`` has every machine compute the same share whatever they measure.
+    ``peer="ddp"``: PyTorch DDP (even and by-speed batch splits) and PyTorch alone on
+    the same machines too, interleaved (needs torch: the ``bench`` extra)."""
     check_choice("split", split, SPLIT_MODES)
+    if peer is not None:
+        check_choice("peer", peer, PEERS)
+        from hetconv.bench.step import import_torch
+        import_torch()  # one line saying how to install it, before any LAN is made
     configurations = [(fractions, plane) for fractions in machine_sets for plane in data_planes]
     for reason in (netns_unavailable_reason(), cpu_quota_unavailable_reason()):
         if reason:
@@ -186,6 +241,7 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
         common += ["--limit", str(limit)]
     baselines = sorted({max(fractions) for fractions in machine_sets})
     results: dict[str, list[RunFigures]] = {}
+    peer_results: dict[str, list[float]] = {}  # ddp_label -> step seconds per repeat
 
     def label(configuration: tuple[tuple[float, ...], str]) -> str:
         return configuration_label(*configuration)
@@ -243,13 +299,28 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
                 out(f"  repeat {repeat + 1}: {name}: median step "
                     f"{results[name][-1].step_s * 1e3:.1f} ms")
                 time.sleep(0.2)
+            if peer is not None:
+                runs = [((fraction,), "even") for fraction in baselines] + [
+                    (fractions, batch_split) for fractions in dict.fromkeys(machine_sets)
+                    for batch_split in SPLITS
+                    if batch_split == "even" or len(set(fractions)) > 1]
+                for fractions, batch_split in runs:
+                    name = ddp_label(fractions, batch_split)
+                    step_s = _run_ddp(lan, fractions, arch, batch, batch_split,
+                                      root / name.replace(" ", "-") / f"repeat{repeat}")
+                    peer_results.setdefault(name, []).append(step_s)
+                    out(f"  repeat {repeat + 1}: {name}: median step {step_s * 1e3:.1f} ms")
     summary = summarize(configurations, results, label)
     table = format_table(summary, rate)
+    if peer is not None:
+        add_peer_figures(summary, configurations, peer_results)
+        table += format_peer_table(summary, rate)
     for line in table:
         out(line)
     (root / "scale.json").write_text(json.dumps(
         {"rate": rate, "arch": arch, "batch": batch, "repeats": repeats, "rows": summary,
-         "runs": {k: [asdict(f) for f in v] for k, v in results.items()}}, indent=1))
+         "runs": {k: [asdict(f) for f in v] for k, v in results.items()},
+         "peer_runs": peer_results}, indent=1))
     return {"rows": summary, "work_dir": str(root), "table": table}
 
 
@@ -294,4 +365,37 @@ def format_table(rows: list[dict[str, Any]], rate: str) -> list[str]:
             f"{row['baseline_step_s'] * 1e3:.1f} | {row['speedup']:.2f}x | "
             f"{100 * row['of_ideal']:.0f}% | {row['master_link_bytes'] / 1e6:.2f} | "
             f"{row['busiest_worker_link_bytes'] / 1e6:.2f} |")
+    return lines
+
+
+def add_peer_figures(rows: list[dict[str, Any]],
+                     configurations: list[tuple[tuple[float, ...], str]],
+                     peer_results: dict[str, list[float]]) -> None:
+    """Add the peer's medians to every row: DDP with the even and the by-speed batch
+    split (the same run where the machines are equal), PyTorch alone on the fastest
+    machine, and hetconv's step over each."""
+    for row, (fractions, _) in zip(rows, configurations):
+        even = statistics.median(peer_results[ddp_label(fractions, "even")])
+        speed_runs = peer_results.get(ddp_label(fractions, "speed"))
+        speed = statistics.median(speed_runs) if speed_runs else even
+        alone = statistics.median(peer_results[ddp_label((max(fractions),), "even")])
+        row.update({"ddp_even_step_s": even, "ddp_speed_step_s": speed,
+                    "torch_alone_step_s": alone,
+                    "hetconv_over_ddp_even": row["step_s"] / even,
+                    "hetconv_over_ddp_speed": row["step_s"] / speed})
+
+
+def format_peer_table(rows: list[dict[str, Any]], rate: str) -> list[str]:
+    """hetconv against PyTorch DDP on the same machines (ratio < 1: hetconv is faster)."""
+    lines = ["", "| machines (core each) | link | hetconv ms (x over hetconv alone) | "
+             "DDP even split ms (x over torch alone) | DDP split by speed ms | "
+             "hetconv / DDP even | hetconv / DDP by speed |",
+             "|---|---|---|---|---|---|---|"]
+    for row in rows:
+        lines.append(
+            f"| {row['machines']} | {rate} | {row['step_s'] * 1e3:.1f} "
+            f"({row['speedup']:.2f}x) | {row['ddp_even_step_s'] * 1e3:.1f} "
+            f"({row['torch_alone_step_s'] / row['ddp_even_step_s']:.2f}x) | "
+            f"{row['ddp_speed_step_s'] * 1e3:.1f} | {row['hetconv_over_ddp_even']:.2f} | "
+            f"{row['hetconv_over_ddp_speed']:.2f} |")
     return lines

@@ -32,7 +32,7 @@ FLAGS: dict[str, tuple[tuple[str, str], ...]] = {
     "scale": (("--machines", "machines"), ("--data-plane", "data_plane"), ("--rate", "rate"),
               ("--arch", "arch"), ("--epochs", "epochs"),
               ("--batch", "batch"), ("--limit", "limit"), ("--repeats", "repeats"),
-              ("--work-dir", "work_dir")),
+              ("--work-dir", "work_dir"), ("--split", "split"), ("--peer", "peer")),
     "chaos": (("--minutes", "minutes"), ("--interval-min", "interval_min"),
               ("--interval-max", "interval_max"), ("--faults", "faults"), ("--lab", "lab"),
               ("--rate", "rate"), ("--arch", "arch"), ("--batch", "batch"),
@@ -111,6 +111,13 @@ def add_parser(sub: Any) -> None:
                        "re-split that 8 or more steps follow)")
     scale.add_argument("--repeats", type=positive_int, default=3)
     scale.add_argument("--work-dir", default=None, help="where the runs go (default a temp dir)")
+    scale.add_argument("--split", default="model", choices=SPLIT_MODES,
+                       help="hetconv's --split in every run (default model: the planner "
+                       "chooses the machines)")
+    scale.add_argument("--peer", default=None, choices=("ddp",),
+                       help="also run what users would run instead on the same machines: "
+                       "PyTorch DDP (gloo; even and by-speed batch splits) and PyTorch alone, "
+                       "interleaved (needs the bench extra: pip install '.[bench]')")
     chaos = bench.add_parser("chaos", help="a master and 4 workers under a seeded random fault "
                              "every 20-40 s (SIGKILL, SIGSTOP, restart; with --lab also CPU "
                              "quota and link faults) against a fault-free run of the same seed")
@@ -304,7 +311,7 @@ def run(args: argparse.Namespace) -> int:
         result = run_scale_bench(configurations, rate=args.rate, arch=args.arch,
                                  batch=args.batch, limit=args.limit, repeats=args.repeats,
                                  work_dir=args.work_dir, data_planes=tuple(args.data_plane),
-                                 epochs=args.epochs)
+                                 epochs=args.epochs, split=args.split, peer=args.peer)
         table = result["table"]
     elif args.bench == "chaos":
         from hetconv.bench.chaos import run_chaos_bench

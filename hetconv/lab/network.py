@@ -101,10 +101,12 @@ def _run_all(commands: list[list[str]]) -> None:
 
 
 class LanMachine:
-    """One machine of a :class:`SwitchedLan`: a namespace, its address and its switch port."""
+    """One machine of a :class:`SwitchedLan`: a namespace, its address, its switch port
+    and its own end of the link (``interface``, inside the namespace)."""
 
-    def __init__(self, netns: str, address: str, port: str):
+    def __init__(self, netns: str, address: str, port: str, interface: str = ""):
         self.netns, self.address, self.port = netns, address, port
+        self.interface = interface
 
     def link_bytes(self) -> tuple[int, int]:
         """(bytes the machine received, bytes it sent) so far, counted at its switch port."""
@@ -138,7 +140,7 @@ class SwitchedLan:
             self._made_bridge = True
             for index in range(machines):
                 netns, port, inner = f"hcm{tag}m{index}", f"hcs{tag}m{index}", f"hci{tag}m{index}"
-                machine = LanMachine(netns, f"10.78.{lan}.{index + 1}", port)
+                machine = LanMachine(netns, f"10.78.{lan}.{index + 1}", port, inner)
                 commands = [
                     ["ip", "netns", "add", netns],
                     ["ip", "link", "add", port, "type", "veth", "peer", "name", inner],

@@ -119,3 +119,26 @@ def test_on_a_slow_lan_the_master_trains_alone(tmp_path: Path) -> None:
     assert steps and all(d["device"] == "master"
                          for s in steps for layer in s["layers"] for d in layer["devices"])
     assert records[-1]["type"] == "run_end" and records[-1]["status"] == "completed"
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.skipif(REASON is not None, reason=f"cannot emulate a LAN here: {REASON}")
+def test_bench_scale_runs_pytorch_ddp_beside_hetconv(tmp_path: Path) -> None:
+    """``--peer ddp``: DDP over gloo on the same namespaces and quotas (even and by-speed
+    batch splits), PyTorch alone, and a table with both steps and their ratio."""
+    pytest.importorskip("torch")
+    lines: list[str] = []
+    result = run_scale_bench([(0.6, 0.3)], rate="1gbit", arch="8:16", batch=64, limit=512,
+                             repeats=1, work_dir=str(tmp_path), data_planes=("peer",),
+                             epochs=1, out=lines.append, split="equal", peer="ddp")
+    (row,) = result["rows"]
+    for key in ("ddp_even_step_s", "ddp_speed_step_s", "torch_alone_step_s"):
+        assert 0 < row[key] < 10, row
+    assert row["hetconv_over_ddp_even"] == pytest.approx(row["step_s"] / row["ddp_even_step_s"])
+    assert any(line.startswith("| 2x[0.6,0.3] peer | 1gbit |") and line.count("|") == 8
+               for line in result["table"])
+    log = (tmp_path / "ddp-speed-2x[0.6,0.3]" / "repeat0" / "rank1.log")
+    assert log.exists()
+    assert not [line for line in subprocess.run(["ip", "netns"], capture_output=True,
+                                                text=True).stdout.splitlines()
+                if line.startswith("hcm")]  # torn down

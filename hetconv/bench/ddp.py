@@ -1,0 +1,125 @@
+"""The peer in ``hetconv bench scale --peer ddp``: PyTorch DDP (gloo, CPU) on the same LAN.
+
+What a user would otherwise run on the same machines: the same network
+(:func:`hetconv.bench.step.torch_network`, hetconv's initial weights), plain PyTorch
+DistributedDataParallel over gloo, one process per machine in that machine's
+namespace and CPU quota, one thread each, SGD with momentum 0.9. The batch is split
+over the ranks either evenly (what DDP's users get from ``DistributedSampler``) or in
+proportion to the machines' core fractions (``by speed``: what a careful user could
+do by hand). Batch-norm statistics are per rank (PyTorch's SyncBatchNorm refuses CPU
+modules), gradients are averaged over ranks. The baseline is the same loop on one
+machine (``world 1``), the fastest machine's quota.
+
+Run as ``python -m hetconv.bench.ddp --rank R --world N ...`` (one process per
+machine, started by :mod:`hetconv.bench.scale`); rank 0 writes the wall time of every
+step after the warm-up to ``--out`` as JSON. PyTorch is needed only here (the
+optional ``bench`` extra).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+DDP_STEPS = 40
+"""Timed steps per DDP run (after DDP_WARMUP_STEPS): the median is the figure."""
+DDP_WARMUP_STEPS = 5
+DDP_TIMEOUT_S = 180.0
+"""How long the ranks may take to meet (gloo's rendezvous) before the run fails."""
+SPLITS = ("even", "speed")
+
+
+def batch_shares(fractions: Sequence[float], batch: int, split: str) -> list[int]:
+    """Samples per rank: ``even`` the same for each (largest remainders), ``speed`` in
+    proportion to ``fractions`` (cores per machine). Every rank gets at least one."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}")
+    if batch < len(fractions):
+        raise ValueError("the batch must give every rank at least one sample")
+    weights = [1.0] * len(fractions) if split == "even" else [float(f) for f in fractions]
+    total = sum(weights)
+    raw = [(batch - len(weights)) * w / total for w in weights]
+    shares = [1 + int(r) for r in raw]
+    order = sorted(range(len(raw)), key=lambda i: raw[i] - int(raw[i]), reverse=True)
+    for i in order[:batch - sum(shares)]:
+        shares[i] += 1
+    return shares
+
+
+def rank_command(python: str, rank: int, world: int, address: str, port: int, arch: str,
+                 samples: int, interface: str | None, out: Path | None) -> list[str]:
+    """The command line of one rank (``out``: where rank 0 writes its step times)."""
+    command = [python, "-m", "hetconv.bench.ddp", "--rank", str(rank), "--world", str(world),
+               "--address", address, "--port", str(port), "--arch", arch,
+               "--samples", str(samples)]
+    if interface:
+        command += ["--interface", interface]
+    if out is not None:
+        command += ["--out", str(out)]
+    return command
+
+
+def _arguments(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m hetconv.bench.ddp",
+                                     description="one rank of the PyTorch DDP peer")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--address", required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--arch", required=True)
+    parser.add_argument("--samples", type=int, required=True, help="this rank's share")
+    parser.add_argument("--interface", default=None, help="GLOO_SOCKET_IFNAME")
+    parser.add_argument("--steps", type=int, default=DDP_STEPS)
+    parser.add_argument("--out", default=None)
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """One rank: meet the others, train ``--steps`` timed steps, rank 0 writes them."""
+    args = _arguments(sys.argv[1:] if argv is None else argv)
+    if args.interface:  # gloo picks its interface from the host name otherwise
+        os.environ["GLOO_SOCKET_IFNAME"] = args.interface
+    from hetconv.bench.step import CLASSES, INPUT_SHAPE, import_torch, torch_network, torch_step
+    from hetconv.model import init_parameters, model_config, parse_network
+
+    torch = import_torch()
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    distributed = args.world > 1
+    if distributed:
+        dist.init_process_group("gloo", init_method=f"tcp://{args.address}:{args.port}",
+                                rank=args.rank, world_size=args.world,
+                                timeout=datetime.timedelta(seconds=DDP_TIMEOUT_S))
+    model = model_config(parse_network(args.arch), INPUT_SHAPE, CLASSES)
+    network = torch_network(torch, model, init_parameters(model, 0))
+    if distributed:
+        network = torch.nn.parallel.DistributedDataParallel(network)
+    rng = np.random.default_rng(args.rank)
+    x = rng.standard_normal((args.samples, *INPUT_SHAPE), dtype=np.float32)
+    labels = rng.integers(0, CLASSES, args.samples)
+    step = torch_step(torch, network, x, labels)
+    seconds: list[float] = []
+    for index in range(DDP_WARMUP_STEPS + args.steps):
+        started = time.perf_counter()
+        step()
+        if index >= DDP_WARMUP_STEPS:
+            seconds.append(time.perf_counter() - started)
+    if distributed:
+        dist.barrier()
+        dist.destroy_process_group()
+    if args.out and args.rank == 0:
+        Path(args.out).write_text(json.dumps({"step_s": seconds, "samples": args.samples,
+                                              "world": args.world}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
