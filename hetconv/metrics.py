@@ -10,7 +10,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,17 +46,26 @@ def drop_cut_off_line(path: Path) -> None:
 
 
 class MetricsWriter:
-    """Append-only JSON-lines writer; every record gets ``type`` and ``time``."""
+    """Append-only JSON-lines writer; every record gets ``type`` and ``time``. Each
+    record written is also handed to every function in ``observers`` (the Prometheus
+    exporter, :mod:`hetconv.prometheus`); one that raises is logged and dropped."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         drop_cut_off_line(self.path)  # a killed writer's half line would swallow our first
         self._file = open(self.path, "a", encoding="utf-8")
+        self.observers: list[Callable[[dict[str, Any]], None]] = []
 
     def write(self, record_type: str, **fields: Any) -> None:
         record = {"type": record_type, "time": round(time.time(), 6), **fields}
         self._file.write(json.dumps(record, separators=(",", ":"), allow_nan=False) + "\n")
         self._file.flush()
+        for observer in list(self.observers):
+            try:
+                observer(record)
+            except Exception:  # an observer must never stop a run
+                log.exception("metrics observer failed on a %s record; dropped", record_type)
+                self.observers.remove(observer)
 
     def close(self) -> None:
         if not self._file.closed:

@@ -32,8 +32,10 @@ from hetconv.backend import set_blas_threads
 from hetconv.config import WorkerConfig
 from hetconv.device_info import describe_device
 from hetconv.peer_sockets import PeerSockets, route_address
+from hetconv.prometheus import Exporter, WorkerTotals
 from hetconv.protocol import (
     ERR_INTERNAL,
+    ERR_UNKNOWN_WORKER,
     ErrorReply,
     Goodbye,
     Heartbeat,
@@ -67,8 +69,10 @@ IDLE_DRAIN_INTERVAL_S = 0.5
 class WorkerDaemon:
     """One worker process: a socket loop around a :class:`WorkerService`."""
 
-    def __init__(self, config: WorkerConfig):
+    def __init__(self, config: WorkerConfig, exporter: Exporter | None = None):
         self.config = config
+        self.exporter = exporter  # --metrics-port: what this worker served, for /metrics
+        self.joined_line = ""  # said once per session (master, data endpoint, CURVE)
         set_blas_threads(config.threads)
         self.service = WorkerService(config.device)
         self.device = describe_device(config.device, threads=config.threads)
@@ -93,7 +97,12 @@ class WorkerDaemon:
                     continue
                 if request is None:
                     return
-                self._replies.put(self.service.handle(request))
+                started = time.perf_counter()
+                reply = self.service.handle(request)
+                if self.exporter is not None:
+                    seconds = time.perf_counter() - started
+                    self.exporter.observe_served(request, reply, seconds)
+                self._replies.put(reply)
                 try:
                     wake.send(b"", zmq.NOBLOCK)
                 except zmq.ZMQError:  # the main loop is gone (stopping): nobody to wake
@@ -124,6 +133,9 @@ class WorkerDaemon:
         sock = transport.worker_socket(ctx, self.config.master, self.identity,
                                        curve=self.config.curve)
         address = self.config.advertise or route_address(self.config.master)
+        self.joined_line = (f"serving master {self.config.master}; data endpoint "
+                            f"{data.endpoint(address)} (peers connect here); CURVE "
+                            f"{'on' if curve else 'off (plain TCP: a trusted LAN only)'}")
         log.info("worker %s (%s: %s) connecting to %s; data endpoint %s", self.worker_id,
                  self.config.device, self.device.get("name"), self.config.master,
                  data.endpoint(address))
@@ -177,6 +189,7 @@ class WorkerDaemon:
         """Feed ``events`` to the session and carry out its actions in order; the exit
         status once an action says to exit."""
         for event in events:
+            was_in = session.in_session
             for action in session.handle(event):
                 match action:
                     case Send():
@@ -189,7 +202,24 @@ class WorkerDaemon:
                         log.log(action.level, "%s", action.text)
                     case Exit():
                         return action.status
+            if was_in != session.in_session:
+                self._session_changed(session.in_session, event)
         return None
+
+    def _session_changed(self, joined: bool, event: Event) -> None:
+        """Say once that the worker is in (with what peers and the master must reach);
+        count sessions and evictions for /metrics."""
+        if joined:
+            log.info("%s", self.joined_line)
+        evicted = (not joined and isinstance(event, MessageReceived)
+                   and isinstance(event.message, ErrorReply)
+                   and event.message.code == ERR_UNKNOWN_WORKER)
+        if self.exporter is not None:
+            def change(totals: WorkerTotals) -> None:
+                totals.in_run = int(joined)
+                totals.runs_joined += int(joined)
+                totals.evictions_seen += int(evicted)
+            self.exporter.update(change)
 
     def _receive(self, sock: zmq.Socket[Any]) -> list[Event]:
         """Every message waiting on ``sock``, decoded, as session events (a message
@@ -227,9 +257,10 @@ class WorkerDaemon:
             log.warning("send failed: %s", error)
 
 
-def run_worker(config: WorkerConfig) -> int:
-    """Run a daemon in this process until SIGTERM/SIGINT; returns the exit status."""
-    daemon = WorkerDaemon(config)
+def run_worker(config: WorkerConfig, exporter: Exporter | None = None) -> int:
+    """Run a daemon in this process until SIGTERM/SIGINT; returns the exit status.
+    ``exporter``: count what it serves for /metrics (``hetconv.prometheus``)."""
+    daemon = WorkerDaemon(config, exporter)
 
     def _stop(signum: int, _frame: Any) -> None:
         log.info("signal %d: stopping", signum)

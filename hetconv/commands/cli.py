@@ -2,22 +2,23 @@
 
 Subcommands (each a module of this package with ``add_parser`` and ``run``):
 ``train``, ``worker``, ``report``, ``calibrate``, ``keygen``, ``bench``, ``plan``,
-``evaluate``, ``predict`` and ``export``. Settings
+``evaluate``, ``predict``, ``export`` and ``status``. Settings
 come from flags, then ``HETCONV_*`` environment variables, then defaults; every
 subcommand turns its flags into a typed configuration (``hetconv.config``) before
 anything else sees them. A :class:`UserError` (or a bad flag) prints one line,
-``hetconv: error: ...``, and exits with status 2.
+``hetconv: error: ...``, and exits with status 2. Logging is set up by
+:mod:`hetconv.logs` (``--log-format`` where a subcommand has it; other libraries'
+loggers stay at WARNING).
 """
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
 from types import ModuleType
 
-from hetconv import __version__
+from hetconv import __version__, logs
 from hetconv.commands import (
     bench,
     calibrate,
@@ -57,8 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                            format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+        logs.configure(args.verbose, getattr(args, "log_format", "text"),
+                       getattr(args, "progress_every", None))
         run: Callable[[argparse.Namespace], int] = SUBCOMMANDS[args.command].run
         return run(args)
     except UserError as error:

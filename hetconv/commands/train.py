@@ -13,6 +13,7 @@ import signal
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,7 @@ from hetconv.config import (
 from hetconv.data import DatasetError, load_dataset
 from hetconv.device_info import describe_device
 from hetconv.errors import UserError
+from hetconv.logs import add_output_flags, emit
 from hetconv.metrics import SCHEMA_VERSION, MetricsWriter
 from hetconv.model import (
     ModelConfig,
@@ -57,6 +59,7 @@ from hetconv.model import (
     parse_network,
 )
 from hetconv.optim import OptimizerConfig
+from hetconv.prometheus import add_metrics_port, serve, training_exporter
 from hetconv.stage import ConvStage, LocalConvStage, layer_settings
 from hetconv.train_state import CHECKPOINT_NAME, CheckpointError, TrainingState
 from hetconv.training import LoopConfig, Trainer
@@ -160,6 +163,8 @@ def add_parser(sub: Any) -> None:
                    "local or distributed as the other flags say")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_curve_master(p)
+    add_output_flags(p, progress=True)
+    add_metrics_port(p)
 
 
 def master_config(args: argparse.Namespace) -> MasterConfig:
@@ -237,8 +242,18 @@ def _config_record(config: TrainConfig, model: ModelConfig, spec: NetworkSpec
 
 
 def run(args: argparse.Namespace) -> int:
+    exporter = training_exporter()
+    server = serve(exporter, args.metrics_port)  # before anything is written
+    try:
+        return _run(args, [exporter.observe_record] if server else [])
+    finally:
+        if server is not None:
+            server.close()
+
+
+def _run(args: argparse.Namespace, observers: list[Callable[[dict[str, Any]], None]]) -> int:
     if args.resume is None:
-        return run_training(train_config(args))
+        return run_training(train_config(args), observers=observers)
     run_dir = Path(args.resume)
     saved = _saved_config(run_dir)
     if args.overwrite:
@@ -258,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
     if state.epoch >= args.epochs:
         raise UserError(f"--resume: nothing left to do: {run_dir} finished its "
                         f"{args.epochs} epoch(s)")
-    return run_training(train_config(args), resume=state)
+    return run_training(train_config(args), resume=state, observers=observers)
 
 
 def _saved_config(run_dir: Path) -> dict[str, Any]:
@@ -304,7 +319,8 @@ def _take_saved_flags(args: argparse.Namespace, saved: dict[str, Any]) -> None:
         setattr(args, dest, value)
 
 
-def run_training(config: TrainConfig, resume: TrainingState | None = None) -> int:
+def run_training(config: TrainConfig, resume: TrainingState | None = None,
+                 observers: Sequence[Callable[[dict[str, Any]], None]] = ()) -> int:
     """One whole training run as configured (from ``resume`` on, when given); returns
     the exit status."""
     spec = network_spec(config)  # a bad spec stops here, before anything starts
@@ -333,14 +349,14 @@ def run_training(config: TrainConfig, resume: TrainingState | None = None) -> in
                       seed=config.seed, optimizer=optimizer, progress=config.progress,
                       checkpoint_every=config.checkpoint_every, augment=config.data.augment)
     settings = layer_settings(model, optimizer.momentum, optimizer.weight_decay)
-    print(f"hetconv: {data.name} ({len(data.train_images)} train / {len(data.test_images)} test "
+    emit(f"hetconv: {data.name} ({len(data.train_images)} train / {len(data.test_images)} test "
           f"images of {'x'.join(map(str, model.input_shape))}), arch {spec.text}, "
-          f"batch {config.batch}, {config.epochs} epochs -> {run_dir}", flush=True)
+          f"batch {config.batch}, {config.epochs} epochs -> {run_dir}")
     previous_term = signal.signal(signal.SIGTERM, _interrupt) \
         if threading.current_thread() is threading.main_thread() else None
     try:
         return _train(config, resume, data, model, shapes, run_dir, record, params, loop,
-                      settings)
+                      settings, observers)
     finally:
         if previous_term is not None:
             signal.signal(signal.SIGTERM, previous_term)
@@ -354,14 +370,15 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 def _train(config: TrainConfig, resume: TrainingState | None, data: Any, model: ModelConfig,
            shapes: Any, run_dir: Path, record: dict[str, Any], params: Any, loop: LoopConfig,
-           settings: Any) -> int:
+           settings: Any, observers: Sequence[Callable[[dict[str, Any]], None]] = ()) -> int:
     with MetricsWriter(run_dir / "metrics.jsonl") as metrics:
+        metrics.observers.extend(observers)  # --metrics-port: /metrics follows the records
         metrics.write("run_start", pid=os.getpid(), config=record,
                       layers=[shape.__dict__ for shape in shapes],
                       resumed_from=None if resume is None else resume.step)
         if resume is not None:
-            print(f"hetconv: resuming {run_dir} at step {resume.step} (epoch "
-                  f"{resume.epoch + 1}, batch {resume.position})", flush=True)
+            emit(f"hetconv: resuming {run_dir} at step {resume.step} (epoch "
+                 f"{resume.epoch + 1}, batch {resume.position})")
         status, error_text = "failed", None
         stage: ConvStage | None = None
         try:
@@ -375,7 +392,7 @@ def _train(config: TrainConfig, resume: TrainingState | None, data: Any, model: 
                 stage = LocalConvStage(model, params, settings, device=config.device)
                 device = describe_device(config.device, threads=config.threads)
                 metrics.write("devices", devices=[{"id": MASTER_PARTICIPANT, **device}])
-            trainer = Trainer(model, params, stage, loop, metrics, run_dir)
+            trainer = Trainer(model, params, stage, loop, metrics, run_dir, out=emit)
             result = trainer.fit(data, resume)
             status = "completed"
         except UserError as error:
@@ -391,6 +408,6 @@ def _train(config: TrainConfig, resume: TrainingState | None, data: Any, model: 
             metrics.write("run_end", status=status, error=error_text)
             if stage is not None:
                 stage.close()
-    print(f"hetconv: done: test accuracy {result.test_accuracy:.4f}; "
-          f"weights in {run_dir / 'weights.npz'}", flush=True)
+    emit(f"hetconv: done: test accuracy {result.test_accuracy:.4f}; "
+         f"weights in {run_dir / 'weights.npz'}", test_accuracy=result.test_accuracy)
     return 0

@@ -9,6 +9,8 @@ from hetconv.commands.options import env, env_int, env_positive_int, positive_in
 from hetconv.config import WorkerConfig
 from hetconv.errors import UserError
 from hetconv.keys import client_keys
+from hetconv.logs import add_output_flags
+from hetconv.prometheus import add_metrics_port, serve, worker_exporter
 
 
 def add_parser(sub: Any) -> None:
@@ -31,6 +33,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--advertise", default=env("ADVERTISE", None), metavar="HOST",
                    help="the address peers reach this worker's data endpoint at (default: "
                    "this machine's address on the route to the master)")
+    add_output_flags(p)
+    add_metrics_port(p)
 
 
 def worker_config(args: argparse.Namespace) -> WorkerConfig:
@@ -50,4 +54,11 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
 def run(args: argparse.Namespace) -> int:
     from hetconv.worker.daemon import run_worker
 
-    return run_worker(worker_config(args))
+    config = worker_config(args)
+    exporter = worker_exporter()
+    server = serve(exporter, args.metrics_port)
+    try:
+        return run_worker(config, exporter if server else None)
+    finally:
+        if server is not None:
+            server.close()
