@@ -28,6 +28,7 @@ from hetconv.commands import (
     plan,
     predict,
     report,
+    status,
     train,
     worker,
 )
@@ -37,7 +38,7 @@ from hetconv.errors import UserError
 SUBCOMMANDS: dict[str, ModuleType] = {
     "train": train, "worker": worker, "report": report, "calibrate": calibrate,
     "keygen": keygen, "bench": bench, "plan": plan, "evaluate": evaluate, "predict": predict,
-    "export": export,
+    "export": export, "status": status,
 }
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from hetconv.lab import free_port
-from tests.conftest import SMALL_RUN, child_env, hetconv_command
+from tests.conftest import SMALL_RUN, child_env, hetconv_command, run_hetconv
 
 parser = pytest.importorskip("prometheus_client.parser",
                              reason="prometheus_client is missing: pip install 'hetconv[metrics]'")
@@ -79,7 +79,7 @@ def test_scraped_metrics_equal_metrics_jsonl(workers: Any, endpoint: str, tmp_pa
                         "--no-local", *SMALL_RUN, "--run-dir", str(run_dir),
                         "--metrics-port", str(train_port)),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env())
-    last_text, mid_run_scrapes = None, 0
+    last_text, mid_run_scrapes, status_line = None, 0, None
     try:
         while master.poll() is None:
             text = scrape(train_port)
@@ -88,6 +88,9 @@ def test_scraped_metrics_equal_metrics_jsonl(workers: Any, endpoint: str, tmp_pa
                 if value(found, "hetconv_steps_total") > 0:
                     last_text = text
                     mid_run_scrapes += 1
+                    if status_line is None:  # hetconv status over the same endpoint
+                        status_line = run_hetconv("status", f"http://127.0.0.1:{train_port}",
+                                                  timeout=30)
             time.sleep(0.05)
         output = master.communicate(timeout=30)[0]
     finally:
@@ -158,8 +161,34 @@ def test_scraped_metrics_equal_metrics_jsonl(workers: Any, endpoint: str, tmp_pa
         assert value(worker, "hetconv_worker_bytes_sent_total") >= sent
         assert value(worker, "hetconv_worker_runs_joined_total") == 1
         assert value(worker, "hetconv_worker_evictions_seen_total") == 0
+    assert status_line is not None and status_line.returncode == 0, status_line
+    check_status_table(status_line.stdout, set(worker_ports), running=True)
+    from_dir = run_hetconv("status", str(run_dir), timeout=30)
+    assert from_dir.returncode == 0, from_dir.stderr
+    check_status_table(from_dir.stdout, set(worker_ports), running=False)
     logs = "".join(worker.output() for worker in started)
     assert f"serving master {endpoint}" in logs and "CURVE off" in logs, logs
+
+
+def check_status_table(text: str, names: set[str], running: bool) -> None:
+    """``hetconv status``: a run line, a header, one row per worker with its kernels."""
+    lines = text.splitlines()
+    assert lines[0].startswith("run: running; step " if running else "run: not running"), text
+    assert lines[1].split()[:4] == ["participant", "device", "calibrated", "s/layer"], text
+    rows = {line.split()[0]: line.split() for line in lines[2:]}
+    assert set(rows) == names, text
+    for row in rows.values():
+        assert row[1] == "cpu" and int(row[4]) > 0 and "ago" in row, text
+
+
+def test_status_errors_are_one_line(tmp_path: Path) -> None:
+    for target, expected in (
+            (str(tmp_path), "no metrics.jsonl there"),
+            (f"http://127.0.0.1:{free_port()}", "is the master running with --metrics-port"),
+            ("tcp://127.0.0.1:5555", "not its ZeroMQ port")):
+        result = run_hetconv("status", target, timeout=30)
+        assert result.returncode == 2 and len(result.stderr.splitlines()) == 1, result.stderr
+        assert expected in result.stderr, result.stderr
 
 
 def test_a_taken_metrics_port_is_one_line(tmp_path: Path) -> None:
