@@ -2,12 +2,16 @@
 20-40 s, against a fault-free run of the same seed (docs/resilience.md).
 
 Both runs train the same network with the same flags and seed; the fault-free one
-runs first. With ``--epochs auto`` (the default) a one-epoch probe run first measures
+runs first. They run the settings a user gets by default (``--split model``,
+``--wire-dtype auto``, the peer data plane, rebalancing on) unless ``split``,
+``wire_dtype`` or ``data_plane`` say otherwise; only ``--threads 1`` is pinned (five
+processes share the machine). With ``--epochs auto`` (the default) a one-epoch probe run first measures
 an epoch's wall time, and the runs get enough epochs to outlast ``--minutes`` by a
 quarter. In the second, once the first training step is recorded, a fault is
 injected every ``--interval-min``..``--interval-max`` seconds (seeded) for
 ``--minutes`` or until the run ends, into a worker that is not busy with an earlier
-fault:
+fault, one that held kernels at the last recorded step where there is one (the planner
+may leave a slow worker idle; a fault there would test nothing):
 
 * ``sigkill``: SIGKILL, then the worker is started again under the same name after
   5 s;
@@ -25,9 +29,9 @@ of one core. Everything is stopped and removed on exit, also on Ctrl-C or SIGTER
 Then it prints every fault injected and its effect, read from the chaos run's
 ``metrics.jsonl``: the ``recovery`` records written within ``--recovery-window``
 seconds of it (and before the next fault), or none (nothing needed: a short stall
-retried); the time it cost (each recovery's own seconds plus its replayed steps times
+retried); the kernels the worker held when it struck; the time it cost (each recovery's own seconds plus its replayed steps times
 the fault-free run's median step time); when the worker was back (the ``replan`` that
-took it in again); whether the run completed (a fault is survived when the run
+took it in again: a ``join`` naming it or giving it kernels); whether the run completed (a fault is survived when the run
 completed); the master's RSS, open files and threads after warm-up and at the end;
 and the final test accuracy of both runs. The decision logic (:func:`plan_faults`,
 :func:`assess`) is pure; the processes are in :class:`ChaosCluster`.
@@ -50,6 +54,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from hetconv.config import DATA_PLANES, SPLIT_MODES, WIRE_DTYPE_AUTO
 from hetconv.errors import UserError
 from hetconv.lab import LocalWorker, cpu_quota_unavailable_reason, free_port
 from hetconv.lab.network import SwitchedLan, netns_unavailable_reason
@@ -117,10 +122,29 @@ def plan_faults(seed: int, minutes: float, interval_min_s: float, interval_max_s
         planned.append(PlannedFault(round(at, 3), rng.choice(list(kinds))))
 
 
-def pick_worker(rng: random.Random, names: Sequence[str], busy: set[str]) -> str | None:
-    """A seeded random worker that no earlier fault still holds, or None."""
+def pick_worker(rng: random.Random, names: Sequence[str], busy: set[str],
+                holding: Sequence[str] = ()) -> str | None:
+    """A seeded random worker that no earlier fault still holds, or None; among those,
+    one of ``holding`` (the workers holding kernels now) where there is one."""
     free = [name for name in names if name not in busy]
-    return rng.choice(free) if free else None
+    preferred = [name for name in free if name in holding]
+    return rng.choice(preferred or free) if free else None
+
+
+def kernels_held(records: Sequence[dict[str, Any]]) -> dict[str, int]:
+    """Kernels per worker (all layers) in the last ``step`` record of ``records``."""
+    last = next((r for r in reversed(records) if r.get("type") == "step"), None)
+    held: dict[str, int] = {}
+    for layer in (last or {}).get("layers", []):
+        for device in layer.get("devices", []):
+            name = str(device["device"])
+            held[name] = held.get(name, 0) + int(device.get("kernels", 0))
+    return held
+
+
+def _gives_kernels(record: dict[str, Any], name: str) -> bool:
+    return any(d.get("device") == name and int(d.get("kernels", 0)) > 0
+               for layer in record.get("counts", []) for d in layer.get("devices", []))
 
 
 # --- the assessment (pure) ------------------------------------------------------------------
@@ -134,6 +158,7 @@ class InjectedFault:
     at_s: float  # seconds after the first training step
     time: float
     ended: float | None = None
+    kernels: int | None = None  # the worker's kernels at the last step before it (None: unknown)
 
 
 @dataclass(frozen=True)
@@ -144,6 +169,7 @@ class FaultOutcome:
     worker: str
     at_s: float
     effect: str  # "recovery" (a snapshot restored) or "none needed"
+    kernels: int | None  # the worker's kernels (all layers) when the fault struck
     recoveries: int
     recovery_s: float  # the recoveries' own seconds
     detected_s: float | None  # from the fault to the start of its first recovery
@@ -157,10 +183,10 @@ def assess(faults: Sequence[InjectedFault], records: Sequence[dict[str, Any]],
            completed: bool, median_step_s: float, window_s: float) -> list[FaultOutcome]:
     """Each fault's effect from the chaos run's metrics records: the ``recovery``
     records in [its time, its time + window_s) and before the next fault; the first
-    ``replan`` after its end naming its worker as joining."""
+    ``join`` re-plan after its end naming its worker or giving it kernels."""
     recoveries = [r for r in records if r.get("type") == "recovery"]
     joins = [r for r in records if r.get("type") == "replan"
-             and str(r.get("reason", "")).startswith("join of")]
+             and str(r.get("reason", "")).startswith("join")]
     outcomes = []
     for index, fault in enumerate(faults):
         until = fault.time + window_s
@@ -177,11 +203,13 @@ def assess(faults: Sequence[InjectedFault], records: Sequence[dict[str, Any]],
         rejoined = None
         if fault.ended is not None:
             back = next((r for r in joins if float(r["time"]) >= fault.ended
-                         and fault.worker in str(r["reason"])), None)
+                         and (fault.worker in str(r["reason"]).replace(",", " ").split()
+                              or _gives_kernels(r, fault.worker))), None)
             rejoined = None if back is None else float(back["time"]) - fault.ended
         outcomes.append(FaultOutcome(
             kind=fault.kind, worker=fault.worker, at_s=fault.at_s,
-            effect="recovery" if mine else "none needed", recoveries=len(mine),
+            effect="recovery" if mine else "none needed", kernels=fault.kernels,
+            recoveries=len(mine),
             recovery_s=seconds, detected_s=detected, replayed_steps=replayed,
             time_lost_s=seconds + replayed * median_step_s, rejoined_s=rejoined,
             survived=completed))
@@ -309,6 +337,7 @@ class Injector:
     planned: list[PlannedFault]
     seed: int
     out: Callable[[str], None]
+    held: Callable[[], dict[str, int]] = dict  # kernels per worker now
     injected: list[InjectedFault] = field(default_factory=list)
     pending: list[tuple[float, str, Callable[[], None]]] = field(default_factory=list)
     busy: set[str] = field(default_factory=set)
@@ -333,13 +362,17 @@ class Injector:
             self.pending.remove(entry)
             entry[2]()
         while self.queue and self.queue[0].at_s <= elapsed_s:
-            name = pick_worker(self.rng, self.cluster.names, self.busy)
+            held = self.held()
+            name = pick_worker(self.rng, self.cluster.names, self.busy,
+                               [n for n, kernels in held.items() if kernels > 0])
             if name is None:
                 return  # every worker still holds a fault: try again at the next tick
-            self._inject(self.queue.pop(0), name, elapsed_s, now)
+            self._inject(self.queue.pop(0), name, elapsed_s, now, held.get(name))
 
-    def _inject(self, planned: PlannedFault, name: str, elapsed_s: float, now: float) -> None:
-        fault = InjectedFault(planned.kind, name, round(elapsed_s, 1), time.time())
+    def _inject(self, planned: PlannedFault, name: str, elapsed_s: float, now: float,
+                kernels: int | None = None) -> None:
+        fault = InjectedFault(planned.kind, name, round(elapsed_s, 1), time.time(),
+                              kernels=kernels)
         cluster, kind = self.cluster, planned.kind
         self.busy.add(name)
         if kind == SIGKILL:
@@ -359,7 +392,8 @@ class Injector:
             cluster.link(name, False)
             self._later(now + LINK_DOWN_S[kind], name, lambda: cluster.link(name, True), fault)
         self.injected.append(fault)
-        self.out(f"  +{elapsed_s:.1f} s: {kind} on {name}")
+        self.out(f"  +{elapsed_s:.1f} s: {kind} on {name} ({'?' if kernels is None else kernels}"
+                 " kernels)")
 
     def finish_pending(self) -> None:
         """Run every follow-up now (the run is over): nothing stays stopped or down."""
@@ -394,6 +428,22 @@ def _steps_recorded(run_dir: Path) -> int:
     if not path.exists():
         return 0
     return path.read_text(encoding="utf-8", errors="replace").count('"type":"step"')
+
+
+def _last_step(run_dir: Path) -> list[dict[str, Any]]:
+    """The last complete ``step`` record of a running run's metrics (a list of at most
+    one), read while the master may be writing the next line."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    for line in reversed(path.read_text(encoding="utf-8", errors="replace").splitlines()):
+        if '"type":"step"' in line:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # cut off: being written
+            return [record] if isinstance(record, dict) else []
+    return []
 
 
 @contextmanager
@@ -454,7 +504,8 @@ def run_once(name: str, root: Path, train_flags: list[str], lan: SwitchedLan | N
                     master.kill()
                     master.wait()
         stack.callback(end_master)
-        injector = Injector(cluster, planned, seed, out)
+        injector = Injector(cluster, planned, seed, out,
+                            lambda: kernels_held(_last_step(run_dir / "run")))
         stack.callback(injector.finish_pending)
         while _steps_recorded(run_dir / "run") == 0:
             if master.poll() is not None or time.monotonic() - started > START_TIMEOUT_S:
@@ -487,11 +538,13 @@ def run_chaos_bench(minutes: float = 10.0, interval_min_s: float = 20.0,
                     rate: str = "1gbit", arch: str = "32:64", batch: int = 64,
                     epochs: int | None = None,
                     limit: int | None = None, test_limit: int | None = None, seed: int = 1,
-                    checkpoint_every: int = 20, split: str = "equal",
+                    checkpoint_every: int = 20, split: str = SPLIT_MODES[0],
+                    data_plane: str = DATA_PLANES[0], wire_dtype: str = WIRE_DTYPE_AUTO,
                     recovery_window_s: float = 30.0, work_dir: str | None = None,
                     out: Callable[[str], None] = print) -> dict[str, Any]:
     """The fault-free run, then the chaos run; the result rows and the table.
-    ``epochs`` None: enough to outlast ``minutes`` (a one-epoch probe run first)."""
+    ``epochs`` None: enough to outlast ``minutes`` (a one-epoch probe run first).
+    ``split``, ``data_plane`` and ``wire_dtype`` default to ``hetconv train``'s defaults."""
     kinds = parse_faults(faults, lab) if faults else (FAULT_KINDS if lab else LOOPBACK_FAULTS)
     if minutes <= 0 or recovery_window_s <= 0:
         raise UserError("--minutes and --recovery-window must be positive")
@@ -504,7 +557,8 @@ def run_chaos_bench(minutes: float = 10.0, interval_min_s: float = 20.0,
     root.mkdir(parents=True, exist_ok=True)
     common = ["--data", "synthetic", "--arch", arch, "--batch", str(batch), "--threads", "1",
               "--no-progress", "--seed", str(seed), "--checkpoint-every",
-              str(checkpoint_every), "--split", split]
+              str(checkpoint_every), "--split", split, "--data-plane", data_plane,
+              "--wire-dtype", wire_dtype]
     common += ["--limit", str(limit)] if limit else []
     common += ["--test-limit", str(test_limit)] if test_limit else []
     with _terminate_as_interrupt(), ExitStack() as stack:
@@ -526,7 +580,8 @@ def run_chaos_bench(minutes: float = 10.0, interval_min_s: float = 20.0,
     outcomes = assess(chaos.injected, chaos.records, completed, step_s, recovery_window_s)
     result: dict[str, Any] = {
         "mode": "lab" if lab else "loopback", "minutes": minutes, "seed": seed,
-        "epochs": epochs,
+        "epochs": epochs, "settings": {"split": split, "data_plane": data_plane,
+                                       "wire_dtype": wire_dtype},
         "completed": completed, "faults_planned": len(planned),
         "faults_injected": len(outcomes),
         "faults_survived": sum(1 for o in outcomes if o.survived),
@@ -563,8 +618,12 @@ def format_table(result: dict[str, Any]) -> list[str]:
     """The summary lines and one table row per fault (markdown)."""
     free, chaos = result["fault_free_accuracy"], result["chaos_accuracy"]
     difference = None if free is None or chaos is None else chaos - free
+    settings = result.get("settings") or {}
     lines = ["", f"- mode: {result['mode']}, seed {result['seed']}, {result['epochs']} "
              f"epoch(s) per run, faults for {result['minutes']:g} min or until the run ended",
+             "- training settings: " + (", ".join(
+                 f"--{key.replace('_', '-')} {value}" for key, value in settings.items())
+                 or "the defaults"),
              f"- run completed: {'yes' if result['completed'] else 'NO'}",
              f"- faults injected: {result['faults_injected']} of {result['faults_planned']} "
              f"planned; survived: {result['faults_survived']}",
@@ -575,13 +634,13 @@ def format_table(result: dict[str, Any]) -> list[str]:
              f"{result['chaos_wall_s']:.0f} s; fault-free median step "
              f"{result['median_step_s'] * 1e3:.1f} ms",
              _resources_line(result), "",
-             "| # | at s | fault | worker | effect | detected after s | recovery s | "
-             "replayed steps | time lost s | back after s | survived |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| # | at s | fault | worker | kernels held | effect | detected after s | "
+             "recovery s | replayed steps | time lost s | back after s | survived |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for number, fault in enumerate(result["faults"], start=1):
         lines.append(
             f"| {number} | {fault['at_s']:.1f} | {fault['kind']} | {fault['worker']} | "
-            f"{fault['effect']} | {_opt(fault.get('detected_s'), digits=2)} | "
+            f"{'-' if fault.get('kernels') is None else fault['kernels']} | {fault['effect']} | {_opt(fault.get('detected_s'), digits=2)} | "
             f"{fault['recovery_s']:.2f} | {fault['replayed_steps']} | "
             f"{fault['time_lost_s']:.2f} | {_opt(fault['rejoined_s'])} | "
             f"{'yes' if fault['survived'] else 'NO'} |")

@@ -19,7 +19,7 @@ from typing import Any
 
 from hetconv.checkpoint import save_text
 from hetconv.commands.options import Parser, positive_int
-from hetconv.config import DATA_PLANES, DATASETS, SPLIT_MODES
+from hetconv.config import DATA_PLANES, DATASETS, SPLIT_MODES, WIRE_DTYPE_AUTO, WIRE_DTYPE_FLAGS
 from hetconv.errors import UserError
 
 FLAGS: dict[str, tuple[tuple[str, str], ...]] = {
@@ -38,7 +38,8 @@ FLAGS: dict[str, tuple[tuple[str, str], ...]] = {
               ("--rate", "rate"), ("--arch", "arch"), ("--batch", "batch"),
               ("--epochs", "epochs"), ("--limit", "limit"), ("--test-limit", "test_limit"),
               ("--seed", "seed"), ("--checkpoint-every", "checkpoint_every"),
-              ("--split", "split"), ("--recovery-window", "recovery_window"),
+              ("--split", "split"), ("--data-plane", "data_plane"),
+              ("--wire-dtype", "wire_dtype"), ("--recovery-window", "recovery_window"),
               ("--work-dir", "work_dir")),
     "accuracy": (("--seeds", "seeds"), ("--arch", "arch"), ("--epochs", "epochs"),
                  ("--batch", "batch"), ("--workers", "workers"), ("--data", "data"),
@@ -144,7 +145,12 @@ def add_parser(sub: Any) -> None:
     chaos.add_argument("--seed", type=int, default=1,
                        help="seeds the training and the fault schedule (default 1)")
     chaos.add_argument("--checkpoint-every", type=positive_int, default=20)
-    chaos.add_argument("--split", choices=SPLIT_MODES, default="equal")
+    chaos.add_argument("--split", choices=SPLIT_MODES, default=SPLIT_MODES[0],
+                       help="as hetconv train --split (default: train's, model)")
+    chaos.add_argument("--data-plane", choices=DATA_PLANES, default=DATA_PLANES[0],
+                       help="as hetconv train --data-plane (default: train's, peer)")
+    chaos.add_argument("--wire-dtype", choices=WIRE_DTYPE_FLAGS, default=WIRE_DTYPE_AUTO,
+                       help="as hetconv train --wire-dtype (default: train's, auto)")
     chaos.add_argument("--recovery-window", type=float, default=30.0,
                        help="a recovery within this many seconds of a fault is its effect "
                        "(default 30)")
@@ -192,8 +198,8 @@ def command_line(args: argparse.Namespace) -> str:
         if dest == "train_flags":  # flags as a value: --train-flags='--augment'
             words.append(f"{flag}={value}")
             continue
-        if dest in ("machines", "data_plane") or (args.bench == "step" and isinstance(
-                value, list)):  # one flag per value
+        if isinstance(value, list) and (dest in ("machines", "data_plane")
+                                        or args.bench == "step"):  # one flag per value
             if args.bench == "step" and dest in ("threads", "quota"):
                 continue  # written as pairs below
             for configuration in value:
@@ -322,7 +328,8 @@ def run(args: argparse.Namespace) -> int:
             arch=args.arch, batch=args.batch,
             epochs=None if args.epochs == "auto" else int(args.epochs), limit=args.limit,
             test_limit=args.test_limit, seed=args.seed, checkpoint_every=args.checkpoint_every,
-            split=args.split, recovery_window_s=args.recovery_window, work_dir=args.work_dir)
+            split=args.split, data_plane=args.data_plane, wire_dtype=args.wire_dtype,
+            recovery_window_s=args.recovery_window, work_dir=args.work_dir)
         table = result["table"]
         failed = not result["completed"] or result["faults_survived"] < result["faults_injected"]
     elif args.bench == "accuracy":
