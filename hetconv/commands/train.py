@@ -387,7 +387,7 @@ def _train(config: TrainConfig, resume: TrainingState | None, data: Any, model: 
 
                 stage = open_distributed_stage(config.master, model, params, settings, metrics,
                                                batch=config.batch, device=config.device,
-                                               threads=config.threads)
+                                               threads=config.threads, report=emit)
             else:
                 stage = LocalConvStage(model, params, settings, device=config.device)
                 device = describe_device(config.device, threads=config.threads)
