@@ -14,28 +14,39 @@ helper thread and copy to and from it.
 from __future__ import annotations
 
 import logging
-import statistics
 import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import zmq
 
 from hetconv.dataplane import PeerLost
 from hetconv.errors import UserError
+from hetconv.master.assign import assign, exchange, shard_state
 from hetconv.master.audit import audit_input, audit_mismatch
 from hetconv.master.cluster import Cluster, Reply, WorkerHandle, WorkerLost
 from hetconv.master.plan import Shard, reshard
+from hetconv.master.run import (
+    Admit,
+    Command,
+    Evict,
+    FallBackLocal,
+    Fault,
+    ReplanDone,
+    ReplanPoint,
+    Resplit,
+    RunControl,
+    StepDone,
+    Stop,
+)
 from hetconv.model import ConvLayerShape
-from hetconv.names import STATE_NAMES, TRAINABLE_NAMES, layer_key, velocity_name
+from hetconv.names import STATE_NAMES, layer_key
 from hetconv.protocol import (
-    AssignShard,
     BackwardReply,
     BackwardRequest,
     ForwardReply,
@@ -47,12 +58,6 @@ from hetconv.stage import ConvStage, StageFault
 from hetconv.wire_cast import to_wire
 
 AfterStep = Callable[[dict[str, Any]], None]
-REQUEST_DEADLINE_MIN_S = 5.0
-REQUEST_DEADLINE_FACTOR = 10.0
-FIRST_REQUEST_DEADLINE_S = 120.0
-EVICT_AFTER_FAULTS = 2
-REJOIN_BACKOFF_STEPS = 50
-"""Faults in a row (no good step between) after which a live worker is evicted."""
 log = logging.getLogger("hetconv.master")
 
 
@@ -76,34 +81,12 @@ def checked_result(shard: Shard, name: str, array: np.ndarray,
     return array
 
 
-def survivors_counts(shards: Sequence[Sequence[Shard]], evicted: set[str]) -> list[list[int]]:
-    """Kernel counts per layer per participant with the evicted participants' kernels
-    spread over the others in proportion to what they hold (evenly where they hold
-    none). The fallback when no planner profiles exist."""
-    out = []
-    for row in shards:
-        kernels = row[-1].stop if row else 0
-        keep = [0 if s.participant in evicted else s.kernels for s in row]
-        alive = [i for i, s in enumerate(row) if s.participant not in evicted]
-        if not alive:
-            raise ValueError("no participant left to hold the kernels")
-        weights = [keep[i] for i in alive] if sum(keep) else [1] * len(alive)
-        counts = [0] * len(row)
-        for i, share in zip(alive, balanced_shares(weights, kernels)):
-            counts[i] = share
-        out.append(counts)
-    return out
+class Joins(Protocol):
+    """Who may join at a re-plan point, and taking them in (master/session.py)."""
 
+    def joinable(self, stage: DistributedConvStage) -> list[str]: ...
 
-def balanced_shares(weights: Sequence[int], total: int) -> list[int]:
-    """``total`` split in proportion to ``weights`` (largest remainders), summing exactly."""
-    whole = sum(weights)
-    raw = [total * w / whole for w in weights]
-    shares = [int(r) for r in raw]
-    for i in sorted(range(len(raw)), key=lambda i: raw[i] - shares[i],
-                    reverse=True)[:total - sum(shares)]:
-        shares[i] += 1
-    return shares
+    def admit(self, stage: DistributedConvStage, names: list[str]) -> list[list[Shard]]: ...
 
 
 @dataclass
@@ -162,16 +145,10 @@ class DistributedConvStage:
         self.replan: Callable[[set[str]], list[list[int]]] | None = None
         self.on_replan: Callable[[list[list[int]], str], None] | None = None
         self.local_stage_factory: Callable[[], ConvStage] | None = None
-        self.stop_on_worker_loss = False
-        self.join: Callable[[DistributedConvStage], list[list[Shard]] | None] | None = None
-        self.quarantined: set[str] = set()  # evicted for wrong results: not taken back
-        self.evictions: dict[str, int] = {}  # participant -> times evicted this run
-        self.evicted_at: dict[str, int] = {}  # participant -> good steps done then
-        self.steps_done = 0  # good steps so far (the clock of the rejoin back-off)
-        self._known = {s.participant for row in shards for s in row}
-        self._faults: dict[str, int] = {}  # participant -> faults since the last good step
-        self._step_seconds: deque[float] = deque(maxlen=9)  # recent good steps, wall
-        self._last_step_end: float | None = None
+        self.join: Joins | None = None
+        # the failover policy: faults, evictions, quarantine, rejoin back-off (master/run.py)
+        self.control = RunControl(s.participant for row in shards for s in row
+                                  if s.worker is not None)
 
     # --- local share in a helper thread ------------------------------------------------
     def _notify(self) -> None:
@@ -267,15 +244,7 @@ class DistributedConvStage:
                                  error.peers[0] if error.peers else None, evict=error.bad_data)
             if job.error is not None:
                 raise job.error
-        for phase in phases:
-            for shard, message in phase.requests:
-                reply_message = replies[message.request_id].message
-                for key in ("step", "layer", "attempt"):
-                    if hasattr(message, key) and \
-                            getattr(reply_message, key) != getattr(message, key):
-                        raise WorkerLost(f"worker {shard.participant} answered {phase.what} "
-                                         f"with {key} {getattr(reply_message, key)}, expected "
-                                         f"{getattr(message, key)}", shard.participant)
+        for phase in phases:  # each reply's type and echo were checked by Membership
             phase.replies = {phase.by_rid[rid].participant: replies[rid]
                              for rid in phase.pending}
 
@@ -375,21 +344,11 @@ class DistributedConvStage:
 
     def request_deadline_s(self) -> float:
         """How long a training phase's requests may stay unanswered before the phase is
-        retried (a lost request behind a short partition): REQUEST_DEADLINE_FACTOR
-        times the median of the recent steps, at least REQUEST_DEADLINE_MIN_S, and
-        FIRST_REQUEST_DEADLINE_S before any step was timed."""
-        if not self._step_seconds:
-            return FIRST_REQUEST_DEADLINE_S
-        return max(REQUEST_DEADLINE_MIN_S,
-                   REQUEST_DEADLINE_FACTOR * statistics.median(self._step_seconds))
+        retried (master/run.py decides)."""
+        return self.control.request_deadline_s()
 
     def take_step_timings(self) -> dict[str, Any]:
-        now = time.monotonic()
-        if self._faults == {} and self._last_step_end is not None:
-            self._step_seconds.append(now - self._last_step_end)
-        self._last_step_end = now
-        self.steps_done += 1
-        self._faults.clear()  # a step went through: faults so far were transient
+        self.control.handle(StepDone(time.monotonic()))  # faults so far were transient
         layers = [{"layer": layer, "devices": list(devices.values())}
                   for layer, devices in sorted(self._timings.items())]
         comm_s, self._comm_s, self._timings = self._comm_s, 0.0, {}
@@ -429,34 +388,26 @@ class DistributedConvStage:
         answering differently is evicted (WorkerLost), before this snapshot is kept."""
         if not self.layer_shapes or self.settings is None:
             return
-        pending: dict[int, WorkerHandle] = {}
-        asked: dict[int, tuple[Shard, int, np.ndarray]] = {}
+        asked: list[tuple[Shard, int, np.ndarray]] = []
+        requests: list[tuple[WorkerHandle, ForwardRequest]] = []
         for layer, row in enumerate(self.shards):
-            holders = [s for s in row if s.worker is not None and s.kernels > 0]
-            if not holders or layer >= len(self.layer_shapes):
+            if layer >= len(self.layer_shapes):
                 continue
             x = to_wire(audit_input(self.layer_shapes[layer], self._step, layer),
                         self.wire_dtype)
-            for shard in holders:
-                assert shard.worker is not None
-                request_id = self.cluster.request_id()
-                self.cluster.send(shard.worker, ForwardRequest(
-                    request_id=request_id, step=self._step, layer=layer, attempt=0,
-                    train=False, x=x))
-                pending[request_id] = shard.worker
-                asked[request_id] = (shard, layer, x)
-        if not pending:
-            return
-        replies = self.cluster.gather(pending, "result audit",
-                                      timeout_s=self.request_deadline_s())
-        for request_id, (shard, layer, x) in asked.items():
-            message = replies[request_id].message
-            if not isinstance(message, ForwardReply) or message.layer != layer:
-                raise WorkerLost(f"worker {shard.participant} answered the result audit of "
-                                 f"layer {layer + 1} with another message", shard.participant)
-            piece = {name: state[layer_key(layer, name)][shard.start:shard.stop]
-                     for name in STATE_NAMES}
-            reference = ConvShard(layer, shard.start, shard.stop, self.settings, piece,
+            for shard in row:
+                if shard.worker is not None and shard.kernels > 0:
+                    asked.append((shard, layer, x))
+                    requests.append((shard.worker, ForwardRequest(
+                        request_id=self.cluster.request_id(), step=self._step, layer=layer,
+                        attempt=0, train=False, x=x)))
+        replies = exchange(self.cluster, requests, "result audit",
+                           timeout_s=self.request_deadline_s())
+        for (shard, layer, x), reply in zip(asked, replies):
+            message = reply.message  # a ForwardReply of this layer (Membership checked)
+            assert isinstance(message, ForwardReply)
+            reference = ConvShard(layer, shard.start, shard.stop, self.settings,
+                                  shard_state(state, layer, shard.start, shard.stop),
                                   device="cpu").forward_host(x.astype(np.float32), False)
             problem = audit_mismatch(np.asarray(message.y), np.asarray(reference))
             if problem is not None:
@@ -473,28 +424,9 @@ class DistributedConvStage:
         stays) and rebuild the master's own shards on its device."""
         state = self.snapshot()
         shards = reshard(self.shards, counts)
-        for shard in (s for row in shards for s in row if s.kernels > 0):
-            if shard.worker is not None and shard.worker.gone:  # never re-assign the gone
-                raise WorkerLost(f"worker {shard.participant} is gone; not re-splitting onto it",
-                                 shard.participant, gone=True)
-        pending: dict[int, WorkerHandle] = {}
-        for layer, (old_row, new_row) in enumerate(zip(self.shards, shards)):
-            for old, new in zip(old_row, new_row):
-                if (old.start, old.stop) == (new.start, new.stop) or \
-                        old.kernels == new.kernels == 0:
-                    continue
-                piece = {name: state[layer_key(layer, name)][new.start:new.stop]
-                         for name in STATE_NAMES}
-                if new.worker is None:
-                    device = self.local_shards[layer].device
-                    self.local_shards[layer] = ConvShard(layer, new.start, new.stop, settings,
-                                                         piece, device=device)
-                    continue
-                message = assign_shard(self.cluster.request_id(), layer, new.start, new.stop,
-                                       settings, piece)
-                self.cluster.send(new.worker, message)
-                pending[message.request_id] = new.worker
-        self.cluster.gather(pending, "re-split shard assignment")
+        self.local_shards = assign(self.cluster, shards, state, settings, self.local_shards,
+                                   self.device, "re-split", previous=self.shards,
+                                   changed_only=True)
         self.shards = shards
         self._after_resplit()
 
@@ -504,82 +436,74 @@ class DistributedConvStage:
         self._assign_from(self.shards, state, "restore")
 
     def recover(self, fault: StageFault, state: dict[str, np.ndarray]) -> ConvStage:
-        """Evict the workers that are gone (and the one at fault, once it has failed
-        twice in a row while alive, or gave wrong results), re-plan over the rest and
-        restore every shard to ``state``. With no worker left: a local stage from
-        ``state`` (or UserError under ``--on-worker-loss stop``)."""
-        culprit = fault.participant
-        if culprit is not None:
-            self._faults[culprit] = self._faults.get(culprit, 0) + 1
-        workers = {s.participant: s.worker for row in self.shards for s in row
-                   if s.worker is not None}
-        evicted = {name for name, worker in workers.items() if worker.gone}
-        if culprit in workers and (fault.gone or fault.evict
-                                   or self._faults[culprit] >= EVICT_AFTER_FAULTS):
-            evicted.add(culprit)
-        if fault.evict and culprit is not None:
-            self.quarantined.add(culprit)
-        for name in evicted:
-            self.evictions[name] = self.evictions.get(name, 0) + 1
-            self.evicted_at[name] = self.steps_done
-        for name in sorted(evicted):
-            worker = workers[name]
-            if not worker.gone:  # alive but failing: tell it the run is over for it
-                self.cluster.drop(worker, f"evicted: {fault}")
+        """Hand the fault to the run's state machine and carry out what it decides:
+        evict, re-plan over the rest and restore every shard to ``state``; with no
+        worker left a local stage from ``state`` (or UserError under
+        ``--on-worker-loss stop``)."""
         self._quiesce_local()
-        alive = [name for name in workers if name not in evicted]
-        if not alive:
-            if self.stop_on_worker_loss:
-                raise UserError(f"every worker is lost ({fault}); stopping as "
-                                "--on-worker-loss stop asks")
-            if self.local_stage_factory is None:
-                raise fault
-            local = self.local_stage_factory()
-            local.restore(state)
-            self.close()
-            log.warning("every worker is lost: training on alone")
-            return local
-        own = {s.participant for s in self.shards[0] if s.worker is None}  # the master's
-        counts = (self.replan(set(alive) | own) if self.replan is not None
-                  else survivors_counts(self.shards, set(evicted)))
-        self._assign_from(reshard(self.shards, counts), state, "recovery")
-        if self.on_replan is not None:
-            self.on_replan([[s.kernels for s in row] for row in self.shards],
-                           f"recovery from: {fault}")
-        return self
-
-    def may_rejoin(self, participant: str) -> bool:
-        """Whether an evicted participant may be taken back now: at once after its first
-        eviction (a restart, a healed partition), then after REJOIN_BACKOFF_STEPS good
-        steps, doubling with every further eviction (a machine that keeps failing does
-        not cost a recovery every re-plan point)."""
-        if participant in self.quarantined:
-            return False
-        count = self.evictions.get(participant, 0)
-        if count <= 1:
-            return True
-        wait = REJOIN_BACKOFF_STEPS * (1 << (count - 2))
-        return self.steps_done - self.evicted_at.get(participant, 0) >= wait
+        return self._carry_out(self.control.handle(self._fault_event(fault)), state)
 
     def replan_point(self, state: dict[str, np.ndarray]) -> ConvStage:
-        """Right after a snapshot: take in the workers that joined since the last one
-        (``join``), re-planning over everyone and restoring every shard from
-        ``state`` (which is the current state, so nothing is rolled back)."""
+        """Right after a snapshot: take in the workers that joined since the last one,
+        re-planning over everyone and restoring every shard from ``state`` (which is
+        the current state, so nothing is rolled back)."""
         if self.join is None:
             return self
-        shards = self.join(self)
-        if shards is None:
+        joinable = self.join.joinable(self)
+        if not joinable:
             return self
-        holding = {s.participant for row in self.shards for s in row if s.kernels > 0}
-        self._assign_from(shards, state, "join")
-        if self.on_replan is not None:  # the joined: new, or back (evicted: no kernels)
-            joined = sorted({s.participant for row in shards for s in row if s.kernels > 0}
-                            - holding) or sorted({s.participant for row in shards for s in row}
-                                                 - self._known)
-            self.on_replan([[s.kernels for s in row] for row in self.shards],
-                           "join of " + (", ".join(joined) or "a returning worker"))
-        self._known = {s.participant for row in self.shards for s in row}
+        return self._carry_out(self.control.handle(ReplanPoint(tuple(joinable))), state)
+
+    def _fault_event(self, fault: StageFault) -> Fault:
+        gone = frozenset(s.participant for row in self.shards for s in row
+                         if s.worker is not None and s.worker.gone)
+        return Fault(str(fault), fault.participant, fault.gone, fault.evict, gone)
+
+    def _carry_out(self, commands: list[Command], state: dict[str, np.ndarray]) -> ConvStage:
+        """Perform the state machine's commands; a fault while doing so (a worker lost
+        during a re-plan) goes back to it, and its new commands are carried out."""
+        try:
+            for command in commands:
+                match command:
+                    case Evict():
+                        worker = self._worker_of(command.participant)
+                        if command.drop and worker is not None and not worker.gone:
+                            self.cluster.drop(worker, command.reason)
+                    case Stop():
+                        raise UserError(command.reason)
+                    case FallBackLocal():
+                        if self.local_stage_factory is None:
+                            raise UserError(command.reason)
+                        local = self.local_stage_factory()
+                        local.restore(state)
+                        self.close()
+                        log.warning("%s: training on alone", command.reason)
+                        return local
+                    case Admit():
+                        assert self.join is not None
+                        self.shards = self.join.admit(self, list(command.participants))
+                    case Resplit():
+                        self._resplit_to(command, state)
+        except WorkerLost as lost:
+            self._quiesce_local()
+            return self._carry_out(self.control.handle(self._fault_event(lost)), state)
         return self
+
+    def _resplit_to(self, command: Resplit, state: dict[str, np.ndarray]) -> None:
+        """Re-plan over ``command.alive`` (and the master's own device) and restore
+        every shard from ``state``."""
+        if self.replan is None:
+            raise RuntimeError("the stage has no split rule to re-plan with")
+        own = {s.participant for s in self.shards[0] if s.worker is None}
+        counts = self.replan(set(command.alive) | own)
+        self._assign_from(reshard(self.shards, counts), state,
+                          "join" if command.joined else "recovery")
+        self.control.handle(ReplanDone())
+        if self.on_replan is not None:
+            self.on_replan([[s.kernels for s in row] for row in self.shards], command.reason)
+
+    def _worker_of(self, participant: str) -> WorkerHandle | None:
+        return next((s.worker for s in self.shards[0] if s.participant == participant), None)
 
     def _quiesce_local(self) -> None:
         """End every local job still queued or waiting for peers (a phase whose
@@ -596,24 +520,8 @@ class DistributedConvStage:
         (workers that are gone get nothing); the master's own shards are rebuilt."""
         if self.settings is None:
             raise RuntimeError("the stage has no layer settings to restore shards with")
-        pending: dict[int, WorkerHandle] = {}
-        for layer, row in enumerate(shards):
-            for shard in row:
-                piece = {name: state[layer_key(layer, name)][shard.start:shard.stop]
-                         for name in STATE_NAMES}
-                if shard.worker is None:
-                    old = self.local_shards.get(layer)
-                    device = old.device if old is not None else self.device
-                    self.local_shards[layer] = ConvShard(layer, shard.start, shard.stop,
-                                                         self.settings, piece, device=device)
-                    continue
-                if shard.worker.gone:
-                    continue
-                message = assign_shard(self.cluster.request_id(), layer, shard.start,
-                                       shard.stop, self.settings, piece)
-                self.cluster.send(shard.worker, message)
-                pending[message.request_id] = shard.worker
-        self.cluster.gather(pending, f"{why} shard assignment")
+        self.local_shards = assign(self.cluster, shards, state, self.settings,
+                                   self.local_shards, self.device, why, previous=self.shards)
         self.shards = shards
         self._after_resplit()
 
@@ -628,18 +536,3 @@ class DistributedConvStage:
         self._on_close()
 
 
-def assign_shard(request_id: int, layer: int, start: int, stop: int, settings: LayerSettings,
-                 state: dict[str, np.ndarray]) -> AssignShard:
-    """The ``AssignShard`` of kernels [start, stop) of ``layer`` with this state (the
-    arrays sliced to the shard; velocities missing from ``state`` start at zero).
-    ``settings`` may be the whole network's: the layer's own are sent."""
-    settings = settings.for_layer(layer)
-    arrays = {name: np.ascontiguousarray(state[name], dtype=np.float32)
-              for name in STATE_NAMES if name in state}
-    for name in TRAINABLE_NAMES:
-        arrays.setdefault(velocity_name(name), np.zeros_like(arrays[name]))
-    return AssignShard(request_id=request_id, layer=layer, kernel_start=start, kernel_stop=stop,
-                       stride=settings.stride, padding=settings.padding, need_dx=layer > 0,
-                       bn_momentum=settings.bn_momentum, bn_eps=settings.bn_eps,
-                       momentum=settings.momentum, weight_decay=settings.weight_decay,
-                       pool=settings.pool, batch_norm=settings.batch_norm, **arrays)

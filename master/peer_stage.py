@@ -33,6 +33,7 @@ from hetconv.dataplane import (
     PeerPlan,
 )
 from hetconv.errors import UserError
+from hetconv.master.assign import exchange
 from hetconv.master.cluster import Cluster, WorkerHandle
 from hetconv.master.offload import DistributedConvStage, OpenPhase, checked_result
 from hetconv.master.plan import Shard
@@ -262,15 +263,11 @@ class PeerConvStage(DistributedConvStage):
             peers[MASTER_PARTICIPANT] = self.sockets.endpoint(route_address(toward))
             keys[MASTER_PARTICIPANT] = self.sockets.public_key
         told = {p: everyone[p] for p in sorted(set(workers) | self._told) if p in everyone}
-        pending = {}
-        for participant, worker in told.items():
-            request_id = cluster.request_id()
-            cluster.send(worker, AssignPeers(
-                request_id=request_id, participant=participant, wire_dtype=self.wire_dtype.name,
-                timeout_s=self.peer_timeout_s, peers=dict(peers), peer_keys=dict(keys),
-                plan=plan.to_wire()))
-            pending[request_id] = worker
-        cluster.gather(pending, "peer assignment")
+        exchange(cluster, [(worker, AssignPeers(
+            request_id=cluster.request_id(), participant=participant,
+            wire_dtype=self.wire_dtype.name, timeout_s=self.peer_timeout_s, peers=dict(peers),
+            peer_keys=dict(keys), plan=plan.to_wire())) for participant, worker in told.items()],
+            "peer assignment")
         self._told |= set(told)
         self.participant = None
         if master_holds:

@@ -8,7 +8,8 @@ Vocabulary (used everywhere in ``hetconv.master``):
 - a *shard* is kernels ``[start, stop)`` of one conv layer held by one participant;
   its *share* is the fraction ``(stop - start) / kernels`` of the layer.
 
-Everything here is pure: calibration results in, shards out.
+Everything here is pure: kernel counts in, shards out (the counts come from the split
+rule, :mod:`hetconv.master.split`).
 """
 from __future__ import annotations
 
@@ -16,12 +17,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from hetconv.config import SPLIT_MODES
 from hetconv.model import ConvLayerShape
-from hetconv.partition import balanced_counts, equal_counts, kernel_counts, kernel_ranges
+from hetconv.partition import kernel_ranges
 
 if TYPE_CHECKING:
-    from hetconv.master.calibration import LayerCalibration
     from hetconv.master.cluster import WorkerHandle
 
 
@@ -46,33 +45,6 @@ class Shard:
     @property
     def kernels(self) -> int:
         return self.stop - self.start
-
-
-def layer_counts(mode: str, calibration: LayerCalibration, kernels: int) -> list[int]:
-    """Kernels per participant for one layer.
-
-    ``model``: equal finish times under each participant's fitted fixed + per-kernel
-    cost; ``calibrated``: the paper's equation (1) on the equal-share timings;
-    ``equal``: the same number for everyone.
-    """
-    if mode == "model":
-        return balanced_counts(calibration.cost_models(), kernels)
-    if mode == "calibrated":
-        return kernel_counts(calibration.seconds, kernels)
-    if mode == "equal":
-        return equal_counts(len(calibration.seconds), kernels)
-    raise ValueError(f"unknown split {mode!r}: choose from {', '.join(SPLIT_MODES)}")
-
-
-def split_layers(participants: list[Participant], shapes: list[ConvLayerShape],
-                 calibration: list[LayerCalibration], mode: str) -> list[list[Shard]]:
-    """Shards per layer, one per participant in participant order (see :func:`layer_counts`)."""
-    plan = []
-    for shape, cal in zip(shapes, calibration):
-        counts = layer_counts(mode, cal, shape.kernels)
-        plan.append([Shard(p.participant, p.worker, start, stop)
-                     for p, (start, stop) in zip(participants, kernel_ranges(counts))])
-    return plan
 
 
 def format_split(plan: list[list[Shard]], shapes: list[ConvLayerShape]) -> list[str]:

@@ -189,11 +189,6 @@ class Rebalancer:
         self.counts = tuple(row + (0,) for row in self.counts)
         self._window.clear()
 
-    def plan_for(self, alive: set[str] | frozenset[str]) -> Counts:
-        """The planner's counts over the participants in ``alive`` only (the others 0),
-        from the current (measured-corrected) profiles."""
-        return self._plan_over(alive)[0]
-
     def _plan_over(self, alive: set[str] | frozenset[str]) -> tuple[Counts, float]:
         """(counts over every profile, 0 outside ``alive``; the plan's predicted step)."""
         chosen = [i for i, p in enumerate(self.profiles) if p.participant in alive]

@@ -17,27 +17,25 @@ import numpy as np
 from hetconv.config import MASTER_PARTICIPANT, WIRE_DTYPE_AUTO, MasterConfig
 from hetconv.device_info import describe_device
 from hetconv.keys import server_keys
+from hetconv.master.assign import assign
 from hetconv.master.calibration import LayerCalibration, calibrate
-from hetconv.master.cluster import Cluster, ClusterSettings
+from hetconv.master.cluster import Cluster, ClusterSettings, WorkerHandle
 from hetconv.master.link_probe import probe_links
-from hetconv.master.offload import DistributedConvStage, assign_shard
+from hetconv.master.offload import DistributedConvStage
 from hetconv.master.peer_stage import build_stage
 from hetconv.master.plan import (
     Participant,
     Shard,
     format_split,
-    reshard,
     shards_from_counts,
-    split_layers,
 )
-from hetconv.master.planner import ParticipantProfile, choose_plan
+from hetconv.master.planner import ParticipantProfile, Plan, choose_plan
 from hetconv.master.rebalance import Rebalancer, measured_compute
+from hetconv.master.split import SplitRule, layer_traffic
 from hetconv.metrics import MetricsWriter
 from hetconv.model import ConvLayerShape, ModelConfig, conv_layer_shapes
-from hetconv.names import PARAMETER_NAMES, layer_key
-from hetconv.partition import balanced_counts, equal_counts
 from hetconv.perf_model import LayerTraffic
-from hetconv.shard import ConvShard, LayerSettings
+from hetconv.shard import LayerSettings
 from hetconv.stage import ConvStage, LocalConvStage
 
 
@@ -61,44 +59,13 @@ def open_cluster(config: MasterConfig, device: str, threads: int | None,
     return cluster, participants
 
 
-def assign_shards(cluster: Cluster, plan: list[list[Shard]], params: dict[str, np.ndarray],
-                  settings: LayerSettings, device: str) -> dict[int, ConvShard]:
-    """Send each worker its shards; build the master's own shards."""
-    local: dict[int, ConvShard] = {}
-    pending = {}
-    for layer, shards in enumerate(plan):
-        for shard in shards:
-            state = {name: params[layer_key(layer, name)][shard.start:shard.stop]
-                     for name in PARAMETER_NAMES}
-            if shard.worker is None:
-                local[layer] = ConvShard(layer, shard.start, shard.stop, settings, state,
-                                         device=device)
-                continue
-            if shard.kernels == 0:
-                continue
-            rid = cluster.request_id()
-            cluster.send(shard.worker, assign_shard(rid, layer, shard.start, shard.stop,
-                                                    settings, state))
-            pending[rid] = shard.worker
-    cluster.gather(pending, "shard assignment")
-    return local
-
-
-def layer_traffic(shapes: list[ConvLayerShape], batch: int,
-                  wire_dtype: str) -> list[LayerTraffic]:
-    """Every layer's bytes on the wire for a batch, in ``wire_dtype``."""
-    itemsize = np.dtype(wire_dtype).itemsize
-    return [LayerTraffic(input_bytes=int(np.prod(s.input_shape(batch))) * itemsize,
-                         output_bytes=int(np.prod(s.output_shape(batch))) * itemsize,
-                         kernels=s.kernels, need_dx=s.index > 0) for s in shapes]
-
-
 def choose_wire_dtype(profiles: list[ParticipantProfile], shapes: list[ConvLayerShape],
                       batch: int, data_plane: str) -> tuple[str, float, float]:
     """(dtype, predicted step with float32, with float16): float16 when the planner
     predicts a step at least WIRE_FLOAT16_GAIN shorter with it (half the bytes on
     every link), else float32."""
-    predicted = {dtype: choose_plan(profiles, layer_traffic(shapes, batch, dtype),
+    predicted = {dtype: choose_plan(profiles, layer_traffic(shapes, batch,
+                                                            np.dtype(dtype).itemsize),
                                     data_plane).predicted_step_s
                  for dtype in ("float32", "float16")}
     use16 = predicted["float16"] < predicted["float32"] * (1 - WIRE_FLOAT16_GAIN)
@@ -116,20 +83,17 @@ def planner_inputs(cluster: Cluster, participants: list[Participant],
     """Probe every worker's link; the participants' profiles (calibrated cost and link)
     and every layer's traffic, as the planner takes them."""
     links = probe_links(cluster, participants, report)
-    traffic = layer_traffic(shapes, batch, wire_dtype)
+    traffic = layer_traffic(shapes, batch, np.dtype(wire_dtype).itemsize)
     profiles = [ParticipantProfile(p.participant,
                                    tuple(cal.cost_models()[i] for cal in calibration), link)
                 for i, (p, link) in enumerate(zip(participants, links))]
     return profiles, traffic
 
 
-def plan_with_links(participants: list[Participant], profiles: list[ParticipantProfile],
-                    traffic: list[LayerTraffic], data_plane: str, metrics: MetricsWriter,
-                    report: Callable[[str], None] = print,
-                    wire_dtype: str = "float32") -> list[list[Shard]]:
-    """Let the planner choose participants and kernels, print and record the plan and
-    its prediction."""
-    choice = choose_plan(profiles, traffic, data_plane)
+def report_plan(choice: Plan, participants: list[Participant],
+                profiles: list[ParticipantProfile], metrics: MetricsWriter,
+                report: Callable[[str], None] = print, wire_dtype: str = "float32") -> None:
+    """Print and record the planner's choice of participants and its prediction."""
     unused = [p.participant for p in participants if p.participant not in choice.chosen]
     report(f"hetconv: plan: {', '.join(choice.chosen)} (predicted conv + transfer "
            f"{choice.predicted_step_s * 1e3:.1f} ms per step; {choice.best_single} alone "
@@ -143,7 +107,6 @@ def plan_with_links(participants: list[Participant], profiles: list[ParticipantP
                           "up_bytes_per_s": profile.link.up_bytes_per_s,
                           "rtt_s": profile.link.rtt_s}
                          for p, profile in zip(participants, profiles) if profile.link is not None])
-    return shards_from_counts(participants, choice.counts)
 
 
 class StepRebalancing:
@@ -173,28 +136,6 @@ class StepRebalancing:
                     f"now {split} ({apply_s * 1e3:.0f} ms to apply)")
         self.metrics.write("rebalance", **decision.record(), apply_s=apply_s)
 
-def split_for(mode: str, rebalancer: Rebalancer, alive: set[str]) -> list[list[int]]:
-    """Kernel counts per layer per participant (the rebalancer's order) over the
-    participants in ``alive`` (the others 0), as ``--split`` says: ``model`` the
-    link-aware planner, ``equal`` the same share each, ``calibrated`` equal finish times
-    under the (measured-corrected) cost lines."""
-    if mode == "model":
-        return [list(row) for row in rebalancer.plan_for(alive)]
-    profiles = rebalancer.profiles
-    chosen = [i for i, p in enumerate(profiles) if p.participant in alive]
-    if not chosen:
-        raise ValueError("no participant left to split the kernels over")
-    out = []
-    for layer, traffic in enumerate(rebalancer.traffic):
-        counts = (equal_counts(len(chosen), traffic.kernels) if mode == "equal" else
-                  balanced_counts([profiles[i].costs[layer] for i in chosen], traffic.kernels))
-        row = [0] * len(profiles)
-        for i, count in zip(chosen, counts):
-            row[i] = count
-        out.append(row)
-    return out
-
-
 class JoinHandler:
     """At a re-plan point: calibrate and link-probe every worker that said Hello
     since the last one (new, restarted or back after an eviction), add it as a
@@ -202,28 +143,32 @@ class JoinHandler:
     are not taken back in this run."""
 
     def __init__(self, cluster: Cluster, shapes: list[ConvLayerShape], batch: int,
-                 wire_dtype: str, rebalancer: Rebalancer, data_plane: str,
-                 report: Callable[[str], None] = print, split: str = "model"):
+                 wire_dtype: str, rebalancer: Rebalancer, rule: SplitRule,
+                 report: Callable[[str], None] = print):
         self.cluster, self.shapes, self.batch = cluster, shapes, batch
-        self.split = split
-        self.wire_dtype, self.rebalancer, self.data_plane = wire_dtype, rebalancer, data_plane
+        self.rule, self.data_plane = rule, rule.data_plane
+        self.wire_dtype, self.rebalancer = wire_dtype, rebalancer
         self.report = report
+        self._waiting: dict[str, WorkerHandle] = {}  # joinable workers by id
 
-    def joiners(self, stage: DistributedConvStage) -> list[Participant]:
+    def joinable(self, stage: DistributedConvStage) -> list[str]:
+        """The workers that said Hello and hold no column of the plan (new, restarted,
+        or back after an eviction) that the run's back-off lets in now."""
         self.cluster.pump(0.0)  # take in any Hello waiting on the socket
         holding = {id(s.worker) for row in stage.shards for s in row if s.worker is not None}
-        return [Participant(w.worker_id, w, w.device) for w in self.cluster.known_workers()
-                if not w.gone and id(w) not in holding
-                and stage.may_rejoin(w.worker_id)
-                and (self.data_plane != "peer" or w.data_endpoint)]
+        self._waiting = {w.worker_id: w for w in self.cluster.known_workers()
+                         if not w.gone and id(w) not in holding
+                         and stage.control.may_rejoin(w.worker_id)
+                         and (self.data_plane != "peer" or w.data_endpoint)}
+        return sorted(self._waiting)
 
-    def __call__(self, stage: DistributedConvStage) -> list[list[Shard]] | None:
-        """The new shards (counts re-planned, joiners included) or None: nobody new."""
-        joiners = self.joiners(stage)
-        if not joiners:
-            return None
-        names = ", ".join(p.participant for p in joiners)
-        self.report(f"hetconv: worker(s) {names} joined: calibrating")
+    def admit(self, stage: DistributedConvStage, names: list[str]) -> list[list[Shard]]:
+        """Calibrate and link-probe the workers ``names`` (from :meth:`joinable`), add
+        their profiles to the rebalancer and their columns to the plan (empty, or their
+        old column under their new connection); the kernels move at the re-split."""
+        joiners = [Participant(name, self._waiting[name], self._waiting[name].device)
+                   for name in names]
+        self.report(f"hetconv: worker(s) {', '.join(names)} joined: calibrating")
         self.cluster.admit([p.worker for p in joiners if p.worker is not None])
         calibration = calibrate(self.cluster, joiners, self.shapes, self.batch,
                                 report=self.report)
@@ -242,9 +187,7 @@ class JoinHandler:
                 else:  # back under its old id: the new connection takes the column
                     old = row[column]
                     row[column] = Shard(old.participant, joiner.worker, old.start, old.stop)
-        alive = {s.participant for s in shards[0] if s.worker is None or not s.worker.gone}
-        self.rebalancer.restrict(alive)  # the joined in, the gone (still) out
-        return reshard(shards, split_for(self.split, self.rebalancer, alive))
+        return shards
 
 
 def master_alone(plan: list[list[Shard]]) -> bool:
@@ -280,12 +223,13 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
                        f"{step32 * 1e3:.1f} ms with float32, {step16 * 1e3:.1f} ms with "
                        "float16)")
                 config = replace(config, wire_dtype=chosen)
-                traffic = layer_traffic(shapes, batch, chosen)
-        if config.split == "model":  # link-aware: which participants, how many kernels
-            plan = plan_with_links(participants, profiles, traffic, config.data_plane, metrics,
-                                   report, config.wire_dtype)
-        else:
-            plan = split_layers(participants, shapes, calibration, config.split)
+                traffic = layer_traffic(shapes, batch, np.dtype(chosen).itemsize)
+        rule = SplitRule(config.split, config.data_plane,
+                         tuple(cal.calibrated_kernels for cal in calibration))
+        first = rule.split(profiles, traffic, {p.participant for p in participants})
+        if first.plan is not None:  # link-aware: which participants, how many kernels
+            report_plan(first.plan, participants, profiles, metrics, report, config.wire_dtype)
+        plan = shards_from_counts(participants, first.counts)
         for shape, cal, shards in zip(shapes, calibration, plan):
             metrics.write("calibration", layer=shape.index, split=config.split,
                           calibrated_kernels=cal.calibrated_kernels, kernels=shape.kernels,
@@ -306,7 +250,7 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
             cluster.end_run("the master trains alone: no worker would shorten the step")
             cluster.close()
             return LocalConvStage(model, params, settings, device=device)
-        local = assign_shards(cluster, plan, params, settings, device)
+        local = assign(cluster, plan, params, settings, {}, device, "first")
     except BaseException:
         cluster.end_run("master failed during setup")
         cluster.close()
@@ -318,17 +262,18 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
 
     stage = build_stage(cluster, config, plan, local, finish, shapes)  # star or peer plane
     stage.settings, stage.device = settings, device
-    stage.stop_on_worker_loss = config.on_worker_loss == "stop"
+    stage.control.stop_on_worker_loss = config.on_worker_loss == "stop"
     stage.local_stage_factory = lambda: LocalConvStage(model, params, settings, device=device)
     rebalancer: Rebalancer | None = None
     if profiles:  # re-plans (recovery) use the planner over the participants left
         rebalancer = Rebalancer(profiles, traffic, [[s.kernels for s in row] for row in plan],
                                 config.data_plane)
-        planner, mode = rebalancer, config.split
+        planner = rebalancer
 
         def replan(alive: set[str]) -> list[list[int]]:  # after a fault: only the survivors
             planner.restrict(alive)
-            return split_for(mode, planner, alive)
+            return [list(row) for row in rule.split(planner.profiles, planner.traffic,
+                                                    alive).counts]
         stage.replan = replan
 
     def replanned(counts: list[list[int]], reason: str) -> None:
@@ -345,7 +290,7 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
     stage.on_replan = replanned
     if rebalancer is not None:
         stage.join = JoinHandler(cluster, shapes, batch, config.wire_dtype, rebalancer,
-                                 config.data_plane, report, config.split)
+                                 rule, report)
     if config.rebalancing and rebalancer is not None:
         stage.after_step = StepRebalancing(stage, rebalancer, settings, metrics, report)
     return stage

@@ -67,6 +67,7 @@ from hetconv.master.planner import (
 )
 from hetconv.master.report.analysis import median, used_steps
 from hetconv.master.report.records import METRICS_FILE, RunRecords
+from hetconv.master.split import layer_traffic
 from hetconv.metrics import iter_metrics
 from hetconv.model import (
     ConvLayerShape,
@@ -233,14 +234,6 @@ def measured_run(records: RunRecords, links: dict[str, Link]) -> MeasuredRun:
 
 
 # --- scaling the measured costs -------------------------------------------------------------
-def layer_traffic(shapes: Sequence[ConvLayerShape], batch: int,
-                  itemsize: int) -> list[LayerTraffic]:
-    """Every layer's bytes on the wire for ``batch`` images (as the session computes them)."""
-    return [LayerTraffic(input_bytes=int(np.prod(s.input_shape(batch))) * itemsize,
-                         output_bytes=int(np.prod(s.output_shape(batch))) * itemsize,
-                         kernels=s.kernels, need_dx=s.index > 0) for s in shapes]
-
-
 def _flop_per_kernel(shape: ConvLayerShape) -> float:
     return shape.conv_flops(1) / shape.kernels
 

@@ -70,8 +70,9 @@ def run(args: argparse.Namespace) -> int:
 
 def run_calibrate(config: CalibrateConfig, report: Callable[[str], None] = print) -> int:
     from hetconv.master.calibration import calibrate
-    from hetconv.master.plan import layer_counts
+    from hetconv.master.planner import ParticipantProfile
     from hetconv.master.session import open_cluster
+    from hetconv.master.split import SplitRule, layer_traffic
 
     set_blas_threads(config.threads)
     model = model_config(parse_network(config.arch, config.kernel_size, config.padding),
@@ -91,12 +92,18 @@ def run_calibrate(config: CalibrateConfig, report: Callable[[str], None] = print
            f"{'x'.join(map(str, config.input_shape))}")
     report(f"{'layer':<8}{'':<14}" + "".join(f"{n:>{width}}" for n in names)
            + f"{'predicted ms':>14}")
+    # the split rule of a run, over compute alone (calibration probes no link)
+    profiles = [ParticipantProfile(name, tuple(r.cost_models()[i] for r in results), None)
+                for i, name in enumerate(names)]
+    traffic = layer_traffic(layers, config.batch, 4)
+    splits = {mode: SplitRule(mode, "star", tuple(r.calibrated_kernels for r in results))
+              .split(profiles, traffic, names).counts for mode in SPLIT_MODES}
     for layer, result in zip(layers, results):
         costs = result.cost_models()
         rows = [("calib. ms", [f"{s * 1e3:.1f}" for s in result.seconds], ""),
                 ("fixed ms", [f"{a * 1e3:.1f}" for a, _ in costs], "")]
         for mode in SPLIT_MODES:
-            counts = layer_counts(mode, result, layer.kernels)
+            counts = list(splits[mode][layer.index])
             seconds = predicted_affine_seconds(costs, counts)
             rows.append((mode, [str(c) for c in counts], f"{seconds * 1e3:.1f}"))
         for index, (label, cells, predicted) in enumerate(rows):
