@@ -1,17 +1,19 @@
-"""Batch norm, ReLU and 2x2 pooling of a conv layer in one pass per channel block.
+"""Batch norm, ReLU and 2x2 pooling of a conv layer, done inside the conv's batch chunks.
 
-The convolution hands over its output channel-major, y (K, windows, L, B): for a 2x2
-pool the four positions of every window as four contiguous runs of L*B numbers per
-channel (``windows`` 4, L = Ho*Wo/4), without a pool the whole map (``windows`` 1). Every
-op after the convolution acts on one channel at a time (batch norm's statistics
-included), so on numpy the channels are split into blocks run by the host-thread pool,
-and each block does all of its work while its rows are in cache: statistics,
-normalisation, pooling, ReLU forward; masks, sums and the conv gradient backward. Each
-channel's results come from its own rows only, summed in a fixed order (the pairwise
-sum of one contiguous row), so they do not depend on the blocks, the threads or the
-kernel share: a share of the channels gets exactly its slice of the whole layer's
-result. Other array modules (cupy) run the same arithmetic on all channels at once
-(``_Ops``), bit for bit the numpy result where the module is numpy underneath.
+The convolution (``hetconv.ops.conv``) computes its output one batch chunk at a time,
+as rows (K, Ho, Wo, nb) with the batch innermost, on the host-thread pool. A
+:class:`BlockPass` is its chunk sink and source: while a chunk's product is still in
+cache it takes the batch-norm statistics of the chunk (per channel: count, sum and the
+sum of squares around the chunk's own mean) and max-pools it; once every chunk is done
+the statistics are combined in chunk order (Chan et al.'s parallel variance) and a
+pass over the chunks normalises the pooled values, applies the ReLU and writes the
+layer output. Backward, one pass over the chunks takes the ReLU/pool mask of dy and the
+per-channel sums of batch norm's gradient; the conv's backward then asks for each
+chunk's gradient, which is computed in place of the chunk's kept conv output right
+before its products use it. The conv output is written once and read once; nothing is
+transposed between layouts. Results depend on the chunks (the order of the sums), which
+depend on the batch and the thread count only (not on the kernel share): a run is bit
+for bit reproducible at the same ``--threads``.
 
 The max pool runs before the normalisation. Batch norm is, per channel, a composition
 of roundings of ``y - mean``, ``* inv_std``, ``* gamma`` and ``+ beta``: non-decreasing in
@@ -23,57 +25,25 @@ normalised. The one difference from pooling the normalised map (the separate ops
 one window round to the same normalised value: there the gradient goes to the first of
 them, here to the larger conv output.
 
-The cache keeps the conv output (overwritten in place by its gradient in the backward
-pass, which the convolution's backward reads next), the winning position of each
-window as uint8 (CUT: cut by the ReLU) and the normalised winners, or the ReLU masks.
-On numpy masks are applied with bitwise ANDs: exactly ``where(mask, x, 0)``, without
-its branches.
-
-Slow, obvious references: ``batch_norm_forward``/``_backward``, ``max_pool2x2``,
-``avg_pool2x2``, ``relu`` and their backward functions, composed by
-``hetconv.ops.conv_layer`` with ``fast=False``; the tests compare both.
+numpy runs the ops with ``out=`` into per-thread scratch and applies masks by bitwise
+AND (exactly ``where(mask, x, 0)``, without its branches); other array modules (cupy)
+run the same arithmetic as expressions (``_Ops``), one chunk, bit for bit the numpy
+result where the module is numpy underneath. Slow, obvious references:
+``batch_norm_forward``/``_backward``, ``max_pool2x2``, ``avg_pool2x2``, ``relu`` and their
+backward functions, composed by ``hetconv.ops.conv_layer`` with ``fast=False``.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from hetconv.backend import get_array_module, host_threads, run_parallel
-from hetconv.ops.workspace import thread_scratch
+from hetconv.backend import run_parallel
+from hetconv.ops.workspace import Workspace, thread_scratch
 
 Array = Any  # a numpy or cupy ndarray
-
-BLOCK_BYTES = 1 << 18  # channels handled together: their rows fit in a core's L2 cache
-PARALLEL_MIN_NUMBERS = 1 << 16  # smaller layers run on the calling thread
-TASKS_PER_THREAD = 2
 CUT = 4  # the winner index of a window whose pooled value the ReLU cut
-
-
-@dataclass
-class BlockCache:
-    """What ``block_backward`` needs from ``block_forward``.
-
-    y: the conv output (K, windows, L, B), the caller's buffer (the backward pass
-    writes the conv gradient into it); pool, batch_norm, train: the block's kind.
-    mean, inv_std, gamma: (K,) as used; winners: (K, L*B) uint8 window position
-    0..3 of each pooled value or CUT (max pool); x_hat: (K, L*B) the normalised
-    winners (max pool with batch norm); masks: (K, windows, L*B) bool, where the
-    ReLU let the map through (average pool and no pool).
-    """
-
-    y: Array
-    pool: str
-    batch_norm: bool
-    train: bool
-    mean: Array
-    inv_std: Array
-    gamma: Array
-    winners: Array = None
-    x_hat: Array = None
-    masks: Array = None
+POSITIONS = ((0, 0), (0, 1), (1, 0), (1, 1))  # window positions, row-major: winner index
 
 
 def supported(pool: str, conv_h: int, conv_w: int) -> bool:
@@ -82,15 +52,10 @@ def supported(pool: str, conv_h: int, conv_w: int) -> bool:
     return pool == "none" or (conv_h % 2 == 0 and conv_w % 2 == 0)
 
 
-def windows_of(pool: str) -> int:
-    """The channel-major layout the convolution must write for this pool."""
-    return 1 if pool == "none" else 4
-
-
 class _Ops:
-    """The elementwise kernels of the pass. numpy: ufuncs with ``out=`` into the calling
-    thread's scratch, masks by bitwise AND; other modules: plain expressions and
-    ``where`` (no scratch). Both give the same numbers."""
+    """The elementwise kernels. numpy: ufuncs with ``out=`` into the calling thread's
+    scratch, masks by bitwise AND; other modules: expressions and ``where`` (no
+    scratch). Both give the same numbers."""
 
     def __init__(self, xp: Any):
         self.xp = xp
@@ -132,294 +97,374 @@ class _Ops:
             return a < b
         return np.less(a, b, out=self.empty(name, a.shape, np.bool_))
 
-    def masked(self, values: Array, flags: Array, name: str) -> Array:
-        """``where(flags, values, 0)``."""
+    def equal(self, a: Array, b: Any, name: str) -> Array:
         if self.scratch is None:
-            return self.xp.where(flags, values, values.dtype.type(0))
+            return a == b
+        return np.equal(a, b, out=self.empty(name, a.shape, np.bool_))
+
+    def masked(self, values: Array, flags: Array, name: str, out: Array = None) -> Array:
+        """``where(flags, values, 0)`` (into ``out`` when given)."""
+        if self.scratch is None:
+            result = self.xp.where(flags, values, values.dtype.type(0))
+            if out is None:
+                return result
+            out[...] = result
+            return out
         bits = np.uint32 if values.dtype.itemsize == 4 else np.uint64
-        mask = np.negative(flags.view(np.uint8), out=self.empty(name + " mask", flags.shape, bits),
-                           dtype=bits)
-        out = self.empty(name, values.shape, values.dtype)
+        mask = np.negative(flags.view(np.uint8), dtype=bits,
+                           out=self.empty(name + " mask", flags.shape, bits))
+        if out is None:
+            out = self.empty(name, values.shape, values.dtype)
         np.bitwise_and(values.view(bits), mask, out=out.view(bits))
         return out
 
-    def winner(self, lower: Array, lower_right: Array, right: Array, name: str) -> Array:
-        """uint8 window position 2*row + column: row ``lower``, column ``lower_right``
-        in the lower row and ``right`` in the upper one."""
+    def winner(self, lower: Array, lower_right: Array, right: Array, out: Array) -> Array:
+        """uint8 window position 2*row + column into out: row ``lower``, column
+        ``lower_right`` in the lower row and ``right`` in the upper one."""
         if self.scratch is None:
             column = self.xp.where(lower, lower_right, right)
-            return lower.astype(np.uint8) * 2 + column.astype(np.uint8)
-        column = np.bitwise_xor(lower_right, right, out=self.empty(name + " column",
-                                                                   right.shape, np.bool_))
-        np.bitwise_and(column, lower, out=column)
-        np.bitwise_xor(column, right, out=column)
-        index = np.left_shift(lower.view(np.uint8), 1,
-                              out=self.empty(name, right.shape, np.uint8))
-        np.bitwise_or(index, column.view(np.uint8), out=index)
-        return index
+            out[...] = lower.astype(np.uint8) * 2 + column.astype(np.uint8)
+            return out
+        np.bitwise_xor(lower_right, right, out=lower_right)
+        np.bitwise_and(lower_right, lower, out=lower_right)
+        np.bitwise_xor(lower_right, right, out=lower_right)  # the column of the row
+        np.left_shift(lower.view(np.uint8), 1, out=out)
+        np.bitwise_or(out, lower_right.view(np.uint8), out=out)
+        return out
+
+    def cut(self, winners: Array, passed: Array) -> None:
+        """winners = CUT where not ``passed`` (winners < 4 there before)."""
+        if self.scratch is None:
+            winners[...] = self.xp.where(passed, winners, np.uint8(CUT))
+            return
+        flags = passed.view(np.uint8)
+        np.bitwise_xor(flags, np.uint8(1), out=flags)
+        np.left_shift(flags, 2, out=flags)
+        np.bitwise_or(winners, flags, out=winners)
 
 
-def _max_windows(ops: _Ops, four: Array, negate: bool) -> tuple[Array, Array]:
-    """(pooled (n, m), winner (n, m) uint8) of four (n, 4, m) window positions: the
-    first maximum in row-major window order, as ``max_pool2x2``; with ``negate`` the
-    first minimum (pooled is then the minimum itself)."""
+def _windows(rows: Array, out_h: int, out_w: int) -> list[Array]:
+    """The four window positions of chunk rows (K, Ho*Wo*nb): (K, Ho/2, Wo/2, nb) views."""
+    kernels, nb = rows.shape[0], rows.shape[1] // (out_h * out_w)
+    grid = rows.reshape(kernels, out_h // 2, 2, out_w // 2, 2, nb)
+    return [grid[:, :, r, :, c, :] for r, c in POSITIONS]
+
+
+def _max_windows(ops: _Ops, four: list[Array], pooled: Array, winners: Array,
+                 negate: bool) -> None:
+    """pooled, winners (n, ...) = the first maximum of the four window positions in
+    row-major order and its index, as ``max_pool2x2``; with ``negate`` the first minimum
+    (pooled is then the minimum itself)."""
+    shape, dtype = four[0].shape, four[0].dtype
     if negate:
-        four = ops.multiply(four, four.dtype.type(-1), ops.empty("negated", four.shape,
-                                                                 four.dtype))
-    a, b, c, d = four[:, 0], four[:, 1], four[:, 2], four[:, 3]
-    shape = a.shape
+        four = [ops.multiply(view, dtype.type(-1), ops.empty(f"negated {i}", shape, dtype))
+                for i, view in enumerate(four)]
+    a, b, c, d = four
     xp = ops.xp
-    top = xp.maximum(a, b, out=ops.empty("top", shape, four.dtype))
-    bottom = xp.maximum(c, d, out=ops.empty("bottom", shape, four.dtype))
-    pooled = xp.maximum(top, bottom, out=ops.empty("pooled", shape, four.dtype))
-    winner = ops.winner(ops.greater(bottom, top, "lower"), ops.greater(d, c, "lower right"),
-                        ops.greater(b, a, "right"), "winner")
+    top = xp.maximum(a, b, out=ops.empty("top", shape, dtype))
+    bottom = xp.maximum(c, d, out=ops.empty("bottom", shape, dtype))
+    xp.maximum(top, bottom, out=pooled)
+    ops.winner(ops.greater(bottom, top, "lower"), ops.greater(d, c, "lower right"),
+               ops.greater(b, a, "right"), winners)
     if negate:
-        pooled *= four.dtype.type(-1)
-    return pooled, winner
+        pooled *= dtype.type(-1)
 
 
-def _pool_max(ops: _Ops, four: Array, gamma: Array | None) -> tuple[Array, Array]:
-    """Max-pool the conv output four (n, 4, m) as the normalisation will see it (see the
-    module docstring), per channel by the sign of gamma (None: no batch norm)."""
+def _pool_max(ops: _Ops, four: list[Array], gamma: Array | None, pooled: Array,
+              winners: Array) -> None:
+    """Max-pool the conv output as the normalisation will see it (module docstring), per
+    channel by the sign of gamma (None: no batch norm; numpy: gamma on the host)."""
     if gamma is None or (ops.scratch is not None and bool(np.all(gamma > 0))):
-        return _max_windows(ops, four, False)
+        _max_windows(ops, four, pooled, winners, False)
+        return
     xp = ops.xp
-    if ops.scratch is None:  # everything, then a choice per channel: no host round trip
-        largest, first_largest = _max_windows(ops, four, False)
-        smallest, first_smallest = _max_windows(ops, four, True)
-        negative, zero = (gamma < 0)[:, None], (gamma == 0)[:, None]
-        pooled = xp.where(negative, smallest, xp.where(zero, four[:, 0], largest))
-        winner = xp.where(negative, first_smallest, xp.where(zero, np.uint8(0), first_largest))
-        return pooled, winner.astype(np.uint8)
-    n, _, m = four.shape
-    pooled, winner = np.empty((n, m), four.dtype), np.empty((n, m), np.uint8)
-    for row in range(n):
-        if gamma[row] == 0:  # constant: every position ties, the first wins
-            pooled[row], winner[row] = four[row, 0], 0
+    if ops.scratch is None:  # both, then a choice per channel: no host round trip
+        largest, first = xp.empty(pooled.shape, pooled.dtype), xp.empty(winners.shape, np.uint8)
+        _max_windows(ops, four, largest, first, False)
+        _max_windows(ops, four, pooled, winners, True)
+        shape = (gamma.shape[0],) + (1,) * (pooled.ndim - 1)
+        positive, zero = (gamma > 0).reshape(shape), (gamma == 0).reshape(shape)
+        pooled[...] = xp.where(positive, largest, xp.where(zero, four[0], pooled))
+        winners[...] = xp.where(positive, first, xp.where(zero, np.uint8(0), winners))
+        return
+    for k in range(gamma.shape[0]):
+        row = [view[k:k + 1] for view in four]
+        if gamma[k] == 0:  # constant: every position ties, the first wins
+            pooled[k], winners[k] = row[0][0], 0
         else:
-            p, w = _max_windows(ops, four[row:row + 1], bool(gamma[row] < 0))
-            pooled[row], winner[row] = p[0], w[0]
-    return pooled, winner
+            _max_windows(ops, row, pooled[k:k + 1], winners[k:k + 1], bool(gamma[k] < 0))
 
 
 def _normalise(ops: _Ops, values: Array, out: Array, mean: Array, inv_std: Array,
                gamma: Array | None, beta: Array, x_hat: Array | None) -> Array:
-    """out = (values - mean) * inv_std * gamma + beta per row (the separate ops' order
-    of roundings), or values + beta without batch norm (gamma None); x_hat, when given,
-    receives the normalised values before the affine map."""
+    """out = (values - mean) * inv_std * gamma + beta per channel (the separate ops'
+    order of roundings), or values + beta without batch norm (gamma None); the vectors
+    are shaped to broadcast over the channel axis 0. x_hat, when given, receives the
+    normalised values before the affine map."""
     if gamma is None:
-        return ops.add(values, beta[:, None], out)
+        return ops.add(values, beta, out)
     target = out if x_hat is None else x_hat
-    ops.subtract(values, mean[:, None], target)
-    target *= inv_std[:, None]
-    ops.multiply(target, gamma[:, None], out)
-    out += beta[:, None]
+    ops.subtract(values, mean, target)
+    target *= inv_std
+    ops.multiply(target, gamma, out)
+    out += beta
     return out
 
 
-def _run_blocks(xp: Any, block: Callable[[slice], None], kernels: int, numbers: int,
-                itemsize: int) -> None:
-    """block(channels) over every channel: numpy, cache-sized ranges on the host-thread
-    pool (a few per thread); other modules, all channels at once."""
-    if xp is not np:
-        block(slice(0, kernels))
-        return
-    threads = host_threads(kernels) if kernels * numbers >= PARALLEL_MIN_NUMBERS else 1
-    count = min(kernels, threads * TASKS_PER_THREAD) if threads > 1 else 1
-    edges = [kernels * i // count for i in range(count + 1)]
-    step = max(1, BLOCK_BYTES // max(1, numbers * itemsize))
+class BlockPass:
+    """Batch norm (or the bias ``beta``), ReLU and a pool ("max", "avg", "none") of one
+    conv layer, as the sink and the source of its convolution's chunks.
 
-    def task(index: int) -> None:
-        for start in range(edges[index], edges[index + 1], step):
-            block(slice(start, min(edges[index + 1], start + step)))
-    run_parallel(task, count, threads)
-
-
-def block_forward(y: Array, gamma: Array, beta: Array, running_mean: Array,
-                  running_var: Array, train: bool, pool: str, batch_norm: bool,
-                  momentum: float = 0.1, eps: float = 1e-5, keep: Any = None
-                  ) -> tuple[Array, BlockCache, Array, Array]:
-    """Batch norm (or the bias ``beta``), ReLU and the pool of a channel-major conv output.
-
-    y: (K, windows, L, B) as ``conv2d_forward_cached(..., windows=windows_of(pool))``
-    writes it (kept in the cache: do not reuse it before the backward pass); gamma,
-    beta, running_mean, running_var: (K,). Semantics of ``conv_layer_forward``: batch
-    statistics (biased variance; the running variance moves with the unbiased one) in
-    train mode, running statistics otherwise; without batch norm beta is the
-    convolution's bias and gamma and the statistics pass through.
-    Returns (out (B, K, L), the layer output to reshape to (B, K, H', W'); the cache;
-    new running mean (K,); new running var (K,)).
-    keep: a ``Workspace`` for the cache's masks (numpy; reused by the next call).
+    Forward: pass it as ``sink`` to ``conv2d_forward_cached``, then call ``finish``
+    with the conv's cache. Backward: ``backward_sums(dy)``, then pass it as ``source``
+    to ``conv2d_backward_cached``. Arrays: gamma, beta, running statistics (K,); the
+    output (B, K, H', W'); dy the same. ``keep``: a :class:`Workspace` for the arrays
+    kept from forward to backward (numpy; reused by the next forward with it).
     """
-    xp = get_array_module(y)
-    kernels, windows, length, batch = y.shape
-    dtype = y.dtype
-    numbers = windows * length * batch  # per channel: B * Ho * Wo
-    if train and batch_norm and numbers < 2 and kernels > 0:
-        raise ValueError(f"batch norm in train mode needs more than 1 value per channel, "
-                         f"got {numbers}")
-    pooled_numbers = length * batch
 
-    def kept(name: str, shape: tuple[int, ...], kind: Any) -> Array:
-        return xp.empty(shape, kind) if keep is None or xp is not np else keep.get(
-            name, shape, kind)
+    def __init__(self, xp: Any, batch: int, conv_size: tuple[int, int], gamma: Array,
+                 beta: Array,
+                 running_mean: Array, running_var: Array, train: bool, pool: str,
+                 batch_norm: bool, momentum: float, eps: float, dtype: Any,
+                 keep: Workspace | None = None):
+        self.xp, self.pool, self.batch_norm, self.train = xp, pool, batch_norm, bool(train)
+        self.out_h, self.out_w = conv_size
+        self.momentum, self.eps, self.dtype = momentum, eps, np.dtype(dtype)
+        self.keep = keep if xp is np else None
+        self.gamma = gamma.astype(dtype, copy=True)  # the caller may update gamma in place
+        self.beta = beta.astype(dtype, copy=False)
+        self.running_mean, self.running_var = running_mean, running_var
+        kernels = gamma.shape[0]
+        self.mean = xp.zeros((kernels,), dtype)
+        self.inv_std = xp.ones((kernels,), dtype)
+        if batch_norm and not train:
+            self.mean[...] = running_mean.astype(dtype, copy=False)
+            self.inv_std[...] = (1.0 / (running_var + eps) ** 0.5).astype(dtype, copy=False)
+        self.gamma_host = gamma if xp is np else None  # the max pool's sign test
+        self.statistics_later = batch_norm and train  # else every chunk finishes at once
+        self.rows_of: dict[int, Array] = {}  # chunk -> its conv output (K, Ho*Wo*nb)
+        self.partial: dict[int, tuple[int, Array, Array]] = {}  # chunk -> (n, sum, M2)
+        self.kept: dict[tuple[str, int], Array] = {}  # (what, chunk) -> array
+        height, width = ((self.out_h, self.out_w) if pool == "none"
+                          else (self.out_h // 2, self.out_w // 2))
+        self.out = xp.empty((batch, kernels, height, width), dtype)
+        self.chunks: list[tuple[int, int]] = []
+        self.threads = 1
+        self.var: Array = None
+        self.dgamma: Array = None
+        self.dbeta: Array = None
 
-    out_t = xp.empty((kernels, length, batch), dtype)  # channel-major output
-    out = xp.empty((batch, kernels, length), dtype)
-    mean, var, inv_std = (xp.empty((kernels,), dtype) for _ in range(3))
-    gamma_used = gamma.astype(dtype, copy=True)  # the caller may update gamma in place
-    beta_used = beta.astype(dtype, copy=False)
-    if batch_norm and not train:
-        mean[...] = running_mean.astype(dtype, copy=False)
-        inv_std[...] = (1.0 / (running_var + eps) ** 0.5).astype(dtype, copy=False)
-    cache = BlockCache(y, pool, batch_norm, bool(train), mean, inv_std, gamma_used)
-    if pool == "max":
-        cache.winners = kept("block winners", (kernels, pooled_numbers), np.uint8)
-        if batch_norm:
-            cache.x_hat = kept("block x_hat", (kernels, pooled_numbers), dtype)
-    else:
-        cache.masks = kept("block masks", (kernels, windows, pooled_numbers), np.bool_)
-    rows = y.reshape(kernels, windows, pooled_numbers)
-
-    def block(channels: slice) -> None:
-        ops = _Ops(xp)
-        four = rows[channels]
-        n = four.shape[0]
-        gamma_block = gamma_used[channels] if batch_norm else None
-        if batch_norm and train:
-            flat = four.reshape(n, numbers)
-            mean[channels] = xp.add.reduce(flat, axis=1) / numbers
-            centered = ops.subtract(flat, mean[channels][:, None],
-                                    ops.empty("centered", flat.shape, dtype))
-            centered *= centered
-            var[channels] = xp.add.reduce(centered, axis=1) / numbers
-            inv_std[channels] = (1.0 / (var[channels] + eps) ** 0.5).astype(dtype, copy=False)
-        target = out_t[channels].reshape(n, pooled_numbers)
-        if pool == "max":
-            pooled, winner = _pool_max(ops, four, gamma_block)
-            _normalise(ops, pooled, target, mean[channels], inv_std[channels], gamma_block,
-                       beta_used[channels], None if cache.x_hat is None else
-                       cache.x_hat[channels])
-            xp.maximum(target, dtype.type(0), out=target)
-            cut = ops.greater(target, dtype.type(0), "cut")  # not cut: let through
-            cache.winners[channels] = xp.where(cut, winner, np.uint8(CUT)) \
-                if ops.scratch is None else _merge_cut(winner, cut)
+    # ---------------------------------------------------------------- helpers
+    def _array(self, what: str, index: int, shape: tuple[int, ...], dtype: Any) -> Array:
+        """A per-chunk array kept until the backward pass."""
+        if self.keep is None:
+            array = self.xp.empty(shape, dtype)
         else:
-            rectified = ops.empty("rectified", four.shape, dtype)
-            for position in range(windows):
-                z = _normalise(ops, four[:, position], rectified[:, position],
-                               mean[channels], inv_std[channels], gamma_block,
-                               beta_used[channels], None)
-                cache.masks[channels, position] = ops.greater(z, dtype.type(0), "mask")
-                xp.maximum(z, dtype.type(0), out=z)
-            if pool == "avg":  # the separate ops' order: ((tl + tr) + bl) + br, then / 4
-                ops.add(rectified[:, 0], rectified[:, 1], target)
-                target += rectified[:, 2]
-                target += rectified[:, 3]
-                target *= dtype.type(0.25)
-            else:
-                target[...] = rectified[:, 0]
-        out[:, channels, :] = out_t[channels].transpose(2, 0, 1)
+            array = self.keep.get(f"block {what} {index}", shape, dtype)
+        self.kept[what, index] = array
+        return array
 
-    _run_blocks(xp, block, kernels, numbers, y.itemsize)
-    if batch_norm and train:
-        unbiased_var = var * (numbers / max(numbers - 1, 1))
-        new_mean = ((1.0 - momentum) * running_mean + momentum * mean).astype(
-            running_mean.dtype, copy=False)
-        new_var = ((1.0 - momentum) * running_var + momentum * unbiased_var).astype(
-            running_var.dtype, copy=False)
-    else:
-        new_mean, new_var = running_mean, running_var
-    return out, cache, new_mean, new_var
+    def _vector(self, vector: Array, ndim: int) -> Array:
+        """(K,) -> (K, 1, ...) to broadcast over chunk arrays of ``ndim`` axes."""
+        return vector.reshape((vector.shape[0],) + (1,) * (ndim - 1))
 
+    def _pooled_shape(self, nb: int) -> tuple[int, ...]:
+        return (self.gamma.shape[0], self.out_h // 2, self.out_w // 2, nb)
 
-def _merge_cut(winner: np.ndarray, passed: np.ndarray) -> np.ndarray:
-    """winner where ``passed``, else CUT (numpy, in place in winner's scratch)."""
-    cut = np.bitwise_xor(passed.view(np.uint8), np.uint8(1), out=passed.view(np.uint8))
-    np.left_shift(cut, 2, out=cut)  # CUT == 4, and winner < 4 where passed
-    np.bitwise_or(winner, cut, out=winner)
-    return winner
+    # ---------------------------------------------------------------- forward
+    def rows(self, index: int, shape: tuple[int, int], dtype: Any) -> Array:
+        """ChunkSink: where chunk ``index``'s product goes (kept for the backward pass)."""
+        rows = self._array("y", index, shape, dtype)
+        self.rows_of[index] = rows
+        return rows
 
+    def done(self, index: int, start: int, stop: int, rows: Array) -> None:
+        """ChunkSink: chunk [start, stop) is in ``rows``: statistics, max pool, and the
+        rest when nothing waits for the whole batch's statistics."""
+        ops, xp = _Ops(self.xp), self.xp
+        nb = stop - start
+        self.rows_of[index] = rows
+        if self.statistics_later:
+            count = rows.shape[1]
+            total = xp.add.reduce(rows, axis=1)
+            centered = ops.subtract(rows, self._vector(total / count, 2),
+                                    ops.empty("centered", rows.shape, rows.dtype))
+            centered *= centered
+            self.partial[index] = (count, total, xp.add.reduce(centered, axis=1))
+        if self.pool == "max":
+            pooled = self._array("pooled", index, self._pooled_shape(nb), rows.dtype)
+            winners = self._array("winners", index, self._pooled_shape(nb), np.uint8)
+            gamma = (self.gamma_host if self.xp is np else self.gamma) if self.batch_norm \
+                else None
+            _pool_max(ops, _windows(rows, self.out_h, self.out_w), gamma, pooled, winners)
+        if not self.statistics_later:
+            self._output(index, start, stop)
 
-def block_backward(cache: BlockCache, dy: Array) -> tuple[Array, Array, Array]:
-    """Back through pool, ReLU and batch norm: dy (B, K, L) (the pooled map, canonical)
-    -> (d_conv (K, windows, L, B), written over the cache's conv output; dgamma (K,);
-    dbeta (K,)). Formulas of ``batch_norm_backward`` per channel (train: the batch
-    statistics depend on the input; eval: an affine map); without batch norm dgamma is
-    zero."""
-    y = cache.y
-    xp = get_array_module(y)
-    kernels, windows, length, batch = y.shape
-    dtype = y.dtype
-    numbers = windows * length * batch
-    pooled_numbers = length * batch
-    if tuple(dy.shape) != (batch, kernels, length):
-        raise ValueError(f"dy has shape {dy.shape}, expected {(batch, kernels, length)}")
-    rows = y.reshape(kernels, windows, pooled_numbers)
-    dgamma, dbeta = xp.zeros((kernels,), dtype), xp.zeros((kernels,), dtype)
-    scale = cache.gamma * cache.inv_std
-    inverse_count = -1.0 / numbers
+    def finish(self, chunks: list[tuple[int, int]], threads: int) -> tuple[Array, Array, Array]:
+        """After the conv: (output (B, K, H', W'), new running mean, new running var)."""
+        self.chunks, self.threads = chunks, threads
+        if self.statistics_later:
+            self._combine_statistics()
+            run_parallel(lambda i: self._output(i, *chunks[i]), len(chunks), threads)
+        if not self.batch_norm or not self.train:
+            return self.out, self.running_mean, self.running_var
+        count = self.out.shape[0] * self.out_h * self.out_w
+        unbiased_var = self.var * (count / max(count - 1, 1))
+        new_mean = ((1.0 - self.momentum) * self.running_mean + self.momentum * self.mean
+                    ).astype(self.running_mean.dtype, copy=False)
+        new_var = ((1.0 - self.momentum) * self.running_var + self.momentum * unbiased_var
+                   ).astype(self.running_var.dtype, copy=False)
+        return self.out, new_mean, new_var
 
-    def block(channels: slice) -> None:
-        ops = _Ops(xp)
-        four = rows[channels]
-        n = four.shape[0]
-        incoming = ops.empty("incoming", (n, length, batch), dtype)
-        incoming[...] = dy[:, channels, :].transpose(1, 2, 0)
-        incoming = incoming.reshape(n, pooled_numbers)
-        if cache.pool == "max":
-            winners = cache.winners[channels]
-            passed = ops.less(winners, np.uint8(CUT), "passed")
-            d_pooled = ops.masked(incoming, passed, "d_pooled")
-            dbeta[channels] = xp.add.reduce(d_pooled, axis=1)
-            if cache.batch_norm:
-                product = ops.multiply(d_pooled, cache.x_hat[channels],
-                                       ops.empty("product", d_pooled.shape, dtype))
-                dgamma[channels] = xp.add.reduce(product, axis=1)
-            for position in range(windows):
-                chosen = winners == position if ops.scratch is None else np.equal(
-                    winners, position, out=ops.empty("chosen", winners.shape, np.bool_))
-                _conv_gradient(ops, four[:, position], ops.masked(d_pooled, chosen, "routed"),
-                               cache, channels, dgamma, dbeta, scale, inverse_count)
-            return
-        if cache.pool == "avg":
+    def _combine_statistics(self) -> None:
+        """Mean and biased variance per channel from the chunks' (n, sum, M2), in chunk
+        order: mean = sum of sums / N; M2 = sum of (M2_c + n_c (mean_c - mean)^2)."""
+        order = sorted(self.partial)
+        count = sum(self.partial[i][0] for i in order)
+        total = self.partial[order[0]][1].copy()
+        for i in order[1:]:
+            total += self.partial[i][1]
+        self.mean[...] = total / count
+        squares = self.xp.zeros_like(total)
+        for i in order:
+            n, chunk_total, chunk_m2 = self.partial[i]
+            offset = chunk_total / n - self.mean
+            offset *= offset
+            offset *= n
+            offset += chunk_m2
+            squares += offset
+        self.var = squares / count
+        self.inv_std[...] = (1.0 / (self.var + self.eps) ** 0.5).astype(self.dtype, copy=False)
+
+    def _output(self, index: int, start: int, stop: int) -> None:
+        """Normalise, ReLU (and the average pool) chunk ``index``; write its output."""
+        ops, xp, dtype = _Ops(self.xp), self.xp, self.dtype
+        rows, nb = self.rows_of[index], stop - start
+        gamma = self.gamma if self.batch_norm else None
+        if self.pool == "max":
+            pooled = self.kept["pooled", index]
+            x_hat = self._array("x_hat", index, pooled.shape, dtype) if gamma is not None \
+                else None
+            z = ops.empty("z", pooled.shape, dtype)
+            shaped = [self._vector(v, 4) for v in (self.mean, self.inv_std, self.gamma,
+                                                   self.beta)]
+            _normalise(ops, pooled, z, shaped[0], shaped[1], shaped[2] if gamma is not None
+                       else None, shaped[3], x_hat)
+            xp.maximum(z, dtype.type(0), out=z)
+            ops.cut(self.kept["winners", index], ops.greater(z, dtype.type(0), "passed"))
+            result = z
+        else:
+            views = _windows(rows, self.out_h, self.out_w) if self.pool == "avg" else [
+                rows.reshape(rows.shape[0], self.out_h, self.out_w, nb)]
+            masks = self._array("masks", index, (len(views),) + views[0].shape, np.bool_)
+            shaped = [self._vector(v, 4) for v in (self.mean, self.inv_std, self.gamma,
+                                                   self.beta)]
+            rectified = []
+            for position, view in enumerate(views):
+                z = ops.empty(f"z {position}", view.shape, dtype)
+                _normalise(ops, view, z, shaped[0], shaped[1], shaped[2] if gamma is not None
+                           else None, shaped[3], None)
+                masks[position] = ops.greater(z, dtype.type(0), "mask")
+                rectified.append(xp.maximum(z, dtype.type(0), out=z))
+            result = rectified[0]
+            if self.pool == "avg":  # the separate ops' order: ((tl + tr) + bl) + br, / 4
+                result += rectified[1]
+                result += rectified[2]
+                result += rectified[3]
+                result *= dtype.type(0.25)
+        target = self.out.reshape(self.out.shape[0], self.out.shape[1], -1)[start:stop]
+        target[...] = result.reshape(result.shape[0], -1, nb).transpose(2, 0, 1)
+
+    # ---------------------------------------------------------------- backward
+    def backward_sums(self, dy: Array) -> tuple[Array, Array]:
+        """dy (B, K, H', W') through the pool and the ReLU, chunk by chunk (kept for
+        ``gradient_rows``); returns (dgamma (K,), dbeta (K,)), batch norm's sums (zero
+        dgamma without batch norm)."""
+        if tuple(dy.shape) != tuple(self.out.shape):
+            raise ValueError(f"dy has shape {tuple(dy.shape)}, expected {tuple(self.out.shape)}")
+        partial: dict[int, tuple[Array, Array | None]] = {}
+        run_parallel(lambda i: partial.__setitem__(i, self._sums(i, dy, *self.chunks[i])),
+                     len(self.chunks), self.threads)
+        dbeta = partial[0][0].copy()
+        for i in range(1, len(self.chunks)):
+            dbeta += partial[i][0]
+        dgamma = self.xp.zeros_like(dbeta)
+        if self.batch_norm:
+            for i in range(len(self.chunks)):
+                dgamma += partial[i][1]
+        self.dgamma, self.dbeta = dgamma, dbeta
+        return dgamma, dbeta
+
+    def _sums(self, index: int, dy: Array, start: int, stop: int) -> tuple[Array, Array | None]:
+        """Chunk ``index``: keep the gradient after the ReLU/pool; its per-channel sums
+        of that gradient and of its product with x_hat."""
+        ops, xp, dtype = _Ops(self.xp), self.xp, self.dtype
+        kernels, nb = self.out.shape[1], stop - start
+        incoming = ops.empty("incoming", (kernels,) + tuple(self.out.shape[2:]) + (nb,), dtype)
+        incoming[...] = dy[start:stop].transpose(1, 2, 3, 0)
+        if self.pool == "max":
+            passed = ops.less(self.kept["winners", index], np.uint8(CUT), "passed")
+            d_pooled = ops.masked(incoming, passed, "d_pooled",
+                                  out=self._array("d_pooled", index, incoming.shape, dtype))
+            total = xp.add.reduce(d_pooled.reshape(kernels, -1), axis=1)
+            if not self.batch_norm:
+                return total, None
+            product = ops.multiply(d_pooled, self.kept["x_hat", index],
+                                   ops.empty("product", d_pooled.shape, dtype))
+            return total, xp.add.reduce(product.reshape(kernels, -1), axis=1)
+        if self.pool == "avg":
             incoming *= dtype.type(0.25)  # the separate ops: dy * 0.25 over the window
-        d_z = ops.empty("d_z", four.shape, dtype)
-        for position in range(windows):
-            d_z[:, position] = ops.masked(incoming, cache.masks[channels, position], "masked")
-        dbeta[channels] = xp.add.reduce(d_z.reshape(n, numbers), axis=1)
-        if cache.batch_norm:
-            x_hat = ops.subtract(four, cache.mean[channels][:, None, None],
-                                 ops.empty("x_hat", four.shape, dtype))
-            x_hat *= cache.inv_std[channels][:, None, None]
-            x_hat *= d_z
-            dgamma[channels] = xp.add.reduce(x_hat.reshape(n, numbers), axis=1)
-        for position in range(windows):
-            _conv_gradient(ops, four[:, position], d_z[:, position], cache, channels, dgamma,
-                           dbeta, scale, inverse_count)
+        masks = self.kept["masks", index]
+        d_z = self._array("d_z", index, masks.shape, dtype)
+        views = self._views(index, nb)
+        total = similar = None
+        for position in range(masks.shape[0]):
+            ops.masked(incoming, masks[position], "d_z", out=d_z[position])
+            part = xp.add.reduce(d_z[position].reshape(kernels, -1), axis=1)
+            total = part if total is None else total + part
+            if self.batch_norm:
+                x_hat = ops.subtract(views[position], self._vector(self.mean, 4),
+                                     ops.empty("x_hat", incoming.shape, dtype))
+                x_hat *= self._vector(self.inv_std, 4)
+                x_hat *= d_z[position]
+                part = xp.add.reduce(x_hat.reshape(kernels, -1), axis=1)
+                similar = part if similar is None else similar + part
+        return total, similar
 
-    _run_blocks(xp, block, kernels, numbers, y.itemsize)
-    if not cache.batch_norm:
-        dgamma[...] = 0
-    return y, dgamma, dbeta
+    def _views(self, index: int, nb: int) -> list[Array]:
+        rows = self.rows_of[index]
+        if self.pool == "none":
+            return [rows.reshape(rows.shape[0], self.out_h, self.out_w, nb)]
+        return _windows(rows, self.out_h, self.out_w)
 
-
-def _conv_gradient(ops: _Ops, y_rows: Array, d_z: Array, cache: BlockCache, channels: slice,
-                   dgamma: Array, dbeta: Array, scale: Array, inverse_count: float) -> None:
-    """Write the conv gradient of one window position over its conv output y_rows
-    (n, m), from d_z (n, m), the gradient of the normalised map there."""
-    if not cache.batch_norm:
-        y_rows[...] = d_z
-        return
-    if not cache.train:
-        ops.multiply(d_z, scale[channels][:, None], y_rows)
-        return
-    # the separate ops' order: ((x_hat * dgamma + dbeta) * (-1/N) + d_z) * scale
-    ops.subtract(y_rows, cache.mean[channels][:, None], y_rows)
-    y_rows *= cache.inv_std[channels][:, None]
-    y_rows *= dgamma[channels][:, None]
-    y_rows += dbeta[channels][:, None]
-    y_rows *= inverse_count
-    y_rows += d_z
-    y_rows *= scale[channels][:, None]
+    def gradient_rows(self, index: int, start: int, stop: int) -> Array:
+        """ChunkSource: chunk ``index``'s conv gradient (K, Ho*Wo*nb), written over its
+        kept conv output (the separate ops' formulas, per channel)."""
+        ops = _Ops(self.xp)
+        rows, nb = self.rows_of[index], stop - start
+        views = self._views(index, nb)
+        train_bn = self.batch_norm and self.train
+        if train_bn:  # ((x_hat * dgamma + dbeta) * (-1/N) + d_z) * scale
+            count = self.out.shape[0] * self.out_h * self.out_w
+            ops.subtract(rows, self._vector(self.mean, 2), rows)
+            rows *= self._vector(self.inv_std, 2)
+            rows *= self._vector(self.dgamma, 2)
+            rows += self._vector(self.dbeta, 2)
+            rows *= -1.0 / count
+        if self.pool == "max":
+            d_pooled, winners = self.kept["d_pooled", index], self.kept["winners", index]
+            if not train_bn:
+                rows[...] = 0
+            for position, view in enumerate(views):
+                chosen = ops.equal(winners, np.uint8(position), "chosen")
+                view += ops.masked(d_pooled, chosen, "routed")
+        else:
+            d_z = self.kept["d_z", index]
+            for position, view in enumerate(views):
+                if train_bn:
+                    view += d_z[position]
+                else:
+                    view[...] = d_z[position]
+        if self.batch_norm:
+            rows *= self._vector(self.gamma * self.inv_std, 2)
+        return rows

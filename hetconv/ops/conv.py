@@ -35,20 +35,18 @@ cheaper than writing the kh*kw times larger unfolded input to memory and reading
 back. Everything is dtype-generic and works on cupy through ``get_array_module`` (one
 chunk). The per-chunk kernels live in ``hetconv.ops.conv_chunks``.
 
-Channel-major output (``windows``, numpy, batch-inner and shifted-taps layouts): y is
-written as (K, windows, Ho*Wo/windows, B) instead of (B, K, Ho, Wo), every 2x2 pooling
-window position (windows=4) or the whole map (windows=1) one contiguous run per
-channel, and the backward pass takes dy in that layout. The layer's batch norm, ReLU
-and pooling then work on long contiguous rows of a channel (``hetconv.ops.block_fast``)
-instead of rows of ``Wo`` numbers. With a ``workspace`` the padded inputs and y are
-kept between calls (no page faults from fresh allocations every step).
+Chunk hooks (numpy and cupy, batch-inner and shifted-taps layouts): instead of y, a
+``ChunkSink`` receives every chunk's product (K, Ho*Wo*nb), batch innermost, on the
+thread that computed it, while it is in cache; a ``ChunkSource`` hands each chunk's dy
+in that layout to the backward pass. The layer's batch norm, ReLU and pooling do their
+work there (``hetconv.ops.block_fast``) instead of in passes of their own over y.
 """
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -60,11 +58,9 @@ from hetconv.ops.conv_chunks import (
     backward_rows,
     backward_sample_major,
     forward_chunk,
-    load_windows,
     padded_input,
     product,
     rows_of,
-    store_windows,
     unfold,
 )
 from hetconv.ops.conv_shifted import (
@@ -83,8 +79,8 @@ CHUNKS_PER_THREAD = 2  # more chunks than threads: a busy core does not hold the
 MIN_CHUNK_COLUMNS = 1024  # ... but each chunk's GEMMs stay at least this wide (nb*Ho*Wo)
 CHUNK_WORKING_BYTES = 2 << 20  # numpy: batch chunks whose big temporary stays in cache
 MIN_CACHE_CHUNK = 4  # ... but at least this many samples (fewer: per-call overheads win)
-MIN_WINDOW_CHUNK = 16  # windows output: samples per chunk (the copies run nb numbers long)
-WINDOWS = (1, 4)  # channel-major output: 1 window (no pool) or the 4 of a 2x2 pool
+MIN_SINK_CHUNK = 8  # with a sink: samples per chunk at least (its views run nb numbers long)
+SINK_WORKING_BYTES = 8 << 20  # ... and as many as keep the unfolded input within this
 # choose_layout's cost model, measured at one BLAS thread (AMD EPYC, float32): GEMM
 # multiply-adds per second, and seconds per number moved by a strided copy or add.
 MODEL_FLOP_PER_S = 85e9
@@ -143,7 +139,29 @@ class ConvCache:
     threads: int  # threads that run the chunks
     inputs: list[Any]
     weights_by_tap: Any = None  # (kh*kw*K, C), shifted taps only
-    windows: int = 0  # 0: y canonical (B, K, Ho, Wo); 1 or 4: (K, windows, P/windows, B)
+
+
+class ChunkSink(Protocol):
+    """Where ``conv2d_forward_cached`` puts each chunk's product instead of into y."""
+
+    def rows(self, index: int, shape: tuple[int, int], dtype: Any) -> Any:
+        """The (K, Ho*Wo*nb) array that chunk ``index``'s product is written into; it
+        must stay the sink's (it is not scratch), and may be written from any thread."""
+        ...
+
+    def done(self, index: int, start: int, stop: int, rows: Any) -> None:
+        """Samples [start, stop) are in ``rows`` (K, Ho, Wo, nb as (K, Ho*Wo*nb)); runs
+        on the thread that computed them, right after."""
+        ...
+
+
+class ChunkSource(Protocol):
+    """What ``conv2d_backward_cached`` reads each chunk's dy from instead of dy."""
+
+    def gradient_rows(self, index: int, start: int, stop: int) -> Any:
+        """dy of samples [start, stop) as (K, Ho*Wo*nb), batch innermost (the sink's
+        layout); runs on the chunk's thread, and may return the thread's scratch."""
+        ...
 
 
 def make_geometry(x_shape: tuple[int, ...], w_shape: tuple[int, ...], stride: int,
@@ -215,29 +233,36 @@ def _working_bytes_per_sample(g: ConvGeometry, layout: str, itemsize: int) -> in
     return g.taps * g.positions * itemsize
 
 
-def _plan_chunks(xp: Any, g: ConvGeometry, layout: str, itemsize: int, windows: int = 0
+def _plan_chunks(xp: Any, g: ConvGeometry, layout: str, itemsize: int, sink: bool = False
                  ) -> tuple[list[tuple[int, int]], int]:
     """(batch ranges [start, stop), threads to run them).
 
     cupy: one range. numpy: a few ranges per host thread for large work (backend),
     and ranges small enough that each chunk's big temporary stays in cache
-    (CHUNK_WORKING_BYTES, at least MIN_CACHE_CHUNK samples). With a channel-major output
-    (windows) chunks keep at least MIN_WINDOW_CHUNK samples while there are enough of
-    them for every thread: its copies move runs of nb numbers.
+    (CHUNK_WORKING_BYTES, at least MIN_CACHE_CHUNK samples). With a sink the plan does
+    not depend on the kernel count (a share of a layer's kernels gets the whole layer's
+    chunks, so per-chunk statistics agree): chunks of at least MIN_SINK_CHUNK samples,
+    more while the unfolded input stays within SINK_WORKING_BYTES, the same number for
+    every thread, and a few per thread when the batch allows.
     """
     threads, count = 1, 1
-    if xp is np:
+    if xp is np and sink:
+        if 2.0 * g.batch * g.taps * g.positions * 16 >= PARALLEL_MIN_FLOP:
+            threads = host_threads(g.batch)
+        per_sample = max(1, _working_bytes_per_sample(g, BATCH_INNER, itemsize))
+        samples = max(MIN_SINK_CHUNK, SINK_WORKING_BYTES // per_sample)
+        count = -(-g.batch // samples)
+        if g.batch >= threads * CHUNKS_PER_THREAD * MIN_SINK_CHUNK:
+            count = max(count, threads * CHUNKS_PER_THREAD)
+        count = -(-max(count, threads) // threads) * threads  # the same number per thread
+    elif xp is np:
         if g.forward_flop >= PARALLEL_MIN_FLOP:
             threads = host_threads(g.batch)
             widest = max(1, g.batch * g.positions // MIN_CHUNK_COLUMNS)
             count = max(threads, min(threads * CHUNKS_PER_THREAD, widest, g.batch))
         per_sample = max(1, _working_bytes_per_sample(g, layout, itemsize))
         samples = max(MIN_CACHE_CHUNK, CHUNK_WORKING_BYTES // per_sample)
-        if windows:
-            samples = max(samples, min(MIN_WINDOW_CHUNK, g.batch // max(1, threads)))
         count = max(count, -(-g.batch // samples))
-        if windows:
-            count = min(count, max(threads, -(-g.batch // MIN_WINDOW_CHUNK)))
     count = max(1, min(count, g.batch))
     edges = [g.batch * i // count for i in range(count + 1)]
     chunks = [(edges[i], edges[i + 1]) for i in range(count) if edges[i + 1] > edges[i]]
@@ -245,20 +270,15 @@ def _plan_chunks(xp: Any, g: ConvGeometry, layout: str, itemsize: int, windows: 
 
 
 # ---------------------------------------------------------------- public functions
-def _prepare(x: Any, w: Any, stride: int, padding: int, layout: str | None, windows: int = 0
-             ) -> tuple[Any, Any, ConvCache]:
+def _prepare(x: Any, w: Any, stride: int, padding: int, layout: str | None,
+             sink: bool = False) -> tuple[Any, Any, ConvCache]:
     """(xp, x cast to the common dtype, cache without inputs)."""
     xp = get_array_module(x, w)
     dtype = xp.result_type(x.dtype, w.dtype)
     g = make_geometry(tuple(x.shape), tuple(w.shape), stride, padding)
-    if windows:
-        if windows not in WINDOWS:
-            raise ValueError(f"conv2d: windows must be one of {WINDOWS}")
-        if windows == 4 and (g.out_h % 2 or g.out_w % 2):
-            raise ValueError(f"conv2d: 4 windows need an even output, got {g.out_h}x{g.out_w}")
+    if sink:
         if layout == SAMPLE_MAJOR:
-            raise ValueError("conv2d: a channel-major output needs the batch-inner or "
-                             "shifted-taps layout")
+            raise ValueError("conv2d: a chunk sink needs the batch-inner or shifted-taps layout")
         if layout is None:
             layout = SHIFTED_TAPS if choose_layout(g) == SHIFTED_TAPS else BATCH_INNER
     layout = layout or choose_layout(g)
@@ -266,8 +286,7 @@ def _prepare(x: Any, w: Any, stride: int, padding: int, layout: str | None, wind
         raise ValueError(f"conv2d: unknown layout {layout!r}, use one of {LAYOUTS}")
     weight_matrix = xp.ascontiguousarray(w, dtype=dtype).reshape(g.kernels, g.taps)
     cache = ConvCache(g, layout, weight_matrix,
-                      *_plan_chunks(xp, g, layout, np.dtype(dtype).itemsize, windows), [],
-                      windows=windows)
+                      *_plan_chunks(xp, g, layout, np.dtype(dtype).itemsize, sink), [])
     if layout == SHIFTED_TAPS:
         cache.weights_by_tap = tap_weights(xp, weight_matrix, g)
     return xp, x.astype(dtype, copy=False), cache
@@ -276,7 +295,7 @@ def _prepare(x: Any, w: Any, stride: int, padding: int, layout: str | None, wind
 def conv2d_forward_cached(x: Any, w: Any, b: Any | None = None, stride: int = 1,
                           padding: int = 0, *, layout: str | None = None,
                           rows_ready: Callable[[int], None] | None = None,
-                          windows: int = 0, workspace: Workspace | None = None
+                          sink: ChunkSink | None = None, workspace: Workspace | None = None
                           ) -> tuple[Any, ConvCache]:
     """Forward convolution that keeps the (padded) input for the backward pass.
 
@@ -287,10 +306,9 @@ def conv2d_forward_cached(x: Any, w: Any, b: Any | None = None, stride: int = 1,
     ``conv2d_backward_cached``. layout: force one of LAYOUTS (tests, benchmarks);
     default ``choose_layout``.
 
-    windows: 1 or 4 returns y channel-major as (K, windows,
-    Ho*Wo/windows, B) (module docstring; 4 needs an even Ho and Wo), and the backward
-    pass then takes dy in that layout. workspace: keep y and the padded input in it
-    (reused by the next call with the same workspace; y is then valid until then).
+    sink: every chunk's product goes to ``sink`` (module docstring; b must be None)
+    and y is None. workspace: keep the padded input there between calls (numpy; the
+    next call with the same workspace reuses it).
 
     rows_ready (streaming, for overlapping a transfer with the products): x is a buffer
     still being filled in batch order; ``rows_ready(n)`` is called before the chunks
@@ -301,27 +319,30 @@ def conv2d_forward_cached(x: Any, w: Any, b: Any | None = None, stride: int = 1,
     if rows_ready is not None and x.dtype != get_array_module(x, w).result_type(x.dtype,
                                                                                  w.dtype):
         raise ValueError("conv2d: a streamed input must already have the weights' dtype")
-    xp, x, cache = _prepare(x, w, stride, padding, layout, windows)
+    if sink is not None and b is not None:
+        raise ValueError("conv2d: a chunk sink takes the product without a bias")
+    xp, x, cache = _prepare(x, w, stride, padding, layout, sink is not None)
     g = cache.geometry
     keep = workspace if xp is np else None
-    if windows:
-        shape: tuple[int, ...] = (g.kernels, windows, g.positions // windows, g.batch)
-    else:
-        shape = (g.batch, g.kernels, g.out_h, g.out_w)
-    y = xp.empty(shape, x.dtype) if keep is None else keep.get("conv_y", shape, x.dtype)
+    y: Any = None if sink is not None else xp.empty((g.batch, g.kernels, g.out_h, g.out_w),
+                                                    x.dtype)
     bias = None if b is None else xp.asarray(b, dtype=x.dtype).reshape(g.kernels)
 
     def task(index: int) -> Any:
         start, stop = cache.chunks[index]
         padded = padded_input(xp, g, cache.layout, x[start:stop],
-                              None if keep is None else (keep, f"conv_padded{index}"))
+                              None if keep is None else (keep, f"conv padded {index}"))
         if not g.kernels:
             return padded
-        if windows:
-            rows = (shifted_product(xp, g, cache.weights_by_tap, padded)
-                    if cache.layout == SHIFTED_TAPS else
-                    product(xp, g, cache.weight_matrix, unfold(xp, g, cache.layout, padded)))
-            store_windows(g, rows, y, start, stop, bias)
+        if sink is not None:
+            shape = (g.kernels, g.positions * (stop - start))
+            if cache.layout == SHIFTED_TAPS:
+                rows = sink.rows(index, shape, x.dtype)
+                rows[...] = shifted_product(xp, g, cache.weights_by_tap, padded).reshape(shape)
+            else:
+                rows = product(xp, g, cache.weight_matrix, unfold(xp, g, cache.layout, padded),
+                               out=sink.rows(index, shape, x.dtype))
+            sink.done(index, start, stop, rows)
         elif cache.layout == SHIFTED_TAPS:
             shifted_forward(xp, g, cache.weights_by_tap, padded, bias, y[start:stop])
         else:
@@ -335,9 +356,10 @@ def conv2d_forward_cached(x: Any, w: Any, b: Any | None = None, stride: int = 1,
 
 def conv2d_backward_cached(cache: ConvCache, dy: Any, need_dx: bool = True,
                            dx_rows: Callable[[Any, int, int], None] | None = None,
-                           need_db: bool = True) -> tuple[Any | None, Any, Any]:
-    """Gradients from the cache of ``conv2d_forward_cached`` and dy (B, K, Ho, Wo), or
-    (K, windows, Ho*Wo/windows, B) when the forward pass had a channel-major output.
+                           need_db: bool = True, source: ChunkSource | None = None
+                           ) -> tuple[Any | None, Any, Any]:
+    """Gradients from the cache of ``conv2d_forward_cached`` and dy (B, K, Ho, Wo), or,
+    with a ``source`` (dy None), each chunk's dy from the source.
 
     Returns (dx (B, C, H, W) or None when need_dx is False, dw (K, C, kh, kw),
     db (K,); zeros when need_db is False), all in the forward's dtype. With 0 kernels
@@ -348,16 +370,15 @@ def conv2d_backward_cached(cache: ConvCache, dy: Any, need_dx: bool = True,
     are final, in batch order, ending at B (only when need_dx). Same chunks, same result.
     """
     g = cache.geometry
-    xp = get_array_module(dy, cache.weight_matrix)
+    xp = get_array_module(cache.weight_matrix) if source is not None else get_array_module(
+        dy, cache.weight_matrix)
     dtype = cache.weight_matrix.dtype
-    windows = cache.windows
-    if windows:
-        expected: tuple[int, ...] = (g.kernels, windows, g.positions // windows, g.batch)
-    else:
+    if source is None:
         expected = (g.batch, g.kernels, g.out_h, g.out_w)
-    if tuple(dy.shape) != expected:
-        raise ValueError(f"conv2d backward: dy has shape {tuple(dy.shape)}, expected {expected}")
-    dy = xp.ascontiguousarray(dy, dtype=dtype)
+        if tuple(dy.shape) != expected:
+            raise ValueError(f"conv2d backward: dy has shape {tuple(dy.shape)}, "
+                             f"expected {expected}")
+        dy = xp.ascontiguousarray(dy, dtype=dtype)
     dx_shape = (g.batch, g.channels, g.height, g.width)
     dx = (xp.zeros if g.kernels == 0 else xp.empty)(dx_shape, dtype) if need_dx else None
     dw, db = xp.zeros((g.kernels, g.taps), dtype), xp.zeros((g.kernels,), dtype)
@@ -373,18 +394,19 @@ def conv2d_backward_cached(cache: ConvCache, dy: Any, need_dx: bool = True,
             start, stop = cache.chunks[index]
             padded, dx_chunk = cache.inputs[index], None if dx is None else dx[start:stop]
             if cache.layout == SHIFTED_TAPS:
-                dy_t = (load_windows(xp, g, dy, start, stop).reshape(
-                    g.kernels, g.out_h, g.out_w, stop - start) if windows
+                dy_t = (source.gradient_rows(index, start, stop).reshape(
+                    g.kernels, g.out_h, g.out_w, stop - start) if source is not None
                     else dy[start:stop].transpose(1, 2, 3, 0))
                 return shifted_backward(xp, g, cache.weights_by_tap if need_dx else None,
                                         padded, dy_t, dx_chunk, need_db)
-            columns = unfold(xp, g, cache.layout, padded)
             if cache.layout == SAMPLE_MAJOR:
-                return backward_sample_major(xp, g, offset_weights, columns, dy[start:stop],
-                                             dx_chunk, need_db)
-            rows = load_windows(xp, g, dy, start, stop) if windows else rows_of(
+                return backward_sample_major(xp, g, offset_weights,
+                                             unfold(xp, g, cache.layout, padded),
+                                             dy[start:stop], dx_chunk, need_db)
+            rows = source.gradient_rows(index, start, stop) if source is not None else rows_of(
                 xp, g, dy[start:stop])
-            return backward_rows(xp, g, offset_weights, columns, rows, dx_chunk, need_db)
+            return backward_rows(xp, g, offset_weights, unfold(xp, g, cache.layout, padded),
+                                 rows, dx_chunk, need_db)
 
         after = None if dx_rows is None or dx is None else (
             lambda start, stop: dx_rows(dx, start, stop))
@@ -398,7 +420,8 @@ def conv2d_backward_cached(cache: ConvCache, dy: Any, need_dx: bool = True,
                 db += part_db
     elif dx_rows is not None and dx is not None:
         dx_rows(dx, 0, g.batch)
-    return dx, dw.reshape(g.kernels, g.channels, g.kernel_h, g.kernel_w), db
+    dw = xp.ascontiguousarray(dw).reshape(g.kernels, g.channels, g.kernel_h, g.kernel_w)
+    return dx, dw, db
 
 
 def _shifted_task(task: Callable[[int], Any], offset: int, index: int) -> Any:

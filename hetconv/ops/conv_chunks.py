@@ -8,12 +8,9 @@ Every function works on one batch chunk of ``nb`` samples. Layouts of a chunk:
   dy rows (K, Ho*Wo*nb), i.e. (K, Ho, Wo, nb): the batch innermost, so that the
   unfolding and folding copy runs of ``Wo*nb`` numbers;
 * sample-major: padded input (nb, C, Hp, Wp), columns (nb, Q, Ho*Wo);
-* channel-major windows: the whole layer's y (K, windows, Ho*Wo/windows, B), where
-  ``windows`` is 4 for a following 2x2 pool (window position (r, c) = 2r + c, so each
-  position of every window is one contiguous run per channel) or 1 (no pool). The
-  fused batch norm / ReLU / pool pass (``hetconv.ops.block_fast``) works on whole
-  channel rows of it; ``store_windows`` / ``load_windows`` copy a chunk's batch-inner
-  product in and its gradient out.
+* chunk hooks: a sink takes each chunk's batch-inner product, a source gives each
+  chunk's dy rows (``hetconv.ops.conv``), so that the layer's following ops work on a
+  chunk while it is in cache.
 
 Temporaries come from the calling thread's scratch (``thread_scratch``) when ``xp`` is
 numpy; nothing returned to a caller is scratch unless the docstring says so.
@@ -97,9 +94,11 @@ def kernel_blocks(xp: Any, kernels: int, numbers_per_kernel: int) -> list[slice]
     return [slice(start, min(kernels, start + step)) for start in range(0, kernels, step)]
 
 
-def product(xp: Any, g: Any, weight_matrix: Any, columns: Any) -> Any:
-    """W (K, Q) @ columns (Q, P*nb) into scratch: (K, P*nb), the batch-inner y."""
-    out = _empty(xp, "product", (g.kernels, columns.shape[1]), columns.dtype)
+def product(xp: Any, g: Any, weight_matrix: Any, columns: Any, out: Any = None) -> Any:
+    """W (K, Q) @ columns (Q, P*nb): (K, P*nb), the batch-inner y, into ``out`` (default
+    the thread's scratch)."""
+    if out is None:
+        out = _empty(xp, "product", (g.kernels, columns.shape[1]), columns.dtype)
     xp.matmul(weight_matrix, columns, out=out)
     return out
 
@@ -124,46 +123,9 @@ def forward_chunk(xp: Any, g: Any, layout: str, weight_matrix: Any, columns: Any
             target += bias[:, None]
 
 
-def window_view(y_windows: Any, g: Any) -> Any:
-    """(K, windows, P/windows, B) as (K, 2, 2, Ho/2, Wo/2, B) (4 windows) or
-    (K, Ho, Wo, B) (1 window): views that the chunk copies index."""
-    kernels, windows, batch = y_windows.shape[0], y_windows.shape[1], y_windows.shape[3]
-    if windows == 4:
-        return y_windows.reshape(kernels, 2, 2, g.out_h // 2, g.out_w // 2, batch)
-    return y_windows.reshape(kernels, g.out_h, g.out_w, batch)
-
-
-def store_windows(g: Any, rows: Any, y_windows: Any, start: int, stop: int,
-                  bias: Any | None) -> None:
-    """Copy a chunk's batch-inner y rows (K, Ho*Wo*nb) into samples [start, stop) of
-    the channel-major y (K, windows, P/windows, B), adding bias (K,) when given."""
-    nb, kernels = stop - start, g.kernels
-    target = window_view(y_windows, g)[..., start:stop]
-    if y_windows.shape[1] == 4:
-        source = rows.reshape(kernels, g.out_h // 2, 2, g.out_w // 2, 2, nb)
-        target[...] = source.transpose(0, 2, 4, 1, 3, 5)
-    else:
-        target[...] = rows.reshape(kernels, g.out_h, g.out_w, nb)
-    if bias is not None:
-        target += bias.reshape((kernels,) + (1,) * (target.ndim - 1))
-
-
-def load_windows(xp: Any, g: Any, dy_windows: Any, start: int, stop: int) -> Any:
-    """Samples [start, stop) of the channel-major dy as batch-inner rows (K, Ho*Wo*nb),
-    in the thread's scratch (valid until its next ``load_windows`` or ``rows_of``)."""
-    nb, kernels = stop - start, g.kernels
-    rows = _empty(xp, "dy_rows", (kernels, g.positions * nb), dy_windows.dtype)
-    source = window_view(dy_windows, g)[..., start:stop]
-    if dy_windows.shape[1] == 4:
-        rows.reshape(kernels, g.out_h // 2, 2, g.out_w // 2, 2, nb)[...] = \
-            source.transpose(0, 3, 1, 4, 2, 5)
-    else:
-        rows.reshape(kernels, g.out_h, g.out_w, nb)[...] = source
-    return rows
-
-
 def rows_of(xp: Any, g: Any, dy_chunk: Any) -> Any:
-    """Canonical dy (nb, K, Ho, Wo) as batch-inner rows (K, Ho*Wo*nb), in scratch."""
+    """Canonical dy (nb, K, Ho, Wo) as batch-inner rows (K, Ho*Wo*nb), in the thread's
+    scratch (valid until its next ``rows_of``)."""
     nb, kernels, positions = dy_chunk.shape[0], g.kernels, g.positions
     dy3 = dy_chunk.reshape(nb, kernels, positions)
     rows = _empty(xp, "dy_rows", (kernels, positions, nb), dy_chunk.dtype)
@@ -198,7 +160,7 @@ def backward_rows(xp: Any, g: Any, offset_weights: Any | None, columns: Any, dy_
     kh, kw, ho, wo, pad = g.kernel_h, g.kernel_w, g.out_h, g.out_w, g.padding
     hp, wp = g.height + 2 * pad, g.width + 2 * pad
     db = dy_rows.sum(axis=1) if need_db else None
-    dw = dy_rows @ columns.T
+    dw = (columns @ dy_rows.T).T  # as dw^T: OpenBLAS's AVX-512 kernels run this shape faster
     if dx_chunk is not None and offset_weights is not None:
         nb = dx_chunk.shape[0]
         dcol = _empty(xp, "dcol", (g.taps, dy_rows.shape[1]), dy_rows.dtype)

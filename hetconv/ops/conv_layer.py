@@ -79,7 +79,7 @@ class ConvBlockCache:
     weight_shape: tuple[int, ...]
     rectified: Array = None
     empty: bool = False
-    fused: block_fast.BlockCache | None = None  # the fast path's (then no batch_norm, pool)
+    fused: block_fast.BlockPass | None = None  # the fast path's (then no batch_norm, pool)
 
 
 def conv_output_size(size: int, kernel: int, stride: int, padding: int) -> int:
@@ -202,11 +202,11 @@ def conv_layer_backward(
         return dx, dweight, empty, empty.copy()
     if cache.fused is not None:
         with timed("BN+ReLU+pool backward"):
-            d_conv, dgamma, dbeta = block_fast.block_backward(
-                cache.fused, dy.reshape(dy.shape[0], dy.shape[1], -1))
-        with timed("conv backward"):
-            dx, dweight, _ = conv2d_backward_cached(cache.conv, d_conv, need_dx=need_dx,
-                                                    dx_rows=dx_rows, need_db=False)
+            dgamma, dbeta = cache.fused.backward_sums(dy)
+        with timed("conv backward"):  # each chunk's conv gradient is made right before use
+            dx, dweight, _ = conv2d_backward_cached(cache.conv, None, need_dx=need_dx,
+                                                    dx_rows=dx_rows, need_db=False,
+                                                    source=cache.fused)
         return (dx if need_dx else None), dweight, dgamma, dbeta
     with timed("BN+ReLU+pool backward"):
         if isinstance(cache.pool, MaxPoolCache):
@@ -234,18 +234,19 @@ def _fused_forward(x: Array, weight: Array, gamma: Array, beta: Array, running_m
                    bn_momentum: float, bn_eps: float, rows_ready: Callable[[int], None] | None,
                    pool: str, batch_norm: bool, workspace: Workspace | None,
                    conv_size: tuple[int, int]) -> tuple[Array, ConvBlockCache, Array, Array]:
-    """The fast path of ``conv_layer_forward`` (numpy): a channel-major convolution,
-    then ``block_fast.block_forward``."""
-    with timed("conv forward"):
-        conv_out, conv_cache = conv2d_forward_cached(
-            x, weight, None, stride=stride, padding=padding, rows_ready=rows_ready,
-            windows=block_fast.windows_of(pool), workspace=workspace)
+    """The fast path of ``conv_layer_forward``: the convolution hands every batch chunk
+    to a ``block_fast.BlockPass`` while it is in cache; then the pass finishes."""
+    xp = get_array_module(x, weight)
+    dtype = xp.result_type(x.dtype, weight.dtype)
+    fused = block_fast.BlockPass(xp, x.shape[0], conv_size, gamma, beta, running_mean,
+                                 running_var, train, pool, batch_norm, bn_momentum, bn_eps,
+                                 dtype, keep=workspace)
+    with timed("conv forward"):  # with the chunks' statistics and max pool
+        _, conv_cache = conv2d_forward_cached(x, weight, None, stride=stride, padding=padding,
+                                              rows_ready=rows_ready, sink=fused,
+                                              workspace=workspace)
     with timed("BN+ReLU+pool forward"):
-        out, fused, new_mean, new_var = block_fast.block_forward(
-            conv_out, gamma, beta, running_mean, running_var, train, pool, batch_norm,
-            momentum=bn_momentum, eps=bn_eps, keep=workspace)
-    out_h, out_w = conv_size if pool == "none" else (conv_size[0] // 2, conv_size[1] // 2)
-    y = out.reshape(x.shape[0], weight.shape[0], out_h, out_w)
+        y, new_mean, new_var = fused.finish(conv_cache.chunks, conv_cache.threads)
     cache = ConvBlockCache(conv_cache, None, None, y, tuple(x.shape), tuple(weight.shape),
                            fused=fused)
     return y, cache, new_mean, new_var
