@@ -240,8 +240,8 @@ def _plan_chunks(xp: Any, g: ConvGeometry, layout: str, itemsize: int, sink: boo
     cupy: one range. numpy: a few ranges per host thread for large work (backend),
     and ranges small enough that each chunk's big temporary stays in cache
     (CHUNK_WORKING_BYTES, at least MIN_CACHE_CHUNK samples). With a sink the plan does
-    not depend on the kernel count (a share of a layer's kernels gets the whole layer's
-    chunks, so per-chunk statistics agree): chunks of at least MIN_SINK_CHUNK samples,
+    not depend on the kernel count (a share of a layer's kernels sums its statistics in
+    the whole layer's order): chunks of at least MIN_SINK_CHUNK samples,
     more while the unfolded input stays within SINK_WORKING_BYTES, the same number for
     every thread, and a few per thread when the batch allows.
     """
