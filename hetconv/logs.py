@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -102,6 +103,20 @@ def configure(verbose: bool = False, log_format: str = "text",
     for name in OWN_LOGGERS:
         logging.getLogger(name).setLevel(logging.DEBUG if verbose else logging.INFO)
     logging.captureWarnings(False)
+
+
+def add_output_flags(parser: Any, progress: bool = False) -> None:
+    """``--log-format`` (and with ``progress``, ``--progress-every``) on a subcommand."""
+    parser.add_argument("--log-format", choices=LOG_FORMATS,
+                        default=os.environ.get("HETCONV_LOG_FORMAT", "text"),
+                        help="text (default) or json: one JSON object per line on stdout "
+                        "and stderr, for log collectors")
+    if progress:
+        parser.add_argument("--progress-every", type=parse_progress_every,
+                            default=os.environ.get("HETCONV_PROGRESS_EVERY",
+                                                   DEFAULT_PROGRESS_EVERY),
+                            metavar="N|Ns", help="when stdout is not a terminal: a progress "
+                            "line every N steps (50) or N seconds (30s, the default)")
 
 
 def settings() -> LogSettings:
