@@ -5,13 +5,13 @@ Both runs train the same network with the same flags and seed; the fault-free on
 runs first. They run the settings a user gets by default (``--split model``,
 ``--wire-dtype auto``, the peer data plane, rebalancing on) unless ``split``,
 ``wire_dtype`` or ``data_plane`` say otherwise; only ``--threads 1`` is pinned (five
-processes share the machine). With ``--epochs auto`` (the default) a one-epoch probe run first measures
-an epoch's wall time, and the runs get enough epochs to outlast ``--minutes`` by a
-quarter. In the second, once the first training step is recorded, a fault is
-injected every ``--interval-min``..``--interval-max`` seconds (seeded) for
-``--minutes`` or until the run ends, into a worker that is not busy with an earlier
-fault, one that held kernels at the last recorded step where there is one (the planner
-may leave a slow worker idle; a fault there would test nothing):
+processes share the machine). With ``--epochs auto`` (the default) a one-epoch
+probe run first measures an epoch's wall time, and the runs get enough epochs to
+outlast ``--minutes`` by a quarter. In the second, once the first training step is
+recorded, a fault is injected every ``--interval-min``..``--interval-max`` seconds
+(seeded) for ``--minutes`` or until the run ends, into a worker that is not busy
+with an earlier fault, one that held kernels at the last recorded step where there
+is one (the planner may leave a slow worker idle; a fault there would test nothing):
 
 * ``sigkill``: SIGKILL, then the worker is started again under the same name after
   5 s;
@@ -27,14 +27,16 @@ links (:class:`hetconv.lab.network.SwitchedLan`) and every worker runs in a CPU 
 of one core. Everything is stopped and removed on exit, also on Ctrl-C or SIGTERM.
 
 Then it prints every fault injected and its effect, read from the chaos run's
-``metrics.jsonl``: the ``recovery`` records written within ``--recovery-window``
-seconds of it (and before the next fault), or none (nothing needed: a short stall
-retried); the kernels the worker held when it struck; the time it cost (each recovery's own seconds plus its replayed steps times
-the fault-free run's median step time); when the worker was back (the ``replan`` that
-took it in again: a ``join`` naming it or giving it kernels); whether the run completed (a fault is survived when the run
-completed); the master's RSS, open files and threads after warm-up and at the end;
-and the final test accuracy of both runs. The decision logic (:func:`plan_faults`,
-:func:`assess`) is pure; the processes are in :class:`ChaosCluster`.
+``metrics.jsonl``: the kernels the worker held when it struck; the ``recovery``
+records written within ``--recovery-window`` seconds of it (and before the next
+fault), or none (nothing needed: a short stall retried); the time it cost (each
+recovery's own seconds plus its replayed steps times the fault-free run's median
+step time); when the worker was back (the ``join`` re-plan that took it in again:
+naming it, giving it kernels, or naming no faulted worker); whether the run
+completed (a fault is survived when the run completed); the master's RSS, open
+files and threads after warm-up and at the end; and the final test accuracy of
+both runs. The decision logic (:func:`plan_faults`, :func:`assess`) is pure; the
+processes are in :class:`ChaosCluster`.
 """
 from __future__ import annotations
 
@@ -142,9 +144,14 @@ def kernels_held(records: Sequence[dict[str, Any]]) -> dict[str, int]:
     return held
 
 
-def _gives_kernels(record: dict[str, Any], name: str) -> bool:
-    return any(d.get("device") == name and int(d.get("kernels", 0)) > 0
-               for layer in record.get("counts", []) for d in layer.get("devices", []))
+def _takes_in(join: dict[str, Any], name: str, workers: set[str]) -> bool:
+    """Whether a ``join`` re-plan takes worker ``name`` back: it names it, gives it
+    kernels, or names none of ``workers`` ("join of a returning worker": one that came
+    back and got no kernels)."""
+    named = set(str(join.get("reason", "")).replace(",", " ").split())
+    gives = any(d.get("device") == name and int(d.get("kernels", 0)) > 0
+                for layer in join.get("counts", []) for d in layer.get("devices", []))
+    return name in named or gives or not named & workers
 
 
 # --- the assessment (pure) ------------------------------------------------------------------
@@ -183,10 +190,11 @@ def assess(faults: Sequence[InjectedFault], records: Sequence[dict[str, Any]],
            completed: bool, median_step_s: float, window_s: float) -> list[FaultOutcome]:
     """Each fault's effect from the chaos run's metrics records: the ``recovery``
     records in [its time, its time + window_s) and before the next fault; the first
-    ``join`` re-plan after its end naming its worker or giving it kernels."""
+    ``join`` re-plan after its end that takes its worker back (:func:`_takes_in`)."""
     recoveries = [r for r in records if r.get("type") == "recovery"]
     joins = [r for r in records if r.get("type") == "replan"
              and str(r.get("reason", "")).startswith("join")]
+    workers = {fault.worker for fault in faults}
     outcomes = []
     for index, fault in enumerate(faults):
         until = fault.time + window_s
@@ -203,8 +211,7 @@ def assess(faults: Sequence[InjectedFault], records: Sequence[dict[str, Any]],
         rejoined = None
         if fault.ended is not None:
             back = next((r for r in joins if float(r["time"]) >= fault.ended
-                         and (fault.worker in str(r["reason"]).replace(",", " ").split()
-                              or _gives_kernels(r, fault.worker))), None)
+                         and _takes_in(r, fault.worker, workers)), None)
             rejoined = None if back is None else float(back["time"]) - fault.ended
         outcomes.append(FaultOutcome(
             kind=fault.kind, worker=fault.worker, at_s=fault.at_s,
