@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from hetconv.bench.ddp import SPLITS, batch_shares, rank_command
-from hetconv.config import SPLIT_MODES, check_choice
+from hetconv.config import BENCH_PEERS, SPLIT_MODES, check_choice
 from hetconv.errors import UserError
 from hetconv.lab import CpuQuota, LocalWorker, cpu_quota_unavailable_reason, free_port
 from hetconv.lab.network import SwitchedLan, netns_unavailable_reason, parse_rate_bits
@@ -45,7 +45,6 @@ from hetconv.metrics import read_metrics
 from hetconv.perf_model import ParticipantCost, ideal_speedup, star_step_seconds
 
 RUN_TIMEOUT_S = 600.0
-PEERS = ("ddp",)
 
 
 def parse_machines(text: str) -> tuple[float, ...]:
@@ -220,7 +219,7 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
     the same machines too, interleaved (needs torch: the ``bench`` extra)."""
     check_choice("split", split, SPLIT_MODES)
     if peer is not None:
-        check_choice("peer", peer, PEERS)
+        check_choice("peer", peer, BENCH_PEERS)
         from hetconv.bench.step import import_torch
         import_torch()  # one line saying how to install it, before any LAN is made
     configurations = [(fractions, plane) for fractions in machine_sets for plane in data_planes]

@@ -19,7 +19,14 @@ from typing import Any
 
 from hetconv.checkpoint import save_text
 from hetconv.commands.options import Parser, positive_int
-from hetconv.config import DATA_PLANES, DATASETS, SPLIT_MODES, WIRE_DTYPE_AUTO, WIRE_DTYPE_FLAGS
+from hetconv.config import (
+    BENCH_PEERS,
+    DATA_PLANES,
+    DATASETS,
+    SPLIT_MODES,
+    WIRE_DTYPE_AUTO,
+    WIRE_DTYPE_FLAGS,
+)
 from hetconv.errors import UserError
 
 FLAGS: dict[str, tuple[tuple[str, str], ...]] = {
@@ -115,7 +122,7 @@ def add_parser(sub: Any) -> None:
     scale.add_argument("--split", default="model", choices=SPLIT_MODES,
                        help="hetconv's --split in every run (default model: the planner "
                        "chooses the machines)")
-    scale.add_argument("--peer", default=None, choices=("ddp",),
+    scale.add_argument("--peer", default=None, choices=BENCH_PEERS,
                        help="also run what users would run instead on the same machines: "
                        "PyTorch DDP (gloo; even and by-speed batch splits) and PyTorch alone, "
                        "interleaved (needs the bench extra: pip install '.[bench]')")
