@@ -20,6 +20,10 @@ Two column layouts, chosen per shape by ``choose_layout``:
   place, so y and dy are never transposed. Best for large outputs (first layers),
   where P = Ho*Wo is already a good GEMM width and y is too big to transpose cheaply.
 
+A fourth, ``winograd`` (``hetconv.ops.conv_winograd``), needs 16/36 (3x3) or 36/100
+(5x5) of the multiply-adds; it runs where a chunk sink asks for the product (the
+training path of ``hetconv.ops.conv_layer``) or where it is asked for by name.
+
 A third algorithm, ``shifted_taps`` (``hetconv.ops.conv_shifted``), never unfolds
 the input: its extra work grows with the kernel share K instead of the channels C, so
 it wins for small shares of deep layers. ``choose_layout`` picks per shape and share
@@ -51,6 +55,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from hetconv.backend import get_array_module, host_threads, run_parallel
+from hetconv.ops import conv_winograd
 from hetconv.ops.conv_chunks import (
     BATCH_INNER,
     SAMPLE_MAJOR,
@@ -61,6 +66,7 @@ from hetconv.ops.conv_chunks import (
     padded_input,
     product,
     rows_of,
+    scratch_array,
     unfold,
 )
 from hetconv.ops.conv_shifted import (
@@ -72,6 +78,9 @@ from hetconv.ops.conv_shifted import (
 from hetconv.ops.workspace import Workspace
 
 LAYOUTS = (BATCH_INNER, SAMPLE_MAJOR, SHIFTED_TAPS)
+WINOGRAD = "winograd"  # F(2x2, r x r) for 3x3 and 5x5 kernels: see hetconv.ops.conv_winograd
+WINOGRAD_MIN_CHANNELS = {3: 64, 5: 8}  # by kernel size: with fewer input channels or kernels
+# the transforms cost more than the multiply-adds they save (measured, one thread)
 SAMPLE_MAJOR_MIN_POSITIONS = 576  # Ho*Wo from which one GEMM per sample is cheaper ...
 SAMPLE_MAJOR_MIN_POSITIONS_FEW_TAPS = 144  # ... or from here when K >= Q (y is the big one)
 PARALLEL_MIN_FLOP = 2e7  # below this a forward runs on the calling thread only
@@ -139,6 +148,7 @@ class ConvCache:
     threads: int  # threads that run the chunks
     inputs: list[Any]
     weights_by_tap: Any = None  # (kh*kw*K, C), shifted taps only
+    transformed: Any = None  # (a*a, K, C) transformed weights, Winograd only
 
 
 class ChunkSink(Protocol):
@@ -278,17 +288,26 @@ def _prepare(x: Any, w: Any, stride: int, padding: int, layout: str | None,
     g = make_geometry(tuple(x.shape), tuple(w.shape), stride, padding)
     if sink:
         if layout == SAMPLE_MAJOR:
-            raise ValueError("conv2d: a chunk sink needs the batch-inner or shifted-taps layout")
+            raise ValueError("conv2d: a chunk sink needs the batch-inner, shifted-taps or "
+                             "Winograd layout")
         if layout is None:
             layout = SHIFTED_TAPS if choose_layout(g) == SHIFTED_TAPS else BATCH_INNER
+            if (conv_winograd.supported(g) and min(g.channels, g.kernels)
+                    >= WINOGRAD_MIN_CHANNELS[g.kernel_h]):
+                layout = WINOGRAD
     layout = layout or choose_layout(g)
-    if layout not in LAYOUTS:
+    if layout == WINOGRAD and not conv_winograd.supported(g):
+        raise ValueError("conv2d: Winograd needs stride 1, a 3x3 or 5x5 kernel and an even "
+                         "output")
+    if layout not in (*LAYOUTS, WINOGRAD):
         raise ValueError(f"conv2d: unknown layout {layout!r}, use one of {LAYOUTS}")
     weight_matrix = xp.ascontiguousarray(w, dtype=dtype).reshape(g.kernels, g.taps)
     cache = ConvCache(g, layout, weight_matrix,
                       *_plan_chunks(xp, g, layout, np.dtype(dtype).itemsize, sink), [])
     if layout == SHIFTED_TAPS:
         cache.weights_by_tap = tap_weights(xp, weight_matrix, g)
+    if layout == WINOGRAD:
+        cache.transformed = conv_winograd.weight_transform(xp, weight_matrix.reshape(w.shape))
     return xp, x.astype(dtype, copy=False), cache
 
 
@@ -334,7 +353,18 @@ def conv2d_forward_cached(x: Any, w: Any, b: Any | None = None, stride: int = 1,
                               None if keep is None else (keep, f"conv padded {index}"))
         if not g.kernels:
             return padded
-        if sink is not None:
+        if cache.layout == WINOGRAD:
+            shape = (g.kernels, g.positions * (stop - start))
+            rows = _winograd_forward(xp, g, cache.transformed, padded, None if sink is None
+                                     else sink.rows(index, shape, x.dtype))
+            if sink is not None:
+                sink.done(index, start, stop, rows)
+            else:
+                y[start:stop] = rows.reshape(g.kernels, g.out_h, g.out_w, stop - start
+                                             ).transpose(3, 0, 1, 2)
+                if bias is not None:
+                    y[start:stop] += bias[:, None, None]
+        elif sink is not None:
             shape = (g.kernels, g.positions * (stop - start))
             if cache.layout == SHIFTED_TAPS:
                 rows = sink.rows(index, shape, x.dtype)
@@ -399,6 +429,11 @@ def conv2d_backward_cached(cache: ConvCache, dy: Any, need_dx: bool = True,
                     else dy[start:stop].transpose(1, 2, 3, 0))
                 return shifted_backward(xp, g, cache.weights_by_tap if need_dx else None,
                                         padded, dy_t, dx_chunk, need_db)
+            if cache.layout == WINOGRAD:
+                rows = source.gradient_rows(index, start, stop) if source is not None \
+                    else rows_of(xp, g, dy[start:stop])
+                return _winograd_backward(xp, g, cache.transformed, padded, rows, dx_chunk,
+                                          need_db)
             if cache.layout == SAMPLE_MAJOR:
                 return backward_sample_major(xp, g, offset_weights,
                                              unfold(xp, g, cache.layout, padded),
@@ -411,9 +446,9 @@ def conv2d_backward_cached(cache: ConvCache, dy: Any, need_dx: bool = True,
         after = None if dx_rows is None or dx is None else (
             lambda start, stop: dx_rows(dx, start, stop))
         parts = run_chunks(task, cache.chunks, cache.threads, after=after)
-        dw = parts[0][0]
-        for part_dw, _ in parts[1:]:
-            dw += part_dw
+        dw = _sum_in_order(xp, [part[0] for part in parts], cache.threads)
+        if cache.layout == WINOGRAD:
+            dw = conv_winograd.weight_gradient(xp, dw, g.kernel_h).reshape(g.kernels, g.taps)
         if need_db:
             db = parts[0][1]
             for _, part_db in parts[1:]:
@@ -422,6 +457,58 @@ def conv2d_backward_cached(cache: ConvCache, dy: Any, need_dx: bool = True,
         dx_rows(dx, 0, g.batch)
     dw = xp.ascontiguousarray(dw).reshape(g.kernels, g.channels, g.kernel_h, g.kernel_w)
     return dx, dw, db
+
+
+def _winograd_forward(xp: Any, g: ConvGeometry, transformed: Any, padded: Any,
+                      out: Any | None) -> Any:
+    """A chunk's product (K, Ho*Wo*nb) by Winograd, into ``out`` (default scratch)."""
+    inputs = conv_winograd.input_transform(xp, g, padded)
+    products = scratch_array(xp, "winograd products",
+                             (inputs.shape[0], g.kernels, inputs.shape[2]), inputs.dtype)
+    xp.matmul(transformed, inputs, out=products)
+    if out is None:
+        out = scratch_array(xp, "product", (g.kernels, g.positions * padded.shape[3]),
+                            inputs.dtype)
+    return conv_winograd.output_rows(xp, g, products, out)
+
+
+def _winograd_backward(xp: Any, g: ConvGeometry, transformed: Any, padded: Any, rows: Any,
+                       dx_chunk: Any | None, need_db: bool) -> tuple[Any, Any]:
+    """(dU (a*a, K, C) of the chunk, db (K,) or None); writes dx_chunk when given."""
+    db = rows.sum(axis=1) if need_db else None
+    inputs = conv_winograd.input_transform(xp, g, padded)
+    d_products = conv_winograd.gradient_transform(xp, g, rows)
+    d_transformed = xp.matmul(d_products, inputs.transpose(0, 2, 1))
+    if dx_chunk is not None:
+        d_inputs = scratch_array(xp, "winograd d inputs",
+                                 (inputs.shape[0], g.channels, inputs.shape[2]), rows.dtype)
+        xp.matmul(transformed.transpose(0, 2, 1), d_products, out=d_inputs)
+        pad = g.padding
+        dx_padded = scratch_array(xp, "dx_padded", padded.shape, rows.dtype)
+        dx_padded[...] = 0
+        conv_winograd.add_input_gradient(xp, g, d_inputs, dx_padded)
+        dx_chunk[...] = dx_padded[:, pad:pad + g.height, pad:pad + g.width, :].transpose(
+            3, 0, 1, 2)
+    return d_transformed, db
+
+
+def _sum_in_order(xp: Any, parts: list[Any], threads: int) -> Any:
+    """parts[0] + parts[1] + ... (the chunks' weight gradients, (K, Q) each) in this
+    order, into parts[0]; numpy splits the rows over the host threads (every row still
+    summed in the same order, so the result does not depend on the threads)."""
+    total = parts[0]
+    if len(parts) == 1:
+        return total
+    rows = total.shape[0]
+    count = min(threads, rows) if xp is np and total.size >= 1 << 16 else 1
+    edges = [rows * i // count for i in range(count + 1)]
+
+    def add(index: int) -> None:
+        block = slice(edges[index], edges[index + 1])
+        for part in parts[1:]:
+            total[block] += part[block]
+    run_parallel(add, count, count)
+    return total
 
 
 def _shifted_task(task: Callable[[int], Any], offset: int, index: int) -> Any:

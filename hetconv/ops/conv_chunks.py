@@ -40,6 +40,11 @@ def _empty(xp: Any, name: str, shape: tuple[int, ...], dtype: Any) -> Any:
     return xp.empty(shape, dtype) if scratch is None else scratch.get(name, shape, dtype)
 
 
+def scratch_array(xp: Any, name: str, shape: tuple[int, ...], dtype: Any) -> Any:
+    """The calling thread's scratch ``name`` (numpy), or a new array (other modules)."""
+    return _empty(xp, name, shape, dtype)
+
+
 def _zeros(xp: Any, name: str, shape: tuple[int, ...], dtype: Any) -> Any:
     scratch = _scratch(xp)
     return xp.zeros(shape, dtype) if scratch is None else scratch.zeros(name, shape, dtype)

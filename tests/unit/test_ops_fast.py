@@ -244,3 +244,51 @@ def test_timers_add_up_only_inside_collect() -> None:
     with timers.timed("dense"):
         pass
     assert len(totals) == 2
+
+
+# ---------------------------------------------------------------- Winograd
+WINOGRAD_GRID = [  # (batch, channels, height, width, kernels, kernel, padding)
+    (2, 3, 6, 6, 4, 3, 1), (3, 2, 10, 8, 5, 3, 0), (2, 4, 8, 8, 3, 5, 2), (3, 3, 10, 12, 2, 5, 0),
+    (1, 1, 6, 6, 1, 3, 0)]
+
+
+@pytest.mark.parametrize("shape", WINOGRAD_GRID)
+def test_winograd_matches_the_reference(shape: tuple[int, ...],
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(conv, "PARALLEL_MIN_FLOP", 0.0)
+    batch, channels, height, width, kernels, size, padding = shape
+    rng = np.random.default_rng(sum(shape))
+    x = rng.standard_normal((batch, channels, height, width))
+    w = rng.standard_normal((kernels, channels, size, size))
+    b = rng.standard_normal(kernels)
+    y, cache = conv.conv2d_forward_cached(x, w, b, 1, padding, layout=conv.WINOGRAD)
+    dy = rng.standard_normal(y.shape)
+    dx, dw, db = conv.conv2d_backward_cached(cache, dy)
+    dx_ref, dw_ref, db_ref = conv2d_backward_reference(x, w, dy, 1, padding)
+    for got, want in ((y, conv2d_reference(x, w, b, 1, padding)), (dx, dx_ref), (dw, dw_ref),
+                      (db, db_ref)):
+        np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-10)
+
+
+def test_winograd_refuses_what_it_cannot_do() -> None:
+    x = np.zeros((1, 2, 7, 7))
+    with pytest.raises(ValueError, match="Winograd"):
+        conv.conv2d_forward_cached(x, np.zeros((2, 2, 3, 3)), layout=conv.WINOGRAD)  # 5x5 out
+    with pytest.raises(ValueError, match="Winograd"):
+        conv.conv2d_forward_cached(x, np.zeros((2, 2, 2, 2)), layout=conv.WINOGRAD)
+
+
+@pytest.mark.parametrize("size", [3, 5])
+def test_the_fused_layer_uses_winograd_for_wide_layers(many_chunks: None, size: int) -> None:
+    """Enough channels and kernels: the training path's conv is Winograd, and the layer
+    still equals the separate ops (float64) and PyTorch's within float32 rounding."""
+    channels = conv.WINOGRAD_MIN_CHANNELS[size]
+    arrays = layer(np.random.default_rng(15), batch=4, channels=channels, size=8,
+                   kernels=channels, kernel=size)
+    _, cache, _, _ = conv_layer_forward(*arrays, True, padding=size // 2, fast=True)
+    assert cache.conv.layout == conv.WINOGRAD
+    fused, separate = both(arrays, True, "max", True, padding=size // 2)
+    assert_close(fused, separate, rtol=1e-9, atol=1e-11)
+    single = tuple(a.astype(np.float32) for a in arrays)
+    fused32, separate32 = both(single, True, "max", True, padding=size // 2)
+    assert_close(fused32, separate32, rtol=2e-3, atol=2e-4)
