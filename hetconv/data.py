@@ -314,10 +314,11 @@ def _image_size(path: Path) -> tuple[int, int]:
         return image.size
 
 
-def _read_image(path: Path, size: tuple[int, int]) -> tuple[np.ndarray, bool]:
+def decode_image(path: Path, size: tuple[int, int]) -> tuple[np.ndarray, bool]:
     """uint8 (H, W, 3) pixels of an image resized to ``size`` (width, height), and
     whether it has colour (channels that differ anywhere). Alpha is dropped;
-    16-bit grey is scaled to 8 bits."""
+    16-bit grey is scaled to 8 bits. ``--data folder`` and ``hetconv predict`` read
+    every image through this."""
     from PIL import Image
 
     with Image.open(path) as opened:
@@ -408,7 +409,7 @@ def load_image_folder(data_dir: str | Path, image_size: int | None = None,
             if image_size is None and path not in sizes:
                 continue
             try:
-                image, has_colour = _read_image(path, size)
+                image, has_colour = decode_image(path, size)
             except Exception:  # any decoder error: the file is skipped, never a traceback
                 skipped.append(path)
                 continue

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from hetconv.checkpoint import save_json
-from hetconv.data import Dataset, DatasetError, load_dataset
+from hetconv.data import Dataset, DatasetError, decode_image, load_dataset
 from hetconv.errors import UserError
 from hetconv.model import (
     ModelConfig,
@@ -97,17 +97,20 @@ class TrainedRun:
 
 
 # --- loading ---------------------------------------------------------------------------
-def _read_config(run_dir: Path) -> dict[str, Any]:
+def read_run_config(run_dir: Path, flag: str = "") -> dict[str, Any]:
+    """A run directory's ``config.json``; UserError with one line (led by ``flag``,
+    e.g. ``--resume``) when it is missing, unreadable or not a run's."""
     path = run_dir / CONFIG_FILE
+    lead = f"{flag} " if flag else ""
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise UserError(f"{run_dir}: no {CONFIG_FILE}; is it a run directory of "
+        raise UserError(f"{lead}{run_dir}: no {CONFIG_FILE}; is it a run directory of "
                         "'hetconv train'?") from None
     except (OSError, ValueError) as error:
-        raise UserError(f"{path}: unreadable ({error})") from None
+        raise UserError(f"{lead}{path}: unreadable ({error})") from None
     if not isinstance(config, dict):
-        raise UserError(f"{path}: not a run's configuration")
+        raise UserError(f"{lead}{path}: not a run's configuration")
     return config
 
 
@@ -164,7 +167,7 @@ def load_run(run_dir: str | Path) -> TrainedRun:
     path = Path(run_dir)
     if not path.is_dir():
         raise UserError(f"{path}: no such run directory")
-    config = _read_config(path)
+    config = read_run_config(path)
     model, text = run_model_config(config, str(path / CONFIG_FILE))
     weights = path / WEIGHTS_FILE
     if not weights.is_file():
@@ -458,17 +461,7 @@ def read_image(path: str | Path, shape: tuple[int, int, int]) -> np.ndarray:
                         "(RGB) can be read from image files")
     size = (width, height)
     try:
-        with Image.open(path) as opened:
-            opened.draft("RGB", size)
-            opened.load()
-            image: Image.Image = opened
-            if image.mode.startswith("I"):
-                wide = np.asarray(image, dtype=np.float64) / 257.0
-                image = Image.fromarray(np.clip(np.rint(wide), 0, 255).astype(np.uint8))
-            rgb = image.convert("RGB")
-            if rgb.size != size:
-                rgb = rgb.resize(size, Image.Resampling.BILINEAR)
-            pixels = np.asarray(rgb, dtype=np.uint8)
+        pixels, colour = decode_image(Path(path), size)
     except FileNotFoundError:
         raise UserError(f"{path}: no such file") from None
     except Exception as error:  # any decoder error: one line, never a traceback
@@ -476,8 +469,6 @@ def read_image(path: str | Path, shape: tuple[int, int, int]) -> np.ndarray:
                         f"{error})") from None
     if channels == 3:
         return pixels.transpose(2, 0, 1).copy()
-    colour = bool((pixels[..., 0] != pixels[..., 1]).any()
-                  or (pixels[..., 1] != pixels[..., 2]).any())
     grey = (np.asarray(Image.fromarray(pixels).convert("L"), dtype=np.uint8) if colour
             else pixels[..., 0])
     return grey[None].copy()

@@ -7,7 +7,7 @@ step, whether a re-plan is being applied, and the recent good-step durations beh
 the request deadline. Events come in (:class:`StepDone`, :class:`Fault`,
 :class:`ReplanPoint`, :class:`ReplanDone`), commands go out (:class:`Evict`,
 :class:`Admit`, :class:`Resplit`, :class:`FallBackLocal`, :class:`Stop`); the stage
-(``master/offload.py``) carries them out over its sockets and reports back. No
+(``master/stage.py``) carries them out over its sockets and reports back. No
 sockets, no threads, no clock: time comes in with the events (monotonic seconds), so
 every transition is a plain call in a test (``tests/unit/test_run.py``). The design
 is in ``docs/run-control.md``.

@@ -57,7 +57,7 @@ from typing import Any
 
 import numpy as np
 
-from hetconv.config import MASTER_PARTICIPANT
+from hetconv.config import MASTER_PARTICIPANT, WIRE_DTYPES
 from hetconv.errors import UserError
 from hetconv.master.planner import (
     ParticipantProfile,
@@ -179,11 +179,11 @@ def run_wire_dtype(run_dir: str | Path, config: dict[str, object]) -> str:
     """The dtype the run's wire carried: its ``--wire-dtype``, or under ``auto`` the one
     the planner chose (the ``plan`` record's ``wire_dtype``; float32 without one)."""
     flag = str(config.get("wire_dtype") or "float32")
-    if flag in ("float32", "float16"):
+    if flag in WIRE_DTYPES:
         return flag
     chosen = "float32"
     for record in iter_metrics(Path(run_dir) / METRICS_FILE):
-        if record["type"] == "plan" and record.get("wire_dtype") in ("float32", "float16"):
+        if record["type"] == "plan" and record.get("wire_dtype") in WIRE_DTYPES:
             chosen = str(record["wire_dtype"])
     return chosen
 

@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
 def run_calibrate(config: CalibrateConfig, report: Callable[[str], None] = print) -> int:
     from hetconv.master.calibration import calibrate
     from hetconv.master.planner import ParticipantProfile
-    from hetconv.master.session import open_cluster
+    from hetconv.master.setup import open_cluster
     from hetconv.master.split import SplitRule, layer_traffic
 
     set_blas_threads(config.threads)

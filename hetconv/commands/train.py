@@ -7,7 +7,6 @@ Local runs build a :class:`LocalConvStage`; distributed runs (``--listen``) ask
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import tempfile
@@ -277,17 +276,9 @@ def _run(args: argparse.Namespace, observers: list[Callable[[dict[str, Any]], No
 
 
 def _saved_config(run_dir: Path) -> dict[str, Any]:
-    path = run_dir / "config.json"
-    try:
-        saved = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UserError(f"--resume {run_dir}: no config.json there; is it a run "
-                        "directory?") from None
-    except (OSError, ValueError) as error:
-        raise UserError(f"--resume {run_dir}: unreadable config.json ({error})") from None
-    if not isinstance(saved, dict):
-        raise UserError(f"--resume {run_dir}: config.json is not a run's configuration")
-    return saved
+    from hetconv.inference import read_run_config
+
+    return read_run_config(run_dir, "--resume")
 
 
 def _take_saved_flags(args: argparse.Namespace, saved: dict[str, Any]) -> None:
@@ -383,7 +374,7 @@ def _train(config: TrainConfig, resume: TrainingState | None, data: Any, model: 
         stage: ConvStage | None = None
         try:
             if config.master is not None:
-                from hetconv.master.session import open_distributed_stage
+                from hetconv.master.setup import open_distributed_stage
 
                 stage = open_distributed_stage(config.master, model, params, settings, metrics,
                                                batch=config.batch, device=config.device,

@@ -188,7 +188,7 @@ def test_the_walk_finds_every_layer_through_the_symlinks(modules: dict[str, Path
     for name in LINKED_PACKAGES:
         real = [path for path in (REPO / name).rglob("*.py") if "__pycache__" not in path.parts]
         assert counts[name] == len(real) > 0, (name, counts[name], len(real))
-    assert {"hetconv", "hetconv.__main__", "hetconv.protocol.codec", "hetconv.master.session",
+    assert {"hetconv", "hetconv.__main__", "hetconv.protocol.codec", "hetconv.master.setup",
             "hetconv.master.report.analysis", "hetconv.worker.service",
             "hetconv.commands.cli", "hetconv.ops.conv"} <= set(modules)
 

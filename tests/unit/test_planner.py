@@ -120,7 +120,7 @@ def test_never_predicted_worse_than_every_participant_with_the_compute_split() -
 
 
 def test_wire_dtype_auto_takes_float16_only_where_links_matter() -> None:
-    from hetconv.master.session import choose_wire_dtype
+    from hetconv.master.setup import choose_wire_dtype
     from hetconv.model import ModelConfig, conv_layer_shapes
     shapes = conv_layer_shapes(ModelConfig(conv_kernels=(32, 64), input_shape=(1, 28, 28),
                                            classes=10))

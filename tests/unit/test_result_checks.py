@@ -9,7 +9,7 @@ import pytest
 from hetconv.dataplane import KernelRange, PeerPlan, RowGather
 from hetconv.master.audit import AUDIT_SAMPLES, audit_input, audit_mismatch
 from hetconv.master.cluster import WorkerLost
-from hetconv.master.offload import checked_result
+from hetconv.master.phases import checked_result
 from hetconv.master.plan import Shard
 from hetconv.master.planner import ParticipantProfile
 from hetconv.master.rebalance import Rebalancer, RebalanceSettings

@@ -1,41 +1,46 @@
-"""Opening a distributed run: membership, calibration, split, shard assignment.
+"""Setting a distributed run up: membership, calibration, first split, shard assignment.
 
 :func:`open_distributed_stage` is what ``hetconv train --listen`` calls: it waits
-for the workers, calibrates every device on every conv layer, prints and records
-the kernel split, sends every worker its shards (the seeded initial weights) and
-returns the :class:`DistributedConvStage` the trainer drives.
+for the workers, calibrates every participant on every conv layer, makes the first
+split with the run's split rule (``master/split.py``), prints and records it, sends
+every worker its shards (the seeded initial weights) and returns the
+:class:`~hetconv.master.stage.DistributedConvStage` the trainer drives, built
+complete: its data plane, its run state machine (``master/run.py``) and its
+:class:`RunPlanning` (re-plans, joins, rebalancing).
 """
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
-from hetconv.config import MASTER_PARTICIPANT, WIRE_DTYPE_AUTO, MasterConfig
+from hetconv.config import MASTER_PARTICIPANT, WIRE_DTYPE_AUTO, WIRE_DTYPES, MasterConfig
 from hetconv.device_info import describe_device
 from hetconv.keys import server_keys
 from hetconv.master.assign import assign
 from hetconv.master.calibration import LayerCalibration, calibrate
 from hetconv.master.cluster import Cluster, ClusterSettings, WorkerHandle
 from hetconv.master.link_probe import probe_links
-from hetconv.master.offload import DistributedConvStage
-from hetconv.master.peer_stage import build_stage
+from hetconv.master.peer_plane import PEER_ENTRY_FIELDS, open_peer_plane
+from hetconv.master.phases import Phases
 from hetconv.master.plan import (
     Participant,
     Shard,
     format_split,
     shards_from_counts,
 )
+from hetconv.master.planes import DataPlane, StarPlane
 from hetconv.master.planner import ParticipantProfile, Plan, choose_plan
-from hetconv.master.rebalance import Rebalancer, measured_compute
+from hetconv.master.rebalance import RebalanceDecision, Rebalancer, measured_compute
+from hetconv.master.run import RunControl
 from hetconv.master.split import SplitRule, layer_traffic
+from hetconv.master.stage import DistributedConvStage, StageSetup
 from hetconv.metrics import MetricsWriter
 from hetconv.model import ConvLayerShape, ModelConfig, conv_layer_shapes
 from hetconv.perf_model import LayerTraffic
-from hetconv.shard import LayerSettings
+from hetconv.shard import ConvShard, LayerSettings
 from hetconv.stage import ConvStage, LocalConvStage
 
 
@@ -67,7 +72,7 @@ def choose_wire_dtype(profiles: list[ParticipantProfile], shapes: list[ConvLayer
     predicted = {dtype: choose_plan(profiles, layer_traffic(shapes, batch,
                                                             np.dtype(dtype).itemsize),
                                     data_plane).predicted_step_s
-                 for dtype in ("float32", "float16")}
+                 for dtype in WIRE_DTYPES}
     use16 = predicted["float16"] < predicted["float32"] * (1 - WIRE_FLOAT16_GAIN)
     return ("float16" if use16 else "float32"), predicted["float32"], predicted["float16"]
 
@@ -109,26 +114,45 @@ def report_plan(choice: Plan, participants: list[Participant],
                          for p, profile in zip(participants, profiles) if profile.link is not None])
 
 
-class StepRebalancing:
-    """The stage's ``after_step``: feeds each step's measured compute to a
-    :class:`Rebalancer`, applies its re-splits (:meth:`DistributedConvStage.resplit`),
-    prints one line and writes a ``rebalance`` record for each."""
+class RunPlanning:
+    """The stage's :class:`~hetconv.master.stage.Planning`: the split rule over the
+    rebalancer's (measured-corrected) profiles for every re-plan, calibrating and
+    link-probing the workers that join, rebalancing from measured steps (when on),
+    and the line and metrics record of each change. Workers evicted for wrong results
+    are never taken back (the run's state machine says who may)."""
 
-    def __init__(self, stage: DistributedConvStage, rebalancer: Rebalancer,
-                 settings: LayerSettings, metrics: MetricsWriter,
-                 report: Callable[[str], None] = print):
-        self.stage, self.rebalancer, self.settings = stage, rebalancer, settings
+    def __init__(self, cluster: Cluster, shapes: list[ConvLayerShape], batch: int,
+                 rebalancer: Rebalancer, rule: SplitRule, rebalancing: bool,
+                 metrics: MetricsWriter, report: Callable[[str], None] = print):
+        self.cluster, self.shapes, self.batch = cluster, shapes, batch
+        self.rebalancer, self.rule, self.rebalancing = rebalancer, rule, rebalancing
         self.metrics, self.report = metrics, report
         self.step = 0  # the trainer takes the timings once per step, from step 0
+        self._waiting: dict[str, WorkerHandle] = {}  # joinable workers by id
 
-    def __call__(self, timings: dict[str, Any]) -> None:
+    def split(self, alive: set[str]) -> list[list[int]]:
+        self.rebalancer.restrict(alive)  # re-splits never hand the evicted kernels
+        return [list(row) for row in self.rule.split(self.rebalancer.profiles,
+                                                     self.rebalancer.traffic, alive).counts]
+
+    def replanned(self, counts: list[list[int]], names: list[str], reason: str) -> None:
+        self.rebalancer.adopt(counts)
+        self.report(f"hetconv: re-plan ({reason}): " + "; ".join(
+            f"layer {layer + 1}: " + ", ".join(f"{p} {c}" for p, c in zip(names, row))
+            for layer, row in enumerate(counts)))
+        self.metrics.write("replan", reason=reason, counts=[
+            {"layer": layer, "devices": [{"device": p, "kernels": c}
+                                         for p, c in zip(names, row)]}
+            for layer, row in enumerate(counts)])
+
+    def rebalance(self, timings: dict[str, Any]) -> RebalanceDecision | None:
+        if not self.rebalancing:
+            return None
         decision = self.rebalancer.observe(self.step, measured_compute(timings))
         self.step += 1
-        if decision is None:
-            return
-        started = time.perf_counter()
-        self.stage.resplit(decision.counts, self.settings)
-        apply_s = time.perf_counter() - started
+        return decision
+
+    def rebalanced(self, decision: RebalanceDecision, apply_s: float) -> None:
         split = "; ".join(f"layer {layer + 1}: " + ", ".join(
             f"{p} {count}" for p, count in zip(decision.participants, row))
             for layer, row in enumerate(decision.counts))
@@ -136,36 +160,19 @@ class StepRebalancing:
                     f"now {split} ({apply_s * 1e3:.0f} ms to apply)")
         self.metrics.write("rebalance", **decision.record(), apply_s=apply_s)
 
-class JoinHandler:
-    """At a re-plan point: calibrate and link-probe every worker that said Hello
-    since the last one (new, restarted or back after an eviction), add it as a
-    participant and re-plan over everyone alive. Workers evicted for wrong results
-    are not taken back in this run."""
-
-    def __init__(self, cluster: Cluster, shapes: list[ConvLayerShape], batch: int,
-                 wire_dtype: str, rebalancer: Rebalancer, rule: SplitRule,
-                 report: Callable[[str], None] = print):
-        self.cluster, self.shapes, self.batch = cluster, shapes, batch
-        self.rule, self.data_plane = rule, rule.data_plane
-        self.wire_dtype, self.rebalancer = wire_dtype, rebalancer
-        self.report = report
-        self._waiting: dict[str, WorkerHandle] = {}  # joinable workers by id
-
-    def joinable(self, stage: DistributedConvStage) -> list[str]:
-        """The workers that said Hello and hold no column of the plan (new, restarted,
-        or back after an eviction) that the run's back-off lets in now."""
+    def joinable(self, shards: list[list[Shard]], may_rejoin: Callable[[str], bool]
+                 ) -> list[str]:
         self.cluster.pump(0.0)  # take in any Hello waiting on the socket
-        holding = {id(s.worker) for row in stage.shards for s in row if s.worker is not None}
+        holding = {id(s.worker) for row in shards for s in row if s.worker is not None}
         self._waiting = {w.worker_id: w for w in self.cluster.known_workers()
-                         if not w.gone and id(w) not in holding
-                         and stage.control.may_rejoin(w.worker_id)
-                         and (self.data_plane != "peer" or w.data_endpoint)}
+                         if not w.gone and id(w) not in holding and may_rejoin(w.worker_id)
+                         and (self.rule.data_plane != "peer" or w.data_endpoint)}
         return sorted(self._waiting)
 
-    def admit(self, stage: DistributedConvStage, names: list[str]) -> list[list[Shard]]:
-        """Calibrate and link-probe the workers ``names`` (from :meth:`joinable`), add
-        their profiles to the rebalancer and their columns to the plan (empty, or their
-        old column under their new connection); the kernels move at the re-split."""
+    def admit(self, shards: list[list[Shard]], names: list[str]) -> list[list[Shard]]:
+        """Calibrate and link-probe ``names``, add their profiles to the rebalancer and
+        their columns to ``shards`` (empty, or their old column under their new
+        connection); the kernels move at the re-split that follows."""
         joiners = [Participant(name, self._waiting[name], self._waiting[name].device)
                    for name in names]
         self.report(f"hetconv: worker(s) {', '.join(names)} joined: calibrating")
@@ -173,21 +180,21 @@ class JoinHandler:
         calibration = calibrate(self.cluster, joiners, self.shapes, self.batch,
                                 report=self.report)
         links = probe_links(self.cluster, joiners, self.report)
-        shards = [list(row) for row in stage.shards]
+        out = [list(row) for row in shards]
         for index, (joiner, link) in enumerate(zip(joiners, links)):
             self.rebalancer.add_participant(ParticipantProfile(
                 joiner.participant, tuple(cal.cost_models()[index] for cal in calibration),
                 link))
-            column = next((i for i, s in enumerate(shards[0])
+            column = next((i for i, s in enumerate(out[0])
                            if s.participant == joiner.participant), None)
-            for row in shards:
+            for row in out:
                 if column is None:  # new: an empty shard at the end of every layer
                     end = row[-1].stop
                     row.append(Shard(joiner.participant, joiner.worker, end, end))
                 else:  # back under its old id: the new connection takes the column
                     old = row[column]
                     row[column] = Shard(old.participant, joiner.worker, old.start, old.stop)
-        return shards
+        return out
 
 
 def master_alone(plan: list[list[Shard]]) -> bool:
@@ -251,46 +258,37 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
             cluster.close()
             return LocalConvStage(model, params, settings, device=device)
         local = assign(cluster, plan, params, settings, {}, device, "first")
+
+        def finish() -> None:
+            cluster.end_run("training finished")
+            cluster.close()
+
+        return build_stage(cluster, config, plan, local, finish, shapes, StageSetup(
+            settings, device,
+            RunPlanning(cluster, shapes, batch, Rebalancer(
+                profiles, traffic, [[s.kernels for s in row] for row in plan],
+                config.data_plane), rule, config.rebalancing, metrics, report),
+            lambda: LocalConvStage(model, params, settings, device=device)))
     except BaseException:
         cluster.end_run("master failed during setup")
         cluster.close()
         raise
 
-    def finish() -> None:
-        cluster.end_run("training finished")
-        cluster.close()
 
-    stage = build_stage(cluster, config, plan, local, finish, shapes)  # star or peer plane
-    stage.settings, stage.device = settings, device
-    stage.control.stop_on_worker_loss = config.on_worker_loss == "stop"
-    stage.local_stage_factory = lambda: LocalConvStage(model, params, settings, device=device)
-    rebalancer: Rebalancer | None = None
-    if profiles:  # re-plans (recovery) use the planner over the participants left
-        rebalancer = Rebalancer(profiles, traffic, [[s.kernels for s in row] for row in plan],
-                                config.data_plane)
-        planner = rebalancer
-
-        def replan(alive: set[str]) -> list[list[int]]:  # after a fault: only the survivors
-            planner.restrict(alive)
-            return [list(row) for row in rule.split(planner.profiles, planner.traffic,
-                                                    alive).counts]
-        stage.replan = replan
-
-    def replanned(counts: list[list[int]], reason: str) -> None:
-        if rebalancer is not None:
-            rebalancer.adopt(counts)
-        names = [s.participant for s in stage.shards[0]]
-        report(f"hetconv: re-plan ({reason}): " + "; ".join(
-            f"layer {layer + 1}: " + ", ".join(f"{p} {c}" for p, c in zip(names, row))
-            for layer, row in enumerate(counts)))
-        metrics.write("replan", reason=reason, counts=[
-            {"layer": layer, "devices": [{"device": p, "kernels": c}
-                                         for p, c in zip(names, row)]}
-            for layer, row in enumerate(counts)])
-    stage.on_replan = replanned
-    if rebalancer is not None:
-        stage.join = JoinHandler(cluster, shapes, batch, config.wire_dtype, rebalancer,
-                                 rule, report)
-    if config.rebalancing and rebalancer is not None:
-        stage.after_step = StepRebalancing(stage, rebalancer, settings, metrics, report)
-    return stage
+def build_stage(cluster: Cluster, config: MasterConfig, plan: list[list[Shard]],
+                local: dict[int, ConvShard], on_close: Callable[[], None],
+                shapes: list[ConvLayerShape], setup: StageSetup) -> DistributedConvStage:
+    """The stage with its run state machine and the data plane ``config.data_plane``
+    says: star (every activation through the master) or peer (handed out here)."""
+    control = RunControl((s.participant for row in plan for s in row if s.worker is not None),
+                         stop_on_worker_loss=config.on_worker_loss == "stop")
+    peer = config.data_plane == "peer"
+    phases = Phases(cluster, plan, local, config.wire_dtype, shapes, control.request_deadline_s,
+                    PEER_ENTRY_FIELDS if peer else None)
+    try:
+        plane: DataPlane = (open_peer_plane(phases, config.peer_timeout_s) if peer
+                            else StarPlane(phases))
+    except BaseException:
+        phases.close()
+        raise
+    return DistributedConvStage(phases, plane, control, setup, on_close)

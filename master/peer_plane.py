@@ -1,4 +1,4 @@
-"""The distributed conv stage over the peer data plane (``--data-plane peer``).
+"""The peer data plane (``--data-plane peer``): activations worker to worker.
 
 The participants exchange activations among themselves (:mod:`hetconv.dataplane`):
 the master sends layer 0's input once, with the ``PeerForwardRequest`` of layer 0 to
@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from hetconv.config import MASTER_PARTICIPANT, MasterConfig
+from hetconv.config import MASTER_PARTICIPANT
 from hetconv.dataplane import (
     PHASE_FORWARD,
     ExchangeStats,
@@ -35,7 +35,7 @@ from hetconv.dataplane import (
 from hetconv.errors import UserError
 from hetconv.master.assign import exchange
 from hetconv.master.cluster import Cluster, WorkerHandle
-from hetconv.master.offload import DistributedConvStage, OpenPhase, checked_result
+from hetconv.master.phases import OpenPhase, Phases, checked_result
 from hetconv.master.plan import Shard
 from hetconv.model import ConvLayerShape
 from hetconv.peer_sockets import PeerSockets, route_address
@@ -47,7 +47,6 @@ from hetconv.protocol import (
     PeerForwardRequest,
     limits,
 )
-from hetconv.shard import ConvShard
 from hetconv.wire_cast import to_wire
 
 log = logging.getLogger("hetconv.master")
@@ -59,16 +58,16 @@ NO_OUTPUT = np.empty((0,), dtype=np.float32)
 """What ``forward`` returns for every layer but the last (its output stays with the peers)."""
 
 
-class PeerConvStage(DistributedConvStage):
-    """A :class:`hetconv.stage.ConvStage` whose activations travel worker to worker."""
+PEER_ENTRY_FIELDS = {"peer_bytes_sent": 0, "peer_bytes_received": 0, "peer_wait_s": 0.0}
+"""The peer plane's fields of every timing entry (docs/metrics.md)."""
 
-    def __init__(self, cluster: Cluster, shards: list[list[Shard]],
-                 local_shards: dict[int, ConvShard], on_close: Callable[[], None],
-                 wire_dtype: str, plan: PeerPlan, sockets: PeerSockets | None,
-                 peer_timeout_s: float = limits.DEFAULT_PEER_TIMEOUT_S,
-                 layer_shapes: Sequence[ConvLayerShape] = ()):
-        super().__init__(cluster, shards, local_shards, on_close, wire_dtype=wire_dtype,
-                         layer_shapes=layer_shapes)
+
+class PeerPlane:
+    """A :class:`hetconv.master.planes.DataPlane` whose activations travel worker to worker."""
+
+    def __init__(self, phases: Phases, plan: PeerPlan, sockets: PeerSockets | None,
+                 peer_timeout_s: float = limits.DEFAULT_PEER_TIMEOUT_S):
+        self.phases = phases
         self.plan = plan
         self.sockets = sockets
         self.peer_timeout_s = peer_timeout_s
@@ -78,16 +77,8 @@ class PeerConvStage(DistributedConvStage):
         self._open: list[tuple[int, OpenPhase]] = []  # this pass's phases awaiting replies
         self._batch = 0  # samples in this pass
 
-    # --- bookkeeping -------------------------------------------------------------------
-    def _entry(self, layer: int, shard: Shard) -> dict[str, Any]:
-        entry = super()._entry(layer, shard)
-        for key in ("peer_bytes_sent", "peer_bytes_received"):
-            entry.setdefault(key, 0)
-        entry.setdefault("peer_wait_s", 0.0)
-        return entry
-
     def _shard_of(self, layer: int, participant: str) -> Shard | None:
-        return next((s for s in self.shards[layer]
+        return next((s for s in self.phases.shards[layer]
                      if s.participant == participant and s.kernels > 0), None)
 
     def _account_peers(self, layer: int, replies: dict[str, Any],
@@ -100,7 +91,7 @@ class PeerConvStage(DistributedConvStage):
             shard = self._shard_of(layer, participant)
             if shard is None:
                 continue
-            entry = self._entry(layer, shard)
+            entry = self.phases.entry(layer, shard)
             entry["peer_bytes_sent"] += message.peer_bytes_sent
             entry["peer_bytes_received"] += message.peer_bytes_received
             entry["peer_wait_s"] += message.peer_wait_s
@@ -108,17 +99,17 @@ class PeerConvStage(DistributedConvStage):
             return
         own = self._shard_of(layer, MASTER_PARTICIPANT)
         if own is not None:
-            self._entry(layer, own)["peer_wait_s"] += local.wait_s
+            self.phases.entry(layer, own)["peer_wait_s"] += local.wait_s
         for (peer, piece_layer, phase), count in local.sent.items():
             consumer = piece_layer + 1 if phase == PHASE_FORWARD else piece_layer
             shard = self._shard_of(consumer, peer)
             if shard is not None:
-                self._entry(consumer, shard)["bytes_sent"] += count
+                self.phases.entry(consumer, shard)["bytes_sent"] += count
         for (peer, piece_layer, phase), count in local.received.items():
             producer = piece_layer if phase == PHASE_FORWARD else piece_layer + 1
             shard = self._shard_of(producer, peer)
             if shard is not None:
-                self._entry(producer, shard)["bytes_received"] += count
+                self.phases.entry(producer, shard)["bytes_received"] += count
 
     # --- the ConvStage interface ---------------------------------------------------------
     # The layer phases of a pass are pipelined: forward requests for every layer go out
@@ -128,25 +119,25 @@ class PeerConvStage(DistributedConvStage):
     # reply of the pass; layer 0's backward gathers every backward reply.
     def forward(self, layer: int, x: np.ndarray, train: bool, step: int) -> np.ndarray:
         if train:
-            self._step = step
+            self.phases.step = step
         if layer == 0:
             self._pass_id += 1
             self._open = []
             self._batch = int(x.shape[0])
         pass_id = self._pass_id
         first = np.ascontiguousarray(x, dtype=np.float32) if layer == 0 else None
-        wire_x = None if first is None else to_wire(first, self.wire_dtype)
+        wire_x = None if first is None else to_wire(first, self.phases.wire_dtype)
         relay = self.plan.input_relay()  # layer 0's input goes once, to the relay
-        requests = [(s, PeerForwardRequest(request_id=self.cluster.request_id(), pass_id=pass_id,
+        requests = [(s, PeerForwardRequest(request_id=self.phases.cluster.request_id(), pass_id=pass_id,
                                            step=step, layer=layer, attempt=0, train=train,
                                            x=wire_x if s.participant == relay else None))
-                    for s in self.shards[layer] if s.worker is not None and s.kernels > 0]
+                    for s in self.phases.shards[layer] if s.worker is not None and s.kernels > 0]
         participant = self.participant
         local: Callable[[], Any] | None = None
         if participant is not None and self.plan.holds(layer, MASTER_PARTICIPANT):
             def local() -> Any:
                 return participant.forward(pass_id, step, layer, train, first)
-        self._open.append((layer, self._start_phase(
+        self._open.append((layer, self.phases.start(
             f"forward of layer {layer + 1} (step {step})", requests, local)))
         if layer != self.plan.last_layer:
             return NO_OUTPUT
@@ -161,10 +152,10 @@ class PeerConvStage(DistributedConvStage):
         if last:
             self._open = []
         requests = [(s, PeerBackwardRequest(
-            request_id=self.cluster.request_id(), pass_id=pass_id, step=step, layer=layer,
+            request_id=self.phases.cluster.request_id(), pass_id=pass_id, step=step, layer=layer,
             attempt=0, learning_rate=learning_rate,
-            dy=to_wire(dy[:, s.start:s.stop], self.wire_dtype) if last
-            else None)) for s in self.shards[layer] if s.worker is not None and s.kernels > 0]
+            dy=to_wire(dy[:, s.start:s.stop], self.phases.wire_dtype) if last
+            else None)) for s in self.phases.shards[layer] if s.worker is not None and s.kernels > 0]
         participant = self.participant
         local: Callable[[], Any] | None = None
         own = self.plan.range_of(layer, MASTER_PARTICIPANT)
@@ -174,7 +165,7 @@ class PeerConvStage(DistributedConvStage):
 
             def local() -> Any:
                 return participant.backward(pass_id, step, layer, learning_rate, own_dy)
-        self._open.append((layer, self._start_phase(
+        self._open.append((layer, self.phases.start(
             f"backward of layer {layer + 1} (step {step})", requests, local)))
         if layer == 0:
             self._finish_pass("backward", True)
@@ -185,7 +176,7 @@ class PeerConvStage(DistributedConvStage):
         before it was done, and return the last phase's outputs in kernel order
         (forward only)."""
         opened, self._open = self._open, []
-        self._await_phases([phase for _, phase in opened])
+        self.phases.await_all([phase for _, phase in opened])
         previous_done = opened[0][1].started
         outputs: list[np.ndarray] = []
         for layer, phase in opened:
@@ -194,7 +185,7 @@ class PeerConvStage(DistributedConvStage):
             local_stats: ExchangeStats | None = None
             results = []
             last_output: list[np.ndarray] = []
-            for shard in (s for s in self.shards[layer] if s.kernels > 0):
+            for shard in (s for s in self.phases.shards[layer] if s.kernels > 0):
                 if shard.worker is None:
                     assert job is not None
                     if phase_name == "forward":
@@ -213,14 +204,14 @@ class PeerConvStage(DistributedConvStage):
                         if message.y is not None:
                             last_output.append(checked_result(
                                 shard, "y", message.y,
-                                self.output_shape(layer, self._batch, shard.kernels)))
+                                self.phases.output_shape(layer, self._batch, shard.kernels)))
                     else:
                         assert isinstance(message, PeerBackwardReply)
                     results.append((shard, message.compute_s, reply.received_at,
                                     phase.sent[shard.participant], reply.payload_bytes))
             started = max(phase.started, previous_done)
             ended = max([started] + [arrival for _, _, arrival, _, _ in results])
-            self._account(layer, phase_name, started, local_done, results, record, ended=ended)
+            self.phases.account(layer, phase_name, started, local_done, results, record, ended=ended)
             if record:
                 self._account_peers(layer, phase.replies, local_stats)
             previous_done = ended
@@ -233,10 +224,10 @@ class PeerConvStage(DistributedConvStage):
         kernels, and to every worker told before (so one that lost all its kernels
         drops the old plan); bind or reopen the master's own data endpoint when it
         holds kernels. Between steps only: the helper thread is idle."""
-        cluster, plan = self.cluster, self.plan
+        cluster, plan = self.phases.cluster, self.plan
         workers: dict[str, WorkerHandle] = {}
         everyone: dict[str, WorkerHandle] = {}
-        for layer in self.shards:
+        for layer in self.phases.shards:
             for shard in layer:
                 if shard.worker is None or shard.worker.gone:
                     continue
@@ -253,7 +244,7 @@ class PeerConvStage(DistributedConvStage):
         peers = {p: w.data_endpoint for p, w in workers.items()}
         keys = {p: w.data_public_key for p, w in workers.items()}
         master_holds = any(plan.holds(layer, MASTER_PARTICIPANT)
-                           for layer in range(len(self.shards)))
+                           for layer in range(len(self.phases.shards)))
         if master_holds:
             if self.sockets is None:
                 self.sockets = PeerSockets(
@@ -265,7 +256,7 @@ class PeerConvStage(DistributedConvStage):
         told = {p: everyone[p] for p in sorted(set(workers) | self._told) if p in everyone}
         exchange(cluster, [(worker, AssignPeers(
             request_id=cluster.request_id(), participant=participant,
-            wire_dtype=self.wire_dtype.name, timeout_s=self.peer_timeout_s, peers=dict(peers),
+            wire_dtype=self.phases.wire_dtype.name, timeout_s=self.peer_timeout_s, peers=dict(peers),
             peer_keys=dict(keys), plan=plan.to_wire())) for participant, worker in told.items()],
             "peer assignment")
         self._told |= set(told)
@@ -274,20 +265,20 @@ class PeerConvStage(DistributedConvStage):
             assert self.sockets is not None
             port = self.sockets.open(MASTER_PARTICIPANT, peers, keys, self.peer_timeout_s)
             self.participant = PeerParticipant(
-                MASTER_PARTICIPANT, plan, self.local_shards, port, self.wire_dtype.name,
-                self.peer_timeout_s, cancelled=self._cancel_local.is_set,
+                MASTER_PARTICIPANT, plan, self.phases.local_shards, port, self.phases.wire_dtype.name,
+                self.peer_timeout_s, cancelled=self.phases.cancel_local.is_set,
                 on_drop=lambda reason: log.debug("data plane: dropped %s", reason))
 
-    def _after_resplit(self) -> None:
-        self.plan = plan_of(self.shards, self.layer_shapes)
+    def after_resplit(self) -> None:
+        """A new peer plan from the moved shards, handed to every worker."""
+        self.plan = plan_of(self.phases.shards, self.phases.layer_shapes)
         self.assign_peers()
 
     def close(self) -> None:
-        self._executor.shutdown(wait=True)  # the helper thread owns the data sockets
+        """Close the master's data endpoint (the helper thread that used it is idle)."""
         if self.sockets is not None:
             self.sockets.close()
             self.sockets = None
-        super().close()
 
 
 # --- setting the plane up ----------------------------------------------------------------
@@ -312,37 +303,13 @@ def plan_of(shards: list[list[Shard]], layer_shapes: Sequence[ConvLayerShape] = 
                      for layer in shards], sizes if len(sizes) == len(shards) else ())
 
 
-def open_peer_stage(cluster: Cluster, config: MasterConfig, shards: list[list[Shard]],
-                    local_shards: dict[int, ConvShard],
-                    on_close: Callable[[], None],
-                    layer_shapes: Sequence[ConvLayerShape] = ()) -> PeerConvStage:
+def open_peer_plane(phases: Phases, peer_timeout_s: float) -> PeerPlane:
     """Hand every participating worker its peers and plan, bind the master's own data
-    endpoint when it holds kernels, and return the stage."""
-    stage = PeerConvStage(cluster, shards, local_shards, on_close, config.wire_dtype,
-                          plan_of(shards, layer_shapes), None, config.peer_timeout_s,
-                          layer_shapes)
+    endpoint when it holds kernels, and return the plane."""
+    plane = PeerPlane(phases, plan_of(phases.shards, phases.layer_shapes), None, peer_timeout_s)
     try:
-        stage.assign_peers()
+        plane.assign_peers()
     except BaseException:
-        stage._executor.shutdown(wait=True)
-        if stage.sockets is not None:
-            stage.sockets.close()
+        plane.close()
         raise
-    return stage
-
-
-def build_stage(cluster: Cluster, config: MasterConfig, shards: list[list[Shard]],
-                local_shards: dict[int, ConvShard], on_close: Callable[[], None],
-                layer_shapes: Sequence[ConvLayerShape] = ()) -> DistributedConvStage:
-    """The stage for ``config.data_plane``: star (every activation through the master)
-    or peer. A failure here ends the run on the workers and closes the cluster.
-    ``layer_shapes``: every conv layer's, to check results and audit snapshots by."""
-    if config.data_plane != "peer":
-        return DistributedConvStage(cluster, shards, local_shards, on_close,
-                                    wire_dtype=config.wire_dtype, layer_shapes=layer_shapes)
-    try:
-        return open_peer_stage(cluster, config, shards, local_shards, on_close, layer_shapes)
-    except BaseException:
-        cluster.end_run("master failed during setup")
-        cluster.close()
-        raise
+    return plane
