@@ -145,3 +145,13 @@ def test_a_fault_naming_nobody_re_plans_without_evicting_the_living() -> None:
     control = RunControl(["w1", "w2"])
     assert control.handle(Fault("the master's share failed")) == \
         [Resplit(frozenset({"w1", "w2"}), "recovery from: the master's share failed")]
+
+
+def test_a_join_waiting_while_the_snapshot_fails_comes_in_at_the_next_re_plan_point() -> None:
+    control = RunControl(["w1", "w2"])
+    # the snapshot's audit fails w2 while w3 waits to join: the fault is handled first
+    commands = control.handle(Fault("result audit", "w2", evict=True))
+    assert commands[-1] == Resplit(frozenset({"w1"}), "recovery from: result audit")
+    control.handle(ReplanDone())
+    joined = control.handle(ReplanPoint(("w2", "w3")))  # the next snapshot: w3, not w2
+    assert joined == [Admit(("w3",)), Resplit(frozenset({"w1", "w3"}), "join of w3", ("w3",))]

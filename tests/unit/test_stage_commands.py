@@ -1,0 +1,167 @@
+"""The distributed stage carries out the run state machine's commands (no workers: a
+fake cluster answers every request, or loses a worker on cue)."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq
+
+from hetconv.errors import UserError
+from hetconv.master.assign import assign
+from hetconv.master.cluster import Reply, WorkerHandle, WorkerLost
+from hetconv.master.phases import Phases
+from hetconv.master.plan import Participant, Shard, shards_from_counts
+from hetconv.master.planes import StarPlane
+from hetconv.master.rebalance import RebalanceDecision
+from hetconv.master.run import RunControl
+from hetconv.master.stage import DistributedConvStage, StageSetup
+from hetconv.model import ModelConfig, init_parameters
+from hetconv.protocol import Ack, AssignShard, Message
+from hetconv.stage import ConvStage, LocalConvStage, StageFault, layer_settings
+
+MODEL = ModelConfig(conv_kernels=(4, 6), input_shape=(1, 28, 28), classes=3)
+SETTINGS = layer_settings(MODEL, 0.9, 0.0)
+
+
+class FakeCluster:
+    """Answers every request with an Ack; a worker named in ``lose_on_assign`` is lost
+    (gone) when it is sent an AssignShard."""
+
+    def __init__(self) -> None:
+        self.ctx: zmq.Context[Any] = zmq.Context.instance()
+        self.extra_sockets: list[Any] = []
+        self.lose_on_assign: set[str] = set()
+        self.assigned: list[tuple[str, int, int, int]] = []  # worker, layer, start, stop
+        self.dropped: list[str] = []
+        self._next = 0
+
+    def request_id(self) -> int:
+        self._next += 1
+        return self._next
+
+    def send(self, worker: WorkerHandle, message: Message) -> int:
+        if isinstance(message, AssignShard):
+            if worker.worker_id in self.lose_on_assign:
+                worker.gone = True
+                raise WorkerLost(f"worker {worker.worker_id} left", worker.worker_id, True)
+            self.assigned.append((worker.worker_id, message.layer, message.kernel_start,
+                                  message.kernel_stop))
+        return 0
+
+    def gather(self, pending: dict[int, WorkerHandle], what: str,
+               done: Callable[[], bool] = lambda: True,
+               timeout_s: float | None = None) -> dict[int, Reply]:
+        return {rid: Reply(worker, Ack(request_id=rid), 0.0, 0) for rid, worker in pending.items()}
+
+    def drop(self, worker: WorkerHandle, reason: str) -> None:
+        worker.gone = True
+        self.dropped.append(worker.worker_id)
+
+
+class FakePlanning:
+    """Equal shares over the alive; remembers every re-plan."""
+
+    def __init__(self) -> None:
+        self.replans: list[tuple[list[list[int]], str]] = []
+
+    def split(self, alive: set[str]) -> list[list[int]]:
+        names = ["master", "w1", "w2"]
+        out = []
+        for kernels in MODEL.conv_kernels:
+            chosen = [n for n in names if n in alive]
+            row = [kernels // len(chosen) if n in chosen else 0 for n in names]
+            row[names.index(chosen[0])] += kernels - sum(row)
+            out.append(row)
+        return out
+
+    def replanned(self, counts: list[list[int]], names: list[str], reason: str) -> None:
+        self.replans.append((counts, reason))
+
+    def rebalance(self, timings: dict[str, Any]) -> RebalanceDecision | None:
+        return None
+
+    def rebalanced(self, decision: RebalanceDecision, apply_s: float) -> None:
+        raise AssertionError("no rebalancing here")
+
+    def joinable(self, shards: list[list[Shard]], may_rejoin: Callable[[str], bool]
+                 ) -> list[str]:
+        return []
+
+    def admit(self, shards: list[list[Shard]], names: list[str]) -> list[list[Shard]]:
+        return shards
+
+
+def make_stage(cluster: FakeCluster, stop: bool = False
+               ) -> tuple[DistributedConvStage, FakePlanning, dict[str, np.ndarray]]:
+    params = init_parameters(MODEL, 0)
+    workers = {name: WorkerHandle(name.encode(), name, {"device": "cpu"}, 0.0)
+               for name in ("w1", "w2")}
+    participants = [Participant("master", None, {}), Participant("w1", workers["w1"], {}),
+                    Participant("w2", workers["w2"], {})]
+    planning = FakePlanning()
+    plan = shards_from_counts(participants, planning.split({"master", "w1", "w2"}))
+    fake: Any = cluster
+    local = assign(fake, plan, params, SETTINGS, {}, "cpu", "first")
+    control = RunControl(["w1", "w2"], stop_on_worker_loss=stop)
+    phases = Phases(fake, plan, local, "float32", (), control.request_deadline_s)
+
+    def alone() -> ConvStage:
+        return LocalConvStage(MODEL, params, SETTINGS)
+
+    def close_sockets() -> None:  # what Cluster.close does with them
+        for socket in cluster.extra_sockets:
+            socket.close(linger=0)
+
+    stage = DistributedConvStage(phases, StarPlane(phases), control,
+                                 StageSetup(SETTINGS, "cpu", planning, alone), close_sockets)
+    state = {key: value for key, value in LocalConvStage(MODEL, params, SETTINGS)
+             .snapshot().items()}
+    return stage, planning, state
+
+
+def test_a_gone_worker_is_evicted_and_its_kernels_re_split_over_the_rest() -> None:
+    cluster = FakeCluster()
+    stage, planning, state = make_stage(cluster)
+    cluster.assigned.clear()
+    stage.shards[0][1].worker.gone = True  # type: ignore[union-attr]
+    after = stage.recover(StageFault("w1 died", "w1", gone=True), state)
+    assert after is stage
+    assert [s.kernels for s in stage.shards[0]] == [2, 0, 2]
+    assert all(name != "w1" for name, *_ in cluster.assigned)  # never handed to the gone
+    assert planning.replans and planning.replans[-1][1] == "recovery from: w1 died"
+    stage.close()
+
+
+def test_a_worker_lost_during_the_re_split_is_evicted_too_then_the_master_goes_alone() -> None:
+    cluster = FakeCluster()
+    stage, planning, state = make_stage(cluster)
+    cluster.lose_on_assign = {"w2"}
+    stage.shards[0][1].worker.gone = True  # type: ignore[union-attr]
+    after = stage.recover(StageFault("w1 died", "w1", gone=True), state)
+    assert isinstance(after, LocalConvStage)  # w2 left while taking w1's kernels: alone
+    assert stage.control.evictions == {"w1": 1, "w2": 1}
+    assert not planning.replans  # no re-split was completed
+
+
+def test_a_live_worker_failing_twice_is_told_to_go() -> None:
+    cluster = FakeCluster()
+    stage, _, state = make_stage(cluster)
+    stage.recover(StageFault("w2 late", "w2"), state)
+    assert cluster.dropped == []
+    stage.recover(StageFault("w2 late", "w2"), state)
+    assert cluster.dropped == ["w2"]
+    assert [s.kernels for s in stage.shards[1]] == [3, 3, 0]
+    stage.close()
+
+
+def test_the_last_worker_lost_under_stop_is_one_clear_error() -> None:
+    cluster = FakeCluster()
+    stage, _, state = make_stage(cluster, stop=True)
+    for column in (1, 2):
+        stage.shards[0][column].worker.gone = True  # type: ignore[union-attr]
+    with pytest.raises(UserError, match="--on-worker-loss stop"):
+        stage.recover(StageFault("both died", "w1", gone=True), state)
+    stage.close()
