@@ -14,7 +14,7 @@ trains alone (or, with ``--no-local``, the best single worker does).
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from hetconv.partition import balanced_counts
@@ -66,10 +66,18 @@ def effective_cost(profile: ParticipantProfile, layer: int,
 def split_counts(profiles: Sequence[ParticipantProfile], chosen: Sequence[int],
                  traffic: Sequence[LayerTraffic]) -> tuple[tuple[int, ...], ...]:
     """Kernels per layer per profile when only the ``chosen`` profiles take part."""
+    return _balanced(profiles, chosen, traffic, effective_cost)
+
+
+def _balanced(profiles: Sequence[ParticipantProfile], chosen: Sequence[int],
+              traffic: Sequence[LayerTraffic],
+              cost: Callable[[ParticipantProfile, int, LayerTraffic], tuple[float, float]]
+              ) -> tuple[tuple[int, ...], ...]:
+    """Equal finish times under ``cost`` per layer, over the ``chosen`` profiles."""
     counts = []
     for layer, t in enumerate(traffic):
-        costs = [effective_cost(profiles[i], layer, t) for i in chosen]
-        chosen_counts = balanced_counts(costs, t.kernels)
+        chosen_counts = balanced_counts([cost(profiles[i], layer, t) for i in chosen],
+                                        t.kernels)
         row = [0] * len(profiles)
         for i, count in zip(chosen, chosen_counts):
             row[i] = count
@@ -89,14 +97,7 @@ def predict(profiles: Sequence[ParticipantProfile], counts: Sequence[Sequence[in
 def compute_split_counts(profiles: Sequence[ParticipantProfile], chosen: Sequence[int],
                          traffic: Sequence[LayerTraffic]) -> tuple[tuple[int, ...], ...]:
     """Kernels per layer per profile from the compute costs alone (links ignored)."""
-    counts = []
-    for layer, t in enumerate(traffic):
-        chosen_counts = balanced_counts([profiles[i].costs[layer] for i in chosen], t.kernels)
-        row = [0] * len(profiles)
-        for i, count in zip(chosen, chosen_counts):
-            row[i] = count
-        counts.append(tuple(row))
-    return tuple(counts)
+    return _balanced(profiles, chosen, traffic, lambda profile, layer, _: profile.costs[layer])
 
 
 def choose_plan(profiles: Sequence[ParticipantProfile], traffic: Sequence[LayerTraffic],
