@@ -1,6 +1,7 @@
 """``hetconv bench scale`` on a small switched LAN: caps hold, every machine computes."""
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -141,4 +142,4 @@ def test_bench_scale_runs_pytorch_ddp_beside_hetconv(tmp_path: Path) -> None:
     assert log.exists()
     assert not [line for line in subprocess.run(["ip", "netns"], capture_output=True,
                                                 text=True).stdout.splitlines()
-                if line.startswith("hcm")]  # torn down
+                if line.startswith(f"hcm{os.getpid() % 10000}")]  # ours torn down
