@@ -1,12 +1,12 @@
-"""Calibrating every device for every conv layer, then splitting the kernels.
+"""Calibrating every participant on every conv layer (the split is master/split.py).
 
 Each participant (the master's own device unless ``--no-local``, then the workers)
 times one block forward + backward at the layer's real shape: the run's batch,
 input channels and spatial size, with an equal share of the layer's kernels (the
-size a device will roughly own) and with a quarter of that share, which separates
+size a participant will roughly own) and with a quarter of that share, which separates
 the fixed cost of a share (unfolding the input, folding dx back) from the cost per
-kernel. Devices calibrate concurrently, as they will compute during training. The
-split itself is pure (``hetconv.partition``).
+kernel. Participants calibrate concurrently, as they will compute during training.
+The split itself is pure (``master/split.py`` over ``hetconv.partition``).
 """
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def calibrate(cluster: Cluster, participants: list[Participant], shapes: list[Co
         small_seconds = [timings[(i, small)] for i in range(len(participants))]
         results.append(LayerCalibration(shape.index, kernels, seconds, small, small_seconds))
         report(f"hetconv: calibrated layer {shape.index + 1} ({shape.kernels} kernels; "
-               f"{kernels} / {small} per device timed): " + ", ".join(
+               f"{kernels} / {small} per participant timed): " + ", ".join(
                    f"{p.participant} {s * 1000:.1f} / {t * 1000:.1f} ms"
                    for p, s, t in zip(participants, seconds, small_seconds)))
     return results

@@ -24,6 +24,7 @@ from typing import Any
 import zmq
 
 from hetconv.errors import UserError
+from hetconv.master.liveness import canonical_address, read_stalled_peers
 from hetconv.master.membership import (
     Action,
     BadMessage,
@@ -107,6 +108,8 @@ class Cluster:
             # worker opens another connection.
             self.sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
         self.extra_sockets: list[zmq.Socket[Any]] = []  # polled too: they wake pump early
+        bound = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)  # tcp://host:port
+        self.port = int(bound.rsplit(":", 1)[1]) if bound.startswith("tcp://") else 0
         self.budget = admission.SenderBudget()  # per-sender reads, error replies, warnings
 
     @property
@@ -210,8 +213,11 @@ class Cluster:
             if isinstance(received, bytes):  # over its budget: dropped unread
                 continue
             actions += self._complaints(received.identity, now, self.membership.handle(
-                MessageReceived(received.identity, received.message, now, received.user_id)))
-        actions += self.membership.handle(Tick(time.monotonic(), time.time()))
+                MessageReceived(received.identity, received.message, now, received.user_id,
+                                # the transport's Peer-Address where it gives one
+                                canonical_address(str(getattr(received, "peer_address", ""))))))
+        now = time.monotonic()
+        actions += self.membership.handle(Tick(now, time.time(), self._stalled_peers(now)))
         return self._perform(actions)
 
     def _complaints(self, identity: bytes | None, now: float,
@@ -237,6 +243,14 @@ class Cluster:
                                     f"{dropped} message(s) dropped over its budget, "
                                     f"{suppressed} bad message(s) not answered")
         return [*actions, note]
+
+    def _stalled_peers(self, now: float) -> frozenset[str]:
+        """The addresses behind a dead link (master/liveness.py), read only while a
+        worker with a known address is silent past the liveness timeout."""
+        silent = any(not w.gone and w.peer_address
+                     and now - w.last_seen > self.settings.liveness_timeout_s
+                     for w in self.membership.workers.values())
+        return read_stalled_peers(self.port) if silent and self.port else frozenset()
 
     # --- membership ------------------------------------------------------------------------
     def wait_for_workers(self, count: int, wait_s: float,

@@ -32,10 +32,32 @@ import logging
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
-import numpy as np
-
+from hetconv.master.membership_types import (
+    ECHOED_FIELDS,
+    LINK_RETRY_S,
+    REPLY_TYPES,
+    Action,
+    BadMessage,
+    ClusterSettings,
+    Completed,
+    Event,
+    Fail,
+    KeyBinding,
+    Log,
+    MessageReceived,
+    Reply,
+    Request,
+    RequestsAwaited,
+    RequestSent,
+    Send,
+    SendFailed,
+    Tick,
+    WorkerHandle,
+    expected_reply,
+    payload_bytes,
+    reply_mismatch,
+)
 from hetconv.protocol import (
     ERR_BAD_PEER_DATA,
     ERR_PEER_LOST,
@@ -43,248 +65,45 @@ from hetconv.protocol import (
     ERR_UNKNOWN_WORKER,
     NO_REQUEST_ID,
     PROTOCOL_VERSION,
-    Ack,
-    AssignPeers,
-    AssignShard,
-    BackwardReply,
-    BackwardRequest,
-    CalibrateReply,
-    CalibrateRequest,
     DataEndpoint,
-    EndRun,
     ErrorReply,
-    ForwardReply,
-    ForwardRequest,
     Goodbye,
     Heartbeat,
     Hello,
-    LinkProbeReply,
-    LinkProbeRequest,
     Message,
-    PeerBackwardReply,
-    PeerBackwardRequest,
-    PeerForwardReply,
-    PeerForwardRequest,
     ProtocolError,
     Refuse,
-    SnapshotReply,
-    SnapshotRequest,
     VersionMismatch,
     Welcome,
-    limits,
     peer_named,
 )
 
-REPLY_TYPES: tuple[type[Message], ...] = (ForwardReply, BackwardReply, CalibrateReply,
-                                          SnapshotReply, Ack, ErrorReply, PeerForwardReply,
-                                          PeerBackwardReply, LinkProbeReply)
-"""The message types a worker sends to answer a request."""
-
-ECHOED_FIELDS = ("step", "layer", "attempt")
-"""Request fields a reply carries back unchanged, where both types have them."""
-
-
-@dataclass
-class WorkerHandle:
-    """What the master knows of one connected worker."""
-
-    identity: bytes
-    worker_id: str
-    device: dict[str, Any]
-    last_seen: float  # monotonic seconds of the last decoded message from it
-    gone: bool = False
-    connection_lost: bool = False  # gone because the socket lost its connection
-    data_endpoint: str = ""  # its peer data endpoint (DataEndpoint), "" until announced
-    data_public_key: str = ""  # its CURVE public key for the data plane (z85), or ""
-    curve_key: str = ""  # the CURVE key (ZAP User-Id) it said Hello with; "" without CURVE
-    forgeries: int = 0  # messages under its identity with another key, refused
-
-    @property
-    def name(self) -> str:
-        return f"{self.worker_id} ({self.device.get('device', '?')})"
-
-
-@dataclass(frozen=True)
-class ClusterSettings:
-    """Deadlines of the master's side (defaults from ``protocol.limits``)."""
-
-    heartbeat_interval_s: float = limits.DEFAULT_HEARTBEAT_INTERVAL_S
-    liveness_timeout_s: float = (limits.DEFAULT_HEARTBEAT_INTERVAL_S
-                                 * limits.DEFAULT_HEARTBEAT_LIVENESS)
-    request_timeout_s: float = limits.DEFAULT_REQUEST_TIMEOUT_S
-    forgery_log_interval_s: float = 60.0  # at most one warning per routing id this often
-
-
-@dataclass
-class KeyBinding:
-    """The CURVE key a routing id is bound to, and what was refused under it."""
-
-    key: str  # the ZAP User-Id (z85 public key) that first said Hello; "" without CURVE
-    refused: int = 0  # messages under this routing id from another key, dropped
-    unlogged: int = 0  # of those, not yet counted in a warning
-    logged_at: float = -math.inf  # monotonic seconds of the last warning
-
-
-@dataclass
-class Reply:
-    """A worker's answer to one request, as received."""
-
-    worker: WorkerHandle
-    message: Message
-    received_at: float  # monotonic seconds
-    payload_bytes: int
-
-
-def payload_bytes(message: Message) -> int:
-    """Bytes of array payload a message carries (what crosses the network, roughly)."""
-    return sum(value.nbytes for value in vars(message).values() if isinstance(value, np.ndarray))
-
-
-def expected_reply(request: Message) -> type[Message] | None:
-    """The reply type that answers ``request`` (besides ErrorReply); None: not a request."""
-    match request:
-        case ForwardRequest():
-            return ForwardReply
-        case BackwardRequest():
-            return BackwardReply
-        case CalibrateRequest():
-            return CalibrateReply
-        case SnapshotRequest():
-            return SnapshotReply
-        case LinkProbeRequest():
-            return LinkProbeReply
-        case PeerForwardRequest():
-            return PeerForwardReply
-        case PeerBackwardRequest():
-            return PeerBackwardReply
-        case AssignShard() | AssignPeers() | EndRun():
-            return Ack
-    return None
-
-
-def reply_mismatch(request: Message, reply: Message) -> str | None:
-    """How ``reply`` echoes the request's step, layer or attempt wrongly; None if it
-    echoes every one of :data:`ECHOED_FIELDS` that both messages have."""
-    for key in ECHOED_FIELDS:
-        if hasattr(request, key) and hasattr(reply, key):
-            wanted, got = getattr(request, key), getattr(reply, key)
-            if got != wanted:
-                return f"{key} {got}, expected {wanted}"
-    return None
-
-
-# --- events in ---------------------------------------------------------------------
-@dataclass(frozen=True)
-class MessageReceived:
-    """``message`` decoded at ``now`` (monotonic seconds) from ROUTER peer ``identity``;
-    ``user_id``: the ZAP User-Id of its connection (with CURVE its public key, z85)."""
-
-    identity: bytes
-    message: Message
-    now: float
-    user_id: str = ""
-
-
-@dataclass(frozen=True)
-class BadMessage:
-    """A message that did not decode (``error.identity`` says from whom, if known);
-    a :class:`~hetconv.protocol.VersionMismatch` for another protocol version.
-    ``user_id``: the ZAP User-Id of its connection, None where unknown."""
-
-    error: ProtocolError
-    user_id: str | None = None
-    now: float = 0.0
-
-
-@dataclass(frozen=True)
-class Tick:
-    """Time passed. ``now`` is monotonic seconds; ``wall_time`` is ``time.time()``,
-    only stamped on heartbeats."""
-
-    now: float
-    wall_time: float
-
-
-@dataclass(frozen=True)
-class RequestSent:
-    """``request`` went to ``worker`` at ``now``; its reply is expected from that worker."""
-
-    worker: WorkerHandle
-    request: Message
-    now: float
-
-
-@dataclass(frozen=True)
-class RequestsAwaited:
-    """The master now waits for the replies to ``pending`` (request id → worker), for
-    ``what`` (named in failures). Ids not seen in :class:`RequestSent` are registered
-    here, without a type check."""
-
-    pending: Mapping[int, WorkerHandle]
-    what: str
-    now: float
-    timeout_s: float | None = None  # a deadline for these requests, counted from their send
-
-
-@dataclass(frozen=True)
-class SendFailed:
-    """The transport could not send to ``worker`` (``detail`` says why)."""
-
-    worker: WorkerHandle
-    detail: str
-
-
-Event = MessageReceived | BadMessage | Tick | RequestSent | RequestsAwaited | SendFailed
-
-
-# --- actions out -------------------------------------------------------------------
-@dataclass(frozen=True)
-class Send:
-    """Send ``message`` to ROUTER peer ``identity``; a failed send is not an error."""
-
-    identity: bytes
-    message: Message
-
-
-@dataclass(frozen=True)
-class Log:
-    """Write one log line at ``level`` (a ``logging`` level)."""
-
-    level: int
-    text: str
-
-
-@dataclass(frozen=True)
-class Fail:
-    """Stop waiting: ``worker`` died, went silent, left or answered wrongly."""
-
-    worker: WorkerHandle
-    reason: str  # one line that names the worker
-    culprit: str | None = None  # the participant at fault, when not ``worker`` itself
-    evict: bool = False  # its results were wrong: evict it even though it is alive
-
-
-@dataclass(frozen=True)
-class Completed:
-    """Request ``request_id`` got its reply (kept until :meth:`Membership.replies_for`)."""
-
-    request_id: int
-    reply: Reply
-
-
-Action = Send | Log | Fail | Completed
-
-
-@dataclass
-class Request:
-    """One outstanding request and, once it came, its reply."""
-
-    worker: WorkerHandle
-    sent_at: float
-    message: Message | None  # None: registered by RequestsAwaited only
-    what: str = "a request"
-    reply: Reply | None = None
-    timeout_s: float | None = None  # its own deadline (None: the settings' backstop)
+__all__ = [
+    "REPLY_TYPES",
+    "ECHOED_FIELDS",
+    "LINK_RETRY_S",
+    "WorkerHandle",
+    "ClusterSettings",
+    "KeyBinding",
+    "Reply",
+    "payload_bytes",
+    "expected_reply",
+    "reply_mismatch",
+    "MessageReceived",
+    "BadMessage",
+    "Tick",
+    "RequestSent",
+    "RequestsAwaited",
+    "SendFailed",
+    "Event",
+    "Send",
+    "Log",
+    "Fail",
+    "Completed",
+    "Action",
+    "Request",
+    "Membership",
+]
 
 
 @dataclass
@@ -355,7 +174,7 @@ class Membership:
                 if refused is not None:
                     return refused
                 return self._received(event.identity, event.message, event.now,
-                                      event.user_id)
+                                      event.user_id, event.peer_address)
             case BadMessage():
                 identity, user_id = event.error.identity, event.user_id
                 if identity and user_id is not None:
@@ -364,7 +183,7 @@ class Membership:
                         return refused
                 return self._bad_message(event.error)
             case Tick():
-                return self._tick(event.now, event.wall_time)
+                return self._tick(event.now, event.wall_time, event.stalled_peers)
             case RequestSent():
                 return self._request_sent(event.worker, event.request, event.now)
             case RequestsAwaited():
@@ -403,14 +222,18 @@ class Membership:
         return [Log(logging.WARNING, text)]
 
     def _received(self, identity: bytes, message: Message, now: float,
-                  user_id: str = "") -> list[Action]:
+                  user_id: str = "", peer_address: str = "") -> list[Action]:
         if isinstance(message, Hello):
-            return self._hello(identity, message, now, user_id)
+            actions = self._hello(identity, message, now, user_id)
+            if peer_address and identity in self.workers:
+                self.workers[identity].peer_address = peer_address
+            return actions
         worker = self.workers.get(identity)
         if worker is None or worker.gone:
             return [Send(identity, ErrorReply(request_id=NO_REQUEST_ID, code=ERR_UNKNOWN_WORKER,
                                               message="say hello first"))]
         worker.last_seen = now
+        worker.peer_address = peer_address or worker.peer_address
         if isinstance(message, Heartbeat):
             return []
         if isinstance(message, DataEndpoint):
@@ -506,7 +329,8 @@ class Membership:
                                         f"{request.what}: {error}"))
         return actions
 
-    def _tick(self, now: float, wall_time: float) -> list[Action]:
+    def _tick(self, now: float, wall_time: float,
+              stalled_peers: frozenset[str] = frozenset()) -> list[Action]:
         actions: list[Action] = []
         if now - self._last_beat >= self.settings.heartbeat_interval_s:
             self._last_beat = now
@@ -518,9 +342,14 @@ class Membership:
                 continue
             worker = request.worker
             silent_s = now - worker.last_seen
+            # behind a dead link (not a stopped peer): wait up to link_retry_s
+            link_down = bool(worker.peer_address) and worker.peer_address in stalled_peers \
+                and silent_s <= self.settings.link_retry_s
             if worker.gone:
                 how = "lost its connection" if worker.connection_lost else "left"
                 actions.append(Fail(worker, f"worker {worker.name} {how} during {request.what}"))
+            elif link_down:
+                continue
             elif silent_s > self.settings.liveness_timeout_s:
                 worker.gone = True
                 actions.append(Fail(worker, f"worker {worker.name} stopped responding during "

@@ -210,7 +210,7 @@ class Phases:
     def run_phase(self, layer: int, what: str, requests: list[tuple[Shard, Any]],
                   local: Callable[[], Any] | None) -> tuple[dict[str, Reply], Any, float, float,
                                                            dict[str, int]]:
-        """Send requests, run ``local`` meanwhile, gather; returns replies by device."""
+        """Send requests, run ``local`` meanwhile, gather; returns replies by participant."""
         phase = self.start(what, requests, local)
         self.await_all([phase])
         job = phase.job
