@@ -79,7 +79,7 @@ from hetconv.ops.workspace import Workspace
 
 LAYOUTS = (BATCH_INNER, SAMPLE_MAJOR, SHIFTED_TAPS)
 WINOGRAD = "winograd"  # F(2x2, r x r) for 3x3 and 5x5 kernels: see hetconv.ops.conv_winograd
-WINOGRAD_MIN_CHANNELS = {3: 64, 5: 8}  # by kernel size: with fewer input channels or kernels
+WINOGRAD_MIN_CHANNELS = {3: 16, 5: 8}  # by kernel size: with fewer input channels or kernels
 # the transforms cost more than the multiply-adds they save (measured, one thread)
 SAMPLE_MAJOR_MIN_POSITIONS = 576  # Ho*Wo from which one GEMM per sample is cheaper ...
 SAMPLE_MAJOR_MIN_POSITIONS_FEW_TAPS = 144  # ... or from here when K >= Q (y is the big one)
@@ -307,7 +307,8 @@ def _prepare(x: Any, w: Any, stride: int, padding: int, layout: str | None,
     if layout == SHIFTED_TAPS:
         cache.weights_by_tap = tap_weights(xp, weight_matrix, g)
     if layout == WINOGRAD:
-        cache.transformed = conv_winograd.weight_transform(xp, weight_matrix.reshape(w.shape))
+        cache.transformed = conv_winograd.weight_transform(xp, weight_matrix.reshape(w.shape),
+                                                           conv_winograd.tile_of(g))
     return xp, x.astype(dtype, copy=False), cache
 
 
@@ -448,7 +449,8 @@ def conv2d_backward_cached(cache: ConvCache, dy: Any, need_dx: bool = True,
         parts = run_chunks(task, cache.chunks, cache.threads, after=after)
         dw = _sum_in_order(xp, [part[0] for part in parts], cache.threads)
         if cache.layout == WINOGRAD:
-            dw = conv_winograd.weight_gradient(xp, dw, g.kernel_h).reshape(g.kernels, g.taps)
+            dw = conv_winograd.weight_gradient(xp, dw, g.kernel_h, conv_winograd.tile_of(g)
+                                               ).reshape(g.kernels, g.taps)
         if need_db:
             db = parts[0][1]
             for _, part_db in parts[1:]:

@@ -1,21 +1,23 @@
-"""Convolution by Winograd's minimal filtering F(2x2, r x r), for 3x3 and 5x5 kernels.
+"""Convolution by Winograd's minimal filtering F(m x m, r x r): 3x3 and 5x5 kernels.
 
-A stride-1 convolution's output is cut into 2x2 tiles; each tile needs an
-``a x a`` input patch (a = r + 1) and, per kernel and channel, the product of two
-``a x a`` transforms instead of 4*r*r multiply-adds (Lavin and Gray, 2016):
+A stride-1 convolution's output is cut into m x m tiles (m = 4 for 3x3 kernels on maps
+that divide by 4, else 2: ``tile_of``); each tile needs an ``a x a`` input patch
+(a = m + r - 1) and, per kernel and channel, the elementwise product of two ``a x a``
+transforms instead of m*m*r*r multiply-adds (Lavin and Gray, 2016):
 
     Y = A^T [ sum_c (G g_kc G^T) * (B^T d_c B) ] A          (* elementwise)
 
-so the GEMM work is a*a / (4*r*r) of im2col's: 16/36 for 3x3, 36/100 for 5x5. The
-a*a products are independent GEMMs, batched: U (a*a, K, C) @ V (a*a, C, tiles*nb). The
-matrices come from the Toom-Cook construction at the points 0, 1, -1, (2, -2,) and
-infinity: G evaluates the kernel polynomial, A^T the output one, B^T = V^-T with V the
-evaluation (Vandermonde) matrix of the a points. The backward pass is the transpose of
+so the GEMM work is a*a / (m*m*r*r) of im2col's: 36/144 for F(4x4, 3x3), 16/36 for
+F(2x2, 3x3), 36/100 for F(2x2, 5x5). The a*a products are independent GEMMs, batched:
+U (a*a, K, C) @ V (a*a, C, tiles*nb). The matrices come from the Toom-Cook construction
+at the points of POINTS and infinity: G evaluates the kernel polynomial, A^T the output
+one, B^T = V^-T with V the evaluation (Vandermonde) matrix of the a points. The backward pass is the transpose of
 each step: dV = U^T @ dM with dM = A dY A^T, then dX patches = B dV B^T added into the
 padded input gradient (patches overlap); dU = dM @ V^T summed over the batch, and
 dW = G^T dU G. Rounding differs from the direct sum (the transforms add and subtract
-scaled values first): a few float32 ulps more for 3x3, somewhat more for 5x5; the tests
-hold it to the slow reference.
+scaled values first): about 2e-6 of the largest output in float32 for a = 6 (F(4x4,
+3x3), F(2x2, 5x5); im2col about 5e-7), a few ulps for F(2x2, 3x3); the tests hold it
+to the slow reference.
 
 All functions take one batch chunk in the batch-inner layout of ``hetconv.ops.conv``
 (padded input (C, Hp, Wp, nb), output rows (K, Ho, Wo, nb)) and work on numpy or cupy
@@ -32,39 +34,46 @@ import numpy as np
 from hetconv.ops.conv_chunks import scratch_array
 
 Array = Any  # a numpy or cupy ndarray
-TILE = 2  # outputs per tile side (m)
-POINTS = {3: (0.0, 1.0, -1.0), 5: (0.0, 1.0, -1.0, 2.0, -0.5)}  # finite points by kernel size
+POINTS = {3: (0.0, 1.0, -1.0), 5: (0.0, 1.0, -1.0, 2.0, -0.5)}
+"""The finite interpolation points by their number, a - 1 for a patch side a = m + r - 1
+(the last point is infinity); of the sets tried for a = 6 this one rounds least."""
+
+
+def tile_of(geometry: Any) -> int:
+    """m, the output tile side: 4 for 3x3 kernels on maps that divide by 4, else 2."""
+    g = geometry
+    return 4 if g.kernel_h == 3 and g.out_h % 4 == 0 and g.out_w % 4 == 0 else 2
 
 
 @functools.cache
-def matrices(kernel: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(A^T (m, a), G (a, r), B^T (a, a)) float64 for F(m x m, r x r), m = TILE."""
-    points = POINTS[kernel]
-    size = TILE + kernel - 1
+def matrices(kernel: int, tile: int = 2) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(A^T (m, a), G (a, r), B^T (a, a)) float64 for F(m x m, r x r), m = tile."""
+    size = tile + kernel - 1
+    points = POINTS[size - 1]
 
     def evaluation(columns: int) -> np.ndarray:  # rows: polynomial at each point, then infinity
         rows = [[p**i for i in range(columns)] for p in points]
         rows.append([0.0] * (columns - 1) + [1.0])
         return np.array(rows, dtype=np.float64)
 
-    return evaluation(TILE).T, evaluation(kernel), np.linalg.inv(evaluation(size)).T
+    return evaluation(tile).T, evaluation(kernel), np.linalg.inv(evaluation(size)).T
 
 
 def supported(geometry: Any) -> bool:
     """Stride 1, square 3x3 or 5x5 kernels, an output of whole 2x2 tiles."""
     g = geometry
-    return (g.stride == 1 and g.kernel_h == g.kernel_w and g.kernel_h in POINTS
-            and g.out_h % TILE == 0 and g.out_w % TILE == 0)
+    return (g.stride == 1 and g.kernel_h == g.kernel_w and g.kernel_h in (3, 5)
+            and g.out_h % 2 == 0 and g.out_w % 2 == 0)
 
 
 def _constant(xp: Any, matrix: np.ndarray, dtype: Any) -> Array:
     return xp.asarray(matrix.astype(dtype))
 
 
-def weight_transform(xp: Any, weights: Array) -> Array:
+def weight_transform(xp: Any, weights: Array, tile: int) -> Array:
     """w (K, C, r, r) -> U (a*a, K, C) = G w G^T per kernel and channel."""
     kernels, channels, size, _ = weights.shape
-    _, g_matrix, _ = matrices(size)
+    _, g_matrix, _ = matrices(size, tile)
     g = _constant(xp, g_matrix, weights.dtype)
     a = g.shape[0]
     # (r, r, K*C): contract rows, then columns
@@ -88,14 +97,15 @@ def _two_sided(xp: Any, left: Array, values: Array, right_t: Array, name: str) -
 def input_transform(xp: Any, g: Any, padded: Array) -> Array:
     """padded (C, Hp, Wp, nb) -> V (a*a, C, tiles*nb) = B^T d B of every input patch,
     columns ordered (tile row, tile column, sample)."""
-    _, _, bt_matrix = matrices(g.kernel_h)
+    _, _, bt_matrix = matrices(g.kernel_h, tile_of(g))
     bt = _constant(xp, bt_matrix, padded.dtype)
     a = bt.shape[0]
     channels, nb = padded.shape[0], padded.shape[3]
-    th, tw = g.out_h // TILE, g.out_w // TILE
+    m = tile_of(g)
+    th, tw = g.out_h // m, g.out_w // m
     s0, s1, s2, s3 = padded.strides
     patches = xp.lib.stride_tricks.as_strided(
-        padded, (a, a, channels, th, tw, nb), (s1, s2, s0, TILE * s1, TILE * s2, s3))
+        padded, (a, a, channels, th, tw, nb), (s1, s2, s0, m * s1, m * s2, s3))
     columns = channels * th * tw * nb
     gathered = scratch_array(xp, "winograd patches", (a, a, columns), padded.dtype)
     gathered.reshape(a, a, channels, th, tw, nb)[...] = patches
@@ -105,50 +115,53 @@ def input_transform(xp: Any, g: Any, padded: Array) -> Array:
 
 def output_rows(xp: Any, g: Any, products: Array, out: Array) -> Array:
     """products M (a*a, K, tiles*nb) -> out (K, Ho*Wo*nb) batch-inner, = A^T M A."""
-    at_matrix, _, _ = matrices(g.kernel_h)
+    at_matrix, _, _ = matrices(g.kernel_h, tile_of(g))
     at = _constant(xp, at_matrix, products.dtype)
     a, kernels = at.shape[1], products.shape[1]
-    th, tw = g.out_h // TILE, g.out_w // TILE
+    m = tile_of(g)
+    th, tw = g.out_h // m, g.out_w // m
     nb = products.shape[2] // (th * tw)
     tiles = _two_sided(xp, at, products.reshape(a, a, -1), at, "winograd output")
-    target = out.reshape(kernels, th, TILE, tw, TILE, nb)
-    target[...] = tiles.reshape(TILE, TILE, kernels, th, tw, nb).transpose(2, 3, 0, 4, 1, 5)
+    target = out.reshape(kernels, th, m, tw, m, nb)
+    target[...] = tiles.reshape(m, m, kernels, th, tw, nb).transpose(2, 3, 0, 4, 1, 5)
     return out
 
 
 def gradient_transform(xp: Any, g: Any, rows: Array) -> Array:
     """dy rows (K, Ho*Wo*nb) -> dM (a*a, K, tiles*nb) = A dY A^T of every output tile."""
-    at_matrix, _, _ = matrices(g.kernel_h)
+    at_matrix, _, _ = matrices(g.kernel_h, tile_of(g))
     a_matrix = _constant(xp, at_matrix.T, rows.dtype)  # (a, m)
     a = a_matrix.shape[0]
     kernels = rows.shape[0]
-    th, tw = g.out_h // TILE, g.out_w // TILE
+    m = tile_of(g)
+    th, tw = g.out_h // m, g.out_w // m
     nb = rows.shape[1] // (g.out_h * g.out_w)
-    tiles = scratch_array(xp, "winograd dy tiles", (TILE, TILE, kernels * th * tw * nb),
+    tiles = scratch_array(xp, "winograd dy tiles", (m, m, kernels * th * tw * nb),
                           rows.dtype)
-    tiles.reshape(TILE, TILE, kernels, th, tw, nb)[...] = rows.reshape(
-        kernels, th, TILE, tw, TILE, nb).transpose(2, 4, 0, 1, 3, 5)
+    tiles.reshape(m, m, kernels, th, tw, nb)[...] = rows.reshape(
+        kernels, th, m, tw, m, nb).transpose(2, 4, 0, 1, 3, 5)
     return _two_sided(xp, a_matrix, tiles, a_matrix, "winograd dy").reshape(
         a * a, kernels, th * tw * nb)
 
 
 def add_input_gradient(xp: Any, g: Any, d_input: Array, dx_padded: Array) -> None:
     """dx_padded (C, Hp, Wp, nb) += the patches B dV B^T of d_input dV (a*a, C, tiles*nb)."""
-    _, _, bt_matrix = matrices(g.kernel_h)
+    _, _, bt_matrix = matrices(g.kernel_h, tile_of(g))
     b = _constant(xp, bt_matrix.T, d_input.dtype)
     a = b.shape[0]
     channels, nb = dx_padded.shape[0], dx_padded.shape[3]
-    th, tw = g.out_h // TILE, g.out_w // TILE
+    m = tile_of(g)
+    th, tw = g.out_h // m, g.out_w // m
     patches = _two_sided(xp, b, d_input.reshape(a, a, -1), b, "winograd dx").reshape(
         a, a, channels, th, tw, nb)
     for i in range(a):
         for j in range(a):
-            dx_padded[:, i:i + TILE * th:TILE, j:j + TILE * tw:TILE, :] += patches[i, j]
+            dx_padded[:, i:i + m * th:m, j:j + m * tw:m, :] += patches[i, j]
 
 
-def weight_gradient(xp: Any, d_transformed: Array, size: int) -> Array:
+def weight_gradient(xp: Any, d_transformed: Array, size: int, tile: int) -> Array:
     """dU (a*a, K, C) summed over the batch -> dw (K, C, r, r) = G^T dU G."""
-    _, g_matrix, _ = matrices(size)
+    _, g_matrix, _ = matrices(size, tile)
     gt = _constant(xp, g_matrix.T, d_transformed.dtype)  # (r, a)
     a, kernels, channels = g_matrix.shape[0], d_transformed.shape[1], d_transformed.shape[2]
     weights = _two_sided(xp, gt, d_transformed.reshape(a, a, kernels * channels), gt,

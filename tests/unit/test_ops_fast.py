@@ -249,7 +249,7 @@ def test_timers_add_up_only_inside_collect() -> None:
 # ---------------------------------------------------------------- Winograd
 WINOGRAD_GRID = [  # (batch, channels, height, width, kernels, kernel, padding)
     (2, 3, 6, 6, 4, 3, 1), (3, 2, 10, 8, 5, 3, 0), (2, 4, 8, 8, 3, 5, 2), (3, 3, 10, 12, 2, 5, 0),
-    (1, 1, 6, 6, 1, 3, 0)]
+    (1, 1, 6, 6, 1, 3, 0), (2, 3, 8, 12, 4, 3, 1)]  # the last two: 4x4 tiles
 
 
 @pytest.mark.parametrize("shape", WINOGRAD_GRID)
