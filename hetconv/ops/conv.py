@@ -79,7 +79,7 @@ from hetconv.ops.workspace import Workspace
 
 LAYOUTS = (BATCH_INNER, SAMPLE_MAJOR, SHIFTED_TAPS)
 WINOGRAD = "winograd"  # F(2x2, r x r) for 3x3 and 5x5 kernels: see hetconv.ops.conv_winograd
-WINOGRAD_MIN_CHANNELS = {3: 16, 5: 8}  # by kernel size: with fewer input channels or kernels
+WINOGRAD_MIN_CHANNELS = {3: 64, 5: 8}  # by kernel size: with fewer input channels or kernels
 # the transforms cost more than the multiply-adds they save (measured, one thread)
 SAMPLE_MAJOR_MIN_POSITIONS = 576  # Ho*Wo from which one GEMM per sample is cheaper ...
 SAMPLE_MAJOR_MIN_POSITIONS_FEW_TAPS = 144  # ... or from here when K >= Q (y is the big one)

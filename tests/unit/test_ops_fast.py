@@ -282,7 +282,7 @@ def test_winograd_refuses_what_it_cannot_do() -> None:
 def test_the_fused_layer_uses_winograd_for_wide_layers(many_chunks: None, size: int) -> None:
     """Enough channels and kernels: the training path's conv is Winograd, and the layer
     still equals the separate ops (float64) and PyTorch's within float32 rounding."""
-    channels = conv.WINOGRAD_MIN_CHANNELS[size]
+    channels = conv.WINOGRAD_MIN_CHANNELS[size]  # 64 for 3x3: F(4x4, 3x3) on the 8x8 map
     arrays = layer(np.random.default_rng(15), batch=4, channels=channels, size=8,
                    kernels=channels, kernel=size)
     _, cache, _, _ = conv_layer_forward(*arrays, True, padding=size // 2, fast=True)
