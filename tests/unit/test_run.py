@@ -155,3 +155,17 @@ def test_a_join_waiting_while_the_snapshot_fails_comes_in_at_the_next_re_plan_po
     control.handle(ReplanDone())
     joined = control.handle(ReplanPoint(("w2", "w3")))  # the next snapshot: w3, not w2
     assert joined == [Admit(("w3",)), Resplit(frozenset({"w1", "w3"}), "join of w3", ("w3",))]
+
+
+def test_the_state_machine_imports_no_sockets_threads_or_clock() -> None:
+    import ast
+    from pathlib import Path
+
+    import hetconv.master.run as run
+
+    tree = ast.parse(Path(run.__file__).read_text(encoding="utf-8"))
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree)
+                if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {(node.module or "").split(".")[0] for node in ast.walk(tree)
+                 if isinstance(node, ast.ImportFrom)}
+    assert not imported & {"zmq", "threading", "time", "socket", "asyncio"}, imported
