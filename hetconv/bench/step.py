@@ -232,11 +232,18 @@ def torch_step(torch: Any, network: Any, x: np.ndarray, labels: np.ndarray
 
 
 # --- hetconv's side --------------------------------------------------------------------
+OPS = ("fused", "separate")
+"""hetconv's conv layers: the fused pass (what training runs), or the separate ops."""
+
+
 @contextlib.contextmanager
 def hetconv_step(model: ModelConfig, params: dict[str, np.ndarray], x: np.ndarray,
-                 labels: np.ndarray, batch: int) -> Iterator[Callable[[], None]]:
-    """One ``Trainer.train_step`` of ``hetconv train --local`` per call (momentum 0.9)."""
+                 labels: np.ndarray, batch: int, ops: str = "fused"
+                 ) -> Iterator[Callable[[], None]]:
+    """One ``Trainer.train_step`` of ``hetconv train --local`` per call (momentum 0.9);
+    ``ops`` "separate" runs the conv layers as the separate ops instead of fused."""
     from hetconv.metrics import MetricsWriter
+    from hetconv.ops import conv_layer
     from hetconv.stage import LocalConvStage, layer_settings
     from hetconv.training import LoopConfig, Trainer
 
@@ -248,7 +255,11 @@ def hetconv_step(model: ModelConfig, params: dict[str, np.ndarray], x: np.ndarra
             counter = iter(range(1 << 62))
 
             def step() -> None:
-                trainer.train_step(x, labels, next(counter), LEARNING_RATE)
+                fused, conv_layer.FUSED = conv_layer.FUSED, ops == "fused"
+                try:
+                    trainer.train_step(x, labels, next(counter), LEARNING_RATE)
+                finally:
+                    conv_layer.FUSED = fused
                 stage.take_step_timings()
             yield step
         stage.close()
@@ -337,7 +348,7 @@ def _setting(setting: Setting, torch: Any) -> Iterator[None]:
 
 
 def measure(arch: str, setting: Setting, batch: int, repeats: int, torch: Any,
-            seed: int = 0) -> StepResult:
+            seed: int = 0, ops: str = "fused") -> StepResult:
     """Time ``arch`` on both sides at ``setting``: warm-ups, ``repeats`` interleaved steps,
     then the per-op breakdown and the roofline rates (all under the setting)."""
     model = model_config(parse_network(arch), INPUT_SHAPE, CLASSES)
@@ -346,7 +357,8 @@ def measure(arch: str, setting: Setting, batch: int, repeats: int, torch: Any,
     x = rng.standard_normal((batch, *INPUT_SHAPE), dtype=np.float32)
     labels = rng.integers(0, CLASSES, batch)
     result = StepResult(arch, setting, batch, [], [], work=step_work(model, batch))
-    with _setting(setting, torch), hetconv_step(model, params, x, labels, batch) as ours:
+    with _setting(setting, torch), hetconv_step(model, params, x, labels, batch,
+                                                 ops) as ours:
         theirs = torch_step(torch, torch_network(torch, model, params), x, labels)
         sides = {"hetconv": (ours, result.hetconv_s), "torch": (theirs, result.torch_s)}
         for _ in range(WARMUP_STEPS):
@@ -492,27 +504,33 @@ def import_torch() -> Any:
 
 
 def run_step_bench(archs: list[str], settings: list[Setting], batch: int = 128,
-                   repeats: int = 7, out: Callable[[str], Any] = print) -> dict[str, Any]:
+                   repeats: int = 7, out: Callable[[str], Any] = print,
+                   ops: str = "fused") -> dict[str, Any]:
     """Measure every network at every setting; print and return ``{"results", "table"}``
-    (the table: markdown lines for ``--markdown``)."""
+    (the table: markdown lines for ``--markdown``). ops: hetconv's conv layers as the
+    fused pass or as the separate ops (``OPS``)."""
     if repeats < 1 or batch < 2:
         raise UserError(f"--repeats must be >= 1 and --batch >= 2, got {repeats}, {batch}")
     for arch in archs:
         model_config(parse_network(arch), INPUT_SHAPE, CLASSES)  # bad specs fail first
         conv_layer_shapes(model_config(parse_network(arch), INPUT_SHAPE, CLASSES))
     torch = import_torch()
+    if ops not in OPS:
+        raise UserError(f"--ops {ops!r}: use one of {', '.join(OPS)}")
+    path = ("" if ops == "fused" else " hetconv's conv layers run as the separate ops "
+            "(--ops separate), not the fused pass that training uses.")
     notes = [f"Batch {batch} of synthetic {'x'.join(map(str, INPUT_SHAPE))} images, "
              f"{CLASSES} classes; median of {repeats} interleaved steps per side after "
              f"{WARMUP_STEPS} warm-up steps (min-max in brackets), SGD momentum 0.9. "
              f"{blas_note()}; PyTorch {torch.__version__}. The breakdowns are the median of "
              f"{PROFILE_STEPS} further steps (hetconv's op timers; torch.profiler self CPU "
              "time). Roofline: the GEMM FLOPs at the measured product rate plus an ideal "
-             "fused step's bytes at the measured copy bandwidth, at the same setting."]
+             "fused step's bytes at the measured copy bandwidth, at the same setting." + path]
     results = []
     for setting in settings:
         for arch in archs:
             out(f"hetconv bench step: {arch}, {setting.label} ...")
-            results.append(measure(arch, setting, batch, repeats, torch))
+            results.append(measure(arch, setting, batch, repeats, torch, ops=ops))
     table = markdown_lines(results, notes)
     for line in table:
         out(line)

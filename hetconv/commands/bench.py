@@ -32,7 +32,7 @@ from hetconv.errors import UserError
 FLAGS: dict[str, tuple[tuple[str, str], ...]] = {
     "conv": (("--repeats", "repeats"), ("--batch", "batch"), ("--threads", "threads")),
     "step": (("--arch", "arch"), ("--batch", "batch"), ("--repeats", "repeats"),
-             ("--threads", "threads"), ("--quota", "quota")),
+             ("--ops", "ops"), ("--threads", "threads"), ("--quota", "quota")),
     "protocol": (("--repeats", "repeats"), ("--sizes", "sizes")),
     "split": (("--slow-fraction", "slow_fraction"), ("--arch", "arch"), ("--batch", "batch"),
               ("--limit", "limit"), ("--repeats", "repeats"), ("--work-dir", "work_dir")),
@@ -78,6 +78,9 @@ def add_parser(sub: Any) -> None:
     step.add_argument("--batch", type=positive_int, default=128)
     step.add_argument("--repeats", type=positive_int, default=7,
                       help="timed steps per side (interleaved; default 7)")
+    step.add_argument("--ops", choices=("fused", "separate"), default="fused",
+                      help="hetconv's conv layers: the fused pass that training runs "
+                      "(default), or the separate ops (the path before it)")
     step.add_argument("--threads", type=positive_int, action="append", default=None,
                       help="threads for both sides; repeat for several settings "
                       "(default: every core)")
@@ -295,7 +298,7 @@ def run(args: argparse.Namespace) -> int:
 
         settings = parse_settings(args.threads, args.quota)
         table = run_step_bench(args.arch, settings, batch=args.batch,
-                               repeats=args.repeats)["table"]
+                               repeats=args.repeats, ops=args.ops)["table"]
     elif args.bench == "protocol":
         from hetconv.bench.protocol_roundtrip import markdown_table as protocol_table
         from hetconv.bench.protocol_roundtrip import run_roundtrip_bench

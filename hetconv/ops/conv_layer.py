@@ -54,6 +54,9 @@ from hetconv.ops.timers import timed
 from hetconv.ops.workspace import Workspace
 
 POOLS = ("max", "avg", "none")
+FUSED = True
+"""``fast=None`` means the fused pass where it applies; ``hetconv bench step --ops
+separate`` sets this False to time the separate ops (the path before the fused one)."""
 
 Array = Any  # a numpy or cupy ndarray
 
@@ -144,7 +147,7 @@ def conv_layer_forward(
             raise ValueError(f"{name} must have shape ({kernels},), got {vector.shape}")
     conv_h = conv_output_size(x.shape[2], weight.shape[2], stride, padding)
     conv_w = conv_output_size(x.shape[3], weight.shape[3], stride, padding)
-    if fast is not False and block_fast.supported(pool, conv_h, conv_w):
+    if (FUSED if fast is None else fast) and block_fast.supported(pool, conv_h, conv_w):
         return _fused_forward(x, weight, gamma, beta, running_mean, running_var, train,
                               stride, padding, bn_momentum, bn_eps, rows_ready, pool,
                               batch_norm, workspace, (conv_h, conv_w))

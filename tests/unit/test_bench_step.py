@@ -114,7 +114,7 @@ def test_the_command_line_spells_out_every_setting(tmp_path: Path) -> None:
                                       "--threads", "1", "--quota", "0.45", "--threads", "2",
                                       "--quota", "none", "--markdown", str(target)])
     assert command_line(args) == (
-        f"hetconv bench step --arch 32:64 --arch 64:256 --batch 128 --repeats 7 "
+        f"hetconv bench step --arch 32:64 --arch 64:256 --batch 128 --repeats 7 --ops fused "
         f"--threads 1 --quota 0.45 --threads 2 --quota none --markdown {target}")
 
 
@@ -160,6 +160,14 @@ def test_a_tiny_network_runs_one_repeat_and_writes_its_figure(
     assert summary[0]["network"] == "`c4k3p1,pool,fc8`" and summary[0]["setting"] == "1 thread"
     assert float(summary[0]["hetconv / PyTorch"]) > 0
     assert np.isfinite(float(summary[0]["hetconv / roofline"]))
-    assert "- command: `hetconv bench step --arch c4k3p1,pool,fc8 --batch 8 --repeats 1 " \
+    assert "- command: `hetconv bench step --arch c4k3p1,pool,fc8 --batch 8 --repeats 1 --ops fused " \
            f"--threads 1 --quota none --markdown {target}`" in text
     assert "wrote" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_the_separate_ops_can_be_timed_too(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("torch")
+    assert main(["bench", "step", "--arch", "c4k3p1,pool", "--batch", "4", "--repeats", "1",
+                 "--threads", "1", "--ops", "separate"]) == 0
+    assert "--ops separate" in capsys.readouterr().out
