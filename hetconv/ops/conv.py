@@ -75,11 +75,11 @@ from hetconv.ops.conv_shifted import (
     shifted_product,
     tap_weights,
 )
-from hetconv.ops.workspace import Workspace
+from hetconv.ops.workspace import Workspace, thread_scratch
 
 LAYOUTS = (BATCH_INNER, SAMPLE_MAJOR, SHIFTED_TAPS)
 WINOGRAD = "winograd"  # F(2x2, r x r) for 3x3 and 5x5 kernels: see hetconv.ops.conv_winograd
-WINOGRAD_MIN_CHANNELS = {3: 64, 5: 8}  # by kernel size: with fewer input channels or kernels
+WINOGRAD_MIN_CHANNELS = {3: 16, 5: 8}  # by kernel size: with fewer input channels or kernels
 # the transforms cost more than the multiply-adds they save (measured, one thread)
 SAMPLE_MAJOR_MIN_POSITIONS = 576  # Ho*Wo from which one GEMM per sample is cheaper ...
 SAMPLE_MAJOR_MIN_POSITIONS_FEW_TAPS = 144  # ... or from here when K >= Q (y is the big one)
@@ -350,13 +350,19 @@ def conv2d_forward_cached(x: Any, w: Any, b: Any | None = None, stride: int = 1,
 
     def task(index: int) -> Any:
         start, stop = cache.chunks[index]
-        padded = padded_input(xp, g, cache.layout, x[start:stop],
-                              None if keep is None else (keep, f"conv padded {index}"))
+        where = (None if keep is None else (thread_scratch(), "winograd padded")
+                 if cache.layout == WINOGRAD else (keep, f"conv padded {index}"))
+        padded = padded_input(xp, g, cache.layout, x[start:stop], where)
         if not g.kernels:
             return padded
-        if cache.layout == WINOGRAD:
+        if cache.layout == WINOGRAD:  # keeps V, the transformed input, not the padded one
             shape = (g.kernels, g.positions * (stop - start))
-            rows = _winograd_forward(xp, g, cache.transformed, padded, None if sink is None
+            size, channels, tiles = conv_winograd.transformed_input_shape(g)
+            v_shape = (size, channels, tiles * (stop - start))
+            inputs = conv_winograd.input_transform(
+                xp, g, padded, xp.empty(v_shape, x.dtype) if keep is None
+                else keep.get(f"conv winograd input {index}", v_shape, x.dtype))
+            rows = _winograd_forward(xp, g, cache.transformed, inputs, None if sink is None
                                      else sink.rows(index, shape, x.dtype))
             if sink is not None:
                 sink.done(index, start, stop, rows)
@@ -365,6 +371,7 @@ def conv2d_forward_cached(x: Any, w: Any, b: Any | None = None, stride: int = 1,
                                              ).transpose(3, 0, 1, 2)
                 if bias is not None:
                     y[start:stop] += bias[:, None, None]
+            return inputs
         elif sink is not None:
             shape = (g.kernels, g.positions * (stop - start))
             if cache.layout == SHIFTED_TAPS:
@@ -424,6 +431,7 @@ def conv2d_backward_cached(cache: ConvCache, dy: Any, need_dx: bool = True,
         def task(index: int) -> tuple[Any, Any]:
             start, stop = cache.chunks[index]
             padded, dx_chunk = cache.inputs[index], None if dx is None else dx[start:stop]
+            # (Winograd keeps V, the transformed input, instead of the padded input)
             if cache.layout == SHIFTED_TAPS:
                 dy_t = (source.gradient_rows(index, start, stop).reshape(
                     g.kernels, g.out_h, g.out_w, stop - start) if source is not None
@@ -461,32 +469,34 @@ def conv2d_backward_cached(cache: ConvCache, dy: Any, need_dx: bool = True,
     return dx, dw, db
 
 
-def _winograd_forward(xp: Any, g: ConvGeometry, transformed: Any, padded: Any,
+def _winograd_forward(xp: Any, g: ConvGeometry, transformed: Any, inputs: Any,
                       out: Any | None) -> Any:
-    """A chunk's product (K, Ho*Wo*nb) by Winograd, into ``out`` (default scratch)."""
-    inputs = conv_winograd.input_transform(xp, g, padded)
+    """A chunk's product (K, Ho*Wo*nb) by Winograd from its transformed input V
+    (a*a, C, tiles*nb), into ``out`` (default scratch)."""
     products = scratch_array(xp, "winograd products",
                              (inputs.shape[0], g.kernels, inputs.shape[2]), inputs.dtype)
     xp.matmul(transformed, inputs, out=products)
     if out is None:
-        out = scratch_array(xp, "product", (g.kernels, g.positions * padded.shape[3]),
+        out = scratch_array(xp, "product", (g.kernels, products.shape[2] * g.positions
+                                            // conv_winograd.transformed_input_shape(g)[2]),
                             inputs.dtype)
     return conv_winograd.output_rows(xp, g, products, out)
 
 
-def _winograd_backward(xp: Any, g: ConvGeometry, transformed: Any, padded: Any, rows: Any,
+def _winograd_backward(xp: Any, g: ConvGeometry, transformed: Any, inputs: Any, rows: Any,
                        dx_chunk: Any | None, need_db: bool) -> tuple[Any, Any]:
-    """(dU (a*a, K, C) of the chunk, db (K,) or None); writes dx_chunk when given."""
+    """(dU (a*a, K, C) of the chunk, db (K,) or None) from its transformed input V and
+    dy rows; writes dx_chunk when given."""
     db = rows.sum(axis=1) if need_db else None
-    inputs = conv_winograd.input_transform(xp, g, padded)
     d_products = conv_winograd.gradient_transform(xp, g, rows)
     d_transformed = xp.matmul(d_products, inputs.transpose(0, 2, 1))
     if dx_chunk is not None:
         d_inputs = scratch_array(xp, "winograd d inputs",
                                  (inputs.shape[0], g.channels, inputs.shape[2]), rows.dtype)
         xp.matmul(transformed.transpose(0, 2, 1), d_products, out=d_inputs)
-        pad = g.padding
-        dx_padded = scratch_array(xp, "dx_padded", padded.shape, rows.dtype)
+        pad, nb = g.padding, dx_chunk.shape[0]
+        dx_padded = scratch_array(xp, "dx_padded", (g.channels, g.height + 2 * pad,
+                                                    g.width + 2 * pad, nb), rows.dtype)
         dx_padded[...] = 0
         conv_winograd.add_input_gradient(xp, g, d_inputs, dx_padded)
         dx_chunk[...] = dx_padded[:, pad:pad + g.height, pad:pad + g.width, :].transpose(

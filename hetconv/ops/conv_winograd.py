@@ -83,20 +83,29 @@ def weight_transform(xp: Any, weights: Array, tile: int) -> Array:
     return xp.ascontiguousarray(xp.matmul(g, rows)).reshape(a * a, kernels, channels)
 
 
-def _two_sided(xp: Any, left: Array, values: Array, right_t: Array, name: str) -> Array:
+def _two_sided(xp: Any, left: Array, values: Array, right_t: Array, name: str,
+               out: Array = None) -> Array:
     """left @ X @ right_t^T for every column of values (p, q, n): (left rows, right rows,
-    n), in the thread's scratch."""
+    n), into ``out`` (default the thread's scratch)."""
     p, q, n = values.shape
     first = scratch_array(xp, name + " half", (left.shape[0], q * n), values.dtype)
     xp.matmul(left, values.reshape(p, q * n), out=first)
-    out = scratch_array(xp, name, (left.shape[0], right_t.shape[0], n), values.dtype)
+    shape = (left.shape[0], right_t.shape[0], n)
+    out = scratch_array(xp, name, shape, values.dtype) if out is None else out.reshape(shape)
     xp.matmul(right_t, first.reshape(left.shape[0], q, n), out=out)
     return out
 
 
-def input_transform(xp: Any, g: Any, padded: Array) -> Array:
+def transformed_input_shape(g: Any) -> tuple[int, int, int]:
+    """V's shape per sample: (a*a, C, tiles); a chunk's is (a*a, C, tiles*nb)."""
+    m = tile_of(g)
+    a = m + g.kernel_h - 1
+    return a * a, g.channels, (g.out_h // m) * (g.out_w // m)
+
+
+def input_transform(xp: Any, g: Any, padded: Array, out: Array = None) -> Array:
     """padded (C, Hp, Wp, nb) -> V (a*a, C, tiles*nb) = B^T d B of every input patch,
-    columns ordered (tile row, tile column, sample)."""
+    columns ordered (tile row, tile column, sample); into ``out`` (default scratch)."""
     _, _, bt_matrix = matrices(g.kernel_h, tile_of(g))
     bt = _constant(xp, bt_matrix, padded.dtype)
     a = bt.shape[0]
@@ -109,8 +118,8 @@ def input_transform(xp: Any, g: Any, padded: Array) -> Array:
     columns = channels * th * tw * nb
     gathered = scratch_array(xp, "winograd patches", (a, a, columns), padded.dtype)
     gathered.reshape(a, a, channels, th, tw, nb)[...] = patches
-    return _two_sided(xp, bt, gathered, bt, "winograd input").reshape(a * a, channels,
-                                                                       th * tw * nb)
+    return _two_sided(xp, bt, gathered, bt, "winograd input", out).reshape(
+        a * a, channels, th * tw * nb)
 
 
 def output_rows(xp: Any, g: Any, products: Array, out: Array) -> Array:
