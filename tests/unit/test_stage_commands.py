@@ -62,13 +62,15 @@ class FakeCluster:
 
 
 class FakePlanning:
-    """Equal shares over the alive; remembers every re-plan."""
+    """Equal shares over the alive; remembers every re-plan; ``waiting`` workers join."""
 
     def __init__(self) -> None:
         self.replans: list[tuple[list[list[int]], str]] = []
+        self.names = ["master", "w1", "w2"]
+        self.waiting: dict[str, WorkerHandle] = {}
 
     def split(self, alive: set[str]) -> list[list[int]]:
-        names = ["master", "w1", "w2"]
+        names = self.names
         out = []
         for kernels in MODEL.conv_kernels:
             chosen = [n for n in names if n in alive]
@@ -88,10 +90,13 @@ class FakePlanning:
 
     def joinable(self, shards: list[list[Shard]], may_rejoin: Callable[[str], bool]
                  ) -> list[str]:
-        return []
+        return [name for name in self.waiting if may_rejoin(name)]
 
     def admit(self, shards: list[list[Shard]], names: list[str]) -> list[list[Shard]]:
-        return shards
+        self.names += names
+        joined = {name: self.waiting.pop(name) for name in names}
+        return [row + [Shard(name, joined[name], row[-1].stop, row[-1].stop)
+                       for name in names] for row in shards]
 
 
 def make_stage(cluster: FakeCluster, stop: bool = False
@@ -164,4 +169,18 @@ def test_the_last_worker_lost_under_stop_is_one_clear_error() -> None:
         stage.shards[0][column].worker.gone = True  # type: ignore[union-attr]
     with pytest.raises(UserError, match="--on-worker-loss stop"):
         stage.recover(StageFault("both died", "w1", gone=True), state)
+    stage.close()
+
+
+def test_a_worker_joining_at_a_snapshot_gets_kernels_and_nothing_rolls_back() -> None:
+    cluster = FakeCluster()
+    stage, planning, state = make_stage(cluster)
+    assert stage.replan_point(state) is stage and not planning.replans  # nobody waiting
+    planning.waiting["w3"] = WorkerHandle(b"w3", "w3", {"device": "cpu"}, 0.0)
+    cluster.assigned.clear()
+    assert stage.replan_point(state) is stage
+    assert [s.participant for s in stage.shards[0]] == ["master", "w1", "w2", "w3"]
+    assert [s.kernels for s in stage.shards[1]] == [3, 1, 1, 1]
+    assert ("w3", 1, 5, 6) in cluster.assigned
+    assert planning.replans[-1][1] == "join of w3"
     stage.close()
