@@ -11,11 +11,14 @@ sets grow greedily from the best single participant, adding whichever participan
 shortens the predicted step most; the best set seen wins. So a machine whose link
 makes the step slower gets no kernels, and when every link is too slow the master
 trains alone (or, with ``--no-local``, the best single worker does).
+:func:`best_plan` is the same search over a cluster of interchangeable machines
+(``hetconv plan``'s what-if estimates, ``master/whatif.py``): it tries one machine of
+each kind.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
 
 from hetconv.partition import balanced_counts
 from hetconv.perf_model import (
@@ -27,6 +30,7 @@ from hetconv.perf_model import (
 )
 
 MIN_PER_KERNEL_S = 1e-9  # a cost line must rise, however little
+Counts = tuple[tuple[int, ...], ...]  # counts[layer][profile index]
 
 
 @dataclass(frozen=True)
@@ -100,6 +104,17 @@ def compute_split_counts(profiles: Sequence[ParticipantProfile], chosen: Sequenc
     return _balanced(profiles, chosen, traffic, lambda profile, layer, _: profile.costs[layer])
 
 
+def best_split(profiles: Sequence[ParticipantProfile], chosen: Sequence[int],
+               traffic: Sequence[LayerTraffic], data_plane: str = "star") -> tuple[float, Counts]:
+    """(predicted step, counts) of the faster of the two splits of the ``chosen``
+    profiles: by effective cost (links included, right when the master's link
+    serialises transfers) and by compute alone (right when links work in parallel, as
+    on the peer plane)."""
+    options = [split_counts(profiles, chosen, traffic),
+               compute_split_counts(profiles, chosen, traffic)]
+    return min((predict(profiles, counts, traffic, data_plane), counts) for counts in options)
+
+
 def choose_plan(profiles: Sequence[ParticipantProfile], traffic: Sequence[LayerTraffic],
                 data_plane: str = "star") -> Plan:
     """The participant set and split with the smallest predicted step (see module doc).
@@ -111,12 +126,8 @@ def choose_plan(profiles: Sequence[ParticipantProfile], traffic: Sequence[LayerT
     if not profiles:
         raise ValueError("no participants to plan for")
 
-    def evaluate(chosen: Sequence[int]) -> tuple[float, tuple[tuple[int, ...], ...]]:
-        ordered = sorted(chosen)
-        options = [split_counts(profiles, ordered, traffic),
-                   compute_split_counts(profiles, ordered, traffic)]
-        return min((predict(profiles, counts, traffic, data_plane), counts)
-                   for counts in options)
+    def evaluate(chosen: Sequence[int]) -> tuple[float, Counts]:
+        return best_split(profiles, sorted(chosen), traffic, data_plane)
 
     singles = sorted((evaluate([i])[0], i) for i in range(len(profiles)))
     single_s, single = singles[0]
@@ -136,3 +147,64 @@ def choose_plan(profiles: Sequence[ParticipantProfile], traffic: Sequence[LayerT
                 counts=best_counts, predicted_step_s=best_s,
                 best_single=profiles[single].participant, best_single_step_s=single_s,
                 all_step_s=all_s)
+
+
+# --- the same search over interchangeable machines (master/whatif.py) -----------------------
+@dataclass
+class Evaluator:
+    """Predicted step (conv + transfers) and counts of a set of machines, remembered, so
+    that clusters sharing a prefix of machines share the work."""
+
+    machines: Sequence[ParticipantProfile]
+    traffic: Sequence[LayerTraffic]
+    data_plane: str
+    seen: dict[tuple[int, ...], tuple[float, Counts]] = field(default_factory=dict)
+
+    def __call__(self, chosen: tuple[int, ...]) -> tuple[float, Counts]:
+        """Both of the planner's splits of ``chosen`` (sorted indices); the faster one."""
+        if chosen not in self.seen:
+            subset = [self.machines[i] for i in chosen]
+            self.seen[chosen] = best_split(subset, range(len(subset)), self.traffic,
+                                           self.data_plane)
+        return self.seen[chosen]
+
+
+@dataclass(frozen=True)
+class ClusterPlan:
+    """The planner's choice over a cluster (indices into its machines)."""
+
+    chosen: tuple[int, ...]
+    counts: Counts  # counts[layer][j] for machine chosen[j]
+    step_s: float  # conv + transfers
+    single: int  # the fastest machine alone ...
+    single_step_s: float  # ... and its conv + transfers
+
+
+def _kind(profile: ParticipantProfile) -> Hashable:
+    return (profile.costs, profile.link)
+
+
+def best_plan(machines: Sequence[ParticipantProfile],
+              evaluate: Callable[[tuple[int, ...]], tuple[float, Counts]]) -> ClusterPlan:
+    """:func:`~hetconv.master.planner.choose_plan`'s greedy search, trying one machine of
+    each kind (the first unused) instead of every machine: start from the best single
+    machine, add whichever shortens the step most, keep the best set seen."""
+    def candidates(chosen: Sequence[int]) -> list[int]:
+        taken, kinds, found = set(chosen), set(), []
+        for i, machine in enumerate(machines):
+            if i not in taken and _kind(machine) not in kinds:
+                kinds.add(_kind(machine))
+                found.append(i)
+        return found
+
+    single_s, single = min((evaluate((i,))[0], i) for i in candidates(()))
+    chosen = [single]
+    best: tuple[float, tuple[int, ...]] = (single_s, (single,))
+    while remaining := candidates(chosen):
+        step_s, pick = min((evaluate(tuple(sorted([*chosen, i])))[0], i) for i in remaining)
+        chosen.append(pick)
+        if step_s < best[0]:
+            best = (step_s, tuple(sorted(chosen)))
+    step_s, counts = evaluate(best[1])
+    return ClusterPlan(chosen=best[1], counts=counts, step_s=step_s, single=single,
+                       single_step_s=single_s)

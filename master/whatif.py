@@ -50,8 +50,8 @@ pure.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -60,10 +60,10 @@ import numpy as np
 from hetconv.config import MASTER_PARTICIPANT, WIRE_DTYPES
 from hetconv.errors import UserError
 from hetconv.master.planner import (
+    Counts,
+    Evaluator,
     ParticipantProfile,
-    compute_split_counts,
-    predict,
-    split_counts,
+    best_plan,
 )
 from hetconv.master.report.analysis import median, used_steps
 from hetconv.master.report.records import METRICS_FILE, RunRecords
@@ -331,73 +331,6 @@ def cluster(run: MeasuredRun, scenario: Scenario) -> list[ParticipantProfile]:
             machines.append(ParticipantProfile(name, costs,
                                                _worker_link(run, scenario, source.link)))
     return machines
-
-
-# --- the planner over interchangeable machines ----------------------------------------------
-Counts = tuple[tuple[int, ...], ...]
-
-
-@dataclass
-class Evaluator:
-    """Predicted step (conv + transfers) and counts of a set of machines, remembered, so
-    that clusters sharing a prefix of machines share the work."""
-
-    machines: Sequence[ParticipantProfile]
-    traffic: Sequence[LayerTraffic]
-    data_plane: str
-    seen: dict[tuple[int, ...], tuple[float, Counts]] = field(default_factory=dict)
-
-    def __call__(self, chosen: tuple[int, ...]) -> tuple[float, Counts]:
-        """Both of the planner's splits of ``chosen`` (sorted indices); the faster one."""
-        if chosen not in self.seen:
-            subset = [self.machines[i] for i in chosen]
-            every = range(len(subset))
-            options = [split_counts(subset, every, self.traffic),
-                       compute_split_counts(subset, every, self.traffic)]
-            self.seen[chosen] = min((predict(subset, counts, self.traffic, self.data_plane),
-                                     counts) for counts in options)
-        return self.seen[chosen]
-
-
-@dataclass(frozen=True)
-class ClusterPlan:
-    """The planner's choice over a cluster (indices into its machines)."""
-
-    chosen: tuple[int, ...]
-    counts: Counts  # counts[layer][j] for machine chosen[j]
-    step_s: float  # conv + transfers
-    single: int  # the fastest machine alone ...
-    single_step_s: float  # ... and its conv + transfers
-
-
-def _kind(profile: ParticipantProfile) -> Hashable:
-    return (profile.costs, profile.link)
-
-
-def best_plan(machines: Sequence[ParticipantProfile],
-              evaluate: Callable[[tuple[int, ...]], tuple[float, Counts]]) -> ClusterPlan:
-    """:func:`~hetconv.master.planner.choose_plan`'s greedy search, trying one machine of
-    each kind (the first unused) instead of every machine: start from the best single
-    machine, add whichever shortens the step most, keep the best set seen."""
-    def candidates(chosen: Sequence[int]) -> list[int]:
-        taken, kinds, found = set(chosen), set(), []
-        for i, machine in enumerate(machines):
-            if i not in taken and _kind(machine) not in kinds:
-                kinds.add(_kind(machine))
-                found.append(i)
-        return found
-
-    single_s, single = min((evaluate((i,))[0], i) for i in candidates(()))
-    chosen = [single]
-    best: tuple[float, tuple[int, ...]] = (single_s, (single,))
-    while remaining := candidates(chosen):
-        step_s, pick = min((evaluate(tuple(sorted([*chosen, i])))[0], i) for i in remaining)
-        chosen.append(pick)
-        if step_s < best[0]:
-            best = (step_s, tuple(sorted(chosen)))
-    step_s, counts = evaluate(best[1])
-    return ClusterPlan(chosen=best[1], counts=counts, step_s=step_s, single=single,
-                       single_step_s=single_s)
 
 
 # --- bytes on the master's link -------------------------------------------------------------
