@@ -4,11 +4,14 @@ Everything else asks this module for an array module (the ``xp`` pattern) and mo
 arrays between host and device only through ``to_module`` / ``to_numpy``; no other
 module imports cupy. Importing hetconv works with no GPU and no cupy installed.
 
-Host threads: on numpy, an op may split its work into independent parts and run them
-on a thread pool with one thread per BLAS thread while BLAS is held to one thread
-(numpy releases the GIL in copies, adds and BLAS calls), so memory-bound copies run in
-parallel too (``host_threads``, ``run_parallel``); ``set_blas_threads`` sets how many
-BLAS threads the process uses.
+Host threads: on numpy, an op splits its work into independent parts and runs them on
+a pool of host threads, each calling a single-threaded BLAS (numpy releases the GIL in
+copies, adds and BLAS calls), so the memory-bound passes run in parallel too, not only
+the products (``host_threads``, ``run_parallel``). ``set_blas_threads(n)`` (the
+commands' ``--threads``) gives the pool n threads and holds numpy's BLAS to one thread
+for the whole process: OpenBLAS's own worker threads busy-wait for a while after every
+multi-threaded call, and would take a core from the pool's threads; the few products
+outside the pool (the dense layers) split their rows over the pool instead.
 
 Test-only: when the environment variable ``HETCONV_TEST_GPU_MODULE`` names a module
 (``tests.support.strict_gpu``), that module stands in for cupy for every ``gpu:N``
@@ -144,18 +147,36 @@ def synchronize(xp: ArrayModule) -> None:
 
 # ---------------------------------------------------------------- host threads
 def set_blas_threads(count: int | None) -> None:
-    """Limit BLAS/OpenMP threads in this process (None leaves the default)."""
-    if count is None:
-        return
+    """Compute with ``count`` host threads from now on (None: every core): the pool of
+    ``run_parallel`` gets that many, numpy's BLAS one (see the module docstring)."""
+    if count is not None and count < 1:
+        raise ValueError(f"thread count must be >= 1, got {count}")
+    from threadpoolctl import threadpool_limits
+
+    global _thread_limiter, _host_thread_count
+    _host_thread_count = count or os.cpu_count() or 1
+    _thread_limiter = threadpool_limits(limits=1, user_api="blas")
+
+
+@contextlib.contextmanager
+def computing_threads(count: int) -> Iterator[None]:
+    """``set_blas_threads(count)`` inside the block only (benchmarks), restored after."""
     if count < 1:
         raise ValueError(f"thread count must be >= 1, got {count}")
     from threadpoolctl import threadpool_limits
 
-    global _thread_limiter
-    _thread_limiter = threadpool_limits(limits=count)
+    global _host_thread_count
+    before = _host_thread_count
+    _host_thread_count = count
+    try:
+        with threadpool_limits(limits=1, user_api="blas"):
+            yield
+    finally:
+        _host_thread_count = before
 
 
 _thread_limiter: Any = None
+_host_thread_count: int | None = None  # the pool's size once set; before, BLAS's threads
 _pools: dict[int, ThreadPoolExecutor] = {}  # one pool per thread count, made on first use
 _lock = threading.Lock()  # guards the pools and the BLAS thread setting below
 _blas_users = 0  # calls now running with BLAS held to one thread
@@ -193,9 +214,11 @@ def blas_threads() -> int:
 
 
 def host_threads(parts: int) -> int:
-    """Threads worth using for ``parts`` independent pieces of numpy work: numpy's
-    BLAS threads, no more than the cores or the pieces."""
-    return max(1, min(blas_threads(), os.cpu_count() or 1, parts))
+    """Threads worth using for ``parts`` independent pieces of numpy work: the threads
+    set by ``set_blas_threads`` (before that, numpy's BLAS threads), no more than the
+    cores or the pieces."""
+    count = blas_threads() if _host_thread_count is None else _host_thread_count
+    return max(1, min(count, os.cpu_count() or 1, parts))
 
 
 @contextlib.contextmanager

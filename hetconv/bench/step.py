@@ -58,8 +58,9 @@ ROWS = ("conv forward", "BN+ReLU+pool forward", "BN+ReLU+pool backward", "conv b
 
 @dataclass(frozen=True)
 class Setting:
-    """Threads for both sides (BLAS and host threads; torch intra-op threads) and the
-    CPU quota in cores (None: none)."""
+    """Threads for both sides (hetconv's host threads, each with a single-threaded BLAS,
+    as ``--threads`` sets them; torch's intra-op threads) and the CPU quota in cores
+    (None: none)."""
 
     threads: int
     quota: float | None = None
@@ -267,12 +268,17 @@ def hetconv_step(model: ModelConfig, params: dict[str, np.ndarray], x: np.ndarra
 
 # --- measured rates --------------------------------------------------------------------
 def gemm_rate(threads: int, repeats: int = 3, size: int = GEMM_SIZE) -> float:
-    """numpy float32 matrix-product FLOP/s (median, after a warm-up) on BLAS's threads."""
+    """numpy float32 matrix-product FLOP/s (median, after a warm-up) on ``threads`` host
+    threads, one single-threaded product each (as hetconv computes)."""
     rng = np.random.default_rng(0)
     a = rng.standard_normal((size, size), dtype=np.float32)
     b = rng.standard_normal((size, size), dtype=np.float32)
-    out = np.empty_like(a)
-    return 2.0 * size**3 / _median_seconds(lambda: np.matmul(a, b, out=out), repeats)
+    outs = [np.empty_like(a) for _ in range(threads)]
+
+    def product(index: int) -> None:
+        np.matmul(a, b, out=outs[index])
+    seconds = _median_seconds(lambda: run_parallel(product, threads, threads), repeats)
+    return threads * 2.0 * size**3 / seconds
 
 
 def copy_bandwidth(threads: int, repeats: int = 3, size: int = BANDWIDTH_BYTES) -> float:
@@ -322,9 +328,9 @@ class StepResult:
 
 @contextlib.contextmanager
 def _setting(setting: Setting, torch: Any) -> Iterator[None]:
-    """Threads (BLAS, host threads, torch) and the quota (this whole process) inside."""
-    from threadpoolctl import threadpool_limits
-
+    """Threads (hetconv's host threads, torch's intra-op threads) and the quota (this
+    whole process) inside."""
+    from hetconv.backend import computing_threads
     from hetconv.lab.quota import CpuQuota, cpu_quota_unavailable_reason
 
     quota = None
@@ -336,7 +342,7 @@ def _setting(setting: Setting, torch: Any) -> Iterator[None]:
         quota = CpuQuota(setting.quota)
     torch_before = torch.get_num_threads()
     try:
-        with threadpool_limits(limits=setting.threads):
+        with computing_threads(setting.threads):
             torch.set_num_threads(setting.threads)
             if quota is not None:
                 quota.add(os.getpid())

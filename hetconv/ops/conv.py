@@ -307,8 +307,11 @@ def _prepare(x: Any, w: Any, stride: int, padding: int, layout: str | None,
     if layout == SHIFTED_TAPS:
         cache.weights_by_tap = tap_weights(xp, weight_matrix, g)
     if layout == WINOGRAD:
-        cache.transformed = conv_winograd.weight_transform(xp, weight_matrix.reshape(w.shape),
-                                                           conv_winograd.tile_of(g))
+        tile, weights = conv_winograd.tile_of(g), weight_matrix.reshape(w.shape)
+        size = conv_winograd.transformed_input_shape(g)[0]
+        cache.transformed = xp.empty((size, g.kernels, g.channels), dtype)
+        _by_kernels(xp, g.kernels, cache.threads, lambda k: cache.transformed.__setitem__(
+            (slice(None), k), conv_winograd.weight_transform(xp, weights[k], tile)))
     return xp, x.astype(dtype, copy=False), cache
 
 
@@ -457,8 +460,10 @@ def conv2d_backward_cached(cache: ConvCache, dy: Any, need_dx: bool = True,
         parts = run_chunks(task, cache.chunks, cache.threads, after=after)
         dw = _sum_in_order(xp, [part[0] for part in parts], cache.threads)
         if cache.layout == WINOGRAD:
-            dw = conv_winograd.weight_gradient(xp, dw, g.kernel_h, conv_winograd.tile_of(g)
-                                               ).reshape(g.kernels, g.taps)
+            d_transformed, tile = dw, conv_winograd.tile_of(g)
+            dw = xp.empty((g.kernels, g.channels, g.kernel_h, g.kernel_w), dtype)
+            _by_kernels(xp, g.kernels, cache.threads, lambda k: dw.__setitem__(
+                k, conv_winograd.weight_gradient(xp, d_transformed[:, k], g.kernel_h, tile)))
         if need_db:
             db = parts[0][1]
             for _, part_db in parts[1:]:
@@ -502,6 +507,13 @@ def _winograd_backward(xp: Any, g: ConvGeometry, transformed: Any, inputs: Any, 
         dx_chunk[...] = dx_padded[:, pad:pad + g.height, pad:pad + g.width, :].transpose(
             3, 0, 1, 2)
     return d_transformed, db
+
+
+def _by_kernels(xp: Any, kernels: int, threads: int, part: Callable[[slice], None]) -> None:
+    """part(kernel range) over every kernel, the ranges split over the host threads."""
+    count = max(1, min(threads, kernels)) if xp is np else 1
+    edges = [kernels * i // count for i in range(count + 1)]
+    run_parallel(lambda i: part(slice(edges[i], edges[i + 1])), count, count)
 
 
 def _sum_in_order(xp: Any, parts: list[Any], threads: int) -> Any:
