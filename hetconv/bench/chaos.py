@@ -31,8 +31,9 @@ Then it prints every fault injected and its effect, read from the chaos run's
 records written within ``--recovery-window`` seconds of it (and before the next
 fault), or none (nothing needed: a short stall retried); the time it cost (each
 recovery's own seconds plus its replayed steps times the fault-free run's median
-step time); when the worker was back (the ``join`` re-plan that took it in again:
-naming it, giving it kernels, or naming no faulted worker); whether the run
+step time); when a worker that was out (killed, restarted or evicted) was back (the
+``join`` re-plan that took it in again: naming it, giving it kernels, or naming no
+faulted worker); whether the run
 completed (a fault is survived when the run completed); the master's RSS, open
 files and threads after warm-up and at the end; and the final test accuracy of
 both runs. The decision logic (:func:`plan_faults`, :func:`assess`) is pure; the
@@ -189,8 +190,9 @@ class FaultOutcome:
 def assess(faults: Sequence[InjectedFault], records: Sequence[dict[str, Any]],
            completed: bool, median_step_s: float, window_s: float) -> list[FaultOutcome]:
     """Each fault's effect from the chaos run's metrics records: the ``recovery``
-    records in [its time, its time + window_s) and before the next fault; the first
-    ``join`` re-plan after its end that takes its worker back (:func:`_takes_in`)."""
+    records in [its time, its time + window_s) and before the next fault; for a worker
+    that was out (killed, restarted, or named by one of those recoveries), the first
+    ``join`` re-plan after the fault's end that takes it back (:func:`_takes_in`)."""
     recoveries = [r for r in records if r.get("type") == "recovery"]
     joins = [r for r in records if r.get("type") == "replan"
              and str(r.get("reason", "")).startswith("join")]
@@ -209,7 +211,9 @@ def assess(faults: Sequence[InjectedFault], records: Sequence[dict[str, Any]],
             detected = max(0.0, float(first["time"]) - float(first.get("seconds") or 0.0)
                            - fault.time)
         rejoined = None
-        if fault.ended is not None:
+        out = fault.kind in (SIGKILL, RESTART) or any(
+            r.get("participant") == fault.worker for r in mine)  # it has to come back
+        if out and fault.ended is not None:
             back = next((r for r in joins if float(r["time"]) >= fault.ended
                          and _takes_in(r, fault.worker, workers)), None)
             rejoined = None if back is None else float(back["time"]) - fault.ended
@@ -374,7 +378,8 @@ class Injector:
                                [n for n, kernels in held.items() if kernels > 0])
             if name is None:
                 return  # every worker still holds a fault: try again at the next tick
-            self._inject(self.queue.pop(0), name, elapsed_s, now, held.get(name))
+            self._inject(self.queue.pop(0), name, elapsed_s, now,
+                         held.get(name, 0) if held else None)  # not in the plan: none
 
     def _inject(self, planned: PlannedFault, name: str, elapsed_s: float, now: float,
                 kernels: int | None = None) -> None:

@@ -107,18 +107,24 @@ def test_each_fault_gets_the_recoveries_of_its_window() -> None:
 
 def test_a_join_that_takes_the_worker_in_counts_as_back() -> None:
     fault = InjectedFault("sigstop", "w2", 10.0, 1010.0, ended=1020.0, kernels=6)
-    other = InjectedFault("sigkill", "w1", 11.0, 1011.0, ended=1016.0)
+    other = InjectedFault("sigkill", "w1", 30.0, 1030.0, ended=1035.0)
+    evicted = {"type": "recovery", "time": 1016.0, "failed_step": 50, "resumed_step": 40,
+               "seconds": 0.1, "participant": "w2"}
     counts = [{"layer": 0, "devices": [{"device": "w2", "kernels": 3}]}]
-    records = [{"type": "replan", "time": 1022.0, "reason": "join of w1", "counts": []},
+    records = [evicted,
+               {"type": "replan", "time": 1022.0, "reason": "join of w1", "counts": []},
                {"type": "replan", "time": 1025.0, "reason": "join of w1, w3",
                 "counts": counts}]  # gives w2 kernels: it is back
     outcome = assess([fault, other], records, True, 0.1, 30.0)[0]
     assert outcome.rejoined_s == pytest.approx(5.0) and outcome.kernels == 6
-    named = [{"type": "replan", "time": 1021.0, "reason": "join of w1, w2", "counts": []}]
+    named = [evicted, {"type": "replan", "time": 1021.0, "reason": "join of w1, w2"}]
     assert assess([fault], named, True, 0.1, 30.0)[0].rejoined_s == pytest.approx(1.0)
-    unnamed = [{"type": "replan", "time": 1023.0, "reason": "join of a returning worker",
-                "counts": []}]  # back, but the planner gave it no kernels
+    unnamed = [evicted, {"type": "replan", "time": 1023.0, "counts": [],
+                         "reason": "join of a returning worker"}]  # given no kernels
     assert assess([fault], unnamed, True, 0.1, 30.0)[0].rejoined_s == pytest.approx(3.0)
+    # never out (a CPU quota drop, a short stall): another worker's join is not its return
+    slowed = InjectedFault("cpu-quota", "w2", 10.0, 1010.0, ended=1020.0, kernels=6)
+    assert assess([slowed], unnamed[1:], True, 0.1, 30.0)[0].rejoined_s is None
 
 
 def test_faults_strike_workers_holding_kernels_where_there_are_any() -> None:
