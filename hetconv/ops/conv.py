@@ -47,10 +47,9 @@ work there (``hetconv.ops.block_fast``) instead of in passes of their own over y
 """
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -60,13 +59,17 @@ from hetconv.ops.conv_chunks import (
     BATCH_INNER,
     SAMPLE_MAJOR,
     SHIFTED_TAPS,  # no unfolding: see hetconv.ops.conv_shifted
+    ChunkSink,
+    ChunkSource,
     backward_rows,
     backward_sample_major,
+    by_kernels,
     forward_chunk,
     padded_input,
     product,
     rows_of,
-    scratch_array,
+    run_chunks,
+    sum_in_order,
     unfold,
 )
 from hetconv.ops.conv_shifted import (
@@ -149,29 +152,6 @@ class ConvCache:
     inputs: list[Any]
     weights_by_tap: Any = None  # (kh*kw*K, C), shifted taps only
     transformed: Any = None  # (a*a, K, C) transformed weights, Winograd only
-
-
-class ChunkSink(Protocol):
-    """Where ``conv2d_forward_cached`` puts each chunk's product instead of into y."""
-
-    def rows(self, index: int, shape: tuple[int, int], dtype: Any) -> Any:
-        """The (K, Ho*Wo*nb) array that chunk ``index``'s product is written into; it
-        must stay the sink's (it is not scratch), and may be written from any thread."""
-        ...
-
-    def done(self, index: int, start: int, stop: int, rows: Any) -> None:
-        """Samples [start, stop) are in ``rows`` (K, Ho, Wo, nb as (K, Ho*Wo*nb)); runs
-        on the thread that computed them, right after."""
-        ...
-
-
-class ChunkSource(Protocol):
-    """What ``conv2d_backward_cached`` reads each chunk's dy from instead of dy."""
-
-    def gradient_rows(self, index: int, start: int, stop: int) -> Any:
-        """dy of samples [start, stop) as (K, Ho*Wo*nb), batch innermost (the sink's
-        layout); runs on the chunk's thread, and may return the thread's scratch."""
-        ...
 
 
 def make_geometry(x_shape: tuple[int, ...], w_shape: tuple[int, ...], stride: int,
@@ -310,7 +290,7 @@ def _prepare(x: Any, w: Any, stride: int, padding: int, layout: str | None,
         tile, weights = conv_winograd.tile_of(g), weight_matrix.reshape(w.shape)
         size = conv_winograd.transformed_input_shape(g)[0]
         cache.transformed = xp.empty((size, g.kernels, g.channels), dtype)
-        _by_kernels(xp, g.kernels, cache.threads, lambda k: cache.transformed.__setitem__(
+        by_kernels(xp, g.kernels, cache.threads, lambda k: cache.transformed.__setitem__(
             (slice(None), k), conv_winograd.weight_transform(xp, weights[k], tile)))
     return xp, x.astype(dtype, copy=False), cache
 
@@ -365,7 +345,7 @@ def conv2d_forward_cached(x: Any, w: Any, b: Any | None = None, stride: int = 1,
             inputs = conv_winograd.input_transform(
                 xp, g, padded, xp.empty(v_shape, x.dtype) if keep is None
                 else keep.get(f"conv winograd input {index}", v_shape, x.dtype))
-            rows = _winograd_forward(xp, g, cache.transformed, inputs, None if sink is None
+            rows = conv_winograd.chunk_forward(xp, g, cache.transformed, inputs, None if sink is None
                                      else sink.rows(index, shape, x.dtype))
             if sink is not None:
                 sink.done(index, start, stop, rows)
@@ -444,7 +424,7 @@ def conv2d_backward_cached(cache: ConvCache, dy: Any, need_dx: bool = True,
             if cache.layout == WINOGRAD:
                 rows = source.gradient_rows(index, start, stop) if source is not None \
                     else rows_of(xp, g, dy[start:stop])
-                return _winograd_backward(xp, g, cache.transformed, padded, rows, dx_chunk,
+                return conv_winograd.chunk_backward(xp, g, cache.transformed, padded, rows, dx_chunk,
                                           need_db)
             if cache.layout == SAMPLE_MAJOR:
                 return backward_sample_major(xp, g, offset_weights,
@@ -458,11 +438,11 @@ def conv2d_backward_cached(cache: ConvCache, dy: Any, need_dx: bool = True,
         after = None if dx_rows is None or dx is None else (
             lambda start, stop: dx_rows(dx, start, stop))
         parts = run_chunks(task, cache.chunks, cache.threads, after=after)
-        dw = _sum_in_order(xp, [part[0] for part in parts], cache.threads)
+        dw = sum_in_order(xp, [part[0] for part in parts], cache.threads)
         if cache.layout == WINOGRAD:
             d_transformed, tile = dw, conv_winograd.tile_of(g)
             dw = xp.empty((g.kernels, g.channels, g.kernel_h, g.kernel_w), dtype)
-            _by_kernels(xp, g.kernels, cache.threads, lambda k: dw.__setitem__(
+            by_kernels(xp, g.kernels, cache.threads, lambda k: dw.__setitem__(
                 k, conv_winograd.weight_gradient(xp, d_transformed[:, k], g.kernel_h, tile)))
         if need_db:
             db = parts[0][1]
@@ -472,95 +452,6 @@ def conv2d_backward_cached(cache: ConvCache, dy: Any, need_dx: bool = True,
         dx_rows(dx, 0, g.batch)
     dw = xp.ascontiguousarray(dw).reshape(g.kernels, g.channels, g.kernel_h, g.kernel_w)
     return dx, dw, db
-
-
-def _winograd_forward(xp: Any, g: ConvGeometry, transformed: Any, inputs: Any,
-                      out: Any | None) -> Any:
-    """A chunk's product (K, Ho*Wo*nb) by Winograd from its transformed input V
-    (a*a, C, tiles*nb), into ``out`` (default scratch)."""
-    products = scratch_array(xp, "winograd products",
-                             (inputs.shape[0], g.kernels, inputs.shape[2]), inputs.dtype)
-    xp.matmul(transformed, inputs, out=products)
-    if out is None:
-        out = scratch_array(xp, "product", (g.kernels, products.shape[2] * g.positions
-                                            // conv_winograd.transformed_input_shape(g)[2]),
-                            inputs.dtype)
-    return conv_winograd.output_rows(xp, g, products, out)
-
-
-def _winograd_backward(xp: Any, g: ConvGeometry, transformed: Any, inputs: Any, rows: Any,
-                       dx_chunk: Any | None, need_db: bool) -> tuple[Any, Any]:
-    """(dU (a*a, K, C) of the chunk, db (K,) or None) from its transformed input V and
-    dy rows; writes dx_chunk when given."""
-    db = rows.sum(axis=1) if need_db else None
-    d_products = conv_winograd.gradient_transform(xp, g, rows)
-    d_transformed = xp.matmul(d_products, inputs.transpose(0, 2, 1))
-    if dx_chunk is not None:
-        d_inputs = scratch_array(xp, "winograd d inputs",
-                                 (inputs.shape[0], g.channels, inputs.shape[2]), rows.dtype)
-        xp.matmul(transformed.transpose(0, 2, 1), d_products, out=d_inputs)
-        pad, nb = g.padding, dx_chunk.shape[0]
-        dx_padded = scratch_array(xp, "dx_padded", (g.channels, g.height + 2 * pad,
-                                                    g.width + 2 * pad, nb), rows.dtype)
-        dx_padded[...] = 0
-        conv_winograd.add_input_gradient(xp, g, d_inputs, dx_padded)
-        dx_chunk[...] = dx_padded[:, pad:pad + g.height, pad:pad + g.width, :].transpose(
-            3, 0, 1, 2)
-    return d_transformed, db
-
-
-def _by_kernels(xp: Any, kernels: int, threads: int, part: Callable[[slice], None]) -> None:
-    """part(kernel range) over every kernel, the ranges split over the host threads."""
-    count = max(1, min(threads, kernels)) if xp is np else 1
-    edges = [kernels * i // count for i in range(count + 1)]
-    run_parallel(lambda i: part(slice(edges[i], edges[i + 1])), count, count)
-
-
-def _sum_in_order(xp: Any, parts: list[Any], threads: int) -> Any:
-    """parts[0] + parts[1] + ... (the chunks' weight gradients, (K, Q) each) in this
-    order, into parts[0]; numpy splits the rows over the host threads (every row still
-    summed in the same order, so the result does not depend on the threads)."""
-    total = parts[0]
-    if len(parts) == 1:
-        return total
-    rows = total.shape[0]
-    count = min(threads, rows) if xp is np and total.size >= 1 << 16 else 1
-    edges = [rows * i // count for i in range(count + 1)]
-
-    def add(index: int) -> None:
-        block = slice(edges[index], edges[index + 1])
-        for part in parts[1:]:
-            total[block] += part[block]
-    run_parallel(add, count, count)
-    return total
-
-
-def _shifted_task(task: Callable[[int], Any], offset: int, index: int) -> Any:
-    return task(offset + index)
-
-
-def run_chunks(task: Callable[[int], Any], chunks: list[tuple[int, int]], threads: int,
-               before: Callable[[int], None] | None = None,
-               after: Callable[[int, int], None] | None = None) -> list[Any]:
-    """[task(i) for every chunk i], as ``run_parallel`` does it, with optional hooks.
-
-    With hooks the chunks run in groups of ``threads`` in batch order:
-    ``before(stop)`` before a group whose samples end at ``stop``, ``after(start, stop)``
-    once the group's samples [start, stop) are done; both on the calling thread.
-    """
-    if before is None and after is None:
-        return run_parallel(task, len(chunks), threads)
-    results: list[Any] = []
-    group = max(1, threads)
-    for first in range(0, len(chunks), group):
-        last = min(first + group, len(chunks)) - 1
-        if before is not None:
-            before(chunks[last][1])
-        results.extend(run_parallel(functools.partial(_shifted_task, task, first),
-                                    last - first + 1, threads))
-        if after is not None:
-            after(chunks[first][0], chunks[last][1])
-    return results
 
 
 def conv2d(x: Any, w: Any, b: Any | None = None, stride: int = 1, padding: int = 0) -> Any:

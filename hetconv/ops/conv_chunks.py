@@ -1,5 +1,5 @@
-"""The per-chunk kernels of the im2col convolution (``hetconv.ops.conv``), and the
-copies between its layouts.
+"""The per-chunk kernels of the im2col convolution (``hetconv.ops.conv``), the copies
+between its layouts, the chunk hooks and how the chunks run.
 
 Every function works on one batch chunk of ``nb`` samples. Layouts of a chunk:
 
@@ -8,19 +8,25 @@ Every function works on one batch chunk of ``nb`` samples. Layouts of a chunk:
   dy rows (K, Ho*Wo*nb), i.e. (K, Ho, Wo, nb): the batch innermost, so that the
   unfolding and folding copy runs of ``Wo*nb`` numbers;
 * sample-major: padded input (nb, C, Hp, Wp), columns (nb, Q, Ho*Wo);
-* chunk hooks: a sink takes each chunk's batch-inner product, a source gives each
-  chunk's dy rows (``hetconv.ops.conv``), so that the layer's following ops work on a
-  chunk while it is in cache.
+* chunk hooks: a ``ChunkSink`` takes each chunk's batch-inner product, a
+  ``ChunkSource`` gives each chunk's dy rows, so that the layer's following ops work on
+  a chunk while it is in cache (``hetconv.ops.block_fast``).
+
+The chunks run on the host-thread pool (``run_chunks``); what they return is combined
+in chunk order (``sum_in_order``), so results never depend on which thread ran what.
 
 Temporaries come from the calling thread's scratch (``thread_scratch``) when ``xp`` is
 numpy; nothing returned to a caller is scratch unless the docstring says so.
 """
 from __future__ import annotations
 
-from typing import Any
+import functools
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import numpy as np
 
+from hetconv.backend import run_parallel
 from hetconv.ops.workspace import Workspace, thread_scratch
 
 BATCH_INNER = "batch_inner"
@@ -200,3 +206,81 @@ def backward_sample_major(xp: Any, g: Any, offset_weights: Any | None, columns: 
             col2im_add(g, dcol, dx_padded, batch_last=False)
             dx_chunk[start:stop] = dx_padded[:, :, pad:pad + g.height, pad:pad + g.width]
     return dw, db
+
+
+# ---------------------------------------------------------------- hooks and running
+class ChunkSink(Protocol):
+    """Where ``conv2d_forward_cached`` puts each chunk's product instead of into y."""
+
+    def rows(self, index: int, shape: tuple[int, int], dtype: Any) -> Any:
+        """The (K, Ho*Wo*nb) array that chunk ``index``'s product is written into; it
+        must stay the sink's (it is not scratch), and may be written from any thread."""
+        ...
+
+    def done(self, index: int, start: int, stop: int, rows: Any) -> None:
+        """Samples [start, stop) are in ``rows`` (K, Ho, Wo, nb as (K, Ho*Wo*nb)); runs
+        on the thread that computed them, right after."""
+        ...
+
+
+class ChunkSource(Protocol):
+    """What ``conv2d_backward_cached`` reads each chunk's dy from instead of dy."""
+
+    def gradient_rows(self, index: int, start: int, stop: int) -> Any:
+        """dy of samples [start, stop) as (K, Ho*Wo*nb), batch innermost (the sink's
+        layout); runs on the chunk's thread, and may return the thread's scratch."""
+        ...
+
+
+def by_kernels(xp: Any, kernels: int, threads: int, part: Callable[[slice], None]) -> None:
+    """part(kernel range) over every kernel, the ranges split over the host threads."""
+    count = max(1, min(threads, kernels)) if xp is np else 1
+    edges = [kernels * i // count for i in range(count + 1)]
+    run_parallel(lambda i: part(slice(edges[i], edges[i + 1])), count, count)
+
+
+def sum_in_order(xp: Any, parts: list[Any], threads: int) -> Any:
+    """parts[0] + parts[1] + ... (the chunks' weight gradients, (K, Q) each) in this
+    order, into parts[0]; numpy splits the rows over the host threads (every row still
+    summed in the same order, so the result does not depend on the threads)."""
+    total = parts[0]
+    if len(parts) == 1:
+        return total
+    rows = total.shape[0]
+    count = min(threads, rows) if xp is np and total.size >= 1 << 16 else 1
+    edges = [rows * i // count for i in range(count + 1)]
+
+    def add(index: int) -> None:
+        block = slice(edges[index], edges[index + 1])
+        for part in parts[1:]:
+            total[block] += part[block]
+    run_parallel(add, count, count)
+    return total
+
+
+def _shifted_task(task: Callable[[int], Any], offset: int, index: int) -> Any:
+    return task(offset + index)
+
+
+def run_chunks(task: Callable[[int], Any], chunks: list[tuple[int, int]], threads: int,
+               before: Callable[[int], None] | None = None,
+               after: Callable[[int, int], None] | None = None) -> list[Any]:
+    """[task(i) for every chunk i], as ``run_parallel`` does it, with optional hooks.
+
+    With hooks the chunks run in groups of ``threads`` in batch order:
+    ``before(stop)`` before a group whose samples end at ``stop``, ``after(start, stop)``
+    once the group's samples [start, stop) are done; both on the calling thread.
+    """
+    if before is None and after is None:
+        return run_parallel(task, len(chunks), threads)
+    results: list[Any] = []
+    group = max(1, threads)
+    for first in range(0, len(chunks), group):
+        last = min(first + group, len(chunks)) - 1
+        if before is not None:
+            before(chunks[last][1])
+        results.extend(run_parallel(functools.partial(_shifted_task, task, first),
+                                    last - first + 1, threads))
+        if after is not None:
+            after(chunks[first][0], chunks[last][1])
+    return results

@@ -177,3 +177,39 @@ def weight_gradient(xp: Any, d_transformed: Array, size: int, tile: int) -> Arra
                          "winograd dw")
     return xp.ascontiguousarray(weights.reshape(size, size, kernels, channels).transpose(
         2, 3, 0, 1))
+
+
+# ---------------------------------------------------------------- one chunk, both ways
+def chunk_forward(xp: Any, g: Any, transformed: Any, inputs: Any,
+                      out: Any | None) -> Any:
+    """A chunk's product (K, Ho*Wo*nb) by Winograd from its transformed input V
+    (a*a, C, tiles*nb), into ``out`` (default scratch)."""
+    products = scratch_array(xp, "winograd products",
+                             (inputs.shape[0], g.kernels, inputs.shape[2]), inputs.dtype)
+    xp.matmul(transformed, inputs, out=products)
+    if out is None:
+        out = scratch_array(xp, "product", (g.kernels, products.shape[2] * g.positions
+                                            // transformed_input_shape(g)[2]),
+                            inputs.dtype)
+    return output_rows(xp, g, products, out)
+
+
+def chunk_backward(xp: Any, g: Any, transformed: Any, inputs: Any, rows: Any,
+                       dx_chunk: Any | None, need_db: bool) -> tuple[Any, Any]:
+    """(dU (a*a, K, C) of the chunk, db (K,) or None) from its transformed input V and
+    dy rows; writes dx_chunk when given."""
+    db = rows.sum(axis=1) if need_db else None
+    d_products = gradient_transform(xp, g, rows)
+    d_transformed = xp.matmul(d_products, inputs.transpose(0, 2, 1))
+    if dx_chunk is not None:
+        d_inputs = scratch_array(xp, "winograd d inputs",
+                                 (inputs.shape[0], g.channels, inputs.shape[2]), rows.dtype)
+        xp.matmul(transformed.transpose(0, 2, 1), d_products, out=d_inputs)
+        pad, nb = g.padding, dx_chunk.shape[0]
+        dx_padded = scratch_array(xp, "dx_padded", (g.channels, g.height + 2 * pad,
+                                                    g.width + 2 * pad, nb), rows.dtype)
+        dx_padded[...] = 0
+        add_input_gradient(xp, g, d_inputs, dx_padded)
+        dx_chunk[...] = dx_padded[:, pad:pad + g.height, pad:pad + g.width, :].transpose(
+            3, 0, 1, 2)
+    return d_transformed, db
