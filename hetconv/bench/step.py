@@ -11,7 +11,8 @@ alternates every repeat) after warm-up steps, and the medians and the spread (mi
 are reported, with the ratio hetconv / PyTorch.
 
 Beside them: a per-op breakdown of both (hetconv's own timers, ``hetconv.ops.timers``;
-``torch.profiler`` self CPU time by op, mapped onto the same rows), and the roofline:
+``torch.profiler`` self CPU time by op, mapped onto the same rows: the PyTorch side is
+``hetconv.bench.step_torch``), and the roofline:
 the step's GEMM FLOPs at the measured numpy float32 matrix-product rate plus the
 bytes an ideal fused step must move at the measured copy bandwidth, both measured at
 the setting's threads and quota. Pure parts (the arithmetic and the tables) are plain
@@ -32,6 +33,14 @@ from typing import Any
 import numpy as np
 
 from hetconv.backend import run_parallel
+from hetconv.bench.step_torch import (
+    LEARNING_RATE,
+    ROWS,
+    import_torch,
+    torch_breakdown,
+    torch_network,
+    torch_step,
+)
 from hetconv.errors import UserError
 from hetconv.model import (
     ModelConfig,
@@ -42,18 +51,12 @@ from hetconv.model import (
     parse_network,
 )
 
-TORCH_MISSING = "hetconv bench step needs PyTorch (the other side of the comparison): " \
-                "pip install '.[bench]'"
 INPUT_SHAPE = (1, 28, 28)  # Fashion-MNIST, what the networks of the docs train on
 CLASSES = 10
 WARMUP_STEPS = 2
 PROFILE_STEPS = 3
-LEARNING_RATE = 0.01
 BANDWIDTH_BYTES = 64 << 20  # the copy that measures the memory bandwidth
 GEMM_SIZE = 1536  # side of the square matrix product that measures the GEMM rate
-ROWS = ("conv forward", "BN+ReLU+pool forward", "BN+ReLU+pool backward", "conv backward",
-        "dense", "loss", "SGD update", "other")
-"""The breakdown's rows, hetconv's timer names (``hetconv.ops.timers``) and "other"."""
 
 
 @dataclass(frozen=True)
@@ -144,92 +147,6 @@ def spread(samples: list[float]) -> tuple[float, float, float]:
     if not samples:
         raise ValueError("no samples")
     return float(statistics.median(samples)), float(min(samples)), float(max(samples))
-
-
-# --- torch's side ----------------------------------------------------------------------
-TORCH_ROWS = (  # (substring of the op name, row); the first match wins, backward first
-    ("convolution_backward", "conv backward"), ("conv", "conv backward|conv forward"),
-    ("batch_norm", "BN+ReLU+pool"), ("max_pool", "BN+ReLU+pool"),
-    ("avg_pool", "BN+ReLU+pool"), ("threshold_backward", "BN+ReLU+pool backward"),
-    ("relu", "dense|BN+ReLU+pool forward"), ("clamp_min", "dense|BN+ReLU+pool forward"),
-    ("softmax", "loss"), ("nll_loss", "loss"), ("cross_entropy", "loss"),
-    ("addmm", "dense"), ("aten::mm", "dense"), ("linear", "dense"), ("dropout", "dense"),
-    ("_foreach", "SGD update"), ("sgd", "SGD update"))
-
-
-def torch_row(name: str) -> str:
-    """The breakdown row of a torch op (self time), by its name."""
-    lowered = name.lower()
-    backward = "backward" in lowered
-    for key, row in TORCH_ROWS:
-        if key in lowered:
-            if row == "conv backward|conv forward":
-                return "conv backward" if backward else "conv forward"
-            if row == "BN+ReLU+pool":
-                return "BN+ReLU+pool backward" if backward else "BN+ReLU+pool forward"
-            if row == "dense|BN+ReLU+pool forward":  # the dense ReLU is a small share
-                return "BN+ReLU+pool backward" if backward else "BN+ReLU+pool forward"
-            return row
-    return "other"
-
-
-def torch_network(torch: Any, model: ModelConfig, params: dict[str, np.ndarray]) -> Any:
-    """The same layers in PyTorch, with hetconv's initial weights copied in."""
-    nn = torch.nn
-    layers: list[Any] = []
-    for shape in conv_layer_shapes(model):
-        conv = nn.Conv2d(shape.in_channels, shape.kernels, shape.kernel_size, shape.stride,
-                         shape.padding, bias=not shape.batch_norm)
-        with torch.no_grad():
-            conv.weight.copy_(torch.from_numpy(params[f"conv{shape.index}.weight"]))
-        layers.append(conv)
-        if shape.batch_norm:
-            layers.append(nn.BatchNorm2d(shape.kernels))
-        layers.append(nn.ReLU(inplace=True))
-        if shape.pool == "max":
-            layers.append(nn.MaxPool2d(2))
-        elif shape.pool == "avg":
-            layers.append(nn.AvgPool2d(2))
-    layers.append(nn.Flatten())
-    shapes = iter(dense_shapes(model))
-    for spec in model.dense:
-        if spec.kind == "fc":
-            prefix, features, units = next(shapes)
-            layers += [_linear(torch, features, units, params, prefix), nn.ReLU(inplace=True)]
-        else:
-            layers.append(nn.Dropout(spec.rate))
-    prefix, features, units = next(shapes)
-    layers.append(_linear(torch, features, units, params, prefix))
-    return nn.Sequential(*layers)
-
-
-def _linear(torch: Any, features: int, units: int, params: dict[str, np.ndarray],
-            prefix: str) -> Any:
-    layer = torch.nn.Linear(features, units)
-    with torch.no_grad():
-        layer.weight.copy_(torch.from_numpy(params[f"{prefix}.weight"]))
-        layer.bias.copy_(torch.from_numpy(params[f"{prefix}.bias"]))
-    return layer
-
-
-def torch_step(torch: Any, network: Any, x: np.ndarray, labels: np.ndarray
-               ) -> Callable[[], None]:
-    """One SGD step of ``network`` (momentum 0.9, weight decay 5e-4 on the weights)."""
-    decay = [p for n, p in network.named_parameters() if n.endswith("weight") and p.dim() > 1]
-    rest = [p for n, p in network.named_parameters() if not (n.endswith("weight")
-                                                              and p.dim() > 1)]
-    optimizer = torch.optim.SGD([{"params": decay, "weight_decay": 5e-4},
-                                 {"params": rest, "weight_decay": 0.0}],
-                                lr=LEARNING_RATE, momentum=0.9)
-    inputs, targets = torch.from_numpy(x), torch.from_numpy(labels.astype(np.int64))
-    network.train()
-
-    def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        loss = torch.nn.functional.cross_entropy(network(inputs), targets)
-        loss.backward()
-        optimizer.step()
-    return step
 
 
 # --- hetconv's side --------------------------------------------------------------------
@@ -377,7 +294,7 @@ def measure(arch: str, setting: Setting, batch: int, repeats: int, torch: Any,
                 step()
                 samples.append(time.perf_counter() - start)
         result.hetconv_ops = hetconv_breakdown(ours)
-        result.torch_ops, result.torch_top = torch_breakdown(torch, theirs)
+        result.torch_ops, result.torch_top = torch_breakdown(torch, theirs, PROFILE_STEPS)
         result.gemm_flop_per_s = gemm_rate(setting.threads)
         result.bytes_per_s = copy_bandwidth(setting.threads)
     return result
@@ -398,24 +315,6 @@ def hetconv_breakdown(step: Callable[[], None], steps: int = PROFILE_STEPS
             per_step[row].append(totals.get(row, 0.0))
         per_step["other"].append(total - sum(totals.values()))
     return {row: float(statistics.median(values)) for row, values in per_step.items()}
-
-
-def torch_breakdown(torch: Any, step: Callable[[], None], steps: int = PROFILE_STEPS
-                    ) -> tuple[dict[str, float], list[tuple[str, float]]]:
-    """(seconds per step by row, the ten largest ops by self CPU seconds per step)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as profiler:
-        for _ in range(steps):
-            step()
-    rows = {row: 0.0 for row in ROWS}
-    ops = []
-    for event in profiler.key_averages():
-        seconds = event.self_cpu_time_total / 1e6 / steps
-        rows[torch_row(event.key)] += seconds
-        ops.append((event.key, seconds))
-    ops.sort(key=lambda op: -op[1])
-    return rows, ops[:10]
 
 
 # --- tables (pure) -----------------------------------------------------------------------
@@ -498,15 +397,6 @@ def blas_note() -> str:
     how = f" (OPENBLAS_CORETYPE={chosen})" if chosen else ""
     return (f"numpy BLAS: {info.get('internal_api')} {info.get('version')}, "
             f"{info.get('architecture', '?')} kernels{how}")
-
-
-def import_torch() -> Any:
-    """torch, or a one-line UserError that says how to install it."""
-    try:
-        import torch
-    except ImportError:
-        raise UserError(TORCH_MISSING) from None
-    return torch
 
 
 def run_step_bench(archs: list[str], settings: list[Setting], batch: int = 128,

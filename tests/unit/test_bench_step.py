@@ -19,8 +19,8 @@ from hetconv.bench.step import (
     roofline_seconds,
     spread,
     step_work,
-    torch_row,
 )
+from hetconv.bench.step_torch import torch_row
 from hetconv.commands.bench import command_line
 from hetconv.commands.cli import build_parser, main
 from hetconv.errors import UserError
