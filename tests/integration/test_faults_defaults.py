@@ -77,6 +77,29 @@ def joins_of(events: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
                     for layer in r["counts"] for d in layer["devices"])]
 
 
+def turn_a_holder_bad(run_dir: Path, flags: dict[str, Path]) -> str:
+    """Touch the flag of a worker holding kernels, and keep it only if that worker still
+    held kernels in a step that began after the flag (a re-split just before it may
+    have moved its kernels away: then no request would ever see it wrong); else try
+    again. Returns the worker that went bad."""
+    assert wait_for(lambda: steps_done(run_dir) >= FAULT_AT_STEP and holders_now(run_dir),
+                    120), "no worker ever held kernels"
+    for _ in range(20):
+        bad = holders_now(run_dir)[-1]
+        flags[bad].touch()
+        touched, target = time.time(), steps_done(run_dir) + 2
+        assert wait_for(lambda: steps_done(run_dir) >= target, 60)  # noqa: B023
+        events = [r for r in records(run_dir) if r["time"] > touched]
+        if any(r["type"] == "recovery" and r["participant"] == bad for r in events):
+            return bad  # seen wrong already
+        steps = [r for r in events if r["type"] == "step"]
+        if steps and any(d["device"] == bad and d["kernels"] > 0
+                         for layer in steps[-1]["layers"] for d in layer["devices"]):
+            return bad  # wrong while holding kernels: the next check or audit sees it
+        flags[bad].unlink()
+    raise AssertionError("no worker kept its kernels long enough to turn it bad")
+
+
 PLANES = [pytest.param((), id="peer-default"), pytest.param(("--data-plane", "star"), id="star")]
 
 
@@ -135,14 +158,11 @@ def test_a_worker_answering_wrong_results_is_evicted_for_good(
     run_dir = tmp_path / "run"
     master = start_master(endpoint, run_dir, 3, *plane)
     try:
-        assert wait_for(lambda: steps_done(run_dir) >= FAULT_AT_STEP and holders_now(run_dir),
-                        120), "no worker ever held kernels: " + str(master.poll())
+        bad = turn_a_holder_bad(run_dir, flags)
     except BaseException:
         master.kill()
         master.communicate()  # closes the pipes
         raise
-    bad = holders_now(run_dir)[-1]
-    flags[bad].touch()  # from now on its outputs are wrong (finite, for 'scale')
     finish(master)
     events = assert_completed(run_dir, bad)
     first = next(r for r in events if r["type"] == "recovery")
