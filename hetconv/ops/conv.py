@@ -20,9 +20,11 @@ Two column layouts, chosen per shape by ``choose_layout``:
   place, so y and dy are never transposed. Best for large outputs (first layers),
   where P = Ho*Wo is already a good GEMM width and y is too big to transpose cheaply.
 
-A fourth, ``winograd`` (``hetconv.ops.conv_winograd``), needs 16/36 (3x3) or 36/100
-(5x5) of the multiply-adds; it runs where a chunk sink asks for the product (the
-training path of ``hetconv.ops.conv_layer``) or where it is asked for by name.
+A fourth, ``winograd`` (``hetconv.ops.conv_winograd``), needs 36/144 or 16/36 (3x3) or
+36/100 (5x5) of the multiply-adds; it replaces im2col for stride-1 3x3 and 5x5 layers
+with an even output and enough channels and kernels (WINOGRAD_MIN_CHANNELS), where the
+cost model does not already pick shifted taps. ``choose_layout`` itself names only the
+three im2col-family algorithms.
 
 A third algorithm, ``shifted_taps`` (``hetconv.ops.conv_shifted``), never unfolds
 the input: its extra work grows with the kernel share K instead of the channels C, so
@@ -261,21 +263,21 @@ def _plan_chunks(xp: Any, g: ConvGeometry, layout: str, itemsize: int, sink: boo
 
 # ---------------------------------------------------------------- public functions
 def _prepare(x: Any, w: Any, stride: int, padding: int, layout: str | None,
-             sink: bool = False) -> tuple[Any, Any, ConvCache]:
+             sink: bool = False, winograd: bool = True) -> tuple[Any, Any, ConvCache]:
     """(xp, x cast to the common dtype, cache without inputs)."""
     xp = get_array_module(x, w)
     dtype = xp.result_type(x.dtype, w.dtype)
     g = make_geometry(tuple(x.shape), tuple(w.shape), stride, padding)
-    if sink:
-        if layout == SAMPLE_MAJOR:
-            raise ValueError("conv2d: a chunk sink needs the batch-inner, shifted-taps or "
-                             "Winograd layout")
-        if layout is None:
-            layout = SHIFTED_TAPS if choose_layout(g) == SHIFTED_TAPS else BATCH_INNER
-            if (conv_winograd.supported(g) and min(g.channels, g.kernels)
-                    >= WINOGRAD_MIN_CHANNELS[g.kernel_h]):
-                layout = WINOGRAD
-    layout = layout or choose_layout(g)
+    if sink and layout == SAMPLE_MAJOR:
+        raise ValueError("conv2d: a chunk sink needs the batch-inner, shifted-taps or "
+                         "Winograd layout")
+    if layout is None:
+        layout = choose_layout(g)
+        if winograd and layout != SHIFTED_TAPS and (conv_winograd.supported(g) and min(
+                g.channels, g.kernels) >= WINOGRAD_MIN_CHANNELS.get(g.kernel_h, g.channels + 1)):
+            layout = WINOGRAD  # where the kernel share is not small enough for shifted taps
+        elif sink and layout == SAMPLE_MAJOR:
+            layout = BATCH_INNER
     if layout == WINOGRAD and not conv_winograd.supported(g):
         raise ValueError("conv2d: Winograd needs stride 1, a 3x3 or 5x5 kernel and an even "
                          "output")
@@ -298,8 +300,8 @@ def _prepare(x: Any, w: Any, stride: int, padding: int, layout: str | None,
 def conv2d_forward_cached(x: Any, w: Any, b: Any | None = None, stride: int = 1,
                           padding: int = 0, *, layout: str | None = None,
                           rows_ready: Callable[[int], None] | None = None,
-                          sink: ChunkSink | None = None, workspace: Workspace | None = None
-                          ) -> tuple[Any, ConvCache]:
+                          sink: ChunkSink | None = None, workspace: Workspace | None = None,
+                          winograd: bool = True) -> tuple[Any, ConvCache]:
     """Forward convolution that keeps the (padded) input for the backward pass.
 
     x: (B, C, H, W); w: (K, C, kh, kw), any slice of a layer's kernels (K may be 0);
@@ -310,7 +312,7 @@ def conv2d_forward_cached(x: Any, w: Any, b: Any | None = None, stride: int = 1,
     default ``choose_layout``.
 
     sink: every chunk's product goes to ``sink`` (module docstring; b must be None)
-    and y is None. workspace: keep the padded input there between calls (numpy; the
+    and y is None. winograd: False keeps the default layout within the im2col family. workspace: keep the padded input there between calls (numpy; the
     next call with the same workspace reuses it).
 
     rows_ready (streaming, for overlapping a transfer with the products): x is a buffer
@@ -324,7 +326,7 @@ def conv2d_forward_cached(x: Any, w: Any, b: Any | None = None, stride: int = 1,
         raise ValueError("conv2d: a streamed input must already have the weights' dtype")
     if sink is not None and b is not None:
         raise ValueError("conv2d: a chunk sink takes the product without a bias")
-    xp, x, cache = _prepare(x, w, stride, padding, layout, sink is not None)
+    xp, x, cache = _prepare(x, w, stride, padding, layout, sink is not None, winograd)
     g = cache.geometry
     keep = workspace if xp is np else None
     y: Any = None if sink is not None else xp.empty((g.batch, g.kernels, g.out_h, g.out_w),
@@ -471,7 +473,13 @@ def conv2d_backward(x: Any, w: Any, dy: Any, stride: int = 1, padding: int = 0,
     """
     xp, x, cache = _prepare(x, w, stride, padding, None)
     g = cache.geometry
-    cache.inputs = run_parallel(
-        lambda index: padded_input(xp, g, cache.layout, x[slice(*cache.chunks[index])]),
-        len(cache.chunks), cache.threads)
+
+    def kept_input(index: int) -> Any:  # what the forward pass would have kept
+        padded = padded_input(xp, g, cache.layout, x[slice(*cache.chunks[index])])
+        if cache.layout == WINOGRAD:
+            size, channels, tiles = conv_winograd.transformed_input_shape(g)
+            out = xp.empty((size, channels, tiles * padded.shape[3]), x.dtype)
+            return conv_winograd.input_transform(xp, g, padded, out)
+        return padded
+    cache.inputs = run_parallel(kept_input, len(cache.chunks), cache.threads)
     return conv2d_backward_cached(cache, dy, need_dx)

@@ -292,3 +292,19 @@ def test_the_fused_layer_uses_winograd_for_wide_layers(many_chunks: None, size: 
     single = tuple(a.astype(np.float32) for a in arrays)
     fused32, separate32 = both(single, True, "max", True, padding=size // 2)
     assert_close(fused32, separate32, rtol=2e-3, atol=2e-4)
+
+
+def test_winograd_is_the_default_for_wide_5x5_layers_cached_or_not(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(conv, "PARALLEL_MIN_FLOP", 0.0)
+    rng = np.random.default_rng(16)
+    x, w, b = rng.standard_normal((3, 8, 10, 10)), rng.standard_normal((9, 8, 5, 5)), None
+    y, cache = conv.conv2d_forward_cached(x, w, b, 1, 1)
+    assert cache.layout == conv.WINOGRAD
+    assert conv.conv2d_forward_cached(x, w, b, 1, 1, winograd=False)[1].layout != conv.WINOGRAD
+    dy = rng.standard_normal(y.shape)
+    dx_ref, dw_ref, db_ref = conv2d_backward_reference(x, w, dy, 1, 1)
+    np.testing.assert_allclose(y, conv2d_reference(x, w, b, 1, 1), rtol=1e-10, atol=1e-10)
+    for grads in (conv.conv2d_backward_cached(cache, dy), conv.conv2d_backward(x, w, dy, 1, 1)):
+        for got, want in zip(grads, (dx_ref, dw_ref, db_ref), strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-10)
