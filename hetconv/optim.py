@@ -14,8 +14,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from hetconv.config import SCHEDULES
 from hetconv.ops.timers import timed
+from hetconv.ops.workspace import thread_scratch
 
 
 @dataclass(frozen=True)
@@ -35,21 +38,30 @@ def sgd_update(param: Any, grad: Any, velocity: Any, learning_rate: float,
                momentum: float, weight_decay: float) -> None:
     """Update ``param`` and ``velocity`` in place (any shape, same dtype).
 
-    One temporary the size of param (the decayed gradient, reused for the step), the
-    same roundings as the formulas in the module docstring.
+    One temporary the size of param (numpy: the calling thread's scratch, not a new
+    array every step), the same roundings as the formulas in the module docstring.
     """
     with timed("SGD update"):
         velocity *= momentum
         if weight_decay:
-            step = param * weight_decay
+            step = _temporary(param)
+            step[...] = param
+            step *= weight_decay
             step += grad
             velocity += step
-            step[...] = velocity
-            step *= learning_rate
         else:
             velocity += grad
-            step = velocity * learning_rate
+            step = _temporary(param)
+        step[...] = velocity
+        step *= learning_rate
         param -= step
+
+
+def _temporary(like: Any) -> Any:
+    """A scratch array shaped like ``like`` (numpy: the thread's, kept between calls)."""
+    if isinstance(like, np.ndarray):
+        return thread_scratch().get("sgd step", like.shape, like.dtype)
+    return like.copy()
 
 
 def learning_rate_at(config: OptimizerConfig, step: int, steps_per_epoch: int,

@@ -94,6 +94,7 @@ MIN_CHUNK_COLUMNS = 1024  # ... but each chunk's GEMMs stay at least this wide (
 CHUNK_WORKING_BYTES = 2 << 20  # numpy: batch chunks whose big temporary stays in cache
 MIN_CACHE_CHUNK = 4  # ... but at least this many samples (fewer: per-call overheads win)
 MIN_SINK_CHUNK = 8  # with a sink: samples per chunk at least (its views run nb numbers long)
+SINK_CHUNKS_PER_THREAD = 2
 SINK_WORKING_BYTES = 8 << 20  # ... and as many as keep the unfolded input within this
 # choose_layout's cost model, measured at one BLAS thread (AMD EPYC, float32): GEMM
 # multiply-adds per second, and seconds per number moved by a strided copy or add.
@@ -154,6 +155,7 @@ class ConvCache:
     inputs: list[Any]
     weights_by_tap: Any = None  # (kh*kw*K, C), shifted taps only
     transformed: Any = None  # (a*a, K, C) transformed weights, Winograd only
+    keep: Workspace | None = None  # the forward's workspace, also for the backward's parts
 
 
 def make_geometry(x_shape: tuple[int, ...], w_shape: tuple[int, ...], stride: int,
@@ -244,8 +246,8 @@ def _plan_chunks(xp: Any, g: ConvGeometry, layout: str, itemsize: int, sink: boo
         per_sample = max(1, _working_bytes_per_sample(g, BATCH_INNER, itemsize))
         samples = max(MIN_SINK_CHUNK, SINK_WORKING_BYTES // per_sample)
         count = -(-g.batch // samples)
-        if g.batch >= threads * CHUNKS_PER_THREAD * MIN_SINK_CHUNK:
-            count = max(count, threads * CHUNKS_PER_THREAD)
+        if g.batch >= threads * SINK_CHUNKS_PER_THREAD * MIN_SINK_CHUNK:
+            count = max(count, threads * SINK_CHUNKS_PER_THREAD)
         count = -(-max(count, threads) // threads) * threads  # the same number per thread
     elif xp is np:
         if g.forward_flop >= PARALLEL_MIN_FLOP:
@@ -263,7 +265,8 @@ def _plan_chunks(xp: Any, g: ConvGeometry, layout: str, itemsize: int, sink: boo
 
 # ---------------------------------------------------------------- public functions
 def _prepare(x: Any, w: Any, stride: int, padding: int, layout: str | None,
-             sink: bool = False, winograd: bool = True) -> tuple[Any, Any, ConvCache]:
+             sink: bool = False, winograd: bool = True, keep: Workspace | None = None
+             ) -> tuple[Any, Any, ConvCache]:
     """(xp, x cast to the common dtype, cache without inputs)."""
     xp = get_array_module(x, w)
     dtype = xp.result_type(x.dtype, w.dtype)
@@ -291,7 +294,9 @@ def _prepare(x: Any, w: Any, stride: int, padding: int, layout: str | None,
     if layout == WINOGRAD:
         tile, weights = conv_winograd.tile_of(g), weight_matrix.reshape(w.shape)
         size = conv_winograd.transformed_input_shape(g)[0]
-        cache.transformed = xp.empty((size, g.kernels, g.channels), dtype)
+        shape = (size, g.kernels, g.channels)
+        cache.transformed = (xp.empty(shape, dtype) if keep is None or xp is not np
+                             else keep.get("conv winograd weights", shape, dtype))
         by_kernels(xp, g.kernels, cache.threads, lambda k: cache.transformed.__setitem__(
             (slice(None), k), conv_winograd.weight_transform(xp, weights[k], tile)))
     return xp, x.astype(dtype, copy=False), cache
@@ -326,9 +331,10 @@ def conv2d_forward_cached(x: Any, w: Any, b: Any | None = None, stride: int = 1,
         raise ValueError("conv2d: a streamed input must already have the weights' dtype")
     if sink is not None and b is not None:
         raise ValueError("conv2d: a chunk sink takes the product without a bias")
-    xp, x, cache = _prepare(x, w, stride, padding, layout, sink is not None, winograd)
+    keep = workspace if get_array_module(x, w) is np else None
+    xp, x, cache = _prepare(x, w, stride, padding, layout, sink is not None, winograd, keep)
     g = cache.geometry
-    keep = workspace if xp is np else None
+    cache.keep = keep
     y: Any = None if sink is not None else xp.empty((g.batch, g.kernels, g.out_h, g.out_w),
                                                     x.dtype)
     bias = None if b is None else xp.asarray(b, dtype=x.dtype).reshape(g.kernels)
@@ -404,7 +410,8 @@ def conv2d_backward_cached(cache: ConvCache, dy: Any, need_dx: bool = True,
         dy = xp.ascontiguousarray(dy, dtype=dtype)
     dx_shape = (g.batch, g.channels, g.height, g.width)
     dx = (xp.zeros if g.kernels == 0 else xp.empty)(dx_shape, dtype) if need_dx else None
-    dw, db = xp.zeros((g.kernels, g.taps), dtype), xp.zeros((g.kernels,), dtype)
+    dw: Any = None
+    db: Any = None
     if g.kernels and cache.chunks:
         offset_weights = None
         if need_dx and cache.layout != SHIFTED_TAPS:
@@ -412,6 +419,11 @@ def conv2d_backward_cached(cache: ConvCache, dy: Any, need_dx: bool = True,
             weights4 = cache.weight_matrix.reshape(g.kernels, g.channels, g.kernel_h, g.kernel_w)
             offset_weights = xp.ascontiguousarray(weights4.transpose(0, 2, 3, 1))
             offset_weights = offset_weights.reshape(g.kernels, g.taps)
+
+        def kept_part(index: int, shape: tuple[int, ...]) -> Any:
+            """Where chunk ``index``'s weight gradient goes: the workspace, or new."""
+            return None if cache.keep is None else cache.keep.get(f"conv dw {index}", shape,
+                                                                  dtype)
 
         def task(index: int) -> tuple[Any, Any]:
             start, stop = cache.chunks[index]
@@ -426,8 +438,9 @@ def conv2d_backward_cached(cache: ConvCache, dy: Any, need_dx: bool = True,
             if cache.layout == WINOGRAD:
                 rows = source.gradient_rows(index, start, stop) if source is not None \
                     else rows_of(xp, g, dy[start:stop])
-                return conv_winograd.chunk_backward(xp, g, cache.transformed, padded, rows, dx_chunk,
-                                          need_db)
+                return conv_winograd.chunk_backward(
+                    xp, g, cache.transformed, padded, rows, dx_chunk, need_db,
+                    kept_part(index, cache.transformed.shape))
             if cache.layout == SAMPLE_MAJOR:
                 return backward_sample_major(xp, g, offset_weights,
                                              unfold(xp, g, cache.layout, padded),
@@ -435,12 +448,13 @@ def conv2d_backward_cached(cache: ConvCache, dy: Any, need_dx: bool = True,
             rows = source.gradient_rows(index, start, stop) if source is not None else rows_of(
                 xp, g, dy[start:stop])
             return backward_rows(xp, g, offset_weights, unfold(xp, g, cache.layout, padded),
-                                 rows, dx_chunk, need_db)
+                                 rows, dx_chunk, need_db,
+                                 kept_part(index, (g.taps, g.kernels)))
 
         after = None if dx_rows is None or dx is None else (
             lambda start, stop: dx_rows(dx, start, stop))
         parts = run_chunks(task, cache.chunks, cache.threads, after=after)
-        dw = sum_in_order(xp, [part[0] for part in parts], cache.threads)
+        dw = sum_in_order(xp, [chunk_dw for chunk_dw, _ in parts], cache.threads)
         if cache.layout == WINOGRAD:
             d_transformed, tile = dw, conv_winograd.tile_of(g)
             dw = xp.empty((g.kernels, g.channels, g.kernel_h, g.kernel_w), dtype)
@@ -452,8 +466,14 @@ def conv2d_backward_cached(cache: ConvCache, dy: Any, need_dx: bool = True,
                 db += part_db
     elif dx_rows is not None and dx is not None:
         dx_rows(dx, 0, g.batch)
-    dw = xp.ascontiguousarray(dw).reshape(g.kernels, g.channels, g.kernel_h, g.kernel_w)
-    return dx, dw, db
+    if dw is None:
+        dw = xp.zeros((g.kernels, g.taps), dtype)
+    if db is None:
+        db = xp.zeros((g.kernels,), dtype)
+    # a new array (the parts may be the workspace's)
+    dw = xp.array(dw, dtype=dtype, order="C") if cache.keep is not None and cache.layout != \
+        WINOGRAD else xp.ascontiguousarray(dw)
+    return dx, dw.reshape(g.kernels, g.channels, g.kernel_h, g.kernel_w), db
 
 
 def conv2d(x: Any, w: Any, b: Any | None = None, stride: int = 1, padding: int = 0) -> Any:
