@@ -420,8 +420,11 @@ def run_step_bench(archs: list[str], settings: list[Setting], batch: int = 128,
              f"{WARMUP_STEPS} warm-up steps (min-max in brackets), SGD momentum 0.9. "
              f"{blas_note()}; PyTorch {torch.__version__}. The breakdowns are the median of "
              f"{PROFILE_STEPS} further steps (hetconv's op timers; torch.profiler self CPU "
-             "time). Roofline: the direct convolution's and the dense layers' GEMM FLOPs "
-             "(hetconv's Winograd layers do fewer) at the measured product rate plus an "
+             "time). hetconv's conv rows include the batch-norm statistics, max pooling "
+             "and batch-norm gradient that its fused layers do inside the conv's chunks; "
+             "its BN+ReLU+pool rows are the passes outside them. Roofline: the direct "
+             "convolution's and the dense layers' GEMM FLOPs (hetconv's Winograd layers "
+             "do fewer) at the measured product rate plus an "
              "ideal fused step's bytes at the measured copy bandwidth, at the same "
              "setting." + path]
     results = []
