@@ -19,12 +19,14 @@ keeps only that map for the ReLU backward. Average pooling does not commute with
 ReLU: that block rectifies first and pools the rectified map. A share of zero
 kernels is valid: it yields an output with 0 channels and a zero input gradient.
 
-Two implementations: on numpy arrays (``fast``, the default where
-``hetconv.ops.block_fast.supported`` says so) the convolution writes its output
-channel-major and batch norm, ReLU and the pool run in one pass per channel block
-(``hetconv.ops.block_fast``); otherwise (cupy, odd maps before a pool, ``fast=False``)
-the separate ops below compose the block, which is also the reference the fast pass
-is tested against. A ``workspace`` keeps the big arrays between training steps.
+Two implementations. The fused one (``fast``, the default wherever
+``hetconv.ops.block_fast.supported`` says so, numpy or cupy): the convolution hands
+every batch chunk of its output to a ``block_fast.BlockPass`` while it is in cache
+(statistics, pool; backward, the conv gradient), and the convolution itself may run
+as Winograd. Otherwise (odd maps before a pool, ``fast=False``, or ``FUSED`` False)
+the separate ops below compose the block over an im2col convolution: the path before
+the fused one, and the reference the fused one is tested against. A ``workspace``
+keeps the big arrays between training steps.
 """
 from __future__ import annotations
 
