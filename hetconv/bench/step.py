@@ -33,14 +33,16 @@ from typing import Any
 import numpy as np
 
 from hetconv.backend import run_parallel
-from hetconv.bench.step_torch import (
+from hetconv.bench.step_torch import (  # the PyTorch side, also used by bench scale/ddp
     LEARNING_RATE,
     ROWS,
-    import_torch,
     torch_breakdown,
-    torch_network,
-    torch_step,
 )
+from hetconv.bench.step_torch import TORCH_MISSING as TORCH_MISSING
+from hetconv.bench.step_torch import import_torch as import_torch
+from hetconv.bench.step_torch import torch_network as torch_network
+from hetconv.bench.step_torch import torch_row as torch_row
+from hetconv.bench.step_torch import torch_step as torch_step
 from hetconv.errors import UserError
 from hetconv.model import (
     ModelConfig,
