@@ -86,7 +86,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _arguments(sys.argv[1:] if argv is None else argv)
     if args.interface:  # gloo picks its interface from the host name otherwise
         os.environ["GLOO_SOCKET_IFNAME"] = args.interface
-    from hetconv.bench.step import CLASSES, INPUT_SHAPE, import_torch, torch_network, torch_step
+    from hetconv.bench.step import CLASSES, INPUT_SHAPE
+    from hetconv.bench.step_torch import import_torch, torch_network, torch_step
     from hetconv.model import init_parameters, model_config, parse_network
 
     torch = import_torch()

@@ -220,7 +220,7 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
     check_choice("split", split, SPLIT_MODES)
     if peer is not None:
         check_choice("peer", peer, BENCH_PEERS)
-        from hetconv.bench.step import import_torch
+        from hetconv.bench.step_torch import import_torch
         import_torch()  # one line saying how to install it, before any LAN is made
     configurations = [(fractions, plane) for fractions in machine_sets for plane in data_planes]
     for reason in (netns_unavailable_reason(), cpu_quota_unavailable_reason()):
