@@ -25,6 +25,7 @@ ON_OFF = ("on", "off")  # --rebalance
 ON_WORKER_LOSS = ("continue", "stop")  # --on-worker-loss
 DATA_PLANES = ("peer", "star")  # peer (default): worker to worker; star: all via the master
 BENCH_PEERS = ("ddp",)  # hetconv bench scale --peer: what users would run instead
+STEP_OPS = ("fused", "separate")  # hetconv bench step --ops: the conv layer paths timed
 PADDINGS = (0, 1, 2)
 
 MASTER_PARTICIPANT = "master"  # the participant id of the master's own device

@@ -43,6 +43,7 @@ from hetconv.bench.step_torch import import_torch as import_torch
 from hetconv.bench.step_torch import torch_network as torch_network
 from hetconv.bench.step_torch import torch_row as torch_row
 from hetconv.bench.step_torch import torch_step as torch_step
+from hetconv.config import STEP_OPS
 from hetconv.errors import UserError
 from hetconv.model import (
     ModelConfig,
@@ -152,7 +153,7 @@ def spread(samples: list[float]) -> tuple[float, float, float]:
 
 
 # --- hetconv's side --------------------------------------------------------------------
-OPS = ("fused", "separate")
+OPS = STEP_OPS
 """hetconv's conv layers: the fused pass (what training runs), or the separate ops."""
 
 

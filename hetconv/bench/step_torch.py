@@ -13,6 +13,7 @@ import numpy as np
 
 from hetconv.errors import UserError
 from hetconv.model import ModelConfig, conv_layer_shapes, dense_shapes
+from hetconv.names import layer_key
 
 TORCH_MISSING = "hetconv bench step needs PyTorch (the other side of the comparison): " \
                 "pip install '.[bench]'"
@@ -65,7 +66,7 @@ def torch_network(torch: Any, model: ModelConfig, params: dict[str, np.ndarray])
         conv = nn.Conv2d(shape.in_channels, shape.kernels, shape.kernel_size, shape.stride,
                          shape.padding, bias=not shape.batch_norm)
         with torch.no_grad():
-            conv.weight.copy_(torch.from_numpy(params[f"conv{shape.index}.weight"]))
+            conv.weight.copy_(torch.from_numpy(params[layer_key(shape.index, "weight")]))
         layers.append(conv)
         if shape.batch_norm:
             layers.append(nn.BatchNorm2d(shape.kernels))

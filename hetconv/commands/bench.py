@@ -24,6 +24,7 @@ from hetconv.config import (
     DATA_PLANES,
     DATASETS,
     SPLIT_MODES,
+    STEP_OPS,
     WIRE_DTYPE_AUTO,
     WIRE_DTYPE_FLAGS,
 )
@@ -78,7 +79,7 @@ def add_parser(sub: Any) -> None:
     step.add_argument("--batch", type=positive_int, default=128)
     step.add_argument("--repeats", type=positive_int, default=7,
                       help="timed steps per side (interleaved; default 7)")
-    step.add_argument("--ops", choices=("fused", "separate"), default="fused",
+    step.add_argument("--ops", choices=STEP_OPS, default="fused",
                       help="hetconv's conv layers: the fused pass that training runs "
                       "(default), or the separate ops (the path before it)")
     step.add_argument("--threads", type=positive_int, action="append", default=None,

@@ -102,7 +102,7 @@ def test_bench_scale_small_configuration(tmp_path: Path) -> None:
     assert (tmp_path / "scale.json").exists()
     assert not [line for line in subprocess.run(["ip", "netns"], capture_output=True,
                                                 text=True).stdout.splitlines()
-                if line.startswith("hcm")]  # torn down
+                if line.startswith(f"hcm{os.getpid() % 10000}")]  # ours torn down
 
 
 @pytest.mark.timeout(300)
