@@ -25,19 +25,14 @@ from typing import Any
 import numpy as np
 
 from hetconv.config import MASTER_PARTICIPANT
-from hetconv.dataplane import (
-    PHASE_FORWARD,
-    ExchangeStats,
-    KernelRange,
-    PeerParticipant,
-    PeerPlan,
-)
+from hetconv.dataplane import ExchangeStats, PeerParticipant
 from hetconv.errors import UserError
 from hetconv.master.assign import exchange
 from hetconv.master.cluster import Cluster, WorkerHandle
 from hetconv.master.phases import OpenPhase, Phases, checked_result
 from hetconv.master.plan import Shard
 from hetconv.model import ConvLayerShape
+from hetconv.peer_plan import PHASE_FORWARD, KernelRange, PeerPlan
 from hetconv.peer_sockets import PeerSockets, route_address
 from hetconv.protocol import (
     AssignPeers,

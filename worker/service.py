@@ -23,9 +23,10 @@ from hetconv.backend import array_module_for, on_device
 from hetconv.calibration import time_block
 from hetconv.config import MASTER_PARTICIPANT
 from hetconv.config import WIRE_DTYPES as WIRE_DTYPE_CHOICES
-from hetconv.dataplane import PeerLost, PeerParticipant, PeerPlan, PiecePort
+from hetconv.dataplane import PeerLost, PeerParticipant, PiecePort
 from hetconv.names import STATE_NAMES
 from hetconv.ops.conv_layer import POOLS
+from hetconv.peer_plan import PeerPlan
 from hetconv.protocol import (
     ERR_BAD_PEER_DATA,
     ERR_BAD_REQUEST,

@@ -7,21 +7,16 @@ import numpy as np
 import pytest
 
 from hetconv.dataplane import (
-    PHASE_BACKWARD,
-    PHASE_FORWARD,
-    Inbox,
-    KernelRange,
     PeerLost,
     PeerParticipant,
-    PeerPlan,
-    PieceKey,
-    RowGather,
     assemble_input,
     reduce_gradient,
     row_chunks,
     rows_per_piece,
     split_gradient,
 )
+from hetconv.peer_pieces import Inbox, PieceKey, RowGather
+from hetconv.peer_plan import PHASE_BACKWARD, PHASE_FORWARD, KernelRange, PeerPlan
 from hetconv.protocol import PeerPiece, decode, encode
 from hetconv.shard import ConvShard, LayerSettings
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hetconv.dataplane import KernelRange, PeerPlan, RowGather
 from hetconv.master.audit import AUDIT_SAMPLES, audit_input, audit_mismatch
 from hetconv.master.cluster import WorkerLost
 from hetconv.master.phases import checked_result
@@ -14,6 +13,8 @@ from hetconv.master.plan import Shard
 from hetconv.master.planner import ParticipantProfile
 from hetconv.master.rebalance import Rebalancer, RebalanceSettings
 from hetconv.model import ConvLayerShape
+from hetconv.peer_pieces import RowGather
+from hetconv.peer_plan import KernelRange, PeerPlan
 from hetconv.perf_model import LayerTraffic
 from hetconv.protocol import PeerPiece
 

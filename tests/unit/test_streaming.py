@@ -10,8 +10,9 @@ import pytest
 
 import hetconv.dataplane as dataplane
 import hetconv.ops.conv as conv
-from hetconv.dataplane import KernelRange, PeerParticipant, PeerPlan
+from hetconv.dataplane import PeerParticipant
 from hetconv.ops.conv import LAYOUTS, conv2d_backward_cached, conv2d_forward_cached
+from hetconv.peer_plan import KernelRange, PeerPlan
 from hetconv.protocol import PeerPiece, decode, encode
 from hetconv.shard import ConvShard, LayerSettings
 
