@@ -52,6 +52,29 @@ def supported(pool: str, conv_h: int, conv_w: int) -> bool:
     return pool == "none" or (conv_h % 2 == 0 and conv_w % 2 == 0)
 
 
+def combine_moments(parts: list[tuple[int, Array, Array]], xp: Any = np
+                    ) -> tuple[int, Array, Array]:
+    """(count, sum (K,), M2 (K,)) of the union of ``parts`` [(n, sum, M2 around the
+    part's own mean)], combined in list order (Chan et al.): sum = the sums added in
+    order; M2 = the sum of (M2_p + n_p (mean_p - mean)^2). The mean is sum / count, the
+    biased variance M2 / count."""
+    count = sum(int(n) for n, _, _ in parts)
+    total = xp.array(parts[0][1], copy=True)
+    for _, part_total, _ in parts[1:]:
+        total += part_total
+    mean = total / count
+    squares = xp.zeros_like(total)
+    for n, part_total, part_m2 in parts:
+        if not n:
+            continue
+        offset = part_total / n - mean
+        offset *= offset
+        offset *= n
+        offset += part_m2
+        squares += offset
+    return count, total, squares
+
+
 class _Ops:
     """The elementwise kernels. numpy: ufuncs with ``out=`` into the calling thread's
     scratch, masks by bitwise AND; other modules: expressions and ``where`` (no
@@ -226,8 +249,11 @@ class BlockPass:
                  beta: Array,
                  running_mean: Array, running_var: Array, train: bool, pool: str,
                  batch_norm: bool, momentum: float, eps: float, dtype: Any,
-                 keep: Workspace | None = None):
+                 keep: Workspace | None = None, total_batch: int | None = None):
         self.xp, self.pool, self.batch_norm, self.train = xp, pool, batch_norm, bool(train)
+        # the whole batch's samples: more than ``batch`` where a sample split gives this
+        # pass a slice of it (the statistics and sums then come from every participant)
+        self.total_batch = batch if total_batch is None else int(total_batch)
         self.out_h, self.out_w = conv_size
         self.momentum, self.eps, self.dtype = momentum, eps, np.dtype(dtype)
         self.keep = keep if xp is np else None
@@ -306,9 +332,32 @@ class BlockPass:
         if self.statistics_later:
             self._combine_statistics()
             run_parallel(lambda i: self._output(i, *chunks[i]), len(chunks), threads)
+        return self._running()
+
+    def local_statistics(self, chunks: list[tuple[int, int]], threads: int
+                         ) -> tuple[int, Array, Array]:
+        """Sample split, after the conv: this slice's (count, sum (K,), M2 (K,)) of the
+        conv output per channel, its chunks combined in chunk order; the whole batch's
+        statistics (``combine_moments`` over every participant's) go to
+        :meth:`finish_with`."""
+        self.chunks, self.threads = chunks, threads
+        order = sorted(self.partial)
+        return combine_moments([self.partial[i] for i in order], self.xp)
+
+    def finish_with(self, mean: Array, var: Array) -> tuple[Array, Array, Array]:
+        """Sample split: :meth:`finish` with the whole batch's mean and biased variance
+        (K,) instead of this slice's."""
+        self.mean[...] = mean.astype(self.dtype, copy=False)
+        self.var = var.astype(self.dtype, copy=False)
+        self.inv_std[...] = (1.0 / (self.var + self.eps) ** 0.5).astype(self.dtype, copy=False)
+        run_parallel(lambda i: self._output(i, *self.chunks[i]), len(self.chunks), self.threads)
+        return self._running()
+
+    def _running(self) -> tuple[Array, Array, Array]:
+        """(output, new running mean, new running var) once the output is written."""
         if not self.batch_norm or not self.train:
             return self.out, self.running_mean, self.running_var
-        count = self.out.shape[0] * self.out_h * self.out_w
+        count = self.total_batch * self.out_h * self.out_w
         unbiased_var = self.var * (count / max(count - 1, 1))
         new_mean = ((1.0 - self.momentum) * self.running_mean + self.momentum * self.mean
                     ).astype(self.running_mean.dtype, copy=False)
@@ -318,23 +367,18 @@ class BlockPass:
 
     def _combine_statistics(self) -> None:
         """Mean and biased variance per channel from the chunks' (n, sum, M2), in chunk
-        order: mean = sum of sums / N; M2 = sum of (M2_c + n_c (mean_c - mean)^2)."""
-        order = sorted(self.partial)
-        count = sum(self.partial[i][0] for i in order)
-        total = self.partial[order[0]][1].copy()
-        for i in order[1:]:
-            total += self.partial[i][1]
+        order (``combine_moments``)."""
+        count, total, squares = combine_moments([self.partial[i] for i in sorted(self.partial)],
+                                                self.xp)
         self.mean[...] = total / count
-        squares = self.xp.zeros_like(total)
-        for i in order:
-            n, chunk_total, chunk_m2 = self.partial[i]
-            offset = chunk_total / n - self.mean
-            offset *= offset
-            offset *= n
-            offset += chunk_m2
-            squares += offset
         self.var = squares / count
         self.inv_std[...] = (1.0 / (self.var + self.eps) ** 0.5).astype(self.dtype, copy=False)
+
+    def set_sums(self, dgamma: Array, dbeta: Array) -> None:
+        """Sample split: the whole batch's batch-norm sums (K,) (every participant's
+        ``backward_sums`` added in participant order), before the conv's backward."""
+        self.dgamma = dgamma.astype(self.dtype, copy=False)
+        self.dbeta = dbeta.astype(self.dtype, copy=False)
 
     def _output(self, index: int, start: int, stop: int) -> None:
         """Normalise, ReLU (and the average pool) chunk ``index``; write its output."""
@@ -445,7 +489,7 @@ class BlockPass:
         views = self._views(index, nb)
         train_bn = self.batch_norm and self.train
         if train_bn:  # ((x_hat * dgamma + dbeta) * (-1/N) + d_z) * scale
-            count = self.out.shape[0] * self.out_h * self.out_w
+            count = self.total_batch * self.out_h * self.out_w
             ops.subtract(rows, self._vector(self.mean, 2), rows)
             rows *= self._vector(self.inv_std, 2)
             rows *= self._vector(self.dgamma, 2)
