@@ -18,6 +18,9 @@ from hetconv.protocol.transport import CurveClientKeys
 DATASETS = ("fashion-mnist", "cifar10", "folder", "synthetic")
 SCHEDULES = ("cosine", "step", "constant")
 SPLIT_MODES = ("model", "calibrated", "equal")
+SPLIT_BY = ("kernels", "samples", "auto")
+"""``--split-by``: what a conv layer is cut into (docs/sample-split.md); the first is the
+default."""
 WIRE_DTYPES = ("float32", "float16")
 WIRE_DTYPE_AUTO = "auto"  # --wire-dtype auto: the planner picks per run (docs/scale-out.md)
 WIRE_DTYPE_FLAGS = WIRE_DTYPES + (WIRE_DTYPE_AUTO,)
@@ -104,9 +107,11 @@ class MasterConfig:
     peer_timeout_s: float = limits.DEFAULT_PEER_TIMEOUT_S
     rebalance: bool | None = None  # re-split from measured step times; None: on for "model"
     on_worker_loss: str = ON_WORKER_LOSS[0]  # when the last worker is gone
+    split_by: str = SPLIT_BY[0]  # kernels (the paper's), samples or auto
 
     def __post_init__(self) -> None:
         check_endpoint("--listen", self.listen, bind=True)
+        check_choice("--split-by", self.split_by, SPLIT_BY)
         check_choice("--split", self.split, SPLIT_MODES)
         check_choice("--on-worker-loss", self.on_worker_loss, ON_WORKER_LOSS)
         check_choice("--data-plane", self.data_plane, DATA_PLANES)
@@ -177,6 +182,7 @@ class TrainConfig:
             "min_workers": master.min_workers if master else 0,
             "no_local": not master.use_local_device if master else False,
             "split": master.split if master else "model",
+            "split_by": master.split_by if master else None,
             "wire_dtype": master.wire_dtype if master else "float32",
             "data_plane": master.data_plane if master else None,
             "rebalance": master.rebalancing if master else False,

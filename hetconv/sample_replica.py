@@ -174,21 +174,47 @@ class SampleReplica:
             return (to_numpy(dx) if need_dx and dx is not None else None), \
                 to_numpy(dweight).astype(np.float32)
 
-    def apply_update(self, dweight: np.ndarray, learning_rate: float) -> None:
+    def apply_update(self, dweight: np.ndarray, learning_rate: float,
+                     sums: tuple[np.ndarray, np.ndarray] | None = None) -> None:
         """The SGD step with the whole batch's weight gradient (K, C, k, k) and the sums
-        of :meth:`finish_backward` (momentum and weight decay as the layer's settings)."""
-        if self._sums is None:
-            raise RuntimeError(f"layer {self.shard.layer}: an update without a backward pass")
+        of :meth:`finish_backward` (or ``sums`` (dgamma, dbeta), for a replica that had
+        no slice), momentum and weight decay as the layer's settings."""
         shard, cfg = self.shard, self.shard.settings
         s = shard.state
         with on_device(shard.device):
             xp = shard.xp
+            if sums is not None:
+                self._sums = (to_module(np.asarray(sums[0], np.float32), xp),
+                              to_module(np.asarray(sums[1], np.float32), xp))
+            if self._sums is None:
+                raise RuntimeError(f"layer {shard.layer}: an update without a backward pass")
             dgamma, dbeta = self._sums
             sgd_update(s["weight"], to_module(np.asarray(dweight, np.float32), xp),
                        s["velocity_weight"], learning_rate, cfg.momentum, cfg.weight_decay)
             sgd_update(s["gamma"], dgamma, s["velocity_gamma"], learning_rate, cfg.momentum, 0.0)
             sgd_update(s["beta"], dbeta, s["velocity_beta"], learning_rate, cfg.momentum, 0.0)
         self._sums = None
+
+    def follow_statistics(self, mean: np.ndarray, var: np.ndarray, total_batch: int,
+                          conv_size: tuple[int, int]) -> None:
+        """For a replica without a slice: the running statistics' update that every
+        participant's :meth:`finish_forward` makes from the whole batch's (mean, var)
+        (the same arithmetic as ``BlockPass``), so this replica stays equal to theirs."""
+        shard, cfg = self.shard, self.shard.settings
+        if not cfg.batch_norm:
+            return
+        with on_device(shard.device):
+            xp = shard.xp
+            mean_d = to_module(np.asarray(mean, np.float32), xp)
+            var_d = to_module(np.asarray(var, np.float32), xp)
+            count = total_batch * conv_size[0] * conv_size[1]
+            unbiased = var_d * (count / max(count - 1, 1))
+            s = shard.state
+            rm, rv = s["running_mean"], s["running_var"]
+            s["running_mean"] = ((1.0 - cfg.bn_momentum) * rm + cfg.bn_momentum * mean_d
+                                 ).astype(rm.dtype, copy=False)
+            s["running_var"] = ((1.0 - cfg.bn_momentum) * rv + cfg.bn_momentum * unbiased
+                                ).astype(rv.dtype, copy=False)
 
     def forward_eval(self, x: np.ndarray) -> np.ndarray:
         """The evaluation-mode block output of x (running statistics; nothing to agree)."""

@@ -32,6 +32,10 @@ from hetconv.protocol import (
     PeerForwardReply,
     PeerForwardRequest,
     ProtocolError,
+    SampleBackwardReply,
+    SampleBackwardRequest,
+    SampleForwardReply,
+    SampleForwardRequest,
     SnapshotReply,
     SnapshotRequest,
     limits,
@@ -39,15 +43,23 @@ from hetconv.protocol import (
 
 REPLY_TYPES: tuple[type[Message], ...] = (ForwardReply, BackwardReply, CalibrateReply,
                                           SnapshotReply, Ack, ErrorReply, PeerForwardReply,
-                                          PeerBackwardReply, LinkProbeReply)
+                                          PeerBackwardReply, LinkProbeReply,
+                                          SampleForwardReply, SampleBackwardReply)
 """The message types a worker sends to answer a request."""
 
 ECHOED_FIELDS = ("step", "layer", "attempt")
+"""Request fields a reply carries back unchanged, where both types have them."""
 LINK_RETRY_S = 10.0
 """How long a worker behind a dead link (its connection retransmitting, not a stopped
 peer: master/liveness.py) may stay silent before it is lost; SIGSTOP and kill are
-still found after ``liveness_timeout_s`` (5 s)."""
-"""Request fields a reply carries back unchanged, where both types have them."""
+still found after ``liveness_timeout_s`` (5 s). Below ZeroMQ's own heartbeat limits
+(``limits.HEARTBEAT_TIMEOUT_MS``, ``HEARTBEAT_TTL_MS``: 12 s), so that this check, not
+libzmq closing the connection, decides."""
+LINK_CHECK_AFTER_S = 1.0
+"""A member silent this long (two heartbeat intervals) has its link checked on every
+tick until it is heard again: once it is seen behind a dead link, every request then
+outstanding waits ``LINK_RETRY_S`` longer than its deadline (its answer may depend on
+that member's pieces, which come when the link heals)."""
 
 
 @dataclass
@@ -81,6 +93,8 @@ class ClusterSettings:
     request_timeout_s: float = limits.DEFAULT_REQUEST_TIMEOUT_S
     # a worker silent behind a stalled link (master/liveness.py) is lost only after this
     link_retry_s: float = LINK_RETRY_S
+    # a worker silent this long has its link checked (the TCP tables are read)
+    link_check_after_s: float = LINK_CHECK_AFTER_S
     forgery_log_interval_s: float = 60.0  # at most one warning per routing id this often
 
 
@@ -126,6 +140,10 @@ def expected_reply(request: Message) -> type[Message] | None:
             return PeerForwardReply
         case PeerBackwardRequest():
             return PeerBackwardReply
+        case SampleForwardRequest():
+            return SampleForwardReply
+        case SampleBackwardRequest():
+            return SampleBackwardReply
         case AssignShard() | AssignPeers() | EndRun():
             return Ack
     return None
@@ -257,5 +275,6 @@ class Request:
     what: str = "a request"
     reply: Reply | None = None
     timeout_s: float | None = None  # its own deadline (None: the settings' backstop)
+    link_down_seen: bool = False  # a member's link was down while it waited: +link_retry_s
 
 

@@ -18,6 +18,7 @@ import numpy as np
 
 from hetconv.config import MASTER_PARTICIPANT, WIRE_DTYPE_AUTO, WIRE_DTYPES, MasterConfig
 from hetconv.device_info import describe_device
+from hetconv.errors import UserError
 from hetconv.keys import server_keys
 from hetconv.master.assign import assign
 from hetconv.master.calibration import LayerCalibration, calibrate
@@ -35,6 +36,7 @@ from hetconv.master.planes import DataPlane, StarPlane
 from hetconv.master.planner import ParticipantProfile, Plan, choose_plan
 from hetconv.master.rebalance import RebalanceDecision, Rebalancer, measured_compute
 from hetconv.master.run import RunControl
+from hetconv.master.sample_setup import open_sample_stage, split_by_for
 from hetconv.master.split import SplitRule, layer_traffic
 from hetconv.master.stage import DistributedConvStage, StageSetup
 from hetconv.metrics import MetricsWriter
@@ -215,6 +217,16 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
         metrics.write("devices", devices=[{"id": p.participant, **p.description}
                                           for p in participants])
         calibration = calibrate(cluster, participants, shapes, batch, report=report)
+        try:
+            split_by, why = split_by_for(config, model, shapes, batch)
+        except ValueError as error:
+            raise UserError(str(error)) from None
+        report(f"hetconv: split by {split_by} ({why})")
+        if split_by == "samples" and participants:
+            return open_sample_stage(
+                cluster, config, participants, calibration, shapes, params, settings, metrics,
+                batch, device, lambda: LocalConvStage(model, params, settings, device=device),
+                report)
         profiles: list[ParticipantProfile] = []
         traffic: list[LayerTraffic] = []
         if config.wire_dtype == WIRE_DTYPE_AUTO and config.split != "model":

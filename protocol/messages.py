@@ -29,6 +29,10 @@ from .peer_messages import PeerBackwardRequest as PeerBackwardRequest  # re-expo
 from .peer_messages import PeerForwardReply as PeerForwardReply  # re-exported
 from .peer_messages import PeerForwardRequest as PeerForwardRequest  # re-exported
 from .peer_messages import PeerPiece as PeerPiece  # re-exported
+from .sample_messages import SampleBackwardReply as SampleBackwardReply  # re-exported
+from .sample_messages import SampleBackwardRequest as SampleBackwardRequest  # re-exported
+from .sample_messages import SampleForwardReply as SampleForwardReply  # re-exported
+from .sample_messages import SampleForwardRequest as SampleForwardRequest  # re-exported
 
 NO_REQUEST_ID = 0
 """Request id of an ``ErrorReply`` that answers no particular request."""
@@ -310,7 +314,8 @@ AnyMessage = (
     | CalibrateReply | LinkProbeRequest | LinkProbeReply | AssignShard | Ack | AssignPeers
     | ForwardRequest | ForwardReply | BackwardRequest | BackwardReply | PeerForwardRequest
     | PeerForwardReply | PeerBackwardRequest | PeerBackwardReply | SnapshotRequest
-    | SnapshotReply | EndRun | ErrorReply | PeerPiece
+    | SnapshotReply | EndRun | ErrorReply | PeerPiece | SampleForwardRequest
+    | SampleForwardReply | SampleBackwardRequest | SampleBackwardReply
 )
 """Union of all message classes, for exhaustive ``match`` statements."""
 

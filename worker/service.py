@@ -28,6 +28,8 @@ from hetconv.names import STATE_NAMES
 from hetconv.ops.conv_layer import POOLS
 from hetconv.peer_plan import PeerPlan
 from hetconv.protocol import (
+    SampleBackwardRequest,
+    SampleForwardRequest,
     ERR_BAD_PEER_DATA,
     ERR_BAD_REQUEST,
     ERR_INTERNAL,
@@ -55,6 +57,7 @@ from hetconv.protocol import (
 )
 from hetconv.shard import ConvShard, LayerSettings
 from hetconv.wire_cast import to_wire
+from hetconv.worker.sample_runner import SampleRequestError, SampleRunner
 from hetconv.worker.validation import (
     ACTIVATION_DTYPES,
     calibrate_refusal,
@@ -148,6 +151,7 @@ class WorkerService:
         self.last_step: dict[int, int] = {}  # last step whose update each layer applied
         self.data_plane = data_plane
         self.peer: PeerParticipant | None = None  # set by AssignPeers
+        self.sample = SampleRunner()  # the sample split's state between rounds
         # set (by the daemon's main thread) when a request arrives that ends the current
         # exchange (a new assignment, a snapshot, the end of the run): a wait for peers
         # stops at once instead of at its deadline
@@ -197,7 +201,12 @@ class WorkerService:
                 return self._peer_forward(message)
             case PeerBackwardRequest():
                 return self._peer_backward(message)
+            case SampleForwardRequest():
+                return self._sample_call(self.sample.forward, message)
+            case SampleBackwardRequest():
+                return self._sample_call(self.sample.backward, message)
             case EndRun():
+                self.sample.reset()
                 self.shards.clear()
                 self.need_dx.clear()
                 self.last_step.clear()
@@ -206,6 +215,14 @@ class WorkerService:
                     self.data_plane.reset()
                 return Ack(request_id=message.request_id)
         raise RequestError(ERR_BAD_REQUEST, f"a worker does not serve {type(message).__name__}")
+
+    def _sample_call(self, serve: Callable[[Any, dict[int, ConvShard]], Message],
+                     request: Message) -> Message:
+        """A sample-split round (worker/sample_runner.py) over the shards held."""
+        try:
+            return serve(request, self.shards)
+        except SampleRequestError as error:
+            raise RequestError(error.code, str(error)) from None
 
     def _shard(self, layer: int) -> ConvShard:
         shard = self.shards.get(layer)

@@ -27,6 +27,8 @@ from hetconv.protocol import (
     Message,
     PeerBackwardRequest,
     PeerForwardRequest,
+    SampleBackwardRequest,
+    SampleForwardRequest,
     limits,
 )
 
@@ -64,6 +66,14 @@ def refusal(message: Message) -> str | None:
         case PeerBackwardRequest():
             reason = (_ids_refusal(message.layer, message.step, message.attempt, min_step=0)
                       or _at_least("pass_id", message.pass_id, 0)
+                      or _rate_refusal(message.learning_rate)
+                      or (None if message.dy is None else activation_refusal("dy", message.dy)))
+        case SampleForwardRequest():
+            reason = (_ids_refusal(0, message.step, message.attempt, min_step=-1)
+                      or _at_least("total_batch", message.total_batch, 1)
+                      or (None if message.x is None else activation_refusal("x", message.x)))
+        case SampleBackwardRequest():
+            reason = (_ids_refusal(0, message.step, message.attempt, min_step=0)
                       or _rate_refusal(message.learning_rate)
                       or (None if message.dy is None else activation_refusal("dy", message.dy)))
         case AssignPeers():

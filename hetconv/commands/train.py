@@ -35,6 +35,7 @@ from hetconv.config import (
     ON_WORKER_LOSS,
     PADDINGS,
     SCHEDULES,
+    SPLIT_BY,
     SPLIT_MODES,
     WIRE_DTYPE_AUTO,
     WIRE_DTYPE_FLAGS,
@@ -89,6 +90,12 @@ def add_parser(sub: Any) -> None:
                    help="distributed: 'model' (default) balances each participant's calibrated "
                    "fixed + per-kernel cost; 'calibrated' is the paper's equation (1); "
                    "'equal' gives every participant the same share")
+    p.add_argument("--split-by", choices=SPLIT_BY, default=SPLIT_BY[0],
+                   help="distributed: cut every conv layer into kernel ranges ('kernels', "
+                   "the paper's method, default) or the batch into sample slices, every "
+                   "participant holding whole layers ('samples': only weight gradients and "
+                   "batch-norm sums travel between layers); 'auto' takes samples where "
+                   "every layer moves fewer bytes that way (docs/sample-split.md)")
     p.add_argument("--device", default=env("DEVICE", "cpu"),
                    help="the master's own device: cpu or gpu:N (default cpu)")
     p.add_argument("--wire-dtype", choices=WIRE_DTYPE_FLAGS, default=WIRE_DTYPE_AUTO,
@@ -174,6 +181,7 @@ def master_config(args: argparse.Namespace) -> MasterConfig:
                         data_plane=getattr(args, "data_plane", DATA_PLANES[0]),
                         rebalance=_on_off(getattr(args, "rebalance", None)),
                         on_worker_loss=getattr(args, "on_worker_loss", ON_WORKER_LOSS[0]),
+                        split_by=getattr(args, "split_by", SPLIT_BY[0]),
                         curve_secret=args.curve_secret, curve_allow=args.curve_allow)
 
 

@@ -1,0 +1,145 @@
+"""Planning the sample split: whether to split by samples, and who gets which samples.
+
+Pure functions and one small sans-IO class; the socket side is
+``master/sample_stage.py``, the design docs/sample-split.md.
+
+- :func:`choose_split_by`: ``--split-by auto`` picks samples when every conv layer can
+  be split by samples and moves fewer bytes that way: per layer and step the kernel
+  split moves activations (∝ B·H·W per input channel) and the sample split the weight
+  gradient (∝ K·k² per input channel), so samples win where K·k² < B·H·W on every
+  layer (the chain is all-sample or all-kernel: a switch between them would move the
+  activations anyway).
+- :func:`sample_slices`: consecutive samples per participant, in proportion to its
+  speed (equation 1 of the paper applied to samples: n_i ∝ 1/t_i), whole samples by
+  largest remainder.
+- :class:`SampleBalance`: per-sample seconds per participant from the calibration,
+  corrected from the measured compute of recent steps (median of the last few) and
+  re-weighted when the measured slowest participant would finish clearly sooner.
+"""
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hetconv.model import ConvLayerShape
+from hetconv.sample_replica import sample_splittable
+
+SPLIT_BY = ("auto", "kernels", "samples")
+"""``--split-by`` choices; the first is the default."""
+
+REBALANCE_WINDOW = 9
+"""Steps of measured compute whose median corrects a participant's per-sample cost."""
+REBALANCE_GAIN = 0.10
+"""Re-weight only when the predicted slowest compute drops by at least this fraction."""
+
+
+def samples_refusal(shapes: Sequence[ConvLayerShape], kernel_sizes: Sequence[int],
+                    strides: Sequence[int], paddings: Sequence[int], pools: Sequence[str]
+                    ) -> str | None:
+    """Why these layers cannot be split by samples (one line), or None."""
+    for shape, k, s, p, pool in zip(shapes, kernel_sizes, strides, paddings, pools):
+        if not sample_splittable(pool, shape.height, shape.width, k, s, p):
+            return (f"conv layer {shape.index + 1} cannot be split by samples (a 2x2 pool of "
+                    "an odd map); use --split-by kernels")
+    return None
+
+
+def choose_split_by(requested: str, shapes: Sequence[ConvLayerShape], batch: int,
+                    kernel_sizes: Sequence[int], refusal: str | None) -> tuple[str, str]:
+    """(``"samples"`` or ``"kernels"``, why) for ``--split-by requested``."""
+    if requested == "kernels":
+        return "kernels", "--split-by kernels"
+    if requested == "samples":
+        if refusal is not None:
+            raise ValueError(refusal)
+        return "samples", "--split-by samples"
+    if refusal is not None:
+        return "kernels", refusal.split(";")[0]
+    for shape, k in zip(shapes, kernel_sizes):
+        if shape.kernels * k * k >= batch * shape.height * shape.width:
+            return "kernels", (f"layer {shape.index + 1} moves fewer bytes split by kernels "
+                               f"(K*k^2 = {shape.kernels * k * k} >= B*H*W = "
+                               f"{batch * shape.height * shape.width})")
+    return "samples", "every layer moves fewer bytes split by samples (K*k^2 < B*H*W)"
+
+
+@dataclass(frozen=True)
+class Slice:
+    """Samples [start, stop) of a batch on one participant."""
+
+    participant: str
+    start: int
+    stop: int
+
+    @property
+    def samples(self) -> int:
+        return self.stop - self.start
+
+
+def sample_slices(names: Sequence[str], seconds_per_sample: Sequence[float], batch: int
+                  ) -> list[Slice]:
+    """Consecutive slices of ``batch`` samples in participant order, n_i ∝ 1/t_i (whole
+    samples, largest remainder; ties to the earlier participant). Empty slices kept."""
+    if not names:
+        raise ValueError("no participants to split the batch over")
+    speeds = [1.0 / max(t, 1e-12) for t in seconds_per_sample]
+    total = sum(speeds)
+    exact = [batch * s / total for s in speeds]
+    counts = [int(e) for e in exact]
+    order = sorted(range(len(names)), key=lambda i: (-(exact[i] - counts[i]), i))
+    for i in order[:batch - sum(counts)]:
+        counts[i] += 1
+    out, start = [], 0
+    for name, n in zip(names, counts):
+        out.append(Slice(name, start, start + n))
+        start += n
+    return out
+
+
+class SampleBalance:
+    """Per-sample compute seconds per participant: the calibration's, then measured.
+
+    ``observe`` takes one step's compute seconds and samples per participant; when the
+    medians of the last ``REBALANCE_WINDOW`` steps predict a slowest participant at least
+    ``REBALANCE_GAIN`` faster with new weights, they replace the current ones and
+    ``observe`` returns True (the next step's slices use them)."""
+
+    def __init__(self, seconds_per_sample: dict[str, float]):
+        self.seconds = dict(seconds_per_sample)
+        self._measured: dict[str, deque[float]] = {}
+
+    def restrict(self, names: Sequence[str]) -> None:
+        """Forget participants not in ``names`` (evicted)."""
+        self.seconds = {n: t for n, t in self.seconds.items() if n in names}
+        self._measured = {n: d for n, d in self._measured.items() if n in names}
+
+    def add(self, name: str, seconds_per_sample: float) -> None:
+        self.seconds[name] = seconds_per_sample
+        self._measured.pop(name, None)
+
+    def observe(self, compute_s: dict[str, float], samples: dict[str, int]) -> bool:
+        for name, seconds in compute_s.items():
+            n = samples.get(name, 0)
+            if n > 0 and name in self.seconds:
+                self._measured.setdefault(name, deque(maxlen=REBALANCE_WINDOW)).append(
+                    seconds / n)
+        if any(len(self._measured.get(n, ())) < REBALANCE_WINDOW for n in self.seconds
+               if samples.get(n, 0) > 0):
+            return False
+        measured = {n: statistics.median(d) for n, d in self._measured.items()
+                    if len(d) == REBALANCE_WINDOW}
+        if not measured:
+            return False
+        batch = sum(samples.values())
+        names = list(self.seconds)
+        proposed = {n: measured.get(n, self.seconds[n]) for n in names}
+        now = max(measured.get(n, self.seconds[n]) * samples.get(n, 0) for n in names)
+        slices = sample_slices(names, [proposed[n] for n in names], batch)
+        then = max(proposed[s.participant] * s.samples for s in slices)
+        if then > now * (1 - REBALANCE_GAIN):
+            return False
+        self.seconds = proposed
+        self._measured.clear()
+        return True

@@ -1,0 +1,76 @@
+"""Setting up a run split by samples (``--split-by samples`` or ``auto``).
+
+Called by ``master/setup.py`` once the workers are in and calibrated: decides between
+the kernel and the sample split (``master/sample_plan.py``), and for the sample split
+hands every participant every whole layer (the seeded initial weights) and builds the
+:class:`~hetconv.master.sample_stage.SampleConvStage`.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from hetconv.config import MASTER_PARTICIPANT, MasterConfig
+from hetconv.master.assign import assign
+from hetconv.master.cluster import Cluster
+from hetconv.master.plan import Participant, Shard
+from hetconv.master.run import RunControl
+from hetconv.master.sample_plan import SampleBalance, choose_split_by, samples_refusal
+from hetconv.master.sample_stage import SampleConvStage, SampleSetup, seconds_per_sample
+from hetconv.metrics import MetricsWriter
+from hetconv.model import ConvLayerShape, ModelConfig, layer_parameters
+from hetconv.shard import ConvShard, LayerSettings
+from hetconv.stage import ConvStage
+
+
+def split_by_for(config: MasterConfig, model: ModelConfig, shapes: list[ConvLayerShape],
+                 batch: int) -> tuple[str, str]:
+    """(``"kernels"`` or ``"samples"``, why) for this run (UserError-free: a refused
+    ``--split-by samples`` raises ValueError with the one-line reason)."""
+    specs = model.conv_specs()
+    refusal = samples_refusal(shapes, [s.kernel_size for s in specs],
+                              [s.stride for s in specs], [s.padding for s in specs],
+                              [s.pool for s in specs])
+    return choose_split_by(config.split_by, shapes, batch, [s.kernel_size for s in specs],
+                           refusal)
+
+
+def open_sample_stage(cluster: Cluster, config: MasterConfig, participants: list[Participant],
+                      calibration: list[Any], shapes: list[ConvLayerShape],
+                      params: dict[str, np.ndarray], settings: LayerSettings,
+                      metrics: MetricsWriter, batch: int, device: str,
+                      local_stage: Callable[[], ConvStage],
+                      report: Callable[[str], None] = print) -> SampleConvStage:
+    """Hand out the whole layers and build the stage (see the module doc)."""
+    seconds = seconds_per_sample(calibration, shapes, batch)
+    balance = SampleBalance({p.participant: t for p, t in zip(participants, seconds)})
+    workers = [p for p in participants if p.worker is not None]
+    rows = [[Shard(p.participant, p.worker, 0, shape.kernels) for p in workers]
+            for shape in shapes]
+    assign(cluster, rows, params, settings, {}, device, "first")
+    local = {shape.index: ConvShard(shape.index, 0, shape.kernels, settings,
+                                    layer_parameters(params, shape.index), device=device)
+             for shape in shapes}
+    master_computes = any(p.participant == MASTER_PARTICIPANT for p in participants)
+    setup = SampleSetup(tuple(shapes), settings, device,
+                        "float32" if config.wire_dtype == "auto" else config.wire_dtype,
+                        batch, master_computes, local_stage, metrics, report)
+    control = RunControl((p.participant for p in workers),
+                         stop_on_worker_loss=config.on_worker_loss == "stop")
+
+    def finish() -> None:
+        cluster.end_run("training finished")
+        cluster.close()
+
+    stage = SampleConvStage(cluster, workers, local, balance, control, setup, finish)
+    slices = stage._slice_batch(batch)
+    report("hetconv: split by samples: " + ", ".join(
+        f"{s.participant} {s.samples} ({100 * s.samples / batch:.0f}%)" for s in slices)
+        + f" of every batch of {batch}; every participant holds every layer")
+    metrics.write("plan", split_by="samples", chosen=[s.participant for s in slices],
+                  samples=[{"device": s.participant, "samples": s.samples} for s in slices],
+                  seconds_per_sample={p.participant: t for p, t in zip(participants, seconds)},
+                  wire_dtype=setup.wire_dtype)
+    return stage

@@ -1,0 +1,520 @@
+"""The distributed conv stage under the sample split (``--split-by samples``).
+
+Every participant (the master's own device and each worker) holds every conv layer
+whole and computes a slice of the batch, sized in proportion to its speed
+(``master/sample_plan.py``). The trainer calls the stage layer by layer as for any
+stage; each call here is one *round*: one request per worker with samples (the master
+computes its own slice between sending and gathering), answered when the worker's part
+is done. Forward, round l finishes layer l-1 with the whole batch's batch-norm
+statistics (combined from every slice's moments in participant order) and starts layer
+l; one more round returns the last layer's output slices, which the master joins along
+the batch axis. Backward, round l finishes layer l+1 with the whole batch's batch-norm
+sums, starts layer l, and applies the update of layer l+2 with the sum of every slice's
+weight gradient; one last round applies layer 0's. Between layers nothing but per-channel
+vectors and weight gradients travels (docs/sample-split.md).
+
+The master keeps a replica of every layer that receives every update, so a snapshot is
+its own state (then audited against every worker, as under the kernel split). Faults go
+to the run's state machine (``master/run.py``) as under the kernel split, and its
+commands are carried out here: evict, re-slice over the survivors (every survivor gets
+the snapshot's layers), fall back to the master alone, stop; joiners are calibrated and
+get the layers at the next snapshot. Re-balancing needs no data to move: only the
+slices change (``SampleBalance``).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from hetconv.config import MASTER_PARTICIPANT
+from hetconv.errors import UserError
+from hetconv.master.assign import assign, exchange
+from hetconv.master.audit import audit_input, audit_mismatch
+from hetconv.master.calibration import calibrate
+from hetconv.master.cluster import Cluster, WorkerHandle, WorkerLost
+from hetconv.master.plan import Participant, Shard
+from hetconv.master.run import (
+    Admit,
+    Command,
+    Evict,
+    FallBackLocal,
+    Fault,
+    ReplanDone,
+    ReplanPoint,
+    Resplit,
+    RunControl,
+    StepDone,
+    Stop,
+)
+from hetconv.master.sample_plan import SampleBalance, Slice, sample_slices
+from hetconv.metrics import MetricsWriter
+from hetconv.model import ConvLayerShape
+from hetconv.names import layer_key
+from hetconv.protocol import (
+    ForwardReply,
+    ForwardRequest,
+    SampleBackwardReply,
+    SampleBackwardRequest,
+    SampleForwardReply,
+    SampleForwardRequest,
+)
+from hetconv.protocol.sample_messages import NO_LAYER
+from hetconv.sample_replica import add_in_order, moments_to_statistics
+from hetconv.shard import ConvShard, LayerSettings
+from hetconv.stage import ConvStage, StageFault
+from hetconv.wire_cast import to_wire
+from hetconv.worker.sample_runner import SampleRunner
+
+log = logging.getLogger("hetconv.master")
+
+NO_OUTPUT = np.empty((0,), dtype=np.float32)
+"""What ``forward`` returns for every layer but the last (the slices stay where they are)."""
+
+
+def seconds_per_sample(calibration: list[Any], shapes: list[ConvLayerShape], batch: int
+                       ) -> list[float]:
+    """Per participant: its calibrated seconds for the whole conv chain (every layer at
+    all its kernels, a + b·K) per sample of a ``batch``-sample step."""
+    totals = [0.0] * len(calibration[0].seconds) if calibration else []
+    for cal, shape in zip(calibration, shapes):
+        for i, (fixed, per_kernel) in enumerate(cal.cost_models()):
+            totals[i] += max(fixed + per_kernel * shape.kernels, 1e-9)
+    return [t / max(batch, 1) for t in totals]
+
+
+@dataclass(frozen=True)
+class SampleSetup:
+    """What the sample stage needs besides its cluster and members."""
+
+    shapes: tuple[ConvLayerShape, ...]
+    settings: LayerSettings
+    device: str  # the master's own device (its replicas)
+    wire_dtype: str  # activations (x, y, dy) on the wire; statistics and gradients float32
+    batch: int  # the training batch (calibrating joiners)
+    master_computes: bool  # the master's own device takes a slice
+    local_stage: Callable[[], ConvStage]  # the master alone (no worker left)
+    metrics: MetricsWriter
+    report: Callable[[str], None]
+
+
+class SampleConvStage:
+    """A :class:`hetconv.stage.ConvStage` that splits every conv layer by samples."""
+
+    def __init__(self, cluster: Cluster, workers: list[Participant], local: dict[int, ConvShard],
+                 balance: SampleBalance, control: RunControl, setup: SampleSetup,
+                 on_close: Callable[[], None]):
+        self.cluster = cluster
+        self.workers = {p.participant: p for p in workers}  # in participant order
+        self.local = local  # the master's whole layers (always: snapshots read them)
+        self.balance = balance
+        self.control = control
+        self.setup = setup
+        self._on_close = on_close
+        self.runner = SampleRunner()  # the master's own slice, served like a worker's
+        self.slices: list[Slice] = []
+        self._x: np.ndarray = NO_OUTPUT
+        self._statistics: tuple[np.ndarray, np.ndarray] | None = None
+        self._sums: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # layer -> whole sums
+        self._dweight: tuple[int, np.ndarray] | None = None  # (layer, summed dW) to apply
+        self._eval_output = NO_OUTPUT
+        self._timings: dict[int, dict[str, dict[str, Any]]] = {}
+        self._comm_s = 0.0
+        self._step_compute: dict[str, float] = {}
+        self.step = 0
+
+    # --- who computes what -------------------------------------------------------------
+    def _names(self) -> list[str]:
+        own = [MASTER_PARTICIPANT] if self.setup.master_computes else []
+        return own + [n for n in self.workers if n in self.balance.seconds]
+
+    def _slice_batch(self, batch: int) -> list[Slice]:
+        names = self._names()
+        return sample_slices(names, [self.balance.seconds[n] for n in names], batch)
+
+    @property
+    def layers(self) -> int:
+        return len(self.setup.shapes)
+
+    # --- one round ---------------------------------------------------------------------
+    def _round(self, what: str, layer: int, phase: str, make: Callable[[Slice], Any],
+               record: bool) -> dict[str, Any]:
+        """Send ``make(slice)`` to every worker with samples, serve the master's own
+        slice meanwhile, gather; the replies by participant, in slice order."""
+        started = time.monotonic()
+        pending: dict[int, WorkerHandle] = {}
+        names: dict[int, str] = {}
+        sent: dict[str, int] = {}
+        for piece in self.slices:
+            if piece.samples == 0 or piece.participant == MASTER_PARTICIPANT:
+                continue
+            worker = self.workers[piece.participant].worker
+            assert worker is not None
+            message = make(piece)
+            sent[piece.participant] = self.cluster.send(worker, message)
+            pending[message.request_id] = worker
+            names[message.request_id] = piece.participant
+        local_reply, local_done = None, started
+        own = next((s for s in self.slices if s.participant == MASTER_PARTICIPANT), None)
+        if own is not None and own.samples > 0:
+            message = make(own)
+            serve = (self.runner.forward if isinstance(message, SampleForwardRequest)
+                     else self.runner.backward)
+            local_reply = serve(message, self.local)
+            local_done = time.monotonic()
+        gathered = self.cluster.gather(pending, what, timeout_s=self.control.request_deadline_s())
+        replies: dict[str, Any] = {}
+        slowest = 0.0
+        for piece in self.slices:
+            if piece.samples == 0:
+                continue
+            if piece.participant == MASTER_PARTICIPANT:
+                reply, arrival, received = local_reply, local_done, 0
+            else:
+                rid = next(r for r, n in names.items() if n == piece.participant)
+                got = gathered[rid]
+                reply, arrival, received = got.message, got.received_at, got.payload_bytes
+            replies[piece.participant] = reply
+            slowest = max(slowest, reply.compute_s)
+            if record:
+                entry = self._entry(layer, piece)
+                entry[f"{phase}_s"] += reply.compute_s
+                entry[f"{phase}_latency_s"] += arrival - started
+                if piece.participant != MASTER_PARTICIPANT:
+                    entry["wait_s"] += max(0.0, arrival - local_done)
+                entry["bytes_sent"] += sent.get(piece.participant, 0)
+                entry["bytes_received"] += received
+                self._step_compute[piece.participant] = \
+                    self._step_compute.get(piece.participant, 0.0) + reply.compute_s
+        if record:
+            self._comm_s += max(0.0, time.monotonic() - started - slowest)
+        return replies
+
+    def _entry(self, layer: int, piece: Slice) -> dict[str, Any]:
+        devices = self._timings.setdefault(layer, {})
+        return devices.setdefault(piece.participant, {
+            "device": piece.participant, "kernels": self.setup.shapes[layer].kernels,
+            "samples": piece.samples, "split_by": "samples", "forward_s": 0.0,
+            "backward_s": 0.0, "wait_s": 0.0, "forward_latency_s": 0.0,
+            "backward_latency_s": 0.0, "bytes_sent": 0, "bytes_received": 0})
+
+    # --- checking what came back -------------------------------------------------------
+    def _vector(self, participant: str, layer: int, name: str, array: Any) -> np.ndarray:
+        kernels = self.setup.shapes[layer].kernels
+        return self._checked(participant, layer, name, array, (kernels,))
+
+    def _checked(self, participant: str, layer: int, name: str, array: Any,
+                 shape: tuple[int, ...]) -> np.ndarray:
+        if not isinstance(array, np.ndarray) or tuple(array.shape) != shape:
+            got = "nothing" if array is None else f"shape {tuple(getattr(array, 'shape', ()))}"
+            raise WorkerLost(f"worker {participant} sent {name} of layer {layer + 1} with "
+                             f"{got}, expected {shape}; evicting it", participant, evict=True)
+        if not np.isfinite(array).all():
+            raise WorkerLost(f"worker {participant} sent non-finite {name} of layer "
+                             f"{layer + 1}; evicting it", participant, evict=True)
+        return np.asarray(array, dtype=np.float32)
+
+    # --- forward -----------------------------------------------------------------------
+    def forward(self, layer: int, x: np.ndarray, train: bool, step: int) -> np.ndarray:
+        if not train:
+            return self._evaluate(layer, x)
+        if layer == 0:
+            self.step = step
+            self._x = np.ascontiguousarray(x, dtype=np.float32)
+            self.slices = self._slice_batch(x.shape[0])
+            self._sums.clear()
+            self._dweight = None
+        replies = self._forward_round(step, layer - 1, layer, False)
+        parts = []
+        for piece in self.slices:
+            reply = replies.get(piece.participant)
+            if reply is None:
+                continue
+            if reply.total is None:
+                continue
+            parts.append((int(reply.count),
+                          self._vector(piece.participant, layer, "total", reply.total),
+                          self._vector(piece.participant, layer, "m2", reply.m2)))
+        self._statistics = moments_to_statistics(parts) if parts else None
+        if self._statistics is not None and not self._master_slice():
+            # the master holds every layer even without a slice: same statistics, same bits
+            self.local_replica(layer).follow_statistics(*self._statistics, self._x.shape[0],
+                                                        self._conv_size(layer))
+        if layer < self.layers - 1:
+            return NO_OUTPUT
+        replies = self._forward_round(step, layer, NO_LAYER, True)
+        shape = self.setup.shapes[layer]
+        outputs = [self._checked(piece.participant, layer, "y", replies[piece.participant].y,
+                                 (piece.samples, shape.kernels, shape.pooled_height,
+                                  shape.pooled_width))
+                   for piece in self.slices if piece.samples > 0]
+        return np.concatenate(outputs, axis=0) if len(outputs) > 1 else outputs[0]
+
+    def _forward_round(self, step: int, finish: int, start: int, output: bool
+                       ) -> dict[str, Any]:
+        statistics = self._statistics if finish >= 0 else None
+        wire = self.setup.wire_dtype
+        total = self._x.shape[0]
+
+        def make(piece: Slice) -> SampleForwardRequest:
+            local = piece.participant == MASTER_PARTICIPANT
+            x = None
+            if start == 0:
+                x = self._x[piece.start:piece.stop]
+                x = x if local else to_wire(x, wire)
+            return SampleForwardRequest(
+                request_id=self.cluster.request_id(), step=step, attempt=0, train=True,
+                total_batch=total, finish_layer=finish, start_layer=start,
+                stop_layer=start + 1 if start >= 0 else NO_LAYER, return_output=output,
+                mean=None if statistics is None else statistics[0],
+                var=None if statistics is None else statistics[1], x=x)
+
+        layer = start if start >= 0 else finish
+        what = (f"forward of layer {layer + 1} (step {step})" if not output
+                else f"output of layer {layer + 1} (step {step})")
+        return self._round(what, layer, "forward", make, True)
+
+    def _evaluate(self, layer: int, x: np.ndarray) -> np.ndarray:
+        """Evaluation: one round at layer 0 runs every layer on every slice."""
+        if layer > 0:
+            return self._eval_output if layer == self.layers - 1 else NO_OUTPUT
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        self.slices = self._slice_batch(x.shape[0])
+        wire = self.setup.wire_dtype
+
+        def make(piece: Slice) -> SampleForwardRequest:
+            part = x[piece.start:piece.stop]
+            return SampleForwardRequest(
+                request_id=self.cluster.request_id(), step=-1, attempt=0, train=False,
+                total_batch=x.shape[0], finish_layer=NO_LAYER, start_layer=0,
+                stop_layer=self.layers, return_output=True, mean=None, var=None,
+                x=part if piece.participant == MASTER_PARTICIPANT else to_wire(part, wire))
+
+        replies = self._round("evaluation forward", 0, "forward", make, False)
+        last = self.setup.shapes[-1]
+        outputs = [self._checked(p.participant, self.layers - 1, "y", replies[p.participant].y,
+                                 (p.samples, last.kernels, last.pooled_height,
+                                  last.pooled_width))
+                   for p in self.slices if p.samples > 0]
+        self._eval_output = np.concatenate(outputs, axis=0) if len(outputs) > 1 else outputs[0]
+        return self._eval_output if self.layers == 1 else NO_OUTPUT
+
+    # --- backward ----------------------------------------------------------------------
+    def backward(self, layer: int, dy: np.ndarray, need_dx: bool, learning_rate: float,
+                 step: int) -> np.ndarray | None:
+        last = self.layers - 1
+        if layer == last:
+            self._backward_round(step, learning_rate, NO_LAYER, layer, dy)
+        else:
+            self._backward_round(step, learning_rate, layer + 1, layer, None)
+        if layer == 0:
+            self._backward_round(step, learning_rate, 0, NO_LAYER, None)
+            self._backward_round(step, learning_rate, NO_LAYER, NO_LAYER, None)
+        return None
+
+    def _backward_round(self, step: int, learning_rate: float, finish: int, start: int,
+                        dy: np.ndarray | None) -> None:
+        """Apply the pending update, finish ``finish``, start ``start`` (see the module
+        doc); keeps the new sums and the summed weight gradient for the next round."""
+        update = self._dweight
+        self._dweight = None
+        sums = self._sums.get(finish) if finish >= 0 else None
+        wire = self.setup.wire_dtype
+        if update is not None and not self._master_slice():
+            # the master holds every layer even without a slice: same update, same bits
+            self.local_replica(update[0]).apply_update(update[1], learning_rate,
+                                                       sums=self._sums[update[0]])
+
+        def make(piece: Slice) -> SampleBackwardRequest:
+            local = piece.participant == MASTER_PARTICIPANT
+            part = None
+            if dy is not None:
+                part = dy[piece.start:piece.stop]
+                part = np.ascontiguousarray(part, np.float32) if local else to_wire(part, wire)
+            return SampleBackwardRequest(
+                request_id=self.cluster.request_id(), step=step, attempt=0,
+                learning_rate=learning_rate,
+                update_layer=NO_LAYER if update is None else update[0],
+                finish_layer=finish, start_layer=start,
+                dweight=None if update is None else update[1],
+                dgamma=None if sums is None else sums[0],
+                dbeta=None if sums is None else sums[1], dy=part)
+
+        layer = start if start >= 0 else max(finish, 0)
+        replies = self._round(f"backward of layer {layer + 1} (step {step})", layer,
+                              "backward", make, True)
+        active = [p for p in self.slices if p.samples > 0]
+        if finish >= 0:
+            shape = self.local[finish].state["weight"].shape
+            self._dweight = (finish, add_in_order([
+                self._checked(p.participant, finish, "dweight", replies[p.participant].dweight,
+                              tuple(shape)) for p in active]))
+        if start >= 0:
+            self._sums[start] = (
+                add_in_order([self._vector(p.participant, start, "dgamma",
+                                           replies[p.participant].dgamma) for p in active]),
+                add_in_order([self._vector(p.participant, start, "dbeta",
+                                           replies[p.participant].dbeta) for p in active]))
+
+    def local_replica(self, layer: int) -> Any:
+        return self.runner.replica(self.local, layer)
+
+    def _master_slice(self) -> bool:
+        return any(p.participant == MASTER_PARTICIPANT and p.samples > 0 for p in self.slices)
+
+    def _conv_size(self, layer: int) -> tuple[int, int]:
+        """(Ho, Wo) of layer ``layer``'s convolution (before its pool)."""
+        shape = self.setup.shapes[layer]
+        return shape.conv_height, shape.conv_width
+
+    # --- the rest of the ConvStage interface -------------------------------------------
+    def take_step_timings(self) -> dict[str, Any]:
+        self.control.handle(StepDone(time.monotonic()))
+        layers = [{"layer": layer, "devices": list(devices.values())}
+                  for layer, devices in sorted(self._timings.items())]
+        comm_s = self._comm_s
+        samples = {p.participant: p.samples for p in self.slices}
+        if self.balance.observe(self._step_compute, samples):
+            names = self._names()
+            self.slices = self._slice_batch(sum(samples.values()))
+            counts = {p.participant: p.samples for p in self.slices}
+            self.setup.report("hetconv: re-sliced the batch from measured compute: " + ", ".join(
+                f"{n} {counts.get(n, 0)}" for n in names))
+            self.setup.metrics.write("rebalance", split_by="samples", step=self.step,
+                                     samples=[{"device": n, "samples": counts.get(n, 0)}
+                                              for n in names])
+        self._timings, self._comm_s, self._step_compute = {}, 0.0, {}
+        return {"layers": layers, "comm_s": comm_s}
+
+    def snapshot(self) -> dict[str, np.ndarray]:
+        """The master's replicas (every update applied to them too), audited against
+        every worker."""
+        out: dict[str, np.ndarray] = {}
+        for layer in range(self.layers):
+            for name, value in self.local[layer].snapshot().items():
+                out[layer_key(layer, name)] = value
+        self.audit()
+        return out
+
+    def audit(self) -> None:
+        """Every worker's evaluation-mode output of a few seeded images per layer
+        against the master's replica (master/audit.py); a worker answering
+        differently is evicted (WorkerLost) before the snapshot is kept."""
+        asked: list[tuple[str, int, np.ndarray]] = []
+        requests: list[tuple[WorkerHandle, ForwardRequest]] = []
+        for layer, shape in enumerate(self.setup.shapes):
+            x = to_wire(audit_input(shape, self.step, layer), self.setup.wire_dtype)
+            for name, member in self.workers.items():
+                if name in self.balance.seconds and member.worker is not None:
+                    asked.append((name, layer, x))
+                    requests.append((member.worker, ForwardRequest(
+                        request_id=self.cluster.request_id(), step=self.step, layer=layer,
+                        attempt=0, train=False, x=x)))
+        replies = exchange(self.cluster, requests, "result audit",
+                           timeout_s=self.control.request_deadline_s())
+        for (name, layer, x), reply in zip(asked, replies):
+            message = reply.message
+            assert isinstance(message, ForwardReply)
+            reference = self.local[layer].forward_host(x.astype(np.float32), False)
+            problem = audit_mismatch(np.asarray(message.y), np.asarray(reference))
+            if problem is not None:
+                raise WorkerLost(f"worker {name} failed the result audit of layer {layer + 1}: "
+                                 f"{problem}; evicting it", name, evict=True)
+
+    def restore(self, state: dict[str, np.ndarray]) -> None:
+        """Every participant's layers back to ``state``, between steps."""
+        self._hand_out(state, "restore")
+
+    def _hand_out(self, state: dict[str, np.ndarray], why: str) -> None:
+        """Give every worker in the run, and the master, every whole layer of ``state``."""
+        rows = [[Shard(name, self.workers[name].worker, 0, shape.kernels)
+                 for name in self.workers if name in self.balance.seconds]
+                for shape in self.setup.shapes]
+        assign(self.cluster, rows, state, self.setup.settings, {}, self.setup.device, why)
+        self.local = {shape.index: ConvShard(shape.index, 0, shape.kernels, self.setup.settings,
+                                             {n: state[layer_key(shape.index, n)]
+                                              for n in _names_in(state, shape.index)},
+                                             device=self.setup.device)
+                      for shape in self.setup.shapes}
+        self.runner.reset()
+        self._sums.clear()
+        self._dweight = None
+
+    def recover(self, fault: StageFault, state: dict[str, np.ndarray]) -> ConvStage:
+        gone = frozenset(n for n, p in self.workers.items()
+                         if p.worker is not None and p.worker.gone)
+        return self._carry_out(self.control.handle(
+            Fault(str(fault), fault.participant, fault.gone, fault.evict, gone)), state)
+
+    def replan_point(self, state: dict[str, np.ndarray]) -> ConvStage:
+        self.cluster.pump(0.0)  # take in any Hello waiting on the socket
+        holding = {id(p.worker) for n, p in self.workers.items() if n in self.balance.seconds}
+        joinable = sorted(w.worker_id for w in self.cluster.known_workers()
+                          if not w.gone and id(w) not in holding
+                          and self.control.may_rejoin(w.worker_id))
+        if not joinable:
+            return self
+        return self._carry_out(self.control.handle(ReplanPoint(tuple(joinable))), state)
+
+    def close(self) -> None:
+        self._on_close()
+
+    # --- carrying out the state machine's commands ------------------------------------
+    def _carry_out(self, commands: list[Command], state: dict[str, np.ndarray]) -> ConvStage:
+        try:
+            for command in commands:
+                match command:
+                    case Evict():
+                        member = self.workers.get(command.participant)
+                        if member is not None and command.drop and member.worker is not None \
+                                and not member.worker.gone:
+                            self.cluster.drop(member.worker, command.reason)
+                    case Stop():
+                        raise UserError(command.reason)
+                    case FallBackLocal():
+                        local = self.setup.local_stage()
+                        local.restore(state)
+                        self.close()
+                        log.warning("%s: training on alone", command.reason)
+                        return local
+                    case Admit():
+                        self._admit(list(command.participants))
+                    case Resplit():
+                        self._resplit(set(command.alive), command.reason, state)
+        except WorkerLost as lost:
+            return self.recover(lost, state)
+        return self
+
+    def _admit(self, names: list[str]) -> None:
+        """Calibrate the joiners; they get their samples at the re-slice that follows."""
+        found = {w.worker_id: w for w in self.cluster.known_workers() if not w.gone}
+        joiners = [Participant(n, found[n], found[n].device) for n in names if n in found]
+        self.setup.report(f"hetconv: worker(s) {', '.join(names)} joined: calibrating")
+        self.cluster.admit([p.worker for p in joiners if p.worker is not None])
+        calibration = calibrate(self.cluster, joiners, list(self.setup.shapes),
+                                self.setup.batch, report=self.setup.report)
+        for joiner, seconds in zip(joiners, seconds_per_sample(
+                calibration, list(self.setup.shapes), self.setup.batch)):
+            self.workers[joiner.participant] = joiner
+            self.balance.add(joiner.participant, seconds)
+
+    def _resplit(self, alive: set[str], reason: str, state: dict[str, np.ndarray]) -> None:
+        """Slice the batch over the master and ``alive`` only; every one of them gets
+        the layers of ``state`` (the snapshot the trainer goes on from)."""
+        keep = [n for n in self.workers if n in alive]
+        self.balance.restrict(keep + [MASTER_PARTICIPANT])
+        self._hand_out(state, reason)
+        self.control.handle(ReplanDone())
+        names = self._names()
+        self.setup.report(f"hetconv: re-plan ({reason}): the batch split by samples over "
+                          + ", ".join(names))
+        self.setup.metrics.write("replan", reason=reason, split_by="samples",
+                                 participants=names)
+
+def _names_in(state: dict[str, np.ndarray], layer: int) -> list[str]:
+    prefix = layer_key(layer, "")
+    return [key[len(prefix):] for key in state if key.startswith(prefix)]

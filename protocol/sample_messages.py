@@ -1,0 +1,110 @@
+"""Message types of the sample split (``--split-by samples``; docs/protocol.md §12).
+
+Under the sample split every participant holds whole conv layers and computes a slice
+of the batch; one forward or backward *round* is one request per worker, answered when
+its part is done. A round finishes the layer whose whole-batch values the master has
+just combined and starts the next one, so each layer costs one round trip each way
+(docs/sample-split.md). Same rules as ``protocol.messages``, which lists these types
+with all the others.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from .message_base import Message
+
+NO_LAYER = -1
+"""``finish_layer``, ``start_layer`` or ``update_layer`` of a round that has none."""
+
+
+@dataclass(frozen=True, eq=False)
+class SampleForwardRequest(Message):
+    """master → worker (sample split): one forward round over this worker's samples.
+
+    First, when ``finish_layer`` >= 0: finish that layer with the whole batch's batch-norm
+    ``mean`` and ``var`` (K,) float32 (absent where the layer needs none: evaluation, no
+    batch norm); its output is the next layer's input. Then, when ``start_layer`` >= 0:
+    run layers [start_layer, stop_layer) on ``x`` (B_i, C, H, W) when given, else on the
+    output just finished; in training every layer but a batch-norm one's last phase is
+    run (``stop_layer`` = start_layer + 1), in evaluation the whole range.
+    ``total_batch``: the whole batch's samples (B). ``return_output``: the reply carries
+    the output of the last layer run or finished.
+    """
+
+    TYPE: ClassVar[str] = "sample_forward_request"
+    request_id: int
+    step: int
+    attempt: int
+    train: bool
+    total_batch: int
+    finish_layer: int
+    start_layer: int
+    stop_layer: int
+    return_output: bool
+    mean: np.ndarray | None
+    var: np.ndarray | None
+    x: np.ndarray | None
+
+
+@dataclass(frozen=True, eq=False)
+class SampleForwardReply(Message):
+    """worker → master: the round is done; the started layer's moments of its conv
+    output over this worker's samples (``count`` values per channel, ``total`` and ``m2``
+    (K,) float32: the sum and the sum of squares around this slice's mean; absent where
+    the layer needs no statistics) and, when asked, ``y`` (B_i, K, H', W')."""
+
+    TYPE: ClassVar[str] = "sample_forward_reply"
+    request_id: int
+    step: int
+    attempt: int
+    compute_s: float
+    count: int
+    total: np.ndarray | None
+    m2: np.ndarray | None
+    y: np.ndarray | None
+
+
+@dataclass(frozen=True, eq=False)
+class SampleBackwardRequest(Message):
+    """master → worker (sample split): one backward round over this worker's samples.
+
+    In order: when ``update_layer`` >= 0, the SGD step of that layer at
+    ``learning_rate`` with the whole batch's ``dweight`` (K, C, k, k) float32; when
+    ``finish_layer`` >= 0, that layer's backward with the whole batch's batch-norm sums
+    ``dgamma`` and ``dbeta`` (K,) float32 (its input gradient becomes the next layer's
+    dy); when ``start_layer`` >= 0, that layer's backward starts on ``dy``
+    (B_i, K, H', W') when given, else on the input gradient just computed.
+    """
+
+    TYPE: ClassVar[str] = "sample_backward_request"
+    request_id: int
+    step: int
+    attempt: int
+    learning_rate: float
+    update_layer: int
+    finish_layer: int
+    start_layer: int
+    dweight: np.ndarray | None
+    dgamma: np.ndarray | None
+    dbeta: np.ndarray | None
+    dy: np.ndarray | None
+
+
+@dataclass(frozen=True, eq=False)
+class SampleBackwardReply(Message):
+    """worker → master: the round is done; the finished layer's weight gradient over
+    this worker's samples ``dweight`` (K, C, k, k) float32, and the started layer's
+    batch-norm sums ``dgamma``, ``dbeta`` (K,) float32 (each absent where the round had
+    no such layer)."""
+
+    TYPE: ClassVar[str] = "sample_backward_reply"
+    request_id: int
+    step: int
+    attempt: int
+    compute_s: float
+    dweight: np.ndarray | None
+    dgamma: np.ndarray | None
+    dbeta: np.ndarray | None

@@ -1,0 +1,169 @@
+"""The worker's side of the sample split: rounds of whole-layer work on its samples.
+
+Under ``--split-by samples`` the worker holds whole conv layers (``AssignShard`` of
+kernels [0, K)) and the master drives each step as rounds (protocol/sample_messages.py,
+docs/sample-split.md). :class:`SampleRunner` keeps what lies between rounds: a
+:class:`~hetconv.sample_replica.SampleReplica` per layer (rebuilt when the layer's
+shard is replaced), the output of the layer finished last (the next layer's input) and
+the input gradient computed last (the next layer's dy). Requests are checked here
+against the layers held (shapes of the statistics, sums and gradients); a request that
+does not fit raises ``RequestError`` (answered ``bad_request`` or ``unknown_layer``).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+
+import numpy as np
+
+from hetconv.protocol import (
+    ERR_BAD_REQUEST,
+    ERR_UNKNOWN_LAYER,
+    SampleBackwardReply,
+    SampleBackwardRequest,
+    SampleForwardReply,
+    SampleForwardRequest,
+)
+from hetconv.sample_replica import SampleReplica
+from hetconv.shard import ConvShard
+from hetconv.wire_cast import to_wire
+
+
+class SampleRequestError(Exception):
+    """A sample-split request that does not fit the layers held (``code``, one line)."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def _vector(array: np.ndarray | None, name: str, kernels: int, layer: int) -> np.ndarray:
+    if array is None or array.shape != (kernels,) or array.dtype != np.float32:
+        got = "nothing" if array is None else f"{array.dtype} {tuple(array.shape)}"
+        raise SampleRequestError(ERR_BAD_REQUEST, f"layer {layer}: {name} must be float32 "
+                                 f"({kernels},), got {got}")
+    if not np.isfinite(array).all():
+        raise SampleRequestError(ERR_BAD_REQUEST, f"layer {layer}: {name} holds NaN or Inf")
+    return array
+
+
+class SampleRunner:
+    """The worker's state between sample-split rounds (see the module doc)."""
+
+    def __init__(self) -> None:
+        self._replicas: dict[int, tuple[ConvShard, SampleReplica]] = {}
+        self._activation: np.ndarray | None = None  # the last finished layer's output
+        self._gradient: np.ndarray | None = None  # the last finished layer's dx
+        self._wire_dtype = np.dtype(np.float32)  # of the activations, as x came
+
+    def reset(self) -> None:
+        """Forget everything (the run ended, or the layers were re-assigned)."""
+        self._replicas.clear()
+        self._activation = self._gradient = None
+
+    def replica(self, shards: Mapping[int, ConvShard], layer: int) -> SampleReplica:
+        """The replica of ``layer`` over its current shard (a whole layer)."""
+        shard = shards.get(layer)
+        if shard is None or shard.kernel_start != 0:
+            raise SampleRequestError(ERR_UNKNOWN_LAYER, f"no whole layer {layer} assigned for "
+                                     "the sample split")
+        held = self._replicas.get(layer)
+        if held is None or held[0] is not shard:
+            held = (shard, SampleReplica(shard))
+            self._replicas[layer] = held
+        return held[1]
+
+    def forward(self, request: SampleForwardRequest, shards: Mapping[int, ConvShard]
+                ) -> SampleForwardReply:
+        started = time.perf_counter()
+        finished: np.ndarray | None = None
+        if request.finish_layer >= 0:
+            replica = self.replica(shards, request.finish_layer)
+            kernels = replica.shard.kernels
+            mean = var = None
+            if request.mean is not None or request.var is not None:
+                mean = _vector(request.mean, "mean", kernels, request.finish_layer)
+                var = _vector(request.var, "var", kernels, request.finish_layer)
+            try:
+                finished = replica.finish_forward(mean, var)
+            except RuntimeError as error:  # no forward started: a round out of order
+                raise SampleRequestError(ERR_BAD_REQUEST, str(error)) from None
+            self._activation = finished
+        count, total, m2 = 0, None, None
+        if request.start_layer >= 0:
+            x = request.x if request.x is not None else self._activation
+            if x is None:
+                raise SampleRequestError(ERR_BAD_REQUEST, f"layer {request.start_layer}: no "
+                                         "input (no x and no layer finished before)")
+            if request.x is not None:
+                self._wire_dtype = request.x.dtype
+            if request.total_batch < x.shape[0]:
+                raise SampleRequestError(ERR_BAD_REQUEST, f"total_batch {request.total_batch} "
+                                         f"is smaller than this slice's {x.shape[0]} samples")
+            stop = request.stop_layer if not request.train else request.start_layer + 1
+            for layer in range(request.start_layer, max(stop, request.start_layer + 1)):
+                replica = self.replica(shards, layer)
+                weight = replica.shard.state["weight"]
+                if x.ndim != 4 or x.shape[1] != weight.shape[1]:
+                    raise SampleRequestError(ERR_BAD_REQUEST, f"layer {layer}: input of shape "
+                                             f"{tuple(x.shape)} does not match its weights")
+                if not request.train:
+                    x = replica.forward_eval(x)
+                    finished = self._activation = x
+                    continue
+                moments = replica.start_forward(x, request.total_batch, True)
+                if moments is not None:
+                    count, total, m2 = moments
+        y = None
+        if request.return_output:
+            if finished is None:
+                raise SampleRequestError(ERR_BAD_REQUEST, "return_output without a finished "
+                                         "layer")
+            y = to_wire(finished, self._wire_dtype)
+        return SampleForwardReply(request_id=request.request_id, step=request.step,
+                                  attempt=request.attempt,
+                                  compute_s=time.perf_counter() - started, count=int(count),
+                                  total=total, m2=m2, y=y)
+
+    def backward(self, request: SampleBackwardRequest, shards: Mapping[int, ConvShard]
+                 ) -> SampleBackwardReply:
+        started = time.perf_counter()
+        if request.update_layer >= 0:
+            replica = self.replica(shards, request.update_layer)
+            shape = tuple(replica.shard.state["weight"].shape)
+            dweight = request.dweight
+            if dweight is None or tuple(dweight.shape) != shape or dweight.dtype != np.float32:
+                raise SampleRequestError(ERR_BAD_REQUEST, f"layer {request.update_layer}: "
+                                         f"dweight must be float32 {shape}")
+            if not np.isfinite(dweight).all():
+                raise SampleRequestError(ERR_BAD_REQUEST, f"layer {request.update_layer}: "
+                                         "dweight holds NaN or Inf")
+            try:
+                replica.apply_update(dweight, request.learning_rate)
+            except RuntimeError as error:
+                raise SampleRequestError(ERR_BAD_REQUEST, str(error)) from None
+        dweight_out = None
+        if request.finish_layer >= 0:
+            replica = self.replica(shards, request.finish_layer)
+            kernels = replica.shard.kernels
+            dgamma = _vector(request.dgamma, "dgamma", kernels, request.finish_layer)
+            dbeta = _vector(request.dbeta, "dbeta", kernels, request.finish_layer)
+            try:
+                self._gradient, dweight_out = replica.finish_backward(
+                    dgamma, dbeta, need_dx=request.finish_layer > 0)
+            except RuntimeError as error:
+                raise SampleRequestError(ERR_BAD_REQUEST, str(error)) from None
+        sums: tuple[np.ndarray | None, np.ndarray | None] = (None, None)
+        if request.start_layer >= 0:
+            replica = self.replica(shards, request.start_layer)
+            dy = request.dy if request.dy is not None else self._gradient
+            if dy is None:
+                raise SampleRequestError(ERR_BAD_REQUEST, f"layer {request.start_layer}: no dy")
+            try:
+                sums = replica.start_backward(dy)
+            except (RuntimeError, ValueError) as error:
+                raise SampleRequestError(ERR_BAD_REQUEST, str(error)) from None
+        return SampleBackwardReply(request_id=request.request_id, step=request.step,
+                                   attempt=request.attempt,
+                                   compute_s=time.perf_counter() - started,
+                                   dweight=dweight_out, dgamma=sums[0], dbeta=sums[1])
