@@ -214,8 +214,7 @@ class Cluster:
                 continue
             actions += self._complaints(received.identity, now, self.membership.handle(
                 MessageReceived(received.identity, received.message, now, received.user_id,
-                                # the transport's Peer-Address where it gives one
-                                canonical_address(str(getattr(received, "peer_address", ""))))))
+                                canonical_address(received.peer_address))))
         now = time.monotonic()
         actions += self.membership.handle(Tick(now, time.time(), self._stalled_peers(now)))
         return self._perform(actions)
@@ -246,11 +245,10 @@ class Cluster:
 
     def _stalled_peers(self, now: float) -> frozenset[str]:
         """The addresses behind a dead link (master/liveness.py), read only while a
-        worker with a known address is silent past the liveness timeout."""
-        silent = any(not w.gone and w.peer_address
-                     and now - w.last_seen > self.settings.liveness_timeout_s
-                     for w in self.membership.workers.values())
-        return read_stalled_peers(self.port) if silent and self.port else frozenset()
+        member with a known address is silent (``Membership.link_suspects``)."""
+        if self.port and self.membership.link_suspects(now):
+            return read_stalled_peers(self.port)
+        return frozenset()
 
     # --- membership ------------------------------------------------------------------------
     def wait_for_workers(self, count: int, wait_s: float,

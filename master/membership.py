@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 from hetconv.master.membership_types import (
     ECHOED_FIELDS,
+    LINK_CHECK_AFTER_S,
     LINK_RETRY_S,
     REPLY_TYPES,
     Action,
@@ -82,6 +83,7 @@ __all__ = [
     "REPLY_TYPES",
     "ECHOED_FIELDS",
     "LINK_RETRY_S",
+    "LINK_CHECK_AFTER_S",
     "WorkerHandle",
     "ClusterSettings",
     "KeyBinding",
@@ -132,6 +134,21 @@ class Membership:
         """Workers not gone and heard from within the liveness timeout."""
         return [w for w in self.workers.values()
                 if not w.gone and now - w.last_seen < self.settings.liveness_timeout_s]
+
+    def link_suspects(self, now: float) -> bool:
+        """Whether a tick now needs the TCP tables (``Tick.stalled_peers``,
+        master/liveness.py): some member with a known address has been silent for more
+        than ``link_check_after_s`` and at most ``link_retry_s``."""
+        return any(self._link_suspect(worker, now) for worker in self._heartbeated())
+
+    def _heartbeated(self) -> list[WorkerHandle]:
+        """The workers the master heartbeats: the members, or before the run all."""
+        return self.members or list(self.workers.values())
+
+    def _link_suspect(self, worker: WorkerHandle, now: float) -> bool:
+        silent_s = now - worker.last_seen
+        return (not worker.gone and bool(worker.peer_address)
+                and self.settings.link_check_after_s < silent_s <= self.settings.link_retry_s)
 
     def fix_members(self, workers: Iterable[WorkerHandle]) -> list[WorkerHandle]:
         """Make ``workers`` the run's members (sorted by id); heartbeats go to them only."""
@@ -234,6 +251,7 @@ class Membership:
                                               message="say hello first"))]
         worker.last_seen = now
         worker.peer_address = peer_address or worker.peer_address
+        worker.link_down = False
         if isinstance(message, Heartbeat):
             return []
         if isinstance(message, DataEndpoint):
@@ -334,31 +352,42 @@ class Membership:
         actions: list[Action] = []
         if now - self._last_beat >= self.settings.heartbeat_interval_s:
             self._last_beat = now
-            for worker in self.members or list(self.workers.values()):
+            for worker in self._heartbeated():
                 if not worker.gone:
                     actions.append(Send(worker.identity, Heartbeat(sent_at=wall_time)))
+        # members behind a dead link (their connection retransmits: not a stopped peer)
+        links_down = {worker.identity for worker in self._heartbeated()
+                      if self._link_suspect(worker, now)
+                      and worker.peer_address in stalled_peers}
+        for identity in links_down:
+            self.workers[identity].link_down = True
         for request in self.requests.values():
             if request.reply is not None:
                 continue
+            request.link_down_seen = request.link_down_seen or bool(links_down)
             worker = request.worker
             silent_s = now - worker.last_seen
-            # behind a dead link (not a stopped peer): wait up to link_retry_s
-            link_down = bool(worker.peer_address) and worker.peer_address in stalled_peers \
-                and silent_s <= self.settings.link_retry_s
             if worker.gone:
                 how = "lost its connection" if worker.connection_lost else "left"
                 actions.append(Fail(worker, f"worker {worker.name} {how} during {request.what}"))
-            elif link_down:
-                continue
+            elif worker.identity in links_down:
+                continue  # wait up to link_retry_s for TCP to deliver after the link heals
             elif silent_s > self.settings.liveness_timeout_s:
                 worker.gone = True
+                behind = " behind a link that does not acknowledge" if worker.link_down else ""
                 actions.append(Fail(worker, f"worker {worker.name} stopped responding during "
-                                            f"{request.what} (silent for {silent_s:.1f} s)"))
-            elif now - request.sent_at > (timeout := request.timeout_s
-                                          or self.settings.request_timeout_s):
+                                            f"{request.what} (silent for {silent_s:.1f} s"
+                                            f"{behind})"))
+            elif now - request.sent_at > (timeout := self._deadline_s(request)):
                 actions.append(Fail(worker, f"worker {worker.name} did not answer "
                                             f"{request.what} within {timeout:.0f} s"))
         return actions
+
+    def _deadline_s(self, request: Request) -> float:
+        """A request's deadline: its own or the backstop, ``link_retry_s`` longer when a
+        member's link was down while it waited (its answer may wait on that member)."""
+        timeout = request.timeout_s or self.settings.request_timeout_s
+        return timeout + self.settings.link_retry_s if request.link_down_seen else timeout
 
     def _request_sent(self, worker: WorkerHandle, request: Message, now: float) -> list[Action]:
         request_id = getattr(request, "request_id", None)

@@ -76,6 +76,7 @@ class WorkerHandle:
     data_public_key: str = ""  # its CURVE public key for the data plane (z85), or ""
     curve_key: str = ""  # the CURVE key (ZAP User-Id) it said Hello with; "" without CURVE
     peer_address: str = ""  # the IP its connection comes from (ZMQ Peer-Address), "" unknown
+    link_down: bool = False  # seen behind a dead link since last heard (master/liveness.py)
     forgeries: int = 0  # messages under its identity with another key, refused
 
     @property

@@ -321,6 +321,16 @@ def user_id(frame: zmq.Frame) -> str:
         return ""
 
 
+def peer_address(frame: zmq.Frame) -> str:
+    """The remote IP address of the TCP connection a frame came on (ZeroMQ's
+    ``Peer-Address`` message property, as libzmq writes it), or "" where there is none
+    (``ipc://``, ``inproc://``)."""
+    try:
+        return str(frame.get("Peer-Address"))
+    except (zmq.ZMQError, UnicodeDecodeError):
+        return ""
+
+
 def _from_connection(error: ProtocolError, connection_user_id: str | None) -> ProtocolError:
     """``error`` with ``user_id`` set: the ZAP User-Id of the connection its message came
     on ("" without CURVE), None where no frame said (ProtocolError itself has no such
@@ -332,11 +342,15 @@ def _from_connection(error: ProtocolError, connection_user_id: str | None) -> Pr
 @dataclass(frozen=True)
 class Routed:
     """One message read from a ROUTER: the sender's identity, its ZAP ``User-Id``
-    ("" without CURVE) and the message."""
+    ("" without CURVE), the message, and the remote IP address of the connection it came
+    on (``peer_address``, ZeroMQ's ``Peer-Address``; "" where the transport has none):
+    the master matches it against the TCP connections that retransmit
+    (``hetconv.master.liveness``)."""
 
     identity: bytes
     user_id: str
     message: Message
+    peer_address: str = ""
 
 
 def recv_routed(sock: zmq.Socket[bytes], accept: Callable[[bytes], bool] | None = None,
@@ -345,9 +359,10 @@ def recv_routed(sock: zmq.Socket[bytes], accept: Callable[[bytes], bool] | None 
 
     Returns None when nothing is waiting, the sender's identity (bytes) when
     ``accept(identity)`` said no (the message was dropped undecoded), else a
-    :class:`Routed`. ``admitted``: the identities of peers that said Hello; any other
-    sender's message may hold at most ``admission.MAX_STRANGER_MESSAGE_BYTES`` (None:
-    every sender gets ``MAX_TOTAL_BYTES``), see ``recv_frames``. A message that fails
+    :class:`Routed` (with its connection's ``User-Id`` and ``Peer-Address``).
+    ``admitted``: the identities of peers that said Hello; any other sender's message
+    may hold at most ``admission.MAX_STRANGER_MESSAGE_BYTES`` (None: every sender gets
+    ``MAX_TOTAL_BYTES``), see ``recv_frames``. A message that fails
     to decode or is over its limit raises ``ProtocolError`` with ``.identity`` and
     ``.user_id`` set (the connection's ZAP User-Id, as :attr:`Routed.user_id`; None
     where it could not be read), so that the master can tell a forgery under a worker's
@@ -369,4 +384,6 @@ def recv_routed(sock: zmq.Socket[bytes], accept: Callable[[bytes], bool] | None 
         error.identity = identity
         _from_connection(error, user_id(last) if isinstance(last, zmq.Frame) else None)
         raise
-    return Routed(identity, user_id(last) if isinstance(last, zmq.Frame) else "", message)
+    if not isinstance(last, zmq.Frame):  # a message has a header frame: not reached
+        return Routed(identity, "", message)
+    return Routed(identity, user_id(last), message, peer_address(last))
