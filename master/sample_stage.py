@@ -214,8 +214,8 @@ class SampleConvStage:
             raise WorkerLost(f"worker {participant} sent {name} of layer {layer + 1} with "
                              f"{got}, expected {shape}; evicting it", participant, evict=True)
         if not np.isfinite(array).all():
-            raise WorkerLost(f"worker {participant} sent non-finite {name} of layer "
-                             f"{layer + 1}; evicting it", participant, evict=True)
+            raise WorkerLost(f"worker {participant} sent {name} of layer {layer + 1} holding "
+                             "NaN or Inf; evicting it", participant, evict=True)
         return np.asarray(array, dtype=np.float32)
 
     # --- forward -----------------------------------------------------------------------
@@ -236,6 +236,13 @@ class SampleConvStage:
                 continue
             if reply.total is None:
                 continue
+            shape = self.setup.shapes[layer]
+            expected = piece.samples * shape.conv_height * shape.conv_width
+            if int(reply.count) != expected:
+                raise WorkerLost(f"worker {piece.participant} sent moments of layer {layer + 1} "
+                                 f"over {reply.count} values, expected {expected} (an output "
+                                 "of the wrong shape); evicting it", piece.participant,
+                                 evict=True)
             parts.append((int(reply.count),
                           self._vector(piece.participant, layer, "total", reply.total),
                           self._vector(piece.participant, layer, "m2", reply.m2)))
@@ -385,8 +392,11 @@ class SampleConvStage:
             self.setup.report("hetconv: re-sliced the batch from measured compute: " + ", ".join(
                 f"{n} {counts.get(n, 0)}" for n in names))
             self.setup.metrics.write("rebalance", split_by="samples", step=self.step,
-                                     samples=[{"device": n, "samples": counts.get(n, 0)}
-                                              for n in names])
+                                     reason="measured compute per sample", counts=[
+                                         {"layer": shape.index, "devices": [
+                                             {"device": n, "kernels": shape.kernels,
+                                              "samples": counts.get(n, 0)} for n in names]}
+                                         for shape in self.setup.shapes])
         self._timings, self._comm_s, self._step_compute = {}, 0.0, {}
         return {"layers": layers, "comm_s": comm_s}
 
@@ -512,8 +522,11 @@ class SampleConvStage:
         names = self._names()
         self.setup.report(f"hetconv: re-plan ({reason}): the batch split by samples over "
                           + ", ".join(names))
-        self.setup.metrics.write("replan", reason=reason, split_by="samples",
-                                 participants=names)
+        slices = {p.participant: p.samples for p in self._slice_batch(self.setup.batch)}
+        self.setup.metrics.write("replan", reason=reason, split_by="samples", counts=[
+            {"layer": shape.index, "devices": [
+                {"device": n, "kernels": shape.kernels, "samples": slices.get(n, 0)}
+                for n in names]} for shape in self.setup.shapes])
 
 def _names_in(state: dict[str, np.ndarray], layer: int) -> list[str]:
     prefix = layer_key(layer, "")

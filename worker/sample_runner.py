@@ -88,6 +88,9 @@ class SampleRunner:
                 finished = replica.finish_forward(mean, var)
             except RuntimeError as error:  # no forward started: a round out of order
                 raise SampleRequestError(ERR_BAD_REQUEST, str(error)) from None
+            hook = getattr(replica.shard, "corrupt_output", None)  # tests' broken worker
+            if hook is not None:
+                finished = hook(finished)
             self._activation = finished
         count, total, m2 = 0, None, None
         if request.start_layer >= 0:

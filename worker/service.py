@@ -96,7 +96,11 @@ class DelayedShard(ConvShard):
                 rows_ready: Callable[[int], None] | None = None) -> Any:
         if train:
             time.sleep(self.delay_per_kernel_s * self.kernels)
-        y = super().forward(x, train, rows_ready)
+        return self.corrupt_output(super().forward(x, train, rows_ready))
+
+    def corrupt_output(self, y: Any) -> Any:
+        """y as this shard answers it: wrong while ``corrupt`` is set (the sample split's
+        rounds call this on every layer output they finish)."""
         if not self.corrupt:
             return y
         mode = os.environ.get(TEST_CORRUPT_MODE_VARIABLE, "nan")
@@ -219,6 +223,7 @@ class WorkerService:
     def _sample_call(self, serve: Callable[[Any, dict[int, ConvShard]], Message],
                      request: Message) -> Message:
         """A sample-split round (worker/sample_runner.py) over the shards held."""
+        self._test_corruption(max(int(getattr(request, "step", 0)), 0))
         try:
             return serve(request, self.shards)
         except SampleRequestError as error:
@@ -351,6 +356,7 @@ class WorkerService:
             if plan.holds(layer, request.participant) and layer not in self.shards:
                 raise RequestError(ERR_UNKNOWN_LAYER, f"the plan gives this worker kernels of "
                                    f"layer {layer}, but no shard was assigned")
+        self.peer = None  # until every peer's data port answered (else PeerLost, one line)
         port = self.data_plane.open(request.participant, peers, keys, request.timeout_s)
         self.peer = PeerParticipant(request.participant, plan, self.shards, port,
                                     request.wire_dtype, request.timeout_s,

@@ -120,7 +120,10 @@ def run_figures(run_dir: Path, link_bytes_per_s: float | None) -> RunFigures:
     calibration = [r for r in records if r.get("type") == "calibration"]
     plans = [r for r in records if r.get("type") == "plan"]
     predicted = None
-    if settled is not None:  # the model's prediction of that split (measured corrections)
+    sample_split = any(r.get("split_by") == "samples" for r in plans)
+    if sample_split:  # no model of the sample split's step yet (docs/sample-split.md)
+        predicted = None
+    elif settled is not None:  # the model's prediction of that split (measured corrections)
         predicted = float(settled["new_predicted_step_s"]) + dense_s
     elif plans:  # the planner's own prediction (conv + transfers) plus the measured dense part
         predicted = float(plans[-1]["predicted_step_s"]) + dense_s
@@ -210,7 +213,8 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
                     repeats: int = 3, work_dir: str | None = None,
                     data_planes: tuple[str, ...] = ("peer",), epochs: int = 4,
                     out: Callable[[str], None] = print, split: str = "model",
-                    peer: str | None = None) -> dict[str, Any]:
+                    peer: str | None = None,
+                    split_by: tuple[str, ...] = ("kernels",)) -> dict[str, Any]:
     """Run every machine set with every data plane, and the baselines, ``repeats``
     times, interleaved within each repeat. ``split``: the runs' ``--split``; ``model``
     (the default) lets the link-aware planner choose the machines from its timings,
@@ -222,7 +226,11 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
         check_choice("peer", peer, BENCH_PEERS)
         from hetconv.bench.step_torch import import_torch
         import_torch()  # one line saying how to install it, before any LAN is made
-    configurations = [(fractions, plane) for fractions in machine_sets for plane in data_planes]
+    # a configuration's "plane" is the data plane of a kernel split, or "samples"
+    configurations = [(fractions, plane) for fractions in machine_sets
+                      for plane in (data_planes if "kernels" in split_by else ())]
+    if "samples" in split_by:
+        configurations += [(fractions, SAMPLES) for fractions in machine_sets]
     for reason in (netns_unavailable_reason(), cpu_quota_unavailable_reason()):
         if reason:
             raise UserError(f"hetconv bench scale needs root features: {reason}")
@@ -282,7 +290,9 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
                             netns=machine.netns, extra_args=("--once",)))
                     train = [python, "-m", "hetconv", "train", "--listen",
                              f"tcp://{master.address}:{port}", "--min-workers",
-                             str(len(config) - 1), "--wait", "60", "--data-plane", plane,
+                             str(len(config) - 1), "--wait", "60",
+                             *(("--split-by", "samples") if plane == SAMPLES
+                               else ("--data-plane", plane)),
                              "--split", split, *common, "--run-dir", str(run_dir)]
                     if len(config) == 1:
                         train[train.index("--min-workers") + 1] = "0"
@@ -321,6 +331,10 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
          "runs": {k: [asdict(f) for f in v] for k, v in results.items()},
          "peer_runs": peer_results}, indent=1))
     return {"rows": summary, "work_dir": str(root), "table": table}
+
+
+SAMPLES = "samples"
+"""The configuration label of a run split by samples (``--split-by samples``)."""
 
 
 def configuration_label(fractions: tuple[float, ...], data_plane: str) -> str:

@@ -40,7 +40,8 @@ FLAGS: dict[str, tuple[tuple[str, str], ...]] = {
     "scale": (("--machines", "machines"), ("--data-plane", "data_plane"), ("--rate", "rate"),
               ("--arch", "arch"), ("--epochs", "epochs"),
               ("--batch", "batch"), ("--limit", "limit"), ("--repeats", "repeats"),
-              ("--work-dir", "work_dir"), ("--split", "split"), ("--peer", "peer")),
+              ("--work-dir", "work_dir"), ("--split", "split"), ("--peer", "peer"),
+              ("--split-by", "split_by")),
     "chaos": (("--minutes", "minutes"), ("--interval-min", "interval_min"),
               ("--interval-max", "interval_max"), ("--faults", "faults"), ("--lab", "lab"),
               ("--rate", "rate"), ("--arch", "arch"), ("--batch", "batch"),
@@ -126,6 +127,10 @@ def add_parser(sub: Any) -> None:
     scale.add_argument("--split", default="model", choices=SPLIT_MODES,
                        help="hetconv's --split in every run (default model: the planner "
                        "chooses the machines)")
+    scale.add_argument("--split-by", action="append", default=None,
+                       choices=("kernels", "samples"),
+                       help="hetconv's --split-by in the distributed runs (repeat the flag "
+                       "for both, interleaved; default kernels)")
     scale.add_argument("--peer", default=None, choices=BENCH_PEERS,
                        help="also run what users would run instead on the same machines: "
                        "PyTorch DDP (gloo; even and by-speed batch splits) and PyTorch alone, "
@@ -328,7 +333,8 @@ def run(args: argparse.Namespace) -> int:
         result = run_scale_bench(configurations, rate=args.rate, arch=args.arch,
                                  batch=args.batch, limit=args.limit, repeats=args.repeats,
                                  work_dir=args.work_dir, data_planes=tuple(args.data_plane),
-                                 epochs=args.epochs, split=args.split, peer=args.peer)
+                                 epochs=args.epochs, split=args.split, peer=args.peer,
+                                 split_by=tuple(args.split_by or ("kernels",)))
         table = result["table"]
     elif args.bench == "chaos":
         from hetconv.bench.chaos import run_chaos_bench

@@ -83,8 +83,15 @@ def _kernel_counts(records: RunRecords, steps: Sequence[StepRecord]) -> dict[tup
     return {(d.device, c.layer): d.kernels for c in records.calibration for d in c.devices}
 
 
-def _layer_kernels(records: RunRecords, counts: dict[tuple[str, int], int]) -> dict[int, int]:
-    """K_l per layer: from ``run_start``, else the sum of the devices' kernels."""
+def _layer_kernels(records: RunRecords, counts: dict[tuple[str, int], int],
+                   steps: Sequence[StepRecord] = ()) -> dict[int, int]:
+    """K_l per layer: from ``run_start``, else the sum of the devices' kernels. Under
+    the sample split the work units are samples: the batch (the devices' sum)."""
+    if steps and any(t.by_samples for layer in steps[-1].layers for t in layer.devices):
+        totals: dict[int, int] = {}
+        for (_, layer), count in counts.items():
+            totals[layer] = totals.get(layer, 0) + count
+        return dict(sorted(totals.items()))
     kernels = {shape.index: shape.kernels for shape in records.layers}
     for (_, layer), count in counts.items():
         if layer not in {shape.index for shape in records.layers}:
@@ -375,7 +382,7 @@ def summarize(records: RunRecords) -> RunSummary:
     """Every figure of the report for one run (see the module docstring)."""
     steps = used_steps(records.steps)
     counts = _kernel_counts(records, steps)
-    layer_kernels = _layer_kernels(records, counts)
+    layer_kernels = _layer_kernels(records, counts, steps)
     devices = device_summaries(records, steps, layer_kernels)
     split = time_split(steps)
     layers, ideal_s, slowest_s = layer_balance(steps, layer_kernels)
@@ -415,7 +422,9 @@ def summarize(records: RunRecords) -> RunSummary:
         final_test_accuracy=epochs[-1].test_accuracy if epochs else None,
         images_per_s=epochs[-1].images_per_s if epochs else None, warnings=tuple(warnings),
         resilience=resilience(records, split.step_s if split else None),
-        checkpoint_every=_opt_int(config.get("checkpoint_every")))
+        checkpoint_every=_opt_int(config.get("checkpoint_every")),
+        split_by="samples" if steps and any(t.by_samples for layer in steps[-1].layers
+                                            for t in layer.devices) else "kernels")
 
 
 def _opt_int(value: object) -> int | None:

@@ -123,8 +123,9 @@ def layers_table(summary: RunSummary) -> Table:
                          ms(row.calibration_s), num(row.calibrated_speed), ms(row.compute_s),
                          pct(row.throughput_share), num(row.speed_vs_calibration)))
     rows.sort(key=lambda r: int(r[0]))
-    return Table("Kernels per layer and device",
-                 ("layer", "device", "kernels", "kernel\nshare", "calib.\nms", "calib.\nspeed",
+    unit = "samples" if summary.split_by == "samples" else "kernels"
+    return Table(f"{unit.capitalize()} per layer and device",
+                 ("layer", "device", unit, f"{unit[:-1]}\nshare", "calib.\nms", "calib.\nspeed",
                   "compute\nms", "throughput\nshare", "measured\n/ calib."),
                  tuple(rows), left_columns=2)
 
@@ -132,8 +133,9 @@ def layers_table(summary: RunSummary) -> Table:
 def balance_table(summary: RunSummary) -> Table:
     rows = tuple((str(row.layer + 1), str(row.kernels), ms(row.ideal_s), ms(row.slowest_s),
                   pct(row.efficiency), times(row.imbalance)) for row in summary.layers)
+    unit = "samples" if summary.split_by == "samples" else "kernels"
     return Table("Balance per layer (forward + backward, medians)",
-                 ("layer", "kernels", "ideal\nms", "slowest\nms", "efficiency", "imbalance"), rows)
+                 ("layer", unit, "ideal\nms", "slowest\nms", "efficiency", "imbalance"), rows)
 
 
 def epochs_table(summary: RunSummary) -> Table:

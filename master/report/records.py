@@ -82,6 +82,7 @@ class DeviceTiming:
     bytes_received: int = 0
     peer_bytes_sent: int = 0  # worker-to-worker traffic (peer data plane)
     peer_bytes_received: int = 0
+    by_samples: bool = False  # a sample split: ``kernels`` counts this device's samples
 
     @property
     def compute_s(self) -> float:
@@ -218,7 +219,10 @@ def _calibration(raw: dict[str, Any]) -> LayerCalibration:
 
 
 def _device_timing(raw: dict[str, Any]) -> DeviceTiming:
-    return DeviceTiming(device=str(raw["device"]), kernels=int(raw["kernels"]),
+    by_samples = raw.get("split_by") == "samples"  # work units: samples, not kernels
+    return DeviceTiming(device=str(raw["device"]),
+                        kernels=int(raw["samples"] if by_samples else raw["kernels"]),
+                        by_samples=by_samples,
                         forward_s=float(raw["forward_s"]), backward_s=float(raw["backward_s"]),
                         wait_s=float(raw.get("wait_s", 0.0)),
                         forward_latency_s=_opt_float(raw.get("forward_latency_s")),
@@ -287,7 +291,8 @@ def _dispatch(records: list[dict[str, Any]], warnings: list[str]) -> Iterator[tu
         "devices": lambda r: tuple(_device_info(d) for d in r["devices"]),
         "calibration": _calibration, "step": _step, "epoch": _epoch,
         "run_start": lambda r: r, "run_end": lambda r: r,
-        "plan": lambda r: float(r["predicted_step_s"])}
+        "plan": lambda r: (None if r.get("split_by") == "samples"  # no model of it yet
+                           else float(r["predicted_step_s"]))}
     for number, raw in enumerate(records, start=1):
         parser = parsers.get(raw["type"])
         if parser is None:

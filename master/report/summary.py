@@ -142,3 +142,5 @@ class RunSummary:
     resilience: Resilience | None = None
     checkpoint_every: int | None = None  # the run's --checkpoint-every (None: not recorded)
     network: str = ""  # the run's network spec (--arch / --model), "" for older runs
+
+    split_by: str = "kernels"  # what the layers were cut into: kernels or samples

@@ -105,7 +105,8 @@ PLANES = [pytest.param((), id="peer-default"), pytest.param(("--data-plane", "st
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("fault", ["kill", "stop", "restart"])
-@pytest.mark.parametrize("plane", PLANES)
+@pytest.mark.parametrize("plane", PLANES + [pytest.param(("--split-by", "samples"),
+                                                         id="samples")])
 def test_a_lost_worker_costs_at_most_two_recoveries(endpoint: str, workers: Any, tmp_path: Path,
                                                     fault: str, plane: tuple[str, ...]) -> None:
     started = {w.name: w for w in workers("a", "b", "c")}

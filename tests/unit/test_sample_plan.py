@@ -1,0 +1,76 @@
+"""Planning the sample split (master/sample_plan.py): the kernel-or-sample choice, the
+slices by speed, and re-weighting from measured compute. Pure functions, no sockets."""
+from __future__ import annotations
+
+import pytest
+
+from hetconv.master.sample_plan import (
+    REBALANCE_WINDOW,
+    SampleBalance,
+    choose_split_by,
+    sample_slices,
+    samples_refusal,
+)
+from hetconv.model import ModelConfig, conv_layer_shapes
+
+
+def _shapes(arch: tuple[int, ...], size: int = 28, **kwargs):
+    return conv_layer_shapes(ModelConfig(arch, (1, size, size), **kwargs))
+
+
+def test_auto_takes_samples_where_every_layer_moves_fewer_bytes_that_way() -> None:
+    shapes = _shapes((32, 64))  # K k^2: 800, 1600; B H W at B = 128: 100352, 18432
+    assert choose_split_by("auto", shapes, 128, [5, 5], None)[0] == "samples"
+    # a wide layer on a small batch: 64 * 25 = 1600 >= 2 * 12 * 12 = 288
+    choice, why = choose_split_by("auto", shapes, 2, [5, 5], None)
+    assert choice == "kernels" and "layer 2" in why
+
+
+def test_the_flag_wins_and_a_refused_sample_split_says_why() -> None:
+    shapes = _shapes((32, 64))
+    assert choose_split_by("kernels", shapes, 128, [5, 5], None)[0] == "kernels"
+    assert choose_split_by("samples", shapes, 2, [5, 5], None)[0] == "samples"
+    reason = samples_refusal(_shapes((4,), size=11, kernel_size=3), [3], [1], [0], ["max"])
+    assert reason is not None and "layer 1" in reason and "\n" not in reason
+    with pytest.raises(ValueError, match="cannot be split by samples"):
+        choose_split_by("samples", shapes, 128, [5, 5], reason)
+    assert choose_split_by("auto", shapes, 128, [5, 5], reason)[0] == "kernels"
+    assert samples_refusal(_shapes((32, 64)), [5, 5], [1, 1], [0, 0], ["max", "max"]) is None
+
+
+@pytest.mark.parametrize("seconds,batch,expected", [
+    ([1.0, 1.0, 1.0, 1.0], 128, [32, 32, 32, 32]),
+    ([1.0, 2.0], 9, [6, 3]),
+    ([1 / 0.6, 1 / 0.4, 1 / 0.2, 1 / 0.2], 128, [55, 37, 18, 18]),
+    ([1.0, 1.0, 1.0], 2, [1, 1, 0]),
+])
+def test_slices_are_consecutive_and_proportional_to_speed(seconds, batch, expected) -> None:
+    slices = sample_slices([f"p{i}" for i in range(len(seconds))], seconds, batch)
+    assert [s.samples for s in slices] == expected
+    assert slices[0].start == 0 and slices[-1].stop == batch
+    assert all(a.stop == b.start for a, b in zip(slices, slices[1:]))
+
+
+def test_measured_compute_re_weights_only_for_a_clear_gain() -> None:
+    balance = SampleBalance({"master": 1.0, "a": 1.0})
+    samples = {"master": 64, "a": 64}
+    # a is twice as slow as calibrated: re-weighted after a full window
+    for step in range(REBALANCE_WINDOW - 1):
+        assert not balance.observe({"master": 0.064, "a": 0.128}, samples)
+    assert balance.observe({"master": 0.064, "a": 0.128}, samples)
+    new = {s.participant: s.samples for s in sample_slices(
+        list(balance.seconds), list(balance.seconds.values()), 128)}
+    assert new == {"master": 85, "a": 43}
+    # measured as planned, within noise: nothing changes
+    samples = new
+    for step in range(2 * REBALANCE_WINDOW):
+        assert not balance.observe({"master": 0.085 * (1.03 if step % 2 else 0.97),
+                                    "a": 0.086}, samples)
+
+
+def test_an_evicted_participant_is_forgotten_and_a_joiner_added() -> None:
+    balance = SampleBalance({"master": 1.0, "a": 1.0, "b": 2.0})
+    balance.restrict(["master", "b"])
+    assert set(balance.seconds) == {"master", "b"}
+    balance.add("c", 0.5)
+    assert balance.seconds["c"] == 0.5
