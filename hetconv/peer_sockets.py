@@ -12,10 +12,19 @@ only: the worker's compute thread, or the master's helper thread. Outside a run
 the worker's compute thread calls :meth:`PeerSockets.drain` while idle, so that what
 strangers send there is released instead of piling up in libzmq's queue. Warnings
 about bad messages are rate-limited (``admission.WarningBudget``).
+
+Before it connects, :meth:`PeerSockets.open` checks that every peer's data port
+answers a plain TCP connection (:func:`check_reachable`, at most
+``DATA_PORT_PROBE_TIMEOUT_S``): a port a firewall drops is one clear line naming both
+sides and the port (:func:`unreachable_line`) and a :class:`PeerLost` naming the
+unreachable peer, instead of pieces queued toward a port that never answers.
 """
 from __future__ import annotations
 
+import errno
 import logging
+import os
+import selectors
 import socket
 import time
 from typing import Any, cast
@@ -23,6 +32,7 @@ from urllib.parse import urlsplit
 
 import zmq
 
+from hetconv.config import MASTER_PARTICIPANT
 from hetconv.dataplane import PeerLost
 from hetconv.errors import UserError
 from hetconv.protocol import PeerPiece, ProtocolError, admission, limits, transport
@@ -53,6 +63,112 @@ def route_address(endpoint: str) -> str:
             return str(probe.getsockname()[0])
     except OSError:
         return "127.0.0.1"
+
+
+DATA_PORT_PROBE_TIMEOUT_S = 3.0
+"""How long a participant waits for a peer's data port to accept a TCP connection when
+the peers are handed out (never longer than the peer timeout): no answer within it is
+reported as a port a firewall blocks."""
+UNREACHABLE_MARK = "'s data port "
+"""What every line of :func:`unreachable_line` holds (the master finds a worker's
+report in its error reply by it)."""
+
+
+def who(participant: str) -> str:
+    """``the master`` or ``worker NAME``."""
+    return "the master" if participant == MASTER_PARTICIPANT else f"worker {participant}"
+
+
+def unreachable_line(me: str, peer: str, endpoint: str, reason: str) -> str:
+    """The one line saying that ``me`` cannot reach ``peer``'s data port, e.g.
+    ``worker b cannot reach worker a's data port tcp://10.0.0.1:5601 (no answer in
+    3.0 s: a firewall blocking TCP port 5601?)``."""
+    port = urlsplit(endpoint).port if endpoint.startswith("tcp://") else None
+    hint = f"a firewall blocking TCP port {port}?" if port else "check its --advertise"
+    return f"{who(me)} cannot reach {who(peer)}{UNREACHABLE_MARK}{endpoint} ({reason}: {hint})"
+
+
+def is_unreachable_line(text: str) -> bool:
+    return " cannot reach " in text and UNREACHABLE_MARK in text
+
+
+def _start_probe(endpoint: str) -> socket.socket | str:
+    """A non-blocking socket connecting to ``endpoint``, or why none could start."""
+    parts = urlsplit(endpoint)
+    try:
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        host, port = None, None
+    if parts.scheme != "tcp" or not host or port is None:
+        return "not a tcp://HOST:PORT endpoint"
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM)[0]
+    except (OSError, UnicodeError) as error:
+        return f"cannot resolve {host}: {error}"
+    probe = socket.socket(family, kind, proto)
+    probe.setblocking(False)
+    code = probe.connect_ex(address)
+    if code in (0, errno.EINPROGRESS, errno.EWOULDBLOCK, errno.EALREADY):
+        return probe
+    probe.close()
+    return os.strerror(code).lower()
+
+
+def probe_endpoints(endpoints: dict[str, str], timeout_s: float) -> dict[str, str]:
+    """Open a TCP connection to every endpoint at once and close it as soon as it is
+    accepted (no ZMTP handshake, so a CURVE endpoint's authenticator never sees it);
+    the peers whose endpoint accepted none within ``timeout_s``, each with why
+    (``no answer in 3.0 s``, ``connection refused``, ...)."""
+    failed: dict[str, str] = {}
+    selector = selectors.DefaultSelector()
+    try:
+        for peer, endpoint in endpoints.items():
+            started = _start_probe(endpoint)
+            if isinstance(started, str):
+                failed[peer] = started
+            else:
+                selector.register(started, selectors.EVENT_WRITE, peer)
+        deadline = time.monotonic() + timeout_s
+        while selector.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            for key, _ in selector.select(left):
+                probe = cast("socket.socket", key.fileobj)
+                code = probe.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                if code:
+                    failed[key.data] = os.strerror(code).lower()
+                selector.unregister(probe)
+                probe.close()
+        for key in list(selector.get_map().values()):
+            failed[key.data] = f"no answer in {timeout_s:.1f} s"
+    finally:
+        for key in list(selector.get_map().values()):
+            selector.unregister(key.fileobj)
+            cast("socket.socket", key.fileobj).close()
+        selector.close()
+    return failed
+
+
+def check_reachable(me: str, peers: dict[str, str], timeout_s: float) -> None:
+    """Probe every peer's data endpoint but ``me``'s (:func:`probe_endpoints`); when
+    some cannot be reached, log one line for each (ERROR) and raise :class:`PeerLost`
+    naming the one at fault: the first peer that cannot be reached, or ``me`` when none
+    of two or more can (then its own network is the likelier cause)."""
+    others = {peer: endpoint for peer, endpoint in peers.items() if peer != me}
+    failed = probe_endpoints(others, timeout_s)
+    if not failed:
+        return
+    lines = [unreachable_line(me, peer, others[peer], failed[peer])
+             for peer in others if peer in failed]
+    for line in lines:
+        log.error("%s", line)
+    first = next(peer for peer in others if peer in failed)
+    if len(failed) == len(others) > 1:
+        raise PeerLost([me], f"{lines[0]}; {who(me)} reaches none of its {len(others)} "
+                             "peers' data ports: a firewall blocking its outgoing TCP?")
+    raise PeerLost([first], lines[0])
 
 
 def _options(sock: zmq.Socket[Any], send_timeout_ms: int) -> None:
@@ -116,10 +232,14 @@ class PeerSockets:
 
     # --- set up by AssignPeers -------------------------------------------------------------
     def open(self, me: str, peers: dict[str, str], peer_keys: dict[str, str],
-             timeout_s: float) -> PeerSockets:
+             timeout_s: float, probe: bool = True) -> PeerSockets:
         """Connect to ``peers`` (participant → endpoint) and admit exactly their
-        ``peer_keys``; replaces earlier connections. Returns itself (the port)."""
+        ``peer_keys``; replaces earlier connections. Returns itself (the port).
+        ``probe``: first check that every peer's data port answers
+        (:func:`check_reachable`; :class:`PeerLost` if not, everything reset)."""
         self.reset()
+        if probe:
+            check_reachable(me, peers, min(DATA_PORT_PROBE_TIMEOUT_S, timeout_s))
         self.send_timeout_ms = max(1, int(timeout_s * 1000))
         if self.curve is not None:
             self.allow.keys = frozenset(key.encode() for peer, key in peer_keys.items()

@@ -14,6 +14,17 @@ helper thread over the master's own data endpoint).
 
 The stage returns the real output only for the last layer, and ``None`` from
 ``backward``: the trainer chains them but only looks at the last output.
+
+When the peers are handed out, every participant first checks that each peer's data
+port answers (:func:`hetconv.peer_sockets.check_reachable`; the master before it
+sends anything, when it holds kernels). A worker whose data port cannot be reached
+(a firewall) is a :class:`DataPortUnreachable` fault naming it, with the one line that
+says who cannot reach whose port, a fault of that worker under the normal failover
+policy (docs/run-control.md: evicted at its second fault in a row, told why in
+``EndRun``, let back in after the rejoin back-off, and checked again then); one found
+while the run is set up is raised by the first forward, so that the trainer's recovery
+handles it. Workers that cannot reach the master's own data port stop the run with
+that line (the master cannot be evicted).
 """
 from __future__ import annotations
 
@@ -25,15 +36,21 @@ from typing import Any
 import numpy as np
 
 from hetconv.config import MASTER_PARTICIPANT
-from hetconv.dataplane import ExchangeStats, PeerParticipant
+from hetconv.dataplane import ExchangeStats, PeerLost, PeerParticipant
 from hetconv.errors import UserError
 from hetconv.master.assign import exchange
-from hetconv.master.cluster import Cluster, WorkerHandle
+from hetconv.master.cluster import Cluster, WorkerHandle, WorkerLost
 from hetconv.master.phases import OpenPhase, Phases, checked_result
 from hetconv.master.plan import Shard
 from hetconv.model import ConvLayerShape
 from hetconv.peer_plan import PHASE_FORWARD, KernelRange, PeerPlan
-from hetconv.peer_sockets import PeerSockets, route_address
+from hetconv.peer_sockets import (
+    DATA_PORT_PROBE_TIMEOUT_S,
+    PeerSockets,
+    check_reachable,
+    is_unreachable_line,
+    route_address,
+)
 from hetconv.protocol import (
     AssignPeers,
     PeerBackwardReply,
@@ -41,6 +58,7 @@ from hetconv.protocol import (
     PeerForwardReply,
     PeerForwardRequest,
     limits,
+    peer_error_message,
 )
 from hetconv.wire_cast import to_wire
 
@@ -57,6 +75,37 @@ PEER_ENTRY_FIELDS = {"peer_bytes_sent": 0, "peer_bytes_received": 0, "peer_wait_
 """The peer plane's fields of every timing entry (docs/metrics.md)."""
 
 
+class DataPortUnreachable(WorkerLost):
+    """A participant cannot reach worker ``participant``'s data port (one line saying
+    who, whose port and why): a fault of that worker, alive or not (a dead worker's
+    port refuses too), so the normal policy counts it and evicts at the second."""
+
+    def __init__(self, line: str, participant: str):
+        super().__init__(line, participant, gone=False, evict=False)
+
+
+def unreachable_fault(line: str, culprit: str) -> WorkerLost | UserError:
+    """The fault for ``line`` (:func:`hetconv.peer_sockets.unreachable_line`) blaming
+    ``culprit``: a :class:`DataPortUnreachable`, or a UserError that stops the run when
+    the culprit is the master's own data port."""
+    if culprit == MASTER_PARTICIPANT:
+        return UserError(f"{line}; the master picks a free port every run: let the workers "
+                         "reach this host's TCP ports, or train with --no-local or "
+                         "--data-plane star")
+    return DataPortUnreachable(line, culprit)
+
+
+def diagnosed(lost: WorkerLost) -> WorkerLost | UserError:
+    """``lost`` itself, or, when a worker's error reply says it cannot reach a peer's
+    data port, :func:`unreachable_fault` of the line it sent."""
+    culprit = lost.participant or ""
+    line = str(lost).partition(peer_error_message(culprit, ""))[2]
+    if not culprit or not is_unreachable_line(line):
+        return lost
+    log.error("%s", line)  # the worker's own line, said on the master too
+    return unreachable_fault(line, culprit)
+
+
 class PeerPlane:
     """A :class:`hetconv.master.planes.DataPlane` whose activations travel worker to worker."""
 
@@ -71,6 +120,7 @@ class PeerPlane:
         self._told: set[str] = set()  # workers that were sent an AssignPeers this run
         self._open: list[tuple[int, OpenPhase]] = []  # this pass's phases awaiting replies
         self._batch = 0  # samples in this pass
+        self.pending_fault: WorkerLost | None = None  # found while the run was set up
 
     def _shard_of(self, layer: int, participant: str) -> Shard | None:
         return next((s for s in self.phases.shards[layer]
@@ -115,6 +165,9 @@ class PeerPlane:
     def forward(self, layer: int, x: np.ndarray, train: bool, step: int) -> np.ndarray:
         if train:
             self.phases.step = step
+        if layer == 0 and self.pending_fault is not None:
+            fault, self.pending_fault = self.pending_fault, None
+            raise fault  # the trainer's recovery: a re-plan that checks again
         if layer == 0:
             self._pass_id += 1
             self._open = []
@@ -248,17 +301,27 @@ class PeerPlane:
             toward = next(iter(peers.values()), cluster.endpoint)
             peers[MASTER_PARTICIPANT] = self.sockets.endpoint(route_address(toward))
             keys[MASTER_PARTICIPANT] = self.sockets.public_key
+            try:  # before anything is sent
+                check_reachable(MASTER_PARTICIPANT, peers,
+                                min(DATA_PORT_PROBE_TIMEOUT_S, self.peer_timeout_s))
+            except PeerLost as lost:
+                raise unreachable_fault(str(lost), lost.peers[0]) from None
         told = {p: everyone[p] for p in sorted(set(workers) | self._told) if p in everyone}
-        exchange(cluster, [(worker, AssignPeers(
-            request_id=cluster.request_id(), participant=participant,
-            wire_dtype=self.phases.wire_dtype.name, timeout_s=self.peer_timeout_s, peers=dict(peers),
-            peer_keys=dict(keys), plan=plan.to_wire())) for participant, worker in told.items()],
-            "peer assignment")
-        self._told |= set(told)
         self.participant = None
+        try:
+            exchange(cluster, [(worker, AssignPeers(
+                request_id=cluster.request_id(), participant=participant,
+                wire_dtype=self.phases.wire_dtype.name, timeout_s=self.peer_timeout_s,
+                peers=dict(peers), peer_keys=dict(keys), plan=plan.to_wire()))
+                for participant, worker in told.items()], "peer assignment")
+        except WorkerLost as lost:
+            raise diagnosed(lost) from None
+        finally:
+            self._told |= set(told)
         if master_holds:
             assert self.sockets is not None
-            port = self.sockets.open(MASTER_PARTICIPANT, peers, keys, self.peer_timeout_s)
+            port = self.sockets.open(MASTER_PARTICIPANT, peers, keys, self.peer_timeout_s,
+                                     probe=False)  # checked above
             self.participant = PeerParticipant(
                 MASTER_PARTICIPANT, plan, self.phases.local_shards, port, self.phases.wire_dtype.name,
                 self.peer_timeout_s, cancelled=self.phases.cancel_local.is_set,
@@ -304,6 +367,8 @@ def open_peer_plane(phases: Phases, peer_timeout_s: float) -> PeerPlane:
     plane = PeerPlane(phases, plan_of(phases.shards, phases.layer_shapes), None, peer_timeout_s)
     try:
         plane.assign_peers()
+    except DataPortUnreachable as fault:
+        plane.pending_fault = fault  # the first forward raises it (a recovery)
     except BaseException:
         plane.close()
         raise

@@ -1,0 +1,186 @@
+"""A firewall that blocks a worker's data port (issue 16): one line on both sides naming
+the port, and the run goes on without that worker.
+
+Real ``hetconv worker`` daemons and a real ``hetconv train`` with the defaults a user
+gets (the peer data plane), all in a private network namespace whose loopback drops
+every packet to worker a's data port (``iptables -j DROP``, as a host firewall does):
+the rule dies with the namespace and touches no other test. Before any piece moves,
+the participants check every peer's data port; the one that cannot reach a's says so
+in one line (the master when it computes too, the other workers with ``--no-local``),
+the master prints it and evicts a, a is told why, and training completes on the rest.
+Needs root, iproute2 and iptables; skips with the reason otherwise (the last test, the
+check itself against a port that refuses, runs anywhere).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hetconv.dataplane import PeerLost
+from hetconv.lab import netns_unavailable_reason
+from hetconv.peer_sockets import check_reachable, unreachable_line
+from tests.conftest import child_env, hetconv_command
+
+pytestmark = [pytest.mark.integration, pytest.mark.lab]
+
+BLOCKED_PORT = 5601  # worker a's --data-port; the namespace is private, so it is free
+RUN = ["--data", "synthetic", "--limit", "3200", "--test-limit", "256", "--arch", "8:16",
+       "--kernel-size", "4", "--epochs", "1", "--batch", "64", "--threads", "1",
+       "--no-progress", "--seed", "5"]
+# Nothing pins --split-by, --data-plane, --split or --wire-dtype: the defaults. A 4x4
+# kernel makes layer 1's map odd (25x25), which the sample split cannot pool, so
+# --split-by auto splits by kernels over the peer data plane, the one that uses data
+# ports (KERNEL_SPLIT is checked in the output).
+KERNEL_SPLIT = "hetconv: split by kernels"
+
+
+def blocking_unavailable_reason() -> str | None:
+    reason = netns_unavailable_reason()
+    if reason is not None:
+        return reason
+    if shutil.which("iptables") is None:
+        return "iptables is not installed (apt-get install iptables)"
+    return None
+
+
+REASON = blocking_unavailable_reason()
+
+
+@pytest.fixture
+def netns() -> Iterator[str]:
+    """A private network namespace (its own loopback), removed at the end."""
+    name = f"hcfw{os.getpid() % 100000}"
+    subprocess.run(["ip", "netns", "add", name], check=True, capture_output=True)
+    try:
+        subprocess.run(["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"],
+                       check=True, capture_output=True)
+        yield name
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def firewall(netns: str, *match: str) -> None:
+    """Drop the TCP packets ``match`` selects on the namespace's loopback (skip if refused)."""
+    rule = subprocess.run(["ip", "netns", "exec", netns, "iptables", "-I", "INPUT", "-p", "tcp",
+                           *match, "-j", "DROP"], capture_output=True, text=True)
+    if rule.returncode != 0:
+        pytest.skip(f"cannot add a firewall rule: {rule.stderr.strip()}")
+
+
+def train(netns: str, endpoint: str, run_dir: Path, *extra: str) -> tuple[int, str, str, float]:
+    """``hetconv train`` in ``netns`` for 3 workers: (status, stdout, stderr, seconds)."""
+    began = time.monotonic()
+    master = subprocess.Popen(
+        ["ip", "netns", "exec", netns,
+         *hetconv_command("train", "--listen", endpoint, "--min-workers", "3", "--wait", "30",
+                          *RUN, *extra, "--run-dir", str(run_dir))],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
+    try:
+        out, err = master.communicate(timeout=90)
+    finally:
+        if master.poll() is None:
+            master.kill()
+            master.communicate()
+    assert "Traceback" not in err, err[-3000:]
+    return master.returncode, out, err, time.monotonic() - began
+
+
+def records(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(REASON is not None, reason=f"cannot block a data port here: {REASON}")
+@pytest.mark.parametrize("extra,prober", [((), "the master"),
+                                          (("--no-local",), r"worker [bc]")],
+                         ids=["defaults", "no-local"])
+def test_a_blocked_data_port_is_one_line_on_both_sides_and_the_run_goes_on(
+        netns: str, workers: Any, endpoint: str, tmp_path: Path, extra: tuple[str, ...],
+        prober: str) -> None:
+    firewall(netns, "--dport", str(BLOCKED_PORT))
+    started = {w.name: w for w in [
+        *workers("a", netns=netns, extra_args=("--data-port", str(BLOCKED_PORT))),
+        *workers("b", "c", netns=netns)]}
+    run_dir = tmp_path / "run"
+    status, out, err, seconds = train(netns, endpoint, run_dir, *extra)
+    assert status == 0, err[-3000:]
+    assert KERNEL_SPLIT in out, out[-3000:]
+
+    line = re.compile(rf"({prober}) cannot reach worker a's data port "
+                      rf"tcp://127\.0\.0\.1:{BLOCKED_PORT} \(no answer in 3\.0 s: a firewall "
+                      rf"blocking TCP port {BLOCKED_PORT}\?\)")
+    said = line.search(err)
+    assert said is not None, err[-3000:] + out[-3000:]  # the master's ERROR line
+    assert line.search(out), out[-3000:]  # and its recovery line
+    who = said.group(1)
+    if who != "the master":  # the worker that found it said so in its own log
+        assert line.search(started[who.split()[1]].output()), started[who.split()[1]].output()
+    victim = started["a"].output()
+    assert re.search(r"run over: evicted: " + line.pattern, victim), victim
+
+    events = records(run_dir)
+    assert events[-1]["type"] == "run_end" and events[-1]["status"] == "completed", events[-1]
+    recoveries = [r for r in events if r["type"] == "recovery"]
+    assert recoveries and all(r["participant"] == "a" for r in recoveries), recoveries
+    steps = [r for r in events if r["type"] == "step"]
+    assert steps and all(d["kernels"] == 0 for s in steps for layer in s["layers"]
+                         for d in layer["devices"] if d["device"] == "a")
+    assert seconds < 60, f"the run took {seconds:.0f} s"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(REASON is not None, reason=f"cannot block a data port here: {REASON}")
+def test_workers_that_cannot_reach_the_masters_data_port_stop_the_run_with_that_line(
+        netns: str, workers: Any, endpoint: str, tmp_path: Path) -> None:
+    """The master's own data port (a free port, new every run) blocked: it cannot be
+    evicted, so the run stops at once with the line and what to do."""
+    ports = {"a": BLOCKED_PORT, "b": BLOCKED_PORT + 1, "c": BLOCKED_PORT + 2}
+    control = endpoint.rsplit(":", 1)[1]
+    open_ports = ",".join([control, *(str(port) for port in ports.values())])
+    firewall(netns, "--syn", "-m", "multiport", "!", "--dports", open_ports)  # all but these
+    started = {w.name: w for name, port in ports.items()
+               for w in workers(name, netns=netns, extra_args=("--data-port", str(port)))}
+    status, out, err, seconds = train(netns, endpoint, tmp_path / "run")
+    assert KERNEL_SPLIT in out, out[-3000:]
+    line = re.compile(r"worker [abc] cannot reach the master's data port tcp://127\.0\.0\.1:"
+                      r"(\d+) \(no answer in 3\.0 s: a firewall blocking TCP port \1\?\)")
+    assert status != 0
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("hetconv: error: ") and line.search(last), err[-3000:]
+    assert "--data-plane star" in last, last
+    assert all(line.search(w.output()) for w in started.values()), \
+        {name: w.output() for name, w in started.items()}
+    assert seconds < 60, f"the run took {seconds:.0f} s to stop"
+
+
+@pytest.mark.timeout(30)
+def test_the_check_names_the_peer_at_fault_or_itself_when_it_reaches_nobody() -> None:
+    """Without root: a port where nothing listens refuses at once (the same line, with
+    ``connection refused``); a participant that reaches none of two peers blames itself."""
+    with socket.socket() as listening, socket.socket() as closed:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        closed.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+        good = f"tcp://127.0.0.1:{listening.getsockname()[1]}"
+        bad = f"tcp://127.0.0.1:{closed.getsockname()[1]}"
+        check_reachable("b", {"b": bad, "master": good}, 3.0)  # its own endpoint is skipped
+        with pytest.raises(PeerLost) as lost:
+            check_reachable("b", {"master": good, "a": bad, "c": good}, 3.0)
+        assert lost.value.peers == ["a"]
+        assert str(lost.value) == unreachable_line("b", "a", bad, "connection refused")
+        assert str(lost.value).startswith(f"worker b cannot reach worker a's data port {bad} "
+                                          "(connection refused: a firewall blocking TCP port")
+        with pytest.raises(PeerLost) as lost:
+            check_reachable("master", {"a": bad, "c": bad}, 3.0)
+        assert lost.value.peers == ["master"]
+        assert "the master reaches none of its 2 peers' data ports" in str(lost.value)
