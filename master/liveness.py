@@ -7,7 +7,11 @@ still acknowledged by its kernel; on a cut link they are not, and the master's k
 retransmits them with a growing back-off, so after the link heals the first segment
 arrives late (up to a few seconds). :func:`stalled_peers` reads ``/proc/net/tcp`` and
 ``/proc/net/tcp6`` for the connections on the master's port whose unacknowledged
-bytes are being retransmitted, and returns their remote addresses;
+bytes are being retransmitted after at least one retransmission timeout went
+unanswered, and returns their remote addresses (bytes merely in flight, or waiting for
+a delayed acknowledgement, run the same timer, but no timeout has passed: a stopped
+peer's kernel acknowledges within 200 ms, or closes its window, which runs the
+zero-window probe timer instead);
 ``master/membership.py`` gives a silent worker at such an address up to
 ``link_retry_s`` (10 s) instead of ``liveness_timeout_s`` (5 s) before it is lost.
 Where the evidence cannot be read (no ``/proc``, the worker's address unknown) the
@@ -22,6 +26,7 @@ from pathlib import Path
 PROC_TCP = (Path("/proc/net/tcp"), Path("/proc/net/tcp6"))
 TCP_ESTABLISHED = 0x01
 TIMER_RETRANSMIT = 1  # the "tr" column: the retransmission timer is running
+MIN_TIMEOUTS = 1  # the "retrnsmt" column: retransmission timeouts without progress
 
 
 def _address(hex_address: str) -> tuple[str, int]:
@@ -51,7 +56,8 @@ def canonical_address(text: str) -> str:
 
 def stalled_peers(port: int, tables: Iterable[str]) -> frozenset[str]:
     """Remote addresses of the established connections on local ``port`` that hold
-    unacknowledged bytes under a running retransmission timer, from the text of
+    unacknowledged bytes under a running retransmission timer that has already timed
+    out at least ``MIN_TIMEOUTS`` times without an acknowledgement, from the text of
     ``/proc/net/tcp``-style tables."""
     out: set[str] = set()
     for table in tables:
@@ -65,10 +71,11 @@ def stalled_peers(port: int, tables: Iterable[str]) -> frozenset[str]:
                 state = int(fields[3], 16)
                 tx_queue = int(fields[4].split(":")[0], 16)
                 timer = int(fields[5].split(":")[0], 16)
+                timeouts = int(fields[6], 16)
             except ValueError:
                 continue
             if local_port == port and state == TCP_ESTABLISHED and tx_queue > 0 \
-                    and timer == TIMER_RETRANSMIT:
+                    and timer == TIMER_RETRANSMIT and timeouts >= MIN_TIMEOUTS:
                 out.add(remote)
     return frozenset(out)
 

@@ -62,10 +62,19 @@ MAX_RECV_TIMEOUT_S = 86_400.0
 """Longest wait ``recv_message`` accepts: a day is no deadline in practice, more is a bug."""
 HEARTBEAT_IVL_MS = 1_000
 """ZMTP PING interval on every connection."""
-HEARTBEAT_TIMEOUT_MS = 5_000
-"""A connection with no traffic for this long after a PING is dropped."""
-HEARTBEAT_TTL_MS = 10_000
-"""TTL we ask the peer to apply to us (rounded by ZeroMQ to 100 ms)."""
+HEARTBEAT_TIMEOUT_MS = 12_000
+"""A connection with no traffic for this long after a PING is dropped. Longer than the
+master's ``LINK_RETRY_S`` (10 s, ``hetconv.master.membership_types``) on purpose: behind
+a cut link TCP retransmits with a growing back-off (0.2, 0.6, 1.4, 3.0, 6.2 s, ...), so
+the first bytes after a 4 s cut arrive about 6 s after it began, and a connection closed
+before then (by either side) would turn a short cut into a failover. A stopped worker
+is found by the application's liveness check (``DEFAULT_HEARTBEAT_LIVENESS``, 5 s)
+and a killed one by its closed connection, neither by this timeout
+(docs/resilience.md, "Liveness bounds")."""
+HEARTBEAT_TTL_MS = 12_000
+"""TTL we ask the peer to apply to us (rounded by ZeroMQ to 100 ms): the peer drops the
+connection after this long with nothing from us. Above ``LINK_RETRY_S`` for the same
+reason as ``HEARTBEAT_TIMEOUT_MS``."""
 HANDSHAKE_IVL_MS = 10_000
 """Longest ZMTP (and CURVE) handshake before the connection is dropped."""
 RECONNECT_IVL_MS = 100
@@ -104,9 +113,10 @@ DEFAULT_HEARTBEAT_INTERVAL_S = 0.5
 ``Welcome.heartbeat_interval_s``)."""
 DEFAULT_HEARTBEAT_LIVENESS = 10
 """Missed heartbeat intervals before the master declares a silent worker dead (Paranoid
-Pirate): 10 x 0.5 s = 5 s, longer than a short link cut (which must not cost a
-failover). A killed worker is found sooner: its connection closes, and the master's
-next heartbeat to it fails (``PeerUnreachable``), within one interval."""
+Pirate): 10 x 0.5 s = 5 s. A killed worker is found sooner: its connection closes,
+and the master's next heartbeat to it fails (``PeerUnreachable``), within one interval.
+A worker whose TCP connection is retransmitting (a cut link, not a stopped process)
+gets up to ``LINK_RETRY_S`` (10 s) instead (``hetconv.master.liveness``)."""
 DEFAULT_PEER_TIMEOUT_S = 30.0
 """The longest a participant waits for a peer's piece (sent in ``AssignPeers``). Long
 on purpose: a peer may compute a big layer for seconds before it sends, and a dead
