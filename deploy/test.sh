@@ -13,7 +13,7 @@ venv=${HETCONV_TEST_VENV:-.venv-test}
 torch_pin="torch==2.13.0"
 require_torch=${HETCONV_REQUIRE_TORCH:-0}
 torch_index=${HETCONV_TORCH_INDEX:-}
-HETCONV_SYSTEM_EXTRAS="${HETCONV_SYSTEM_EXTRAS:-chromium debootstrap iproute2 podman runc slurm-wlm systemd}" deploy/setup-env.sh "$venv" test,export,metrics
+HETCONV_SYSTEM_EXTRAS="${HETCONV_SYSTEM_EXTRAS:-chromium debootstrap iproute2 iptables podman runc slurm-wlm systemd}" deploy/setup-env.sh "$venv" test,export,metrics
 
 # ---- PyTorch: only a test oracle, but never allowed to vanish silently.
 torch_ok() {

@@ -18,7 +18,7 @@ from hetconv.protocol.transport import CurveClientKeys
 DATASETS = ("fashion-mnist", "cifar10", "folder", "synthetic")
 SCHEDULES = ("cosine", "step", "constant")
 SPLIT_MODES = ("model", "calibrated", "equal")
-SPLIT_BY = ("kernels", "samples", "auto")
+SPLIT_BY = ("auto", "kernels", "samples")
 """``--split-by``: what a conv layer is cut into (docs/sample-split.md); the first is the
 default."""
 WIRE_DTYPES = ("float32", "float16")
@@ -107,7 +107,7 @@ class MasterConfig:
     peer_timeout_s: float = limits.DEFAULT_PEER_TIMEOUT_S
     rebalance: bool | None = None  # re-split from measured step times; None: on for "model"
     on_worker_loss: str = ON_WORKER_LOSS[0]  # when the last worker is gone
-    split_by: str = SPLIT_BY[0]  # kernels (the paper's), samples or auto
+    split_by: str = SPLIT_BY[0]  # auto (default), kernels (the paper's) or samples
 
     def __post_init__(self) -> None:
         check_endpoint("--listen", self.listen, bind=True)

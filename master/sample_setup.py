@@ -45,6 +45,8 @@ def open_sample_stage(cluster: Cluster, config: MasterConfig, participants: list
                       report: Callable[[str], None] = print) -> SampleConvStage:
     """Hand out the whole layers and build the stage (see the module doc)."""
     seconds = seconds_per_sample(calibration, shapes, batch)
+    if config.split == "equal":  # the same number of samples for everyone
+        seconds = [1.0] * len(seconds)
     balance = SampleBalance({p.participant: t for p, t in zip(participants, seconds)})
     workers = [p for p in participants if p.worker is not None]
     rows = [[Shard(p.participant, p.worker, 0, shape.kernels) for p in workers]
@@ -56,7 +58,8 @@ def open_sample_stage(cluster: Cluster, config: MasterConfig, participants: list
     master_computes = any(p.participant == MASTER_PARTICIPANT for p in participants)
     setup = SampleSetup(tuple(shapes), settings, device,
                         "float32" if config.wire_dtype == "auto" else config.wire_dtype,
-                        batch, master_computes, local_stage, metrics, report)
+                        batch, master_computes, local_stage, metrics, report,
+                        rebalancing=config.rebalancing and config.split != "equal")
     control = RunControl((p.participant for p in workers),
                          stop_on_worker_loss=config.on_worker_loss == "stop")
 
@@ -66,6 +69,20 @@ def open_sample_stage(cluster: Cluster, config: MasterConfig, participants: list
 
     stage = SampleConvStage(cluster, workers, local, balance, control, setup, finish)
     slices = stage._slice_batch(batch)
+    share = {s.participant: s.samples for s in slices}
+    for shape, cal in zip(shapes, calibration):  # what `hetconv plan` and the report read
+        metrics.write("calibration", layer=shape.index, split=config.split, split_by="samples",
+                      calibrated_kernels=cal.calibrated_kernels, kernels=shape.kernels,
+                      small_kernels=cal.small_kernels,
+                      devices=[{"device": p.participant, "seconds": t, "small_seconds": small,
+                                "fixed_s": cost[0], "per_kernel_s": cost[1],
+                                "kernels": shape.kernels, "kernel_start": 0,
+                                "kernel_stop": shape.kernels,
+                                "samples": share.get(p.participant, 0),
+                                "share": share.get(p.participant, 0) / batch}
+                               for p, t, small, cost in zip(participants, cal.seconds,
+                                                            cal.small_seconds,
+                                                            cal.cost_models())])
     report("hetconv: split by samples: " + ", ".join(
         f"{s.participant} {s.samples} ({100 * s.samples / batch:.0f}%)" for s in slices)
         + f" of every batch of {batch}; every participant holds every layer")

@@ -68,7 +68,7 @@ from hetconv.sample_replica import add_in_order, moments_to_statistics
 from hetconv.shard import ConvShard, LayerSettings
 from hetconv.stage import ConvStage, StageFault
 from hetconv.wire_cast import to_wire
-from hetconv.worker.sample_runner import SampleRunner
+from hetconv.sample_runner import SampleRunner
 
 log = logging.getLogger("hetconv.master")
 
@@ -100,6 +100,7 @@ class SampleSetup:
     local_stage: Callable[[], ConvStage]  # the master alone (no worker left)
     metrics: MetricsWriter
     report: Callable[[str], None]
+    rebalancing: bool = True  # re-slice from measured compute (``--rebalance``)
 
 
 class SampleConvStage:
@@ -385,7 +386,7 @@ class SampleConvStage:
                   for layer, devices in sorted(self._timings.items())]
         comm_s = self._comm_s
         samples = {p.participant: p.samples for p in self.slices}
-        if self.balance.observe(self._step_compute, samples):
+        if self.setup.rebalancing and self.balance.observe(self._step_compute, samples):
             names = self._names()
             self.slices = self._slice_batch(sum(samples.values()))
             counts = {p.participant: p.samples for p in self.slices}

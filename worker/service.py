@@ -57,7 +57,7 @@ from hetconv.protocol import (
 )
 from hetconv.shard import ConvShard, LayerSettings
 from hetconv.wire_cast import to_wire
-from hetconv.worker.sample_runner import SampleRequestError, SampleRunner
+from hetconv.sample_runner import SampleRequestError, SampleRunner
 from hetconv.worker.validation import (
     ACTIVATION_DTYPES,
     calibrate_refusal,
@@ -97,6 +97,10 @@ class DelayedShard(ConvShard):
         if train:
             time.sleep(self.delay_per_kernel_s * self.kernels)
         return self.corrupt_output(super().forward(x, train, rows_ready))
+
+    def training_delay(self) -> None:
+        """The delay hook of one training phase (the sample split's rounds call it)."""
+        time.sleep(self.delay_per_kernel_s * self.kernels)
 
     def corrupt_output(self, y: Any) -> Any:
         """y as this shard answers it: wrong while ``corrupt`` is set (the sample split's
@@ -222,7 +226,7 @@ class WorkerService:
 
     def _sample_call(self, serve: Callable[[Any, dict[int, ConvShard]], Message],
                      request: Message) -> Message:
-        """A sample-split round (worker/sample_runner.py) over the shards held."""
+        """A sample-split round (hetconv/sample_runner.py) over the shards held."""
         self._test_corruption(max(int(getattr(request, "step", 0)), 0))
         try:
             return serve(request, self.shards)

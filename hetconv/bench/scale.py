@@ -292,7 +292,7 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
                              f"tcp://{master.address}:{port}", "--min-workers",
                              str(len(config) - 1), "--wait", "60",
                              *(("--split-by", "samples") if plane == SAMPLES
-                               else ("--data-plane", plane)),
+                               else ("--split-by", "kernels", "--data-plane", plane)),
                              "--split", split, *common, "--run-dir", str(run_dir)]
                     if len(config) == 1:
                         train[train.index("--min-workers") + 1] = "0"

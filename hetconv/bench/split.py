@@ -68,7 +68,8 @@ def run_split_bench(slow_fraction: float = 0.3, arch: str = "32:256", batch: int
     def train(name: str, workers: int, split: str) -> Path:
         run_dir = base / name
         command = [sys.executable, "-m", "hetconv", "train", "--listen", endpoint,
-                   "--min-workers", str(workers), "--split", split, *common,
+                   "--min-workers", str(workers), "--split", split,
+                   "--split-by", "kernels", *common,
                    "--run-dir", str(run_dir), "--overwrite"]
         result = subprocess.run(command, capture_output=True, text=True, timeout=900)
         if result.returncode != 0:

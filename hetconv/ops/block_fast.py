@@ -59,7 +59,7 @@ def combine_moments(parts: list[tuple[int, Array, Array]], xp: Any = np
     order; M2 = the sum of (M2_p + n_p (mean_p - mean)^2). The mean is sum / count, the
     biased variance M2 / count."""
     count = sum(int(n) for n, _, _ in parts)
-    total = xp.array(parts[0][1], copy=True)
+    total = parts[0][1].copy()
     for _, part_total, _ in parts[1:]:
         total += part_total
     mean = total / count

@@ -209,7 +209,10 @@ def _device_info(raw: dict[str, Any]) -> DeviceInfo:
 
 def _calibration(raw: dict[str, Any]) -> LayerCalibration:
     devices = tuple(CalibratedDevice(device=str(d["device"]), seconds=float(d["seconds"]),
-                                     kernels=int(d["kernels"]), share=float(d.get("share", 0.0)),
+                                     # work units: samples under the sample split
+                                     kernels=int(d["samples"] if raw.get("split_by") == "samples"
+                                                 else d["kernels"]),
+                                     share=float(d.get("share", 0.0)),
                                      fixed_s=_opt_float(d.get("fixed_s")),
                                      per_kernel_s=_opt_float(d.get("per_kernel_s")))
                     for d in raw["devices"])

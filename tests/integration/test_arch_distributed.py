@@ -33,7 +33,7 @@ def test_a_spec_over_two_workers_reproduces_the_local_run(endpoint: str, workers
     local = run_hetconv("train", "--local", *RUN, "--run-dir", str(local_dir))
     assert local.returncode == 0, local.stderr
     workers("w1", "w2")
-    result = run_hetconv("train", "--listen", endpoint, "--min-workers", "2", "--wait", "30",
+    result = run_hetconv("train", "--listen", endpoint, "--split-by", "kernels", "--min-workers", "2", "--wait", "30",
                          "--split", "equal", *RUN, "--run-dir", str(dist_dir))
     assert result.returncode == 0, result.stderr
     local_losses, dist_losses = step_losses(local_dir), step_losses(dist_dir)

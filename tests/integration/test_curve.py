@@ -45,7 +45,7 @@ def test_only_allowed_workers_join(endpoint: str, workers: Any, tmp_path: Path) 
                                 "--master-key", str(keys / "master.key")))
     args = [a for a in SMALL_RUN]
     args[args.index("--limit") + 1] = "256"
-    result = run_hetconv("train", "--listen", endpoint, "--min-workers", "1", "--wait", "30",
+    result = run_hetconv("train", "--listen", endpoint, "--split-by", "kernels", "--min-workers", "1", "--wait", "30",
                          "--no-local", *args, "--run-dir", str(tmp_path / "r1"), *master_args)
     assert result.returncode == 0, result.stderr
     assert "good" in result.stdout and "bad" not in result.stdout
@@ -105,7 +105,7 @@ def test_another_key_cannot_take_over_a_live_workers_routing_id(endpoint: str,
     args[args.index("--limit") + 1] = "25600"
     run_dir = tmp_path / "run"
     master = subprocess.Popen(
-        hetconv_command("train", "--listen", endpoint, "--min-workers", "1", "--wait", "30",
+        hetconv_command("train", "--listen", endpoint, "--split-by", "kernels", "--min-workers", "1", "--wait", "30",
                         *args, "--run-dir", str(run_dir),
                         "--curve-secret", str(keys / "master.key_secret"),
                         "--curve-allow", str(allowed)),

@@ -39,7 +39,7 @@ def test_two_workers_reproduce_local_run(endpoint: str, workers: Any, tmp_path: 
                                          local_reference: Path) -> None:
     workers("w1", "w2")
     run_dir = tmp_path / "dist"
-    result = run_hetconv("train", "--listen", endpoint, "--min-workers", "2", "--wait", "30",
+    result = run_hetconv("train", "--listen", endpoint, "--split-by", "kernels", "--min-workers", "2", "--wait", "30",
                          *SMALL_RUN, "--run-dir", str(run_dir))
     assert result.returncode == 0, result.stderr
     assert "split of 8 kernels" in result.stdout
@@ -64,7 +64,7 @@ def test_three_workers_no_local_equal_split(endpoint: str, workers: Any, tmp_pat
                                             local_reference: Path) -> None:
     workers("w1", "w2", "w3")
     run_dir = tmp_path / "dist"
-    result = run_hetconv("train", "--listen", endpoint, "--min-workers", "3", "--wait", "30",
+    result = run_hetconv("train", "--listen", endpoint, "--split-by", "kernels", "--min-workers", "3", "--wait", "30",
                          "--no-local", "--split", "equal", *SMALL_RUN, "--run-dir", str(run_dir))
     assert result.returncode == 0, result.stderr
     assert "w1 2 (50%), w2 1 (25%), w3 1 (25%)" in result.stdout  # equal split of 4
@@ -147,7 +147,7 @@ def test_float16_on_the_wire_halves_traffic_and_still_trains(endpoint: str, work
                                                               local_reference: Path) -> None:
     workers("w1", "w2")
     run_dir = tmp_path / "fp16"
-    result = run_hetconv("train", "--listen", endpoint, "--min-workers", "2", "--wait", "30",
+    result = run_hetconv("train", "--listen", endpoint, "--split-by", "kernels", "--min-workers", "2", "--wait", "30",
                          *SMALL_RUN, "--wire-dtype", "float16",  # after SMALL_RUN's float32
                          "--data-plane", "star", "--run-dir", str(run_dir))  # byte counts below
     assert result.returncode == 0, result.stderr

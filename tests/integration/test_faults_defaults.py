@@ -100,13 +100,14 @@ def turn_a_holder_bad(run_dir: Path, flags: dict[str, Path]) -> str:
     raise AssertionError("no worker kept its kernels long enough to turn it bad")
 
 
-PLANES = [pytest.param((), id="peer-default"), pytest.param(("--data-plane", "star"), id="star")]
+PLANES = [pytest.param((), id="default"),
+          pytest.param(("--split-by", "kernels"), id="kernels-peer"),
+          pytest.param(("--split-by", "kernels", "--data-plane", "star"), id="kernels-star")]
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("fault", ["kill", "stop", "restart"])
-@pytest.mark.parametrize("plane", PLANES + [pytest.param(("--split-by", "samples"),
-                                                         id="samples")])
+@pytest.mark.parametrize("plane", PLANES)
 def test_a_lost_worker_costs_at_most_two_recoveries(endpoint: str, workers: Any, tmp_path: Path,
                                                     fault: str, plane: tuple[str, ...]) -> None:
     started = {w.name: w for w in workers("a", "b", "c")}

@@ -35,7 +35,7 @@ def test_two_workers_and_the_master_reproduce_the_local_run(endpoint: str, worke
                                                             local_reference: Path) -> None:
     workers("w1", "w2")
     run_dir = tmp_path / "peer"
-    result = run_hetconv("train", "--listen", endpoint, "--min-workers", "2", "--wait", "30",
+    result = run_hetconv("train", "--listen", endpoint, "--split-by", "kernels", "--min-workers", "2", "--wait", "30",
                          "--data-plane", "peer", "--split", "equal", *SMALL_RUN,
                          "--run-dir", str(run_dir))
     assert result.returncode == 0, result.stderr
@@ -59,7 +59,7 @@ def test_three_workers_no_local_reproduce_and_the_master_link_does_not_grow(
         endpoint: str, workers: Any, tmp_path: Path, local_reference: Path) -> None:
     workers("w1", "w2", "w3")
     run_dir = tmp_path / "peer3"
-    result = run_hetconv("train", "--listen", endpoint, "--min-workers", "3", "--wait", "30",
+    result = run_hetconv("train", "--listen", endpoint, "--split-by", "kernels", "--min-workers", "3", "--wait", "30",
                          "--no-local", "--split", "equal", "--data-plane", "peer", *SMALL_RUN,
                          "--run-dir", str(run_dir))
     assert result.returncode == 0, result.stderr
@@ -69,7 +69,7 @@ def test_three_workers_no_local_reproduce_and_the_master_link_does_not_grow(
     by_workers = {}
     for count in (2, 3):
         small_dir = tmp_path / f"n{count}"
-        result = run_hetconv("train", "--listen", endpoint, "--min-workers", str(count),
+        result = run_hetconv("train", "--listen", endpoint, "--split-by", "kernels", "--min-workers", str(count),
                              "--wait", "30", "--no-local", "--split", "equal", "--data-plane",
                              "peer", *short, "--run-dir", str(small_dir))
         assert result.returncode == 0, result.stderr
@@ -94,7 +94,7 @@ def test_curve_run_trains_over_the_peer_plane(endpoint: str, workers: Any,
                                   "--master-key", str(keys / "master.key")))
     args = [a for a in SMALL_RUN]
     args[args.index("--limit") + 1] = "640"
-    result = run_hetconv("train", "--listen", endpoint, "--min-workers", "2", "--wait", "30",
+    result = run_hetconv("train", "--listen", endpoint, "--split-by", "kernels", "--min-workers", "2", "--wait", "30",
                          "--split", "equal", "--data-plane", "peer", *args,
                          "--run-dir", str(tmp_path / "r"),
                          "--curve-secret", str(keys / "master.key_secret"),

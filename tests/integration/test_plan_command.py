@@ -27,7 +27,7 @@ def distributed_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     base = tmp_path_factory.mktemp("plan")
     run_dir = base / "run"
     with LocalWorkers(endpoint, [{"name": "w1"}, {"name": "w2"}], log_dir=base):
-        result = run_hetconv("train", "--listen", endpoint, "--min-workers", "2", "--wait", "30",
+        result = run_hetconv("train", "--listen", endpoint, "--split-by", "kernels", "--min-workers", "2", "--wait", "30",
                              *SMALL_RUN, "--limit", "1280", "--split", "model",
                              "--run-dir", str(run_dir))
     assert result.returncode == 0, result.stderr

@@ -76,7 +76,7 @@ def test_scraped_metrics_equal_metrics_jsonl(workers: Any, endpoint: str, tmp_pa
     train_port = free_port()
     run_dir = tmp_path / "run"
     master = subprocess.Popen(
-        hetconv_command("train", "--listen", endpoint, "--min-workers", "2", "--wait", "60",
+        hetconv_command("train", "--listen", endpoint, "--split-by", "kernels", "--min-workers", "2", "--wait", "60",
                         "--no-local", *SMALL_RUN, "--run-dir", str(run_dir),
                         "--metrics-port", str(train_port)),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env())

@@ -40,7 +40,7 @@ def test_a_slow_worker_loses_kernels_and_the_run_stays_exact(
     workers("w1")
     workers("slow", env=SLOW)
     run_dir = tmp_path / data_plane
-    result = run_hetconv("train", "--listen", endpoint, "--min-workers", "2", "--wait", "30",
+    result = run_hetconv("train", "--listen", endpoint, "--split-by", "kernels", "--min-workers", "2", "--wait", "30",
                          "--split", "equal", "--rebalance", "on", "--data-plane", data_plane,
                          *SMALL_RUN, "--run-dir", str(run_dir))
     assert result.returncode == 0, result.stderr
@@ -64,7 +64,7 @@ def test_rebalance_off_never_re_splits(endpoint: str, workers: Any, tmp_path: Pa
     args = list(SMALL_RUN)
     args[args.index("--limit") + 1] = "1920"  # 30 steps: a re-split would come at step 7
     run_dir = tmp_path / "off"
-    result = run_hetconv("train", "--listen", endpoint, "--min-workers", "2", "--wait", "30",
+    result = run_hetconv("train", "--listen", endpoint, "--split-by", "kernels", "--min-workers", "2", "--wait", "30",
                          "--split", "equal", "--rebalance", "off", *args,
                          "--run-dir", str(run_dir))
     assert result.returncode == 0, result.stderr

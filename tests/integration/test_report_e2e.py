@@ -75,7 +75,7 @@ def test_terminal_and_json_figures(distributed_run: Path) -> None:
     for calibration in (r for r in records if r["type"] == "calibration"):
         for device in calibration["devices"]:
             row = rf"^{calibration['layer'] + 1}\s+{re.escape(device['device'])}\s+" \
-                  rf"{device['kernels']}\s"
+                  rf"{device.get('samples', device['kernels'])}\s"
             assert re.search(row, text, re.MULTILINE), (row, text)
     assert (distributed_run / "report.html").is_file()
 
@@ -89,7 +89,9 @@ def test_terminal_and_json_figures(distributed_run: Path) -> None:
     last = used[-1]
     for layer in last["layers"]:
         for device in layer["devices"]:
-            assert kernels[device["device"]][layer["layer"]] == device["kernels"]
+            # work units: kernels, or samples under the sample split
+            assert kernels[device["device"]][layer["layer"]] == device.get("samples",
+                                                                          device["kernels"])
     assert 0 < data["balance_efficiency"] <= 1.05
 
 

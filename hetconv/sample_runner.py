@@ -1,4 +1,4 @@
-"""The worker's side of the sample split: rounds of whole-layer work on its samples.
+"""A participant's side of the sample split: rounds of whole-layer work on its samples.
 
 Under ``--split-by samples`` the worker holds whole conv layers (``AssignShard`` of
 kernels [0, K)) and the master drives each step as rounds (protocol/sample_messages.py,
@@ -45,6 +45,13 @@ def _vector(array: np.ndarray | None, name: str, kernels: int, layer: int) -> np
     if not np.isfinite(array).all():
         raise SampleRequestError(ERR_BAD_REQUEST, f"layer {layer}: {name} holds NaN or Inf")
     return array
+
+
+def _test_delay(shard: ConvShard) -> None:
+    """The tests' slow worker (worker/service.py ``DelayedShard``); nothing otherwise."""
+    delay = getattr(shard, "training_delay", None)
+    if delay is not None:
+        delay()
 
 
 class SampleRunner:
@@ -114,6 +121,7 @@ class SampleRunner:
                     x = replica.forward_eval(x)
                     finished = self._activation = x
                     continue
+                _test_delay(replica.shard)
                 moments = replica.start_forward(x, request.total_batch, True)
                 if moments is not None:
                     count, total, m2 = moments
@@ -162,6 +170,7 @@ class SampleRunner:
             dy = request.dy if request.dy is not None else self._gradient
             if dy is None:
                 raise SampleRequestError(ERR_BAD_REQUEST, f"layer {request.start_layer}: no dy")
+            _test_delay(replica.shard)
             try:
                 sums = replica.start_backward(dy)
             except (RuntimeError, ValueError) as error:
