@@ -195,11 +195,16 @@ class SampleReplica:
             sgd_update(s["beta"], dbeta, s["velocity_beta"], learning_rate, cfg.momentum, 0.0)
         self._sums = None
 
-    def follow_statistics(self, mean: np.ndarray, var: np.ndarray, total_batch: int,
-                          conv_size: tuple[int, int]) -> None:
+    @property
+    def started(self) -> bool:
+        """Whether a forward pass of this replica's slice waits for its statistics."""
+        return self._pass is not None
+
+    def follow_statistics(self, mean: np.ndarray, var: np.ndarray, count: int) -> None:
         """For a replica without a slice: the running statistics' update that every
-        participant's :meth:`finish_forward` makes from the whole batch's (mean, var)
-        (the same arithmetic as ``BlockPass``), so this replica stays equal to theirs."""
+        participant's :meth:`finish_forward` makes from the whole batch's (mean, var) over
+        ``count`` values per channel (B·Ho·Wo; the same arithmetic as ``BlockPass``), so
+        this replica stays equal to theirs."""
         shard, cfg = self.shard, self.shard.settings
         if not cfg.batch_norm:
             return
@@ -207,7 +212,6 @@ class SampleReplica:
             xp = shard.xp
             mean_d = to_module(np.asarray(mean, np.float32), xp)
             var_d = to_module(np.asarray(var, np.float32), xp)
-            count = total_batch * conv_size[0] * conv_size[1]
             unbiased = var_d * (count / max(count - 1, 1))
             s = shard.state
             rm, rv = s["running_mean"], s["running_var"]

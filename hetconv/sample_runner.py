@@ -80,9 +80,35 @@ class SampleRunner:
             self._replicas[layer] = held
         return held[1]
 
+    def _update(self, shards: Mapping[int, ConvShard], layer: int, dweight: np.ndarray | None,
+                learning_rate: float, sums: np.ndarray | None) -> None:
+        """The SGD step of ``layer`` with the whole batch's weight gradient and batch-norm
+        sums (2, K)."""
+        replica = self.replica(shards, layer)
+        kernels = replica.shard.kernels
+        if sums is None or sums.shape != (2, kernels) or sums.dtype != np.float32 \
+                or not np.isfinite(sums).all():
+            raise SampleRequestError(ERR_BAD_REQUEST, f"layer {layer}: update_sums must be "
+                                     f"finite float32 (2, {kernels})")
+        shape = tuple(replica.shard.state["weight"].shape)
+        if dweight is None or tuple(dweight.shape) != shape or dweight.dtype != np.float32:
+            raise SampleRequestError(ERR_BAD_REQUEST, f"layer {layer}: dweight must be "
+                                     f"float32 {shape}")
+        if not np.isfinite(dweight).all():
+            raise SampleRequestError(ERR_BAD_REQUEST, f"layer {layer}: dweight holds NaN or Inf")
+        if not np.isfinite(learning_rate) or learning_rate < 0:
+            raise SampleRequestError(ERR_BAD_REQUEST, f"learning_rate {learning_rate}")
+        try:
+            replica.apply_update(dweight, learning_rate, sums=(sums[0], sums[1]))
+        except RuntimeError as error:
+            raise SampleRequestError(ERR_BAD_REQUEST, str(error)) from None
+
     def forward(self, request: SampleForwardRequest, shards: Mapping[int, ConvShard]
                 ) -> SampleForwardReply:
         started = time.perf_counter()
+        if request.update_layer >= 0:
+            self._update(shards, request.update_layer, request.dweight, request.learning_rate,
+                         request.update_sums)
         finished: np.ndarray | None = None
         if request.finish_layer >= 0:
             replica = self.replica(shards, request.finish_layer)
@@ -91,14 +117,21 @@ class SampleRunner:
             if request.mean is not None or request.var is not None:
                 mean = _vector(request.mean, "mean", kernels, request.finish_layer)
                 var = _vector(request.var, "var", kernels, request.finish_layer)
-            try:
-                finished = replica.finish_forward(mean, var)
-            except RuntimeError as error:  # no forward started: a round out of order
-                raise SampleRequestError(ERR_BAD_REQUEST, str(error)) from None
-            hook = getattr(replica.shard, "corrupt_output", None)  # tests' broken worker
-            if hook is not None:
-                finished = hook(finished)
-            self._activation = finished
+            if not replica.started and request.start_layer < 0 and mean is not None \
+                    and var is not None:
+                # no samples of this step here: only the running statistics move
+                if request.total_count < 1:
+                    raise SampleRequestError(ERR_BAD_REQUEST, "total_count must be >= 1")
+                replica.follow_statistics(mean, var, request.total_count)
+            else:
+                try:
+                    finished = replica.finish_forward(mean, var)
+                except RuntimeError as error:  # no forward started: a round out of order
+                    raise SampleRequestError(ERR_BAD_REQUEST, str(error)) from None
+                hook = getattr(replica.shard, "corrupt_output", None)  # tests' broken worker
+                if hook is not None:
+                    finished = hook(finished)
+                self._activation = finished
         count, total, m2 = 0, None, None
         if request.start_layer >= 0:
             x = request.x if request.x is not None else self._activation
@@ -140,19 +173,8 @@ class SampleRunner:
                  ) -> SampleBackwardReply:
         started = time.perf_counter()
         if request.update_layer >= 0:
-            replica = self.replica(shards, request.update_layer)
-            shape = tuple(replica.shard.state["weight"].shape)
-            dweight = request.dweight
-            if dweight is None or tuple(dweight.shape) != shape or dweight.dtype != np.float32:
-                raise SampleRequestError(ERR_BAD_REQUEST, f"layer {request.update_layer}: "
-                                         f"dweight must be float32 {shape}")
-            if not np.isfinite(dweight).all():
-                raise SampleRequestError(ERR_BAD_REQUEST, f"layer {request.update_layer}: "
-                                         "dweight holds NaN or Inf")
-            try:
-                replica.apply_update(dweight, request.learning_rate)
-            except RuntimeError as error:
-                raise SampleRequestError(ERR_BAD_REQUEST, str(error)) from None
+            self._update(shards, request.update_layer, request.dweight, request.learning_rate,
+                         request.update_sums)
         dweight_out = None
         if request.finish_layer >= 0:
             replica = self.replica(shards, request.finish_layer)

@@ -58,17 +58,15 @@ from hetconv.names import layer_key
 from hetconv.protocol import (
     ForwardReply,
     ForwardRequest,
-    SampleBackwardReply,
     SampleBackwardRequest,
-    SampleForwardReply,
     SampleForwardRequest,
 )
 from hetconv.protocol.sample_messages import NO_LAYER
 from hetconv.sample_replica import add_in_order, moments_to_statistics
+from hetconv.sample_runner import SampleRunner
 from hetconv.shard import ConvShard, LayerSettings
 from hetconv.stage import ConvStage, StageFault
 from hetconv.wire_cast import to_wire
-from hetconv.sample_runner import SampleRunner
 
 log = logging.getLogger("hetconv.master")
 
@@ -121,7 +119,9 @@ class SampleConvStage:
         self._x: np.ndarray = NO_OUTPUT
         self._statistics: tuple[np.ndarray, np.ndarray] | None = None
         self._sums: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # layer -> whole sums
-        self._dweight: tuple[int, np.ndarray] | None = None  # (layer, summed dW) to apply
+        # (layer, summed dW, its (2, K) batch-norm sums): the update still to apply
+        self._dweight: tuple[int, np.ndarray, np.ndarray] | None = None
+        self._learning_rate = 0.0  # of the step whose update is pending
         self._eval_output = NO_OUTPUT
         self._timings: dict[int, dict[str, dict[str, Any]]] = {}
         self._comm_s = 0.0
@@ -143,19 +143,22 @@ class SampleConvStage:
 
     # --- one round ---------------------------------------------------------------------
     def _round(self, what: str, layer: int, phase: str, make: Callable[[Slice], Any],
-               record: bool) -> dict[str, Any]:
-        """Send ``make(slice)`` to every worker with samples, serve the master's own
-        slice meanwhile, gather; the replies by participant, in slice order."""
+               record: bool, idle: Callable[[Slice], Any] | None = None) -> dict[str, Any]:
+        """Send ``make(slice)`` to every worker with samples (and ``idle(slice)``, when
+        not None, to those without), serve the master's own slice meanwhile, gather; the
+        replies of the slices with samples by participant, in slice order."""
         started = time.monotonic()
         pending: dict[int, WorkerHandle] = {}
         names: dict[int, str] = {}
         sent: dict[str, int] = {}
         for piece in self.slices:
-            if piece.samples == 0 or piece.participant == MASTER_PARTICIPANT:
+            if piece.participant == MASTER_PARTICIPANT:
+                continue
+            message = make(piece) if piece.samples else (idle(piece) if idle else None)
+            if message is None:
                 continue
             worker = self.workers[piece.participant].worker
             assert worker is not None
-            message = make(piece)
             sent[piece.participant] = self.cluster.send(worker, message)
             pending[message.request_id] = worker
             names[message.request_id] = piece.participant
@@ -170,6 +173,7 @@ class SampleConvStage:
         gathered = self.cluster.gather(pending, what, timeout_s=self.control.request_deadline_s())
         replies: dict[str, Any] = {}
         slowest = 0.0
+        reply: Any
         for piece in self.slices:
             if piece.samples == 0:
                 continue
@@ -223,13 +227,13 @@ class SampleConvStage:
     def forward(self, layer: int, x: np.ndarray, train: bool, step: int) -> np.ndarray:
         if not train:
             return self._evaluate(layer, x)
+        update = None
         if layer == 0:
             self.step = step
             self._x = np.ascontiguousarray(x, dtype=np.float32)
             self.slices = self._slice_batch(x.shape[0])
-            self._sums.clear()
-            self._dweight = None
-        replies = self._forward_round(step, layer - 1, layer, False)
+            update = self._take_update()  # the previous step's last one rides along
+        replies = self._forward_round(step, layer - 1, layer, False, update)
         parts = []
         for piece in self.slices:
             reply = replies.get(piece.participant)
@@ -250,8 +254,8 @@ class SampleConvStage:
         self._statistics = moments_to_statistics(parts) if parts else None
         if self._statistics is not None and not self._master_slice():
             # the master holds every layer even without a slice: same statistics, same bits
-            self.local_replica(layer).follow_statistics(*self._statistics, self._x.shape[0],
-                                                        self._conv_size(layer))
+            self.local_replica(layer).follow_statistics(*self._statistics,
+                                                        self._count(layer))
         if layer < self.layers - 1:
             return NO_OUTPUT
         replies = self._forward_round(step, layer, NO_LAYER, True)
@@ -262,7 +266,23 @@ class SampleConvStage:
                    for piece in self.slices if piece.samples > 0]
         return np.concatenate(outputs, axis=0) if len(outputs) > 1 else outputs[0]
 
-    def _forward_round(self, step: int, finish: int, start: int, output: bool
+    def _take_update(self) -> tuple[int, np.ndarray, np.ndarray] | None:
+        """The pending update, taken to travel with the next round; the master applies it
+        to its own replica at once when it has no slice (with a slice its own runner
+        gets it in the round, as the workers do)."""
+        update, self._dweight = self._dweight, None
+        if update is not None and not self._master_slice():
+            self.local_replica(update[0]).apply_update(update[1], self._learning_rate,
+                                                       sums=(update[2][0], update[2][1]))
+        return update
+
+    def flush(self) -> None:
+        """Apply a pending update everywhere now (before a snapshot or an evaluation)."""
+        if self._dweight is not None:
+            self._backward_round(self.step, self._learning_rate, NO_LAYER, NO_LAYER, None)
+
+    def _forward_round(self, step: int, finish: int, start: int, output: bool,
+                       update: tuple[int, np.ndarray, np.ndarray] | None = None
                        ) -> dict[str, Any]:
         statistics = self._statistics if finish >= 0 else None
         wire = self.setup.wire_dtype
@@ -278,19 +298,43 @@ class SampleConvStage:
                 request_id=self.cluster.request_id(), step=step, attempt=0, train=True,
                 total_batch=total, finish_layer=finish, start_layer=start,
                 stop_layer=start + 1 if start >= 0 else NO_LAYER, return_output=output,
+                update_layer=NO_LAYER if update is None else update[0],
+                learning_rate=self._learning_rate,
+                total_count=self._count(finish) if finish >= 0 else 0,
                 mean=None if statistics is None else statistics[0],
-                var=None if statistics is None else statistics[1], x=x)
+                var=None if statistics is None else statistics[1], x=x,
+                dweight=None if update is None else update[1],
+                update_sums=None if update is None else update[2])
+
+        def idle(piece: Slice) -> SampleForwardRequest | None:
+            """A worker without samples this step still applies every update and follows
+            the running statistics."""
+            follow = finish >= 0 and statistics is not None
+            if update is None and not follow:
+                return None
+            return SampleForwardRequest(
+                request_id=self.cluster.request_id(), step=step, attempt=0, train=True,
+                total_batch=total, finish_layer=finish if follow else NO_LAYER,
+                start_layer=NO_LAYER, stop_layer=NO_LAYER, return_output=False,
+                update_layer=NO_LAYER if update is None else update[0],
+                learning_rate=self._learning_rate,
+                total_count=self._count(finish) if follow else 0,
+                mean=statistics[0] if statistics is not None and follow else None,
+                var=statistics[1] if statistics is not None and follow else None, x=None,
+                dweight=None if update is None else update[1],
+                update_sums=None if update is None else update[2])
 
         layer = start if start >= 0 else finish
         what = (f"forward of layer {layer + 1} (step {step})" if not output
                 else f"output of layer {layer + 1} (step {step})")
-        return self._round(what, layer, "forward", make, True)
+        return self._round(what, layer, "forward", make, True, idle)
 
     def _evaluate(self, layer: int, x: np.ndarray) -> np.ndarray:
         """Evaluation: one round at layer 0 runs every layer on every slice."""
         if layer > 0:
             return self._eval_output if layer == self.layers - 1 else NO_OUTPUT
         x = np.ascontiguousarray(x, dtype=np.float32)
+        self.flush()
         self.slices = self._slice_batch(x.shape[0])
         wire = self.setup.wire_dtype
 
@@ -299,8 +343,10 @@ class SampleConvStage:
             return SampleForwardRequest(
                 request_id=self.cluster.request_id(), step=-1, attempt=0, train=False,
                 total_batch=x.shape[0], finish_layer=NO_LAYER, start_layer=0,
-                stop_layer=self.layers, return_output=True, mean=None, var=None,
-                x=part if piece.participant == MASTER_PARTICIPANT else to_wire(part, wire))
+                stop_layer=self.layers, return_output=True, update_layer=NO_LAYER,
+                learning_rate=0.0, total_count=0, mean=None, var=None,
+                x=part if piece.participant == MASTER_PARTICIPANT else to_wire(part, wire),
+                dweight=None, update_sums=None)
 
         replies = self._round("evaluation forward", 0, "forward", make, False)
         last = self.setup.shapes[-1]
@@ -319,23 +365,18 @@ class SampleConvStage:
             self._backward_round(step, learning_rate, NO_LAYER, layer, dy)
         else:
             self._backward_round(step, learning_rate, layer + 1, layer, None)
-        if layer == 0:
+        if layer == 0:  # its update travels with the next round (see ``flush``)
             self._backward_round(step, learning_rate, 0, NO_LAYER, None)
-            self._backward_round(step, learning_rate, NO_LAYER, NO_LAYER, None)
         return None
 
     def _backward_round(self, step: int, learning_rate: float, finish: int, start: int,
                         dy: np.ndarray | None) -> None:
         """Apply the pending update, finish ``finish``, start ``start`` (see the module
         doc); keeps the new sums and the summed weight gradient for the next round."""
-        update = self._dweight
-        self._dweight = None
+        self._learning_rate = learning_rate
+        update = self._take_update()
         sums = self._sums.get(finish) if finish >= 0 else None
         wire = self.setup.wire_dtype
-        if update is not None and not self._master_slice():
-            # the master holds every layer even without a slice: same update, same bits
-            self.local_replica(update[0]).apply_update(update[1], learning_rate,
-                                                       sums=self._sums[update[0]])
 
         def make(piece: Slice) -> SampleBackwardRequest:
             local = piece.participant == MASTER_PARTICIPANT
@@ -350,17 +391,28 @@ class SampleConvStage:
                 finish_layer=finish, start_layer=start,
                 dweight=None if update is None else update[1],
                 dgamma=None if sums is None else sums[0],
-                dbeta=None if sums is None else sums[1], dy=part)
+                dbeta=None if sums is None else sums[1], dy=part,
+                update_sums=None if update is None else update[2])
+
+        def idle(piece: Slice) -> SampleBackwardRequest | None:
+            """A worker without samples this step still applies every update."""
+            if update is None:
+                return None
+            return SampleBackwardRequest(
+                request_id=self.cluster.request_id(), step=step, attempt=0,
+                learning_rate=learning_rate, update_layer=update[0], finish_layer=NO_LAYER,
+                start_layer=NO_LAYER, dweight=update[1], dgamma=None, dbeta=None, dy=None,
+                update_sums=update[2])
 
         layer = start if start >= 0 else max(finish, 0)
         replies = self._round(f"backward of layer {layer + 1} (step {step})", layer,
-                              "backward", make, True)
+                              "backward", make, finish >= 0 or start >= 0, idle)
         active = [p for p in self.slices if p.samples > 0]
         if finish >= 0:
             shape = self.local[finish].state["weight"].shape
             self._dweight = (finish, add_in_order([
                 self._checked(p.participant, finish, "dweight", replies[p.participant].dweight,
-                              tuple(shape)) for p in active]))
+                              tuple(shape)) for p in active]), np.stack(self._sums[finish]))
         if start >= 0:
             self._sums[start] = (
                 add_in_order([self._vector(p.participant, start, "dgamma",
@@ -374,10 +426,10 @@ class SampleConvStage:
     def _master_slice(self) -> bool:
         return any(p.participant == MASTER_PARTICIPANT and p.samples > 0 for p in self.slices)
 
-    def _conv_size(self, layer: int) -> tuple[int, int]:
-        """(Ho, Wo) of layer ``layer``'s convolution (before its pool)."""
+    def _count(self, layer: int) -> int:
+        """Values per channel of layer ``layer``'s conv output over the batch: B·Ho·Wo."""
         shape = self.setup.shapes[layer]
-        return shape.conv_height, shape.conv_width
+        return int(self._x.shape[0]) * shape.conv_height * shape.conv_width
 
     # --- the rest of the ConvStage interface -------------------------------------------
     def take_step_timings(self) -> dict[str, Any]:
@@ -404,6 +456,7 @@ class SampleConvStage:
     def snapshot(self) -> dict[str, np.ndarray]:
         """The master's replicas (every update applied to them too), audited against
         every worker."""
+        self.flush()
         out: dict[str, np.ndarray] = {}
         for layer in range(self.layers):
             for name, value in self.local[layer].snapshot().items():

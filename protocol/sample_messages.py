@@ -24,9 +24,13 @@ NO_LAYER = -1
 class SampleForwardRequest(Message):
     """master → worker (sample split): one forward round over this worker's samples.
 
-    First, when ``finish_layer`` >= 0: finish that layer with the whole batch's batch-norm
+    First, when ``update_layer`` >= 0: the SGD step of that layer at ``learning_rate``
+    with the whole batch's ``dweight`` and batch-norm sums ``update_sums`` (2, K) (the
+    previous step's last update, carried by the next round instead of a round of its own). Then, when ``finish_layer`` >= 0: finish that layer with the whole batch's batch-norm
     ``mean`` and ``var`` (K,) float32 (absent where the layer needs none: evaluation, no
-    batch norm); its output is the next layer's input. Then, when ``start_layer`` >= 0:
+    batch norm); its output is the next layer's input. A worker without samples in this
+    step follows the running statistics instead (``total_count``: the values per channel
+    they cover, B·Ho·Wo). Then, when ``start_layer`` >= 0:
     run layers [start_layer, stop_layer) on ``x`` (B_i, C, H, W) when given, else on the
     output just finished; in training every layer but a batch-norm one's last phase is
     run (``stop_layer`` = start_layer + 1), in evaluation the whole range.
@@ -44,9 +48,14 @@ class SampleForwardRequest(Message):
     start_layer: int
     stop_layer: int
     return_output: bool
+    update_layer: int
+    learning_rate: float
+    total_count: int
     mean: np.ndarray | None
     var: np.ndarray | None
     x: np.ndarray | None
+    dweight: np.ndarray | None
+    update_sums: np.ndarray | None
 
 
 @dataclass(frozen=True, eq=False)
@@ -72,7 +81,9 @@ class SampleBackwardRequest(Message):
     """master → worker (sample split): one backward round over this worker's samples.
 
     In order: when ``update_layer`` >= 0, the SGD step of that layer at
-    ``learning_rate`` with the whole batch's ``dweight`` (K, C, k, k) float32; when
+    ``learning_rate`` with the whole batch's ``dweight`` (K, C, k, k) float32 and
+    batch-norm sums ``update_sums`` (2, K) float32 (dgamma, dbeta: a worker without
+    samples in this step has none of its own); when
     ``finish_layer`` >= 0, that layer's backward with the whole batch's batch-norm sums
     ``dgamma`` and ``dbeta`` (K,) float32 (its input gradient becomes the next layer's
     dy); when ``start_layer`` >= 0, that layer's backward starts on ``dy``
@@ -91,6 +102,7 @@ class SampleBackwardRequest(Message):
     dgamma: np.ndarray | None
     dbeta: np.ndarray | None
     dy: np.ndarray | None
+    update_sums: np.ndarray | None
 
 
 @dataclass(frozen=True, eq=False)

@@ -28,8 +28,6 @@ from hetconv.names import STATE_NAMES
 from hetconv.ops.conv_layer import POOLS
 from hetconv.peer_plan import PeerPlan
 from hetconv.protocol import (
-    SampleBackwardRequest,
-    SampleForwardRequest,
     ERR_BAD_PEER_DATA,
     ERR_BAD_REQUEST,
     ERR_INTERNAL,
@@ -51,13 +49,15 @@ from hetconv.protocol import (
     PeerBackwardRequest,
     PeerForwardReply,
     PeerForwardRequest,
+    SampleBackwardRequest,
+    SampleForwardRequest,
     SnapshotReply,
     SnapshotRequest,
     peer_error_message,
 )
+from hetconv.sample_runner import SampleRequestError, SampleRunner
 from hetconv.shard import ConvShard, LayerSettings
 from hetconv.wire_cast import to_wire
-from hetconv.sample_runner import SampleRequestError, SampleRunner
 from hetconv.worker.validation import (
     ACTIVATION_DTYPES,
     calibrate_refusal,

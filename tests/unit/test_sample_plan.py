@@ -55,7 +55,7 @@ def test_measured_compute_re_weights_only_for_a_clear_gain() -> None:
     balance = SampleBalance({"master": 1.0, "a": 1.0})
     samples = {"master": 64, "a": 64}
     # a is twice as slow as calibrated: re-weighted after a full window
-    for step in range(REBALANCE_WINDOW - 1):
+    for _ in range(REBALANCE_WINDOW - 1):
         assert not balance.observe({"master": 0.064, "a": 0.128}, samples)
     assert balance.observe({"master": 0.064, "a": 0.128}, samples)
     new = {s.participant: s.samples for s in sample_slices(
