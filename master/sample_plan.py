@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hetconv.model import ConvLayerShape
+from hetconv.perf_model import Link
 from hetconv.sample_replica import sample_splittable
 
 SPLIT_BY = ("auto", "kernels", "samples")
@@ -143,3 +144,39 @@ class SampleBalance:
         self.seconds = proposed
         self._measured.clear()
         return True
+
+
+def sample_rounds(layers: int) -> int:
+    """Round trips of one training step: L + 1 forward, L backward (the last update
+    travels with the next step's first round)."""
+    return 2 * layers + 1
+
+
+def predict_sample_step(slices: Sequence[Slice], seconds_per_sample: dict[str, float],
+                        links: dict[str, Link | None], shapes: Sequence[ConvLayerShape],
+                        weights: int, wire_itemsize: int) -> float:
+    """Predicted seconds of one step's conv part under the sample split: the slowest
+    slice's compute, plus the master's link (every byte to and from the workers goes
+    through it, each direction at the fastest measured worker link rate: the master's
+    own port), plus one round trip per round at the slowest worker's rtt.
+
+    Bytes per worker with samples: its x slice and dy slice down, its y slice up, its
+    weight gradient (``weights`` float32 values) up and the summed one down (the last
+    to every worker, with samples or without)."""
+    compute = max((seconds_per_sample[s.participant] * s.samples for s in slices), default=0.0)
+    first, last = shapes[0], shapes[-1]
+    x_bytes = first.in_channels * first.height * first.width * wire_itemsize
+    y_bytes = last.kernels * last.pooled_height * last.pooled_width * wire_itemsize
+    gradient = 4 * weights
+    down = up = 0.0
+    workers = [s for s in slices if links.get(s.participant) is not None]
+    for piece in workers:
+        down += piece.samples * (x_bytes + y_bytes) + gradient
+        up += piece.samples * y_bytes + (gradient if piece.samples else 0)
+    rates = [link for link in links.values() if link is not None]
+    if not rates:
+        return compute
+    down_rate = max(link.down_bytes_per_s for link in rates)
+    up_rate = max(link.up_bytes_per_s for link in rates)
+    rtt = max(link.rtt_s for link in rates)
+    return compute + max(down / down_rate, up / up_rate) + sample_rounds(len(shapes)) * rtt

@@ -17,10 +17,17 @@ from hetconv.master.assign import assign
 from hetconv.master.cluster import Cluster
 from hetconv.master.plan import Participant, Shard
 from hetconv.master.run import RunControl
-from hetconv.master.sample_plan import SampleBalance, choose_split_by, samples_refusal
+from hetconv.master.sample_plan import (
+    SampleBalance,
+    choose_split_by,
+    predict_sample_step,
+    sample_slices,
+    samples_refusal,
+)
 from hetconv.master.sample_stage import SampleConvStage, SampleSetup, seconds_per_sample
 from hetconv.metrics import MetricsWriter
 from hetconv.model import ConvLayerShape, ModelConfig, layer_parameters
+from hetconv.perf_model import Link
 from hetconv.shard import ConvShard, LayerSettings
 from hetconv.stage import ConvStage
 
@@ -37,16 +44,37 @@ def split_by_for(config: MasterConfig, model: ModelConfig, shapes: list[ConvLaye
                            refusal)
 
 
+def _seconds(config: MasterConfig, calibration: list[Any], shapes: list[ConvLayerShape],
+             batch: int) -> list[float]:
+    """Per participant: calibrated seconds per sample (all equal under ``--split equal``)."""
+    seconds = seconds_per_sample(calibration, shapes, batch)
+    return [1.0] * len(seconds) if config.split == "equal" else seconds
+
+
+def predict_samples(config: MasterConfig, participants: list[Participant],
+                    calibration: list[Any], shapes: list[ConvLayerShape], batch: int,
+                    links: dict[str, Link | None]) -> float:
+    """The predicted conv + transfer seconds of a step split by samples
+    (``predict_sample_step`` over the calibrated slices and the probed links)."""
+    real = seconds_per_sample(calibration, shapes, batch)
+    seconds = _seconds(config, calibration, shapes, batch)
+    names = [p.participant for p in participants]
+    slices = sample_slices(names, seconds, batch)
+    weights = sum(s.kernels * s.in_channels * s.kernel_size ** 2 for s in shapes)
+    return predict_sample_step(slices, dict(zip(names, real)), links, shapes, weights,
+                               np.dtype(config.wire_dtype if config.wire_dtype != "auto"
+                                        else "float32").itemsize)
+
+
 def open_sample_stage(cluster: Cluster, config: MasterConfig, participants: list[Participant],
                       calibration: list[Any], shapes: list[ConvLayerShape],
                       params: dict[str, np.ndarray], settings: LayerSettings,
                       metrics: MetricsWriter, batch: int, device: str,
                       local_stage: Callable[[], ConvStage],
-                      report: Callable[[str], None] = print) -> SampleConvStage:
+                      report: Callable[[str], None] = print,
+                      predicted_s: float | None = None) -> SampleConvStage:
     """Hand out the whole layers and build the stage (see the module doc)."""
-    seconds = seconds_per_sample(calibration, shapes, batch)
-    if config.split == "equal":  # the same number of samples for everyone
-        seconds = [1.0] * len(seconds)
+    seconds = _seconds(config, calibration, shapes, batch)
     balance = SampleBalance({p.participant: t for p, t in zip(participants, seconds)})
     workers = [p for p in participants if p.worker is not None]
     rows = [[Shard(p.participant, p.worker, 0, shape.kernels) for p in workers]
@@ -87,6 +115,7 @@ def open_sample_stage(cluster: Cluster, config: MasterConfig, participants: list
         f"{s.participant} {s.samples} ({100 * s.samples / batch:.0f}%)" for s in slices)
         + f" of every batch of {batch}; every participant holds every layer")
     metrics.write("plan", split_by="samples", chosen=[s.participant for s in slices],
+                  predicted_step_s=predicted_s,
                   samples=[{"device": s.participant, "samples": s.samples} for s in slices],
                   seconds_per_sample={p.participant: t for p, t in zip(participants, seconds)},
                   wire_dtype=setup.wire_dtype)

@@ -36,7 +36,7 @@ from hetconv.master.planes import DataPlane, StarPlane
 from hetconv.master.planner import ParticipantProfile, Plan, choose_plan
 from hetconv.master.rebalance import RebalanceDecision, Rebalancer, measured_compute
 from hetconv.master.run import RunControl
-from hetconv.master.sample_setup import open_sample_stage, split_by_for
+from hetconv.master.sample_setup import open_sample_stage, predict_samples, split_by_for
 from hetconv.master.split import SplitRule, layer_traffic
 from hetconv.master.stage import DistributedConvStage, StageSetup
 from hetconv.metrics import MetricsWriter
@@ -221,12 +221,8 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
             split_by, why = split_by_for(config, model, shapes, batch)
         except ValueError as error:
             raise UserError(str(error)) from None
-        report(f"hetconv: split by {split_by} ({why})")
-        if split_by == "samples" and participants:
-            return open_sample_stage(
-                cluster, config, participants, calibration, shapes, params, settings, metrics,
-                batch, device, lambda: LocalConvStage(model, params, settings, device=device),
-                report)
+        if split_by == "samples" and config.wire_dtype == WIRE_DTYPE_AUTO:
+            config = replace(config, wire_dtype="float32")  # the slices are few bytes
         profiles: list[ParticipantProfile] = []
         traffic: list[LayerTraffic] = []
         if config.wire_dtype == WIRE_DTYPE_AUTO and config.split != "model":
@@ -246,6 +242,23 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
         rule = SplitRule(config.split, config.data_plane,
                          tuple(cal.calibrated_kernels for cal in calibration))
         first = rule.split(profiles, traffic, {p.participant for p in participants})
+        if split_by == "samples" and participants:
+            links = {p.participant: profile.link for p, profile in zip(participants, profiles)}
+            predicted = predict_samples(config, participants, calibration, shapes, batch, links)
+            if config.split_by == "auto" and first.plan is not None \
+                    and predicted > first.plan.predicted_step_s:
+                split_by, why = "kernels", (
+                    f"predicted {predicted * 1e3:.1f} ms per step split by samples, "
+                    f"{first.plan.predicted_step_s * 1e3:.1f} ms by kernels")
+            else:
+                report(f"hetconv: split by samples ({why}; predicted conv + transfer "
+                       f"{predicted * 1e3:.1f} ms per step)")
+                return open_sample_stage(
+                    cluster, config, participants, calibration, shapes, params, settings,
+                    metrics, batch, device,
+                    lambda: LocalConvStage(model, params, settings, device=device), report,
+                    predicted)
+        report(f"hetconv: split by kernels ({why})")
         if first.plan is not None:  # link-aware: which participants, how many kernels
             report_plan(first.plan, participants, profiles, metrics, report, config.wire_dtype)
         plan = shards_from_counts(participants, first.counts)

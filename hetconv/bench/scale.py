@@ -121,8 +121,9 @@ def run_figures(run_dir: Path, link_bytes_per_s: float | None) -> RunFigures:
     plans = [r for r in records if r.get("type") == "plan"]
     predicted = None
     sample_split = any(r.get("split_by") == "samples" for r in plans)
-    if sample_split:  # no model of the sample split's step yet (docs/sample-split.md)
-        predicted = None
+    if sample_split:  # the setup's prediction (master/sample_plan.py) plus the dense part
+        value = plans[-1].get("predicted_step_s")
+        predicted = None if value is None else float(value) + dense_s
     elif settled is not None:  # the model's prediction of that split (measured corrections)
         predicted = float(settled["new_predicted_step_s"]) + dense_s
     elif plans:  # the planner's own prediction (conv + transfers) plus the measured dense part

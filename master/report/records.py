@@ -294,7 +294,7 @@ def _dispatch(records: list[dict[str, Any]], warnings: list[str]) -> Iterator[tu
         "devices": lambda r: tuple(_device_info(d) for d in r["devices"]),
         "calibration": _calibration, "step": _step, "epoch": _epoch,
         "run_start": lambda r: r, "run_end": lambda r: r,
-        "plan": lambda r: (None if r.get("split_by") == "samples"  # no model of it yet
+        "plan": lambda r: (None if r.get("predicted_step_s") is None
                            else float(r["predicted_step_s"]))}
     for number, raw in enumerate(records, start=1):
         parser = parsers.get(raw["type"])

@@ -74,3 +74,22 @@ def test_an_evicted_participant_is_forgotten_and_a_joiner_added() -> None:
     assert set(balance.seconds) == {"master", "b"}
     balance.add("c", 0.5)
     assert balance.seconds["c"] == 0.5
+
+
+def test_the_predicted_step_adds_the_slowest_slice_the_master_link_and_the_rounds() -> None:
+    from hetconv.master.sample_plan import Slice, predict_sample_step, sample_rounds
+    from hetconv.perf_model import Link
+
+    shapes = _shapes((4, 8))  # x 1x28x28, last output 8x4x4; weights 4*25 + 8*4*25 = 900
+    slices = [Slice("master", 0, 40), Slice("a", 40, 64)]
+    link = Link(down_bytes_per_s=1e6, up_bytes_per_s=2e6, rtt_s=0.001)
+    predicted = predict_sample_step(slices, {"master": 0.001, "a": 0.002},
+                                    {"master": None, "a": link}, shapes, 900, 4)
+    compute = max(0.001 * 40, 0.002 * 24)
+    down = 24 * (28 * 28 * 4 + 8 * 4 * 4 * 4) + 900 * 4  # x and dy slices, summed dW
+    up = 24 * 8 * 4 * 4 * 4 + 900 * 4  # y slice, its dW
+    assert sample_rounds(2) == 5
+    assert predicted == pytest.approx(compute + max(down / 1e6, up / 2e6) + 5 * 0.001)
+    # no worker: the compute alone
+    assert predict_sample_step([Slice("master", 0, 64)], {"master": 0.001}, {"master": None},
+                               shapes, 900, 4) == pytest.approx(0.064)
