@@ -51,12 +51,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from hetconv.bench.signals import terminate_as_interrupt
 from hetconv.config import DATA_PLANES, SPLIT_MODES, WIRE_DTYPE_AUTO
 from hetconv.errors import UserError
 from hetconv.lab import LocalWorker, cpu_quota_unavailable_reason, free_port
@@ -458,17 +459,6 @@ def _last_step(run_dir: Path) -> list[dict[str, Any]]:
     return []
 
 
-@contextmanager
-def _terminate_as_interrupt() -> Iterator[None]:
-    """SIGTERM raises KeyboardInterrupt here, so teardown runs as on Ctrl-C."""
-    def handler(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 @dataclass
@@ -573,7 +563,7 @@ def run_chaos_bench(minutes: float = 10.0, interval_min_s: float = 20.0,
               "--wire-dtype", wire_dtype]
     common += ["--limit", str(limit)] if limit else []
     common += ["--test-limit", str(test_limit)] if test_limit else []
-    with _terminate_as_interrupt(), ExitStack() as stack:
+    with terminate_as_interrupt(), ExitStack() as stack:
         lan = stack.enter_context(SwitchedLan(WORKERS + 1, rate)) if lab else None
         if epochs is None:
             probe = run_once("probe", root, [*common, "--epochs", "1"], lan, [], seed, out)

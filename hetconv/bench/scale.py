@@ -24,19 +24,18 @@ with hetconv's runs; a second table gives both step times and their ratio.
 from __future__ import annotations
 
 import json
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from hetconv.bench.ddp import SPLITS, batch_shares, rank_command
+from hetconv.bench.signals import terminate_as_interrupt
 from hetconv.config import BENCH_PEERS, SPLIT_MODES, check_choice
 from hetconv.errors import UserError
 from hetconv.lab import CpuQuota, LocalWorker, cpu_quota_unavailable_reason, free_port
@@ -140,17 +139,6 @@ def run_figures(run_dir: Path, link_bytes_per_s: float | None) -> RunFigures:
                       predicted_step_s=predicted)
 
 
-@contextmanager
-def _terminate_as_interrupt() -> Iterator[None]:
-    """SIGTERM raises KeyboardInterrupt here, so teardown runs as on Ctrl-C."""
-    def handler(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _run_in_quota(command: list[str], fraction: float, log_path: Path) -> int:
@@ -257,7 +245,7 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
     out(f"hetconv bench scale: rate {rate}, arch {arch}, batch {batch}, {repeats} repeat(s), "
         f"runs in {root}")
     size = max(len(fractions) for fractions in machine_sets)
-    with _terminate_as_interrupt(), SwitchedLan(size, rate) as lan:
+    with terminate_as_interrupt(), SwitchedLan(size, rate) as lan:
         master = lan.machines[0]
         for repeat in range(repeats):
             for fraction in baselines:

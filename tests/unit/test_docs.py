@@ -286,3 +286,16 @@ def test_the_readme_points_to_the_figure_files() -> None:
     text = README.read_text(encoding="utf-8")
     for bench in BENCHES:
         assert f"docs/figures/{bench}.md" in text
+
+
+def test_the_protocol_prose_states_the_current_version_and_failover(protocol_doc: str) -> None:
+    """Facts in the prose, not only in the tables: the title's version is the code's,
+    and nothing says a worker's fault ends the run (it is failed over: issue 20)."""
+    from hetconv.protocol.version import PROTOCOL_VERSION
+
+    title = protocol_doc.splitlines()[0]
+    assert title == f"# hetconv wire protocol (version {PROTOCOL_VERSION})", title
+    assert f"PROTOCOL_VERSION = {PROTOCOL_VERSION}`" in protocol_doc
+    lowered = " ".join(protocol_doc.lower().split())
+    for stale in ("fails the run", "no failover", "ends the run naming"):
+        assert stale not in lowered, f"docs/protocol.md still says {stale!r}"
