@@ -13,8 +13,10 @@ Pure functions and one small sans-IO class; the socket side is
   speed (equation 1 of the paper applied to samples: n_i ∝ 1/t_i), whole samples by
   largest remainder.
 - :class:`SampleBalance`: per-sample seconds per participant from the calibration,
-  corrected from the measured compute of recent steps (median of the last few) and
-  re-weighted when the measured slowest participant would finish clearly sooner.
+  corrected from the measured rounds of recent steps (median of the last few; a
+  participant's round is from the round's start to its reply: compute, wire, message
+  handling and CPU-quota throttling, what the barrier waits for) and re-weighted when
+  the measured slowest participant would finish clearly sooner.
 """
 from __future__ import annotations
 

@@ -125,7 +125,7 @@ class SampleConvStage:
         self._eval_output = NO_OUTPUT
         self._timings: dict[int, dict[str, dict[str, Any]]] = {}
         self._comm_s = 0.0
-        self._step_compute: dict[str, float] = {}
+        self._step_compute: dict[str, float] = {}  # participant -> its rounds' latency
         self.step = 0
 
     # --- who computes what -------------------------------------------------------------
@@ -193,8 +193,10 @@ class SampleConvStage:
                     entry["wait_s"] += max(0.0, arrival - local_done)
                 entry["bytes_sent"] += sent.get(piece.participant, 0)
                 entry["bytes_received"] += received
+                # what the barrier waits for: the participant's whole round (its compute,
+                # its share of the wire and its message handling, throttling included)
                 self._step_compute[piece.participant] = \
-                    self._step_compute.get(piece.participant, 0.0) + reply.compute_s
+                    self._step_compute.get(piece.participant, 0.0) + (arrival - started)
         if record:
             self._comm_s += max(0.0, time.monotonic() - started - slowest)
         return replies

@@ -304,8 +304,13 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
                     if batch_split == "even" or len(set(fractions)) > 1]
                 for fractions, batch_split in runs:
                     name = ddp_label(fractions, batch_split)
-                    step_s = _run_ddp(lan, fractions, arch, batch, batch_split,
-                                      root / name.replace(" ", "-") / f"repeat{repeat}")
+                    where = root / name.replace(" ", "-") / f"repeat{repeat}"
+                    try:
+                        step_s = _run_ddp(lan, fractions, arch, batch, batch_split, where)
+                    except UserError as error:  # gloo's teardown aborts now and then
+                        out(f"  repeat {repeat + 1}: {name}: {error}; measuring it again")
+                        step_s = _run_ddp(lan, fractions, arch, batch, batch_split,
+                                          where.with_name(where.name + "-again"))
                     peer_results.setdefault(name, []).append(step_s)
                     out(f"  repeat {repeat + 1}: {name}: median step {step_s * 1e3:.1f} ms")
     summary = summarize(configurations, results, label)
