@@ -25,7 +25,9 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from hetconv.config import MASTER_PARTICIPANT
 from hetconv.model import ConvLayerShape
+from hetconv.partition import balanced_counts
 from hetconv.perf_model import Link
 from hetconv.sample_replica import sample_splittable
 
@@ -102,49 +104,80 @@ def sample_slices(names: Sequence[str], seconds_per_sample: Sequence[float], bat
 
 
 class SampleBalance:
-    """Per-sample compute seconds per participant: the calibration's, then measured.
+    """Each participant's step as a fixed part plus a part per sample, o_i + b_i·n_i.
 
-    ``observe`` takes one step's compute seconds and samples per participant; when the
-    medians of the last ``REBALANCE_WINDOW`` steps predict a slowest participant at least
-    ``REBALANCE_GAIN`` faster with new weights, they replace the current ones and
-    ``observe`` returns True (the next step's slices use them)."""
+    From the calibration: b_i its seconds per sample, o_i = 0. Measured: b_i the median
+    compute per sample of the last ``REBALANCE_WINDOW`` steps, o_i the median of the
+    rest of its rounds (from each round's start to its reply, minus its compute: the
+    wire, message handling and CPU-quota throttling it pays whatever its slice), less
+    the least of the workers' (the part common to them all is the master's). The
+    slices minimise the slowest participant's o_i + b_i·n_i (``balanced_counts``: a
+    machine whose fixed part alone is too slow gets few samples or none). ``observe``
+    returns True when the measured model's slices would finish at least
+    ``REBALANCE_GAIN`` sooner than the current ones, and adopts them."""
 
     def __init__(self, seconds_per_sample: dict[str, float]):
-        self.seconds = dict(seconds_per_sample)
-        self._measured: dict[str, deque[float]] = {}
+        self.seconds = dict(seconds_per_sample)  # b_i
+        self.overhead: dict[str, float] = {}  # o_i (0 until measured)
+        self._measured: dict[str, deque[tuple[float, float]]] = {}
 
     def restrict(self, names: Sequence[str]) -> None:
         """Forget participants not in ``names`` (evicted)."""
         self.seconds = {n: t for n, t in self.seconds.items() if n in names}
+        self.overhead = {n: t for n, t in self.overhead.items() if n in names}
         self._measured = {n: d for n, d in self._measured.items() if n in names}
 
     def add(self, name: str, seconds_per_sample: float) -> None:
         self.seconds[name] = seconds_per_sample
+        self.overhead.pop(name, None)
         self._measured.pop(name, None)
 
-    def observe(self, compute_s: dict[str, float], samples: dict[str, int]) -> bool:
+    def slices(self, names: Sequence[str], batch: int) -> list[Slice]:
+        """Consecutive slices of ``batch`` in the order of ``names`` (empty ones kept)."""
+        costs = [(self.overhead.get(n, 0.0), max(self.seconds[n], 1e-12)) for n in names]
+        counts = balanced_counts(costs, batch)
+        out, start = [], 0
+        for name, count in zip(names, counts):
+            out.append(Slice(name, start, start + count))
+            start += count
+        return out
+
+    def observe(self, compute_s: dict[str, float], latency_s: dict[str, float],
+                samples: dict[str, int]) -> bool:
         for name, seconds in compute_s.items():
             n = samples.get(name, 0)
             if n > 0 and name in self.seconds:
                 self._measured.setdefault(name, deque(maxlen=REBALANCE_WINDOW)).append(
-                    seconds / n)
+                    (seconds / n, max(0.0, latency_s.get(name, seconds) - seconds)))
         if any(len(self._measured.get(n, ())) < REBALANCE_WINDOW for n in self.seconds
                if samples.get(n, 0) > 0):
             return False
-        measured = {n: statistics.median(d) for n, d in self._measured.items()
-                    if len(d) == REBALANCE_WINDOW}
+        measured = {n: (statistics.median(b for b, _ in d), statistics.median(o for _, o in d))
+                    for n, d in self._measured.items() if len(d) == REBALANCE_WINDOW}
         if not measured:
             return False
-        batch = sum(samples.values())
         names = list(self.seconds)
-        proposed = {n: measured.get(n, self.seconds[n]) for n in names}
-        now = max(measured.get(n, self.seconds[n]) * samples.get(n, 0) for n in names)
-        slices = sample_slices(names, [proposed[n] for n in names], batch)
-        then = max(proposed[s.participant] * s.samples for s in slices)
-        if then > now * (1 - REBALANCE_GAIN):
-            return False
-        self.seconds = proposed
+        per_sample = {n: measured[n][0] if n in measured else self.seconds[n] for n in names}
+        # a worker's own fixed part is what it pays beyond the least of the workers: the
+        # part common to all of them is the master's (its sends, and its replies read late
+        # while its own quota computes its slice), not theirs
+        common = min((o for n, (_, o) in measured.items() if n != MASTER_PARTICIPANT),
+                     default=0.0)
+        overhead = {n: (max(0.0, measured[n][1] - common) if n != MASTER_PARTICIPANT else 0.0)
+                    if n in measured else self.overhead.get(n, 0.0) for n in names}
+
+        def finish(counts: dict[str, int]) -> float:
+            return max(overhead[n] + per_sample[n] * counts.get(n, 0) for n in names
+                       if counts.get(n, 0) > 0)
+
+        now = finish(samples)
+        before = (self.seconds, self.overhead)
+        self.seconds, self.overhead = per_sample, overhead
+        proposed = {s.participant: s.samples for s in self.slices(names, sum(samples.values()))}
         self._measured.clear()
+        if finish(proposed) > now * (1 - REBALANCE_GAIN):
+            self.seconds, self.overhead = before  # not worth a change: keep the slices
+            return False
         return True
 
 

@@ -37,6 +37,7 @@ from hetconv.master.assign import assign, exchange
 from hetconv.master.audit import audit_input, audit_mismatch
 from hetconv.master.calibration import calibrate
 from hetconv.master.cluster import Cluster, WorkerHandle, WorkerLost
+from hetconv.master.own_share import OwnShare
 from hetconv.master.plan import Participant, Shard
 from hetconv.master.run import (
     Admit,
@@ -51,7 +52,7 @@ from hetconv.master.run import (
     StepDone,
     Stop,
 )
-from hetconv.master.sample_plan import SampleBalance, Slice, sample_slices
+from hetconv.master.sample_plan import SampleBalance, Slice
 from hetconv.metrics import MetricsWriter
 from hetconv.model import ConvLayerShape
 from hetconv.names import layer_key
@@ -115,6 +116,7 @@ class SampleConvStage:
         self.setup = setup
         self._on_close = on_close
         self.runner = SampleRunner()  # the master's own slice, served like a worker's
+        self.own_share = OwnShare(cluster)  # ... in a helper thread while replies arrive
         self.slices: list[Slice] = []
         self._x: np.ndarray = NO_OUTPUT
         self._statistics: tuple[np.ndarray, np.ndarray] | None = None
@@ -125,7 +127,8 @@ class SampleConvStage:
         self._eval_output = NO_OUTPUT
         self._timings: dict[int, dict[str, dict[str, Any]]] = {}
         self._comm_s = 0.0
-        self._step_compute: dict[str, float] = {}  # participant -> its rounds' latency
+        self._step_compute: dict[str, float] = {}  # participant -> its compute this step
+        self._step_latency: dict[str, float] = {}  # participant -> its rounds this step
         self.step = 0
 
     # --- who computes what -------------------------------------------------------------
@@ -134,8 +137,7 @@ class SampleConvStage:
         return own + [n for n in self.workers if n in self.balance.seconds]
 
     def _slice_batch(self, batch: int) -> list[Slice]:
-        names = self._names()
-        return sample_slices(names, [self.balance.seconds[n] for n in names], batch)
+        return self.balance.slices(self._names(), batch)
 
     @property
     def layers(self) -> int:
@@ -164,13 +166,21 @@ class SampleConvStage:
             names[message.request_id] = piece.participant
         local_reply, local_done = None, started
         own = next((s for s in self.slices if s.participant == MASTER_PARTICIPANT), None)
+        job = None
         if own is not None and own.samples > 0:
             message = make(own)
             serve = (self.runner.forward if isinstance(message, SampleForwardRequest)
                      else self.runner.backward)
-            local_reply = serve(message, self.local)
-            local_done = time.monotonic()
-        gathered = self.cluster.gather(pending, what, timeout_s=self.control.request_deadline_s())
+            job = self.own_share.submit(lambda: serve(message, self.local))
+        try:
+            gathered = self.cluster.gather(pending, what,
+                                           done=(lambda: job is None or job.done.is_set()),
+                                           timeout_s=self.control.request_deadline_s())
+        finally:
+            if job is not None:
+                job.done.wait()  # never leave the helper thread on the replicas
+        if job is not None:
+            local_reply, local_done = self.own_share.wait(job), job.finished_at
         replies: dict[str, Any] = {}
         slowest = 0.0
         reply: Any
@@ -193,10 +203,12 @@ class SampleConvStage:
                     entry["wait_s"] += max(0.0, arrival - local_done)
                 entry["bytes_sent"] += sent.get(piece.participant, 0)
                 entry["bytes_received"] += received
-                # what the barrier waits for: the participant's whole round (its compute,
+                # its compute, and what the barrier waits for: its whole round (compute,
                 # its share of the wire and its message handling, throttling included)
                 self._step_compute[piece.participant] = \
-                    self._step_compute.get(piece.participant, 0.0) + (arrival - started)
+                    self._step_compute.get(piece.participant, 0.0) + reply.compute_s
+                self._step_latency[piece.participant] = \
+                    self._step_latency.get(piece.participant, 0.0) + (arrival - started)
         if record:
             self._comm_s += max(0.0, time.monotonic() - started - slowest)
         return replies
@@ -440,7 +452,8 @@ class SampleConvStage:
                   for layer, devices in sorted(self._timings.items())]
         comm_s = self._comm_s
         samples = {p.participant: p.samples for p in self.slices}
-        if self.setup.rebalancing and self.balance.observe(self._step_compute, samples):
+        if self.setup.rebalancing and self.balance.observe(self._step_compute,
+                                                           self._step_latency, samples):
             names = self._names()
             self.slices = self._slice_batch(sum(samples.values()))
             counts = {p.participant: p.samples for p in self.slices}
@@ -452,7 +465,7 @@ class SampleConvStage:
                                              {"device": n, "kernels": shape.kernels,
                                               "samples": counts.get(n, 0)} for n in names]}
                                          for shape in self.setup.shapes])
-        self._timings, self._comm_s, self._step_compute = {}, 0.0, {}
+        self._timings, self._comm_s, self._step_compute, self._step_latency = {}, 0.0, {}, {}
         return {"layers": layers, "comm_s": comm_s}
 
     def snapshot(self) -> dict[str, np.ndarray]:
@@ -527,6 +540,7 @@ class SampleConvStage:
         return self._carry_out(self.control.handle(ReplanPoint(tuple(joinable))), state)
 
     def close(self) -> None:
+        self.own_share.close()  # first: the helper thread's wake-up socket
         self._on_close()
 
     # --- carrying out the state machine's commands ------------------------------------

@@ -40,9 +40,12 @@ def test_two_workers_and_the_master_reproduce_the_local_run(
     for name in local_w:
         np.testing.assert_allclose(dist_w[name], local_w[name], rtol=1e-3, atol=1e-4)
     steps = _records(run_dir, "step")
-    samples = {d["device"]: d["samples"] for d in steps[-1]["layers"][0]["devices"]}
-    assert set(samples) <= {"master", "w1", "w2"} and sum(samples.values()) == 64
-    assert {"w1", "w2"} <= set(samples)
+    for step in steps:
+        samples = {d["device"]: d["samples"] for d in step["layers"][0]["devices"]}
+        assert set(samples) <= {"master", "w1", "w2"} and sum(samples.values()) == 64
+    # both workers computed (the re-slicing may later leave one out on a busy host)
+    assert {"w1", "w2"} <= {d["device"] for d in steps[0]["layers"][0]["devices"]
+                            if d["samples"] > 0}
 
 
 @pytest.mark.timeout(180)

@@ -55,17 +55,35 @@ def test_measured_compute_re_weights_only_for_a_clear_gain() -> None:
     balance = SampleBalance({"master": 1.0, "a": 1.0})
     samples = {"master": 64, "a": 64}
     # a is twice as slow as calibrated: re-weighted after a full window
+    step = {"master": 0.064, "a": 0.128}
     for _ in range(REBALANCE_WINDOW - 1):
-        assert not balance.observe({"master": 0.064, "a": 0.128}, samples)
-    assert balance.observe({"master": 0.064, "a": 0.128}, samples)
-    new = {s.participant: s.samples for s in sample_slices(
-        list(balance.seconds), list(balance.seconds.values()), 128)}
+        assert not balance.observe(step, step, samples)
+    assert balance.observe(step, step, samples)
+    new = {s.participant: s.samples for s in balance.slices(["master", "a"], 128)}
     assert new == {"master": 85, "a": 43}
     # measured as planned, within noise: nothing changes
     samples = new
     for step in range(2 * REBALANCE_WINDOW):
-        assert not balance.observe({"master": 0.085 * (1.03 if step % 2 else 0.97),
-                                    "a": 0.086}, samples)
+        compute = {"master": 0.085 * (1.03 if step % 2 else 0.97), "a": 0.086}
+        assert not balance.observe(compute, compute, samples)
+
+
+def test_a_fixed_cost_per_step_moves_samples_to_the_machine_without_it() -> None:
+    """A slow machine's rounds cost it 30 ms whatever its slice: fewer samples for it,
+    not in proportion to its compute alone."""
+    names = ["master", "fast", "slow"]
+    balance = SampleBalance(dict.fromkeys(names, 0.001))
+    samples = {"master": 43, "fast": 43, "slow": 42}
+    compute = {n: 0.001 * samples[n] for n in names}
+    # every worker waits 10 ms more than its compute (the master's part), slow 40 ms more
+    latency = {"master": compute["master"], "fast": compute["fast"] + 0.010,
+               "slow": compute["slow"] + 0.040}
+    for _ in range(REBALANCE_WINDOW):
+        changed = balance.observe(compute, latency, samples)
+    assert changed and balance.overhead["slow"] == pytest.approx(0.030)
+    assert balance.overhead["fast"] == balance.overhead["master"] == 0.0
+    new = {s.participant: s.samples for s in balance.slices(names, 128)}
+    assert new == {"master": 53, "fast": 52, "slow": 23}  # 53 ms = 30 + 23 ms
 
 
 def test_an_evicted_participant_is_forgotten_and_a_joiner_added() -> None:

@@ -1,0 +1,79 @@
+"""The master's own share of a round, computed in a helper thread.
+
+While the helper thread computes, the main thread gathers the workers' replies, so each
+reply is stamped when it arrives (a measure the sample split's re-slicing relies on:
+stamped after the master's own compute, every worker would look as slow as the master
+and the master would draw the work onto itself). The helper wakes the gather loop
+through an inproc socket the cluster polls (``Cluster.extra_sockets``) the moment it is
+done. One job at a time; :meth:`OwnShare.wait` always returns only once the job has
+finished, so nothing else touches the master's replicas meanwhile.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import zmq
+
+from hetconv.master.cluster import Cluster
+
+
+class OwnJob:
+    """One job's outcome: ``result`` or ``error``, and when it finished (monotonic s)."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.finished_at = 0.0
+
+
+class OwnShare:
+    """A one-thread executor that wakes the cluster's gather loop when a job ends."""
+
+    def __init__(self, cluster: Cluster):
+        self.cluster = cluster
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hetconv-own")
+        self._endpoint = f"inproc://own-share-{uuid.uuid4().hex}"
+        wake = cluster.ctx.socket(zmq.PAIR)
+        wake.bind(self._endpoint)
+        cluster.extra_sockets.append(wake)
+        self._sender: Any = None  # created in, and only used by, the helper thread
+
+    def submit(self, work: Callable[[], Any]) -> OwnJob:
+        job = OwnJob()
+
+        def run() -> None:
+            try:
+                job.result = work()
+            except BaseException as error:  # re-raised by the main thread
+                job.error = error
+            finally:
+                job.finished_at = time.monotonic()
+                job.done.set()
+                if self._sender is None:
+                    self._sender = self.cluster.ctx.socket(zmq.PAIR)
+                    self._sender.setsockopt(zmq.LINGER, 0)
+                    self._sender.connect(self._endpoint)
+                self._sender.send(b"")
+
+        self._executor.submit(run)
+        return job
+
+    @staticmethod
+    def wait(job: OwnJob) -> Any:
+        """The job's result once it has finished (its error raised)."""
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+        return job.result
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+        if self._sender is not None:  # the helper thread is gone: safe to close here
+            self._sender.close(linger=0)
+            self._sender = None
