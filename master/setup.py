@@ -221,8 +221,9 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
             split_by, why = split_by_for(config, model, shapes, batch)
         except ValueError as error:
             raise UserError(str(error)) from None
-        if split_by == "samples" and config.wire_dtype == WIRE_DTYPE_AUTO:
-            config = replace(config, wire_dtype="float32")  # the slices are few bytes
+        # the sample split's activations are few bytes: float32 unless asked otherwise
+        sample_config = replace(config, wire_dtype="float32") \
+            if config.wire_dtype == WIRE_DTYPE_AUTO else config
         profiles: list[ParticipantProfile] = []
         traffic: list[LayerTraffic] = []
         if config.wire_dtype == WIRE_DTYPE_AUTO and config.split != "model":
@@ -244,7 +245,8 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
         first = rule.split(profiles, traffic, {p.participant for p in participants})
         if split_by == "samples" and participants:
             links = {p.participant: profile.link for p, profile in zip(participants, profiles)}
-            predicted = predict_samples(config, participants, calibration, shapes, batch, links)
+            predicted = predict_samples(sample_config, participants, calibration, shapes, batch,
+                                        links)
             if config.split_by == "auto" and first.plan is not None \
                     and predicted > first.plan.predicted_step_s:
                 split_by, why = "kernels", (
@@ -254,7 +256,7 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
                 report(f"hetconv: split by samples ({why}; predicted conv + transfer "
                        f"{predicted * 1e3:.1f} ms per step)")
                 return open_sample_stage(
-                    cluster, config, participants, calibration, shapes, params, settings,
+                    cluster, sample_config, participants, calibration, shapes, params, settings,
                     metrics, batch, device,
                     lambda: LocalConvStage(model, params, settings, device=device), report,
                     predicted)

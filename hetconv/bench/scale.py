@@ -218,8 +218,9 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
     # a configuration's "plane" is the data plane of a kernel split, or "samples"
     configurations = [(fractions, plane) for fractions in machine_sets
                       for plane in (data_planes if "kernels" in split_by else ())]
-    if "samples" in split_by:
-        configurations += [(fractions, SAMPLES) for fractions in machine_sets]
+    for choice in (SAMPLES, AUTO):
+        if choice in split_by:
+            configurations += [(fractions, choice) for fractions in machine_sets]
     for reason in (netns_unavailable_reason(), cpu_quota_unavailable_reason()):
         if reason:
             raise UserError(f"hetconv bench scale needs root features: {reason}")
@@ -280,7 +281,7 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
                     train = [python, "-m", "hetconv", "train", "--listen",
                              f"tcp://{master.address}:{port}", "--min-workers",
                              str(len(config) - 1), "--wait", "60",
-                             *(("--split-by", "samples") if plane == SAMPLES
+                             *(("--split-by", plane) if plane in (SAMPLES, AUTO)
                                else ("--split-by", "kernels", "--data-plane", plane)),
                              "--split", split, *common, "--run-dir", str(run_dir)]
                     if len(config) == 1:
@@ -329,6 +330,9 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
 
 SAMPLES = "samples"
 """The configuration label of a run split by samples (``--split-by samples``)."""
+AUTO = "auto"
+"""The configuration label of a run that lets hetconv choose (``--split-by auto``, the
+default a user gets)."""
 
 
 def configuration_label(fractions: tuple[float, ...], data_plane: str) -> str:

@@ -128,9 +128,10 @@ def add_parser(sub: Any) -> None:
                        help="hetconv's --split in every run (default model: the planner "
                        "chooses the machines)")
     scale.add_argument("--split-by", action="append", default=None,
-                       choices=("kernels", "samples"),
+                       choices=("kernels", "samples", "auto"),
                        help="hetconv's --split-by in the distributed runs (repeat the flag "
-                       "for both, interleaved; default kernels)")
+                       "for several, interleaved; default kernels; 'auto' is what a user "
+                       "gets)")
     scale.add_argument("--peer", default=None, choices=BENCH_PEERS,
                        help="also run what users would run instead on the same machines: "
                        "PyTorch DDP (gloo; even and by-speed batch splits) and PyTorch alone, "

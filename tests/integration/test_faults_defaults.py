@@ -103,11 +103,19 @@ def turn_a_holder_bad(run_dir: Path, flags: dict[str, Path]) -> str:
 PLANES = [pytest.param((), id="default"),
           pytest.param(("--split-by", "kernels"), id="kernels-peer"),
           pytest.param(("--split-by", "kernels", "--data-plane", "star"), id="kernels-star")]
+FAULTS = ("kill", "stop", "restart")
+WRONG = (("nan", "NaN"), ("scale", "result audit"), ("crop", "shape"))
+# the star plane is a third case of one fault each (the suite's time): kill, crop
+LOST_CASES = [pytest.param(fault, plane.values[0], id=f"{plane.id}-{fault}")
+              for plane in PLANES for fault in FAULTS
+              if plane.id != "kernels-star" or fault == "kill"]
+WRONG_CASES = [pytest.param(mode, evidence, plane.values[0], id=f"{plane.id}-{mode}")
+               for plane in PLANES for mode, evidence in WRONG
+               if plane.id != "kernels-star" or mode == "crop"]
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("fault", ["kill", "stop", "restart"])
-@pytest.mark.parametrize("plane", PLANES)
+@pytest.mark.parametrize("fault,plane", LOST_CASES)
 def test_a_lost_worker_costs_at_most_two_recoveries(endpoint: str, workers: Any, tmp_path: Path,
                                                     fault: str, plane: tuple[str, ...]) -> None:
     started = {w.name: w for w in workers("a", "b", "c")}
@@ -147,9 +155,7 @@ def test_a_lost_worker_costs_at_most_two_recoveries(endpoint: str, workers: Any,
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("mode,evidence", [("nan", "NaN"), ("scale", "result audit"),
-                                           ("crop", "shape")])
-@pytest.mark.parametrize("plane", PLANES)
+@pytest.mark.parametrize("mode,evidence,plane", WRONG_CASES)
 def test_a_worker_answering_wrong_results_is_evicted_for_good(
         endpoint: str, workers: Any, tmp_path: Path, mode: str, evidence: str,
         plane: tuple[str, ...]) -> None:

@@ -289,7 +289,7 @@ def test_the_tcp_tables_tell_a_cut_link_from_a_stopped_reader() -> None:
 RUN = ["--data", "synthetic", "--limit", "3200", "--test-limit", "128", "--arch", "4:8",
        "--epochs", "4", "--batch", "64", "--threads", "1", "--no-progress", "--seed", "7",
        "--checkpoint-every", "10", "--wire-dtype", "float32", "--split", "equal",
-       "--data-plane", "star"]
+       "--data-plane", "star", "--split-by", "kernels"]
 # LanHost namespaces reach the master's host, not each other: the star plane here (the
 # peer plane over a switched LAN is what `hetconv bench scale` and tests/lab/
 # test_bench_scale.py run)
@@ -310,7 +310,8 @@ def lan() -> Iterator[list[LanHost]]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
     run_dir = tmp_path_factory.mktemp("ref") / "run"
-    local = [a for a in RUN if a not in ("--split", "equal", "--data-plane", "star")]
+    local = [a for a in RUN if a not in ("--split", "equal", "--data-plane", "star",
+                                         "--split-by", "kernels")]
     assert run_hetconv("train", "--local", *local, "--run-dir", str(run_dir)).returncode == 0
     return final_losses(run_dir)
 

@@ -19,13 +19,15 @@ FAST = 0.9  # the fast machine's quota: a ratio of quotas holds on a busy host t
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(cpu_quota_unavailable_reason() is not None,
                     reason=f"cgroup CPU quotas unavailable: {cpu_quota_unavailable_reason()}")
+@pytest.mark.parametrize("split_by", ["kernels", "samples"])
 def test_calibrated_share_follows_the_cpu_quota(endpoint: str, workers: Any,
-                                                tmp_path: Path) -> None:
+                                                tmp_path: Path, split_by: str) -> None:
     workers("fast", threads=1, cpu_fraction=FAST)
     workers("slow", threads=1, cpu_fraction=FAST * QUOTA)
     run_dir = tmp_path / "run"
     result = run_hetconv("train", "--listen", endpoint, "--min-workers", "2", "--wait", "30",
-                         "--no-local", "--split", "calibrated", "--data", "synthetic",
+                         "--no-local", "--split", "calibrated", "--split-by", split_by,
+                         "--data", "synthetic",
                          "--limit", "256",
                          "--test-limit", "128", "--arch", "16:128", "--epochs", "1",
                          "--batch", "64", "--threads", "1", "--no-progress",
@@ -33,8 +35,10 @@ def test_calibrated_share_follows_the_cpu_quota(endpoint: str, workers: Any,
     assert result.returncode == 0, result.stderr
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     layer2 = [r for r in records if r["type"] == "calibration"][1]
-    kernels = {d["device"]: d["kernels"] for d in layer2["devices"]}
-    # speeds 1 : QUOTA -> the slow worker's share is QUOTA / (1 + QUOTA) of the kernels
-    predicted = layer2["kernels"] * QUOTA / (1 + QUOTA)
+    unit = "kernels" if split_by == "kernels" else "samples"  # what is shared out
+    kernels = {d["device"]: d[unit] for d in layer2["devices"]}
+    whole = layer2["kernels"] if split_by == "kernels" else 64  # the batch
+    # speeds 1 : QUOTA -> the slow worker's share is QUOTA / (1 + QUOTA) of the whole
+    predicted = whole * QUOTA / (1 + QUOTA)
     assert abs(kernels["slow"] - predicted) <= 0.25 * predicted, (kernels, predicted)
-    assert kernels["fast"] + kernels["slow"] == layer2["kernels"]
+    assert kernels["fast"] + kernels["slow"] == whole
