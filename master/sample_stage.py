@@ -77,12 +77,15 @@ NO_OUTPUT = np.empty((0,), dtype=np.float32)
 
 def seconds_per_sample(calibration: list[Any], shapes: list[ConvLayerShape], batch: int
                        ) -> list[float]:
-    """Per participant: its calibrated seconds for the whole conv chain (every layer at
-    all its kernels, a + b·K) per sample of a ``batch``-sample step."""
+    """Per participant: its calibrated seconds for the whole conv chain per sample of a
+    ``batch``-sample step: every layer's time measured at the calibration's equal share,
+    scaled to all the layer's kernels (so relative speeds are the paper's equation (1),
+    with no extrapolation of a fitted fixed cost)."""
     totals = [0.0] * len(calibration[0].seconds) if calibration else []
     for cal, shape in zip(calibration, shapes):
-        for i, (fixed, per_kernel) in enumerate(cal.cost_models()):
-            totals[i] += max(fixed + per_kernel * shape.kernels, 1e-9)
+        scale = shape.kernels / max(cal.calibrated_kernels, 1)
+        for i, seconds in enumerate(cal.seconds):
+            totals[i] += max(seconds * scale, 1e-9)
     return [t / max(batch, 1) for t in totals]
 
 

@@ -187,8 +187,15 @@ def during(run_dir: Path, cut: Cut, kind: str) -> list[dict[str, Any]]:
 
 
 def longest_stall_s(run_dir: Path, cut: Cut) -> float:
-    """The longest step of those recorded while ``cut`` was the last cut."""
-    return max((float(r["step_s"]) for r in during(run_dir, cut, "step")), default=0.0)
+    """The longest wait for progress while ``cut`` was the last cut: the longest step
+    recorded then, or the longest gap between two step records (a cut that lands on a
+    snapshot's audit or an evaluation stalls the run between steps: with the sample
+    split's short steps, that is often)."""
+    times = sorted(float(r["time"]) for r in records(run_dir) if r["type"] == "step"
+                   and cut.at - 1.0 <= r["time"] < cut.until)
+    gaps = [later - earlier for earlier, later in zip(times, times[1:])]
+    steps = [float(r["step_s"]) for r in during(run_dir, cut, "step")]
+    return max(steps + gaps, default=0.0)
 
 
 @pytest.mark.timeout(600)
