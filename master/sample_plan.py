@@ -24,6 +24,7 @@ import statistics
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from hetconv.config import MASTER_PARTICIPANT
 from hetconv.model import ConvLayerShape
@@ -215,3 +216,16 @@ def predict_sample_step(slices: Sequence[Slice], seconds_per_sample: dict[str, f
     up_rate = max(link.up_bytes_per_s for link in rates)
     rtt = max(link.rtt_s for link in rates)
     return compute + max(down / down_rate, up / up_rate) + sample_rounds(len(shapes)) * rtt
+
+def seconds_per_sample(calibration: list[Any], shapes: list[ConvLayerShape], batch: int
+                       ) -> list[float]:
+    """Per participant: its calibrated seconds for the whole conv chain per sample of a
+    ``batch``-sample step: every layer's time measured at the calibration's equal share,
+    scaled to all the layer's kernels (so relative speeds are the paper's equation (1),
+    with no extrapolation of a fitted fixed cost)."""
+    totals = [0.0] * len(calibration[0].seconds) if calibration else []
+    for cal, shape in zip(calibration, shapes):
+        scale = shape.kernels / max(cal.calibrated_kernels, 1)
+        for i, seconds in enumerate(cal.seconds):
+            totals[i] += max(seconds * scale, 1e-9)
+    return [t / max(batch, 1) for t in totals]

@@ -17,14 +17,16 @@ from hetconv.master.assign import assign
 from hetconv.master.cluster import Cluster
 from hetconv.master.plan import Participant, Shard
 from hetconv.master.run import RunControl
+from hetconv.master.sample_between import SampleSetup
 from hetconv.master.sample_plan import (
     SampleBalance,
     choose_split_by,
     predict_sample_step,
     sample_slices,
     samples_refusal,
+    seconds_per_sample,
 )
-from hetconv.master.sample_stage import SampleConvStage, SampleSetup, seconds_per_sample
+from hetconv.master.sample_stage import SampleConvStage
 from hetconv.metrics import MetricsWriter
 from hetconv.model import ConvLayerShape, ModelConfig, layer_parameters
 from hetconv.perf_model import Link

@@ -26,47 +26,28 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from hetconv.config import MASTER_PARTICIPANT
-from hetconv.errors import UserError
-from hetconv.master.assign import assign, exchange
-from hetconv.master.audit import audit_input, audit_mismatch
-from hetconv.master.calibration import calibrate
 from hetconv.master.cluster import Cluster, WorkerHandle, WorkerLost
 from hetconv.master.own_share import OwnShare
-from hetconv.master.plan import Participant, Shard
+from hetconv.master.plan import Participant
 from hetconv.master.run import (
-    Admit,
-    Command,
-    Evict,
-    FallBackLocal,
-    Fault,
-    ReplanDone,
-    ReplanPoint,
-    Resplit,
     RunControl,
     StepDone,
-    Stop,
 )
+from hetconv.master.sample_between import BetweenSteps, SampleSetup
 from hetconv.master.sample_plan import SampleBalance, Slice
-from hetconv.metrics import MetricsWriter
-from hetconv.model import ConvLayerShape
-from hetconv.names import layer_key
 from hetconv.protocol import (
-    ForwardReply,
-    ForwardRequest,
     SampleBackwardRequest,
     SampleForwardRequest,
 )
 from hetconv.protocol.sample_messages import NO_LAYER
 from hetconv.sample_replica import add_in_order, moments_to_statistics
 from hetconv.sample_runner import SampleRunner
-from hetconv.shard import ConvShard, LayerSettings
-from hetconv.stage import ConvStage, StageFault
+from hetconv.shard import ConvShard
 from hetconv.wire_cast import to_wire
 
 log = logging.getLogger("hetconv.master")
@@ -75,37 +56,9 @@ NO_OUTPUT = np.empty((0,), dtype=np.float32)
 """What ``forward`` returns for every layer but the last (the slices stay where they are)."""
 
 
-def seconds_per_sample(calibration: list[Any], shapes: list[ConvLayerShape], batch: int
-                       ) -> list[float]:
-    """Per participant: its calibrated seconds for the whole conv chain per sample of a
-    ``batch``-sample step: every layer's time measured at the calibration's equal share,
-    scaled to all the layer's kernels (so relative speeds are the paper's equation (1),
-    with no extrapolation of a fitted fixed cost)."""
-    totals = [0.0] * len(calibration[0].seconds) if calibration else []
-    for cal, shape in zip(calibration, shapes):
-        scale = shape.kernels / max(cal.calibrated_kernels, 1)
-        for i, seconds in enumerate(cal.seconds):
-            totals[i] += max(seconds * scale, 1e-9)
-    return [t / max(batch, 1) for t in totals]
 
 
-@dataclass(frozen=True)
-class SampleSetup:
-    """What the sample stage needs besides its cluster and members."""
-
-    shapes: tuple[ConvLayerShape, ...]
-    settings: LayerSettings
-    device: str  # the master's own device (its replicas)
-    wire_dtype: str  # activations (x, y, dy) on the wire; statistics and gradients float32
-    batch: int  # the training batch (calibrating joiners)
-    master_computes: bool  # the master's own device takes a slice
-    local_stage: Callable[[], ConvStage]  # the master alone (no worker left)
-    metrics: MetricsWriter
-    report: Callable[[str], None]
-    rebalancing: bool = True  # re-slice from measured compute (``--rebalance``)
-
-
-class SampleConvStage:
+class SampleConvStage(BetweenSteps):
     """A :class:`hetconv.stage.ConvStage` that splits every conv layer by samples."""
 
     def __init__(self, cluster: Cluster, workers: list[Participant], local: dict[int, ConvShard],
@@ -471,136 +424,6 @@ class SampleConvStage:
         self._timings, self._comm_s, self._step_compute, self._step_latency = {}, 0.0, {}, {}
         return {"layers": layers, "comm_s": comm_s}
 
-    def snapshot(self) -> dict[str, np.ndarray]:
-        """The master's replicas (every update applied to them too), audited against
-        every worker."""
-        self.flush()
-        out: dict[str, np.ndarray] = {}
-        for layer in range(self.layers):
-            for name, value in self.local[layer].snapshot().items():
-                out[layer_key(layer, name)] = value
-        self.audit()
-        return out
-
-    def audit(self) -> None:
-        """Every worker's evaluation-mode output of a few seeded images per layer
-        against the master's replica (master/audit.py); a worker answering
-        differently is evicted (WorkerLost) before the snapshot is kept."""
-        asked: list[tuple[str, int, np.ndarray]] = []
-        requests: list[tuple[WorkerHandle, ForwardRequest]] = []
-        for layer, shape in enumerate(self.setup.shapes):
-            x = to_wire(audit_input(shape, self.step, layer), self.setup.wire_dtype)
-            for name, member in self.workers.items():
-                if name in self.balance.seconds and member.worker is not None:
-                    asked.append((name, layer, x))
-                    requests.append((member.worker, ForwardRequest(
-                        request_id=self.cluster.request_id(), step=self.step, layer=layer,
-                        attempt=0, train=False, x=x)))
-        replies = exchange(self.cluster, requests, "result audit",
-                           timeout_s=self.control.request_deadline_s())
-        for (name, layer, x), reply in zip(asked, replies):
-            message = reply.message
-            assert isinstance(message, ForwardReply)
-            reference = self.local[layer].forward_host(x.astype(np.float32), False)
-            problem = audit_mismatch(np.asarray(message.y), np.asarray(reference))
-            if problem is not None:
-                raise WorkerLost(f"worker {name} failed the result audit of layer {layer + 1}: "
-                                 f"{problem}; evicting it", name, evict=True)
-
-    def restore(self, state: dict[str, np.ndarray]) -> None:
-        """Every participant's layers back to ``state``, between steps."""
-        self._hand_out(state, "restore")
-
-    def _hand_out(self, state: dict[str, np.ndarray], why: str) -> None:
-        """Give every worker in the run, and the master, every whole layer of ``state``."""
-        rows = [[Shard(name, self.workers[name].worker, 0, shape.kernels)
-                 for name in self.workers if name in self.balance.seconds]
-                for shape in self.setup.shapes]
-        assign(self.cluster, rows, state, self.setup.settings, {}, self.setup.device, why)
-        self.local = {shape.index: ConvShard(shape.index, 0, shape.kernels, self.setup.settings,
-                                             {n: state[layer_key(shape.index, n)]
-                                              for n in _names_in(state, shape.index)},
-                                             device=self.setup.device)
-                      for shape in self.setup.shapes}
-        self.runner.reset()
-        self._sums.clear()
-        self._dweight = None
-
-    def recover(self, fault: StageFault, state: dict[str, np.ndarray]) -> ConvStage:
-        gone = frozenset(n for n, p in self.workers.items()
-                         if p.worker is not None and p.worker.gone)
-        return self._carry_out(self.control.handle(
-            Fault(str(fault), fault.participant, fault.gone, fault.evict, gone)), state)
-
-    def replan_point(self, state: dict[str, np.ndarray]) -> ConvStage:
-        self.cluster.pump(0.0)  # take in any Hello waiting on the socket
-        holding = {id(p.worker) for n, p in self.workers.items() if n in self.balance.seconds}
-        joinable = sorted(w.worker_id for w in self.cluster.known_workers()
-                          if not w.gone and id(w) not in holding
-                          and self.control.may_rejoin(w.worker_id))
-        if not joinable:
-            return self
-        return self._carry_out(self.control.handle(ReplanPoint(tuple(joinable))), state)
-
     def close(self) -> None:
         self.own_share.close()  # first: the helper thread's wake-up socket
         self._on_close()
-
-    # --- carrying out the state machine's commands ------------------------------------
-    def _carry_out(self, commands: list[Command], state: dict[str, np.ndarray]) -> ConvStage:
-        try:
-            for command in commands:
-                match command:
-                    case Evict():
-                        member = self.workers.get(command.participant)
-                        if member is not None and command.drop and member.worker is not None \
-                                and not member.worker.gone:
-                            self.cluster.drop(member.worker, command.reason)
-                    case Stop():
-                        raise UserError(command.reason)
-                    case FallBackLocal():
-                        local = self.setup.local_stage()
-                        local.restore(state)
-                        self.close()
-                        log.warning("%s: training on alone", command.reason)
-                        return local
-                    case Admit():
-                        self._admit(list(command.participants))
-                    case Resplit():
-                        self._resplit(set(command.alive), command.reason, state)
-        except WorkerLost as lost:
-            return self.recover(lost, state)
-        return self
-
-    def _admit(self, names: list[str]) -> None:
-        """Calibrate the joiners; they get their samples at the re-slice that follows."""
-        found = {w.worker_id: w for w in self.cluster.known_workers() if not w.gone}
-        joiners = [Participant(n, found[n], found[n].device) for n in names if n in found]
-        self.setup.report(f"hetconv: worker(s) {', '.join(names)} joined: calibrating")
-        self.cluster.admit([p.worker for p in joiners if p.worker is not None])
-        calibration = calibrate(self.cluster, joiners, list(self.setup.shapes),
-                                self.setup.batch, report=self.setup.report)
-        for joiner, seconds in zip(joiners, seconds_per_sample(
-                calibration, list(self.setup.shapes), self.setup.batch)):
-            self.workers[joiner.participant] = joiner
-            self.balance.add(joiner.participant, seconds)
-
-    def _resplit(self, alive: set[str], reason: str, state: dict[str, np.ndarray]) -> None:
-        """Slice the batch over the master and ``alive`` only; every one of them gets
-        the layers of ``state`` (the snapshot the trainer goes on from)."""
-        keep = [n for n in self.workers if n in alive]
-        self.balance.restrict(keep + [MASTER_PARTICIPANT])
-        self._hand_out(state, reason)
-        self.control.handle(ReplanDone())
-        names = self._names()
-        self.setup.report(f"hetconv: re-plan ({reason}): the batch split by samples over "
-                          + ", ".join(names))
-        slices = {p.participant: p.samples for p in self._slice_batch(self.setup.batch)}
-        self.setup.metrics.write("replan", reason=reason, split_by="samples", counts=[
-            {"layer": shape.index, "devices": [
-                {"device": n, "kernels": shape.kernels, "samples": slices.get(n, 0)}
-                for n in names]} for shape in self.setup.shapes])
-
-def _names_in(state: dict[str, np.ndarray], layer: int) -> list[str]:
-    prefix = layer_key(layer, "")
-    return [key[len(prefix):] for key in state if key.startswith(prefix)]
