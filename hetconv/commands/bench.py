@@ -23,6 +23,7 @@ from hetconv.config import (
     BENCH_PEERS,
     DATA_PLANES,
     DATASETS,
+    SPLIT_BY,
     SPLIT_MODES,
     STEP_OPS,
     WIRE_DTYPE_AUTO,
@@ -128,7 +129,7 @@ def add_parser(sub: Any) -> None:
                        help="hetconv's --split in every run (default model: the planner "
                        "chooses the machines)")
     scale.add_argument("--split-by", action="append", default=None,
-                       choices=("kernels", "samples", "auto"),
+                       choices=SPLIT_BY,
                        help="hetconv's --split-by in the distributed runs (repeat the flag "
                        "for several, interleaved; default kernels; 'auto' is what a user "
                        "gets)")

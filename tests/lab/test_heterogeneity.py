@@ -40,5 +40,15 @@ def test_calibrated_share_follows_the_cpu_quota(endpoint: str, workers: Any,
     whole = layer2["kernels"] if split_by == "kernels" else 64  # the batch
     # speeds 1 : QUOTA -> the slow worker's share is QUOTA / (1 + QUOTA) of the whole
     predicted = whole * QUOTA / (1 + QUOTA)
-    assert abs(kernels["slow"] - predicted) <= 0.25 * predicted, (kernels, predicted)
+    # the sample split sums both layers' timings, the small first one dominated by
+    # per-call costs a quota stretches more: its speed ratio lands a little lower
+    tolerance = 0.25 if split_by == "kernels" else 0.35
+    assert abs(kernels["slow"] - predicted) <= tolerance * predicted, (kernels, predicted)
     assert kernels["fast"] + kernels["slow"] == whole
+    if split_by == "samples":  # exactly the paper's equation (1) of what was measured
+        times = {d["device"]: sum(c["devices"][i]["seconds"] * c["kernels"]
+                                  / c["calibrated_kernels"]
+                                  for c in records if c["type"] == "calibration")
+                 for i, d in enumerate(layer2["devices"])}
+        share = (1 / times["slow"]) / (1 / times["slow"] + 1 / times["fast"])
+        assert abs(kernels["slow"] - whole * share) <= 1.0, (kernels, times)
