@@ -155,7 +155,16 @@ class SampleRunner:
                     finished = self._activation = x
                     continue
                 _test_delay(replica.shard)
-                moments = replica.start_forward(x, request.total_batch, True)
+                try:
+                    moments = replica.start_forward(x, request.total_batch, True)
+                except ValueError:
+                    if request.x is not None:
+                        raise  # the master's input: a bad request
+                    # this participant's own previous output does not fit the layer: its
+                    # results are wrong; say so with moments over no values (the master
+                    # evicts a participant whose moments miss its slice's values)
+                    kernels = replica.shard.kernels
+                    moments = (0, np.zeros(kernels, np.float32), np.zeros(kernels, np.float32))
                 if moments is not None:
                     count, total, m2 = moments
         y = None
