@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -26,7 +27,10 @@ from hetconv.protocol import (
 )
 from hetconv.sample_replica import SampleReplica
 from hetconv.shard import ConvShard
+from hetconv.weight_reduce import GradientExchange
 from hetconv.wire_cast import to_wire
+
+SampleUpdate = SampleForwardRequest | SampleBackwardRequest
 
 
 class SampleRequestError(Exception):
@@ -62,11 +66,55 @@ class SampleRunner:
         self._activation: np.ndarray | None = None  # the last finished layer's output
         self._gradient: np.ndarray | None = None  # the last finished layer's dx
         self._wire_dtype = np.dtype(np.float32)  # of the activations, as x came
+        # the weight reduction among the peers (set by AssignPeers; None: via the master)
+        self.exchange: GradientExchange | None = None
 
     def reset(self) -> None:
         """Forget everything (the run ended, or the layers were re-assigned)."""
         self._replicas.clear()
         self._activation = self._gradient = None
+
+    def _peers(self) -> GradientExchange:
+        if self.exchange is None:
+            raise SampleRequestError(ERR_BAD_REQUEST, "a weight reduction among the peers, "
+                                     "but no AssignPeers for this run yet")
+        return self.exchange
+
+    def _begin_update(self, shards: Mapping[int, ConvShard], request: SampleUpdate
+                      ) -> tuple[int, np.ndarray | None] | None:
+        """First half of a peer-reduced update: reduce this participant's range and
+        share it (None when the request carries its ``dweight`` or no update)."""
+        if request.update_layer < 0 or request.update_id <= 0:
+            return None
+        shape = tuple(self.replica(shards, request.update_layer).shard.state["weight"].shape)
+        contributors = [str(c) for c in request.contributors]
+        if not contributors or len(set(contributors)) != len(contributors):
+            raise SampleRequestError(ERR_BAD_REQUEST, "contributors must name each "
+                                     "participant with samples once")
+        own = self._peers().reduce(request.update_id, request.step, request.update_layer,
+                                   contributors, shape)
+        return request.update_layer, own
+
+    def _finish_update(self, shards: Mapping[int, ConvShard], request: SampleUpdate,
+                       begun: tuple[int, np.ndarray | None] | None) -> None:
+        """The update of ``request.update_layer`` (its dW gathered from the peers when
+        reduced among them)."""
+        if request.update_layer < 0:
+            return
+        dweight = request.dweight
+        if begun is not None:
+            layer, own = begun
+            shape = tuple(self.replica(shards, layer).shard.state["weight"].shape)
+            dweight = self._peers().gather(request.update_id, layer, own, shape)
+        self._update(shards, request.update_layer, dweight, request.learning_rate,
+                     request.update_sums)
+
+    def _peer_figures(self) -> dict[str, Any]:
+        if self.exchange is None:
+            return {"peer_bytes_sent": 0, "peer_bytes_received": 0, "peer_wait_s": 0.0}
+        sent, received, waited = self.exchange.take_stats()
+        return {"peer_bytes_sent": sent, "peer_bytes_received": received,
+                "peer_wait_s": waited}
 
     def replica(self, shards: Mapping[int, ConvShard], layer: int) -> SampleReplica:
         """The replica of ``layer`` over its current shard (a whole layer)."""
@@ -106,9 +154,11 @@ class SampleRunner:
     def forward(self, request: SampleForwardRequest, shards: Mapping[int, ConvShard]
                 ) -> SampleForwardReply:
         started = time.perf_counter()
-        if request.update_layer >= 0:
-            self._update(shards, request.update_layer, request.dweight, request.learning_rate,
-                         request.update_sums)
+        begun = self._begin_update(shards, request)
+        uses_update = request.update_layer in (request.finish_layer, request.start_layer) \
+            or not request.train
+        if uses_update:
+            self._finish_update(shards, request, begun)
         finished: np.ndarray | None = None
         if request.finish_layer >= 0:
             replica = self.replica(shards, request.finish_layer)
@@ -167,6 +217,8 @@ class SampleRunner:
                     moments = (0, np.zeros(kernels, np.float32), np.zeros(kernels, np.float32))
                 if moments is not None:
                     count, total, m2 = moments
+        if not uses_update:  # the gather's wait overlapped this round's compute
+            self._finish_update(shards, request, begun)
         y = None
         if request.return_output:
             if finished is None:
@@ -176,14 +228,15 @@ class SampleRunner:
         return SampleForwardReply(request_id=request.request_id, step=request.step,
                                   attempt=request.attempt,
                                   compute_s=time.perf_counter() - started, count=int(count),
-                                  total=total, m2=m2, y=y)
+                                  total=total, m2=m2, y=y, **self._peer_figures())
 
     def backward(self, request: SampleBackwardRequest, shards: Mapping[int, ConvShard]
                  ) -> SampleBackwardReply:
         started = time.perf_counter()
-        if request.update_layer >= 0:
-            self._update(shards, request.update_layer, request.dweight, request.learning_rate,
-                         request.update_sums)
+        begun = self._begin_update(shards, request)
+        uses_update = request.update_layer in (request.finish_layer, request.start_layer)
+        if uses_update:
+            self._finish_update(shards, request, begun)
         dweight_out = None
         if request.finish_layer >= 0:
             replica = self.replica(shards, request.finish_layer)
@@ -195,6 +248,10 @@ class SampleRunner:
                     dgamma, dbeta, need_dx=request.finish_layer > 0)
             except RuntimeError as error:
                 raise SampleRequestError(ERR_BAD_REQUEST, str(error)) from None
+            if request.reduce_id > 0 and dweight_out is not None:
+                self._peers().scatter(request.reduce_id, request.step, request.finish_layer,
+                                      dweight_out)
+                dweight_out = None
         sums: tuple[np.ndarray | None, np.ndarray | None] = (None, None)
         if request.start_layer >= 0:
             replica = self.replica(shards, request.start_layer)
@@ -206,7 +263,10 @@ class SampleRunner:
                 sums = replica.start_backward(dy)
             except (RuntimeError, ValueError) as error:
                 raise SampleRequestError(ERR_BAD_REQUEST, str(error)) from None
+        if not uses_update:  # the gather's wait overlapped this round's compute
+            self._finish_update(shards, request, begun)
         return SampleBackwardReply(request_id=request.request_id, step=request.step,
                                    attempt=request.attempt,
                                    compute_s=time.perf_counter() - started,
-                                   dweight=dweight_out, dgamma=sums[0], dbeta=sums[1])
+                                   dweight=dweight_out, dgamma=sums[0], dbeta=sums[1],
+                                   **self._peer_figures())

@@ -35,6 +35,7 @@ from hetconv.master.run import (
     RunControl,
     Stop,
 )
+from hetconv.master.sample_peers import SamplePeers
 from hetconv.master.sample_plan import SampleBalance, Slice, seconds_per_sample
 from hetconv.metrics import MetricsWriter
 from hetconv.model import ConvLayerShape
@@ -46,6 +47,20 @@ from hetconv.stage import ConvStage, StageFault
 from hetconv.wire_cast import to_wire
 
 log = logging.getLogger("hetconv.master")
+
+
+@dataclass(frozen=True)
+class PendingUpdate:
+    """A layer's SGD step still to apply: the whole batch's ``dweight`` (summed by the
+    master: ``--data-plane star``), or None when the peers reduce it as reduction
+    ``reduce_id`` of the ``contributors``' gradients (hetconv/weight_reduce.py); its
+    batch-norm ``sums`` (2, K) float32."""
+
+    layer: int
+    dweight: np.ndarray | None
+    sums: np.ndarray
+    reduce_id: int = 0
+    contributors: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -77,7 +92,8 @@ class BetweenSteps:
     runner: SampleRunner
     step: int
     _sums: dict[int, tuple[np.ndarray, np.ndarray]]
-    _dweight: tuple[int, np.ndarray, np.ndarray] | None
+    _dweight: PendingUpdate | None
+    peers: SamplePeers | None  # the weight reduction among the peers; None: via the master
 
     @property
     def layers(self) -> int:
@@ -150,6 +166,17 @@ class BetweenSteps:
         self.runner.reset()
         self._sums.clear()
         self._dweight = None
+        self.assign_peers()
+
+    def assign_peers(self) -> None:
+        """Hand every worker in the run its peers and the reduction plan (the master's
+        own exchange is its runner's); nothing under ``--data-plane star``."""
+        if self.peers is None:
+            return
+        workers = {name: member.worker for name, member in self.workers.items()
+                   if name in self.balance.seconds and member.worker is not None}
+        self.runner.exchange = self.peers.assign(
+            workers, self._names(), [shape.kernels for shape in self.setup.shapes])
 
     def recover(self, fault: StageFault, state: dict[str, np.ndarray]) -> ConvStage:
         gone = frozenset(n for n, p in self.workers.items()

@@ -15,9 +15,11 @@ import numpy as np
 from hetconv.config import MASTER_PARTICIPANT, MasterConfig
 from hetconv.master.assign import assign
 from hetconv.master.cluster import Cluster
+from hetconv.master.peer_plane import DataPortUnreachable
 from hetconv.master.plan import Participant, Shard
 from hetconv.master.run import RunControl
 from hetconv.master.sample_between import SampleSetup
+from hetconv.master.sample_peers import SamplePeers
 from hetconv.master.sample_plan import (
     SampleBalance,
     choose_split_by,
@@ -97,7 +99,17 @@ def open_sample_stage(cluster: Cluster, config: MasterConfig, participants: list
         cluster.end_run("training finished")
         cluster.close()
 
-    stage = SampleConvStage(cluster, workers, local, balance, control, setup, finish)
+    peers = SamplePeers(cluster, config.peer_timeout_s) if config.data_plane == "peer" else None
+    stage = SampleConvStage(cluster, workers, local, balance, control, setup, finish, peers)
+    try:
+        stage.assign_peers()
+    except DataPortUnreachable as fault:
+        stage.pending_fault = fault  # the first forward raises it (a recovery)
+    except BaseException:
+        stage.own_share.close()
+        if peers is not None:
+            peers.close()
+        raise  # the caller ends the run
     slices = stage._slice_batch(batch)
     share = {s.participant: s.samples for s in slices}
     for shape, cal in zip(shapes, calibration):  # what `hetconv plan` and the report read

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from hetconv.config import MASTER_PARTICIPANT
+from hetconv.dataplane import PeerLost
 from hetconv.master.cluster import Cluster, WorkerHandle, WorkerLost
 from hetconv.master.own_share import OwnShare
 from hetconv.master.plan import Participant
@@ -38,7 +39,8 @@ from hetconv.master.run import (
     RunControl,
     StepDone,
 )
-from hetconv.master.sample_between import BetweenSteps, SampleSetup
+from hetconv.master.sample_between import BetweenSteps, PendingUpdate, SampleSetup
+from hetconv.master.sample_peers import SamplePeers
 from hetconv.master.sample_plan import SampleBalance, Slice
 from hetconv.protocol import (
     SampleBackwardRequest,
@@ -63,7 +65,7 @@ class SampleConvStage(BetweenSteps):
 
     def __init__(self, cluster: Cluster, workers: list[Participant], local: dict[int, ConvShard],
                  balance: SampleBalance, control: RunControl, setup: SampleSetup,
-                 on_close: Callable[[], None]):
+                 on_close: Callable[[], None], peers: SamplePeers | None = None):
         self.cluster = cluster
         self.workers = {p.participant: p for p in workers}  # in participant order
         self.local = local  # the master's whole layers (always: snapshots read them)
@@ -71,14 +73,15 @@ class SampleConvStage(BetweenSteps):
         self.control = control
         self.setup = setup
         self._on_close = on_close
+        self.peers = peers  # the weight reduction among the peers; None: via the master
+        self.pending_fault: WorkerLost | None = None  # found while the run was set up
         self.runner = SampleRunner()  # the master's own slice, served like a worker's
         self.own_share = OwnShare(cluster)  # ... in a helper thread while replies arrive
         self.slices: list[Slice] = []
         self._x: np.ndarray = NO_OUTPUT
         self._statistics: tuple[np.ndarray, np.ndarray] | None = None
         self._sums: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # layer -> whole sums
-        # (layer, summed dW, its (2, K) batch-norm sums): the update still to apply
-        self._dweight: tuple[int, np.ndarray, np.ndarray] | None = None
+        self._dweight: PendingUpdate | None = None  # the update still to apply
         self._learning_rate = 0.0  # of the step whose update is pending
         self._eval_output = NO_OUTPUT
         self._timings: dict[int, dict[str, dict[str, Any]]] = {}
@@ -101,10 +104,12 @@ class SampleConvStage(BetweenSteps):
 
     # --- one round ---------------------------------------------------------------------
     def _round(self, what: str, layer: int, phase: str, make: Callable[[Slice], Any],
-               record: bool, idle: Callable[[Slice], Any] | None = None) -> dict[str, Any]:
+               record: bool, idle: Callable[[Slice], Any] | None = None,
+               peer_update: bool = False) -> dict[str, Any]:
         """Send ``make(slice)`` to every worker with samples (and ``idle(slice)``, when
-        not None, to those without), serve the master's own slice meanwhile, gather; the
-        replies of the slices with samples by participant, in slice order."""
+        not None, to those without), serve the master's own slice meanwhile (or, with
+        ``peer_update``, its part of the weight reduction even without samples), gather;
+        the replies of the slices with samples by participant, in slice order."""
         started = time.monotonic()
         pending: dict[int, WorkerHandle] = {}
         names: dict[int, str] = {}
@@ -121,22 +126,38 @@ class SampleConvStage(BetweenSteps):
             pending[message.request_id] = worker
             names[message.request_id] = piece.participant
         local_reply, local_done = None, started
-        own = next((s for s in self.slices if s.participant == MASTER_PARTICIPANT), None)
+        own = next((s for s in self.slices if s.participant == MASTER_PARTICIPANT),
+                   Slice(MASTER_PARTICIPANT, 0, 0))
         job = None
-        if own is not None and own.samples > 0:
-            message = make(own)
+        own_message = make(own) if own.samples > 0 else (
+            idle(own) if idle is not None and peer_update else None)
+        if own_message is not None:
+            message = own_message
             serve = (self.runner.forward if isinstance(message, SampleForwardRequest)
                      else self.runner.backward)
             job = self.own_share.submit(lambda: serve(message, self.local))
+        failed = True
         try:
             gathered = self.cluster.gather(pending, what,
                                            done=(lambda: job is None or job.done.is_set()),
                                            timeout_s=self.control.request_deadline_s())
+            failed = False
         finally:
             if job is not None:
+                if failed and self.peers is not None:
+                    self.peers.cancel.set()  # its wait for a lost peer ends at once
                 job.done.wait()  # never leave the helper thread on the replicas
+                if self.peers is not None:
+                    self.peers.cancel.clear()
         if job is not None:
-            local_reply, local_done = self.own_share.wait(job), job.finished_at
+            try:
+                local_reply, local_done = self.own_share.wait(job), job.finished_at
+            except PeerLost as lost:  # the master's share waited for a peer in vain
+                culprit = lost.peers[0] if lost.peers else None
+                raise WorkerLost(f"the master's share of {what}: {lost}", culprit,
+                                 evict=lost.bad_data) from None
+            if own.samples == 0:
+                local_reply = None
         replies: dict[str, Any] = {}
         slowest = 0.0
         reply: Any
@@ -159,6 +180,10 @@ class SampleConvStage(BetweenSteps):
                     entry["wait_s"] += max(0.0, arrival - local_done)
                 entry["bytes_sent"] += sent.get(piece.participant, 0)
                 entry["bytes_received"] += received
+                if self.peers is not None:
+                    entry["peer_bytes_sent"] += reply.peer_bytes_sent
+                    entry["peer_bytes_received"] += reply.peer_bytes_received
+                    entry["peer_wait_s"] += reply.peer_wait_s
                 # its compute, and what the barrier waits for: its whole round (compute,
                 # its share of the wire and its message handling, throttling included)
                 self._step_compute[piece.participant] = \
@@ -171,11 +196,16 @@ class SampleConvStage(BetweenSteps):
 
     def _entry(self, layer: int, piece: Slice) -> dict[str, Any]:
         devices = self._timings.setdefault(layer, {})
-        return devices.setdefault(piece.participant, {
-            "device": piece.participant, "kernels": self.setup.shapes[layer].kernels,
-            "samples": piece.samples, "split_by": "samples", "forward_s": 0.0,
-            "backward_s": 0.0, "wait_s": 0.0, "forward_latency_s": 0.0,
-            "backward_latency_s": 0.0, "bytes_sent": 0, "bytes_received": 0})
+        entry = devices.get(piece.participant)
+        if entry is None:
+            entry = devices[piece.participant] = {
+                "device": piece.participant, "kernels": self.setup.shapes[layer].kernels,
+                "samples": piece.samples, "split_by": "samples", "forward_s": 0.0,
+                "backward_s": 0.0, "wait_s": 0.0, "forward_latency_s": 0.0,
+                "backward_latency_s": 0.0, "bytes_sent": 0, "bytes_received": 0}
+            if self.peers is not None:
+                entry.update(peer_bytes_sent=0, peer_bytes_received=0, peer_wait_s=0.0)
+        return entry
 
     # --- checking what came back -------------------------------------------------------
     def _vector(self, participant: str, layer: int, name: str, array: Any) -> np.ndarray:
@@ -198,6 +228,9 @@ class SampleConvStage(BetweenSteps):
         if not train:
             return self._evaluate(layer, x)
         update = None
+        if layer == 0 and self.pending_fault is not None:
+            fault, self.pending_fault = self.pending_fault, None
+            raise fault  # the trainer's recovery: a re-plan that checks again
         if layer == 0:
             self.step = step
             self._x = np.ascontiguousarray(x, dtype=np.float32)
@@ -236,14 +269,15 @@ class SampleConvStage(BetweenSteps):
                    for piece in self.slices if piece.samples > 0]
         return np.concatenate(outputs, axis=0) if len(outputs) > 1 else outputs[0]
 
-    def _take_update(self) -> tuple[int, np.ndarray, np.ndarray] | None:
-        """The pending update, taken to travel with the next round; the master applies it
-        to its own replica at once when it has no slice (with a slice its own runner
-        gets it in the round, as the workers do)."""
+    def _take_update(self) -> PendingUpdate | None:
+        """The pending update, taken to travel with the next round. Summed by the master,
+        it applies it to its own replica at once when it has no slice (with a slice its
+        own runner gets it in the round, as the workers do); reduced by the peers, its
+        own runner always takes part in the round."""
         update, self._dweight = self._dweight, None
-        if update is not None and not self._master_slice():
-            self.local_replica(update[0]).apply_update(update[1], self._learning_rate,
-                                                       sums=(update[2][0], update[2][1]))
+        if update is not None and update.dweight is not None and not self._master_slice():
+            self.local_replica(update.layer).apply_update(
+                update.dweight, self._learning_rate, sums=(update.sums[0], update.sums[1]))
         return update
 
     def flush(self) -> None:
@@ -252,8 +286,7 @@ class SampleConvStage(BetweenSteps):
             self._backward_round(self.step, self._learning_rate, NO_LAYER, NO_LAYER, None)
 
     def _forward_round(self, step: int, finish: int, start: int, output: bool,
-                       update: tuple[int, np.ndarray, np.ndarray] | None = None
-                       ) -> dict[str, Any]:
+                       update: PendingUpdate | None = None) -> dict[str, Any]:
         statistics = self._statistics if finish >= 0 else None
         wire = self.setup.wire_dtype
         total = self._x.shape[0]
@@ -268,36 +301,34 @@ class SampleConvStage(BetweenSteps):
                 request_id=self.cluster.request_id(), step=step, attempt=0, train=True,
                 total_batch=total, finish_layer=finish, start_layer=start,
                 stop_layer=start + 1 if start >= 0 else NO_LAYER, return_output=output,
-                update_layer=NO_LAYER if update is None else update[0],
                 learning_rate=self._learning_rate,
                 total_count=self._count(finish) if finish >= 0 else 0,
                 mean=None if statistics is None else statistics[0],
                 var=None if statistics is None else statistics[1], x=x,
-                dweight=None if update is None else update[1],
-                update_sums=None if update is None else update[2])
+                **_update_fields(update))
 
         def idle(piece: Slice) -> SampleForwardRequest | None:
             """A worker without samples this step still applies every update and follows
-            the running statistics."""
-            follow = finish >= 0 and statistics is not None
+            the running statistics (the master's own replica follows them in ``forward``)."""
+            follow = finish >= 0 and statistics is not None \
+                and piece.participant != MASTER_PARTICIPANT
             if update is None and not follow:
                 return None
             return SampleForwardRequest(
                 request_id=self.cluster.request_id(), step=step, attempt=0, train=True,
                 total_batch=total, finish_layer=finish if follow else NO_LAYER,
                 start_layer=NO_LAYER, stop_layer=NO_LAYER, return_output=False,
-                update_layer=NO_LAYER if update is None else update[0],
                 learning_rate=self._learning_rate,
                 total_count=self._count(finish) if follow else 0,
                 mean=statistics[0] if statistics is not None and follow else None,
                 var=statistics[1] if statistics is not None and follow else None, x=None,
-                dweight=None if update is None else update[1],
-                update_sums=None if update is None else update[2])
+                **_update_fields(update))
 
         layer = start if start >= 0 else finish
         what = (f"forward of layer {layer + 1} (step {step})" if not output
                 else f"output of layer {layer + 1} (step {step})")
-        return self._round(what, layer, "forward", make, True, idle)
+        return self._round(what, layer, "forward", make, True, idle,
+                           peer_update=update is not None and update.reduce_id > 0)
 
     def _evaluate(self, layer: int, x: np.ndarray) -> np.ndarray:
         """Evaluation: one round at layer 0 runs every layer on every slice."""
@@ -313,10 +344,10 @@ class SampleConvStage(BetweenSteps):
             return SampleForwardRequest(
                 request_id=self.cluster.request_id(), step=-1, attempt=0, train=False,
                 total_batch=x.shape[0], finish_layer=NO_LAYER, start_layer=0,
-                stop_layer=self.layers, return_output=True, update_layer=NO_LAYER,
-                learning_rate=0.0, total_count=0, mean=None, var=None,
+                stop_layer=self.layers, return_output=True, learning_rate=0.0,
+                total_count=0, mean=None, var=None,
                 x=part if piece.participant == MASTER_PARTICIPANT else to_wire(part, wire),
-                dweight=None, update_sums=None)
+                **_update_fields(None))
 
         replies = self._round("evaluation forward", 0, "forward", make, False)
         last = self.setup.shapes[-1]
@@ -347,6 +378,7 @@ class SampleConvStage(BetweenSteps):
         update = self._take_update()
         sums = self._sums.get(finish) if finish >= 0 else None
         wire = self.setup.wire_dtype
+        reduce_id = self.cluster.request_id() if finish >= 0 and self.peers is not None else 0
 
         def make(piece: Slice) -> SampleBackwardRequest:
             local = piece.participant == MASTER_PARTICIPANT
@@ -356,13 +388,10 @@ class SampleConvStage(BetweenSteps):
                 part = np.ascontiguousarray(part, np.float32) if local else to_wire(part, wire)
             return SampleBackwardRequest(
                 request_id=self.cluster.request_id(), step=step, attempt=0,
-                learning_rate=learning_rate,
-                update_layer=NO_LAYER if update is None else update[0],
-                finish_layer=finish, start_layer=start,
-                dweight=None if update is None else update[1],
+                learning_rate=learning_rate, finish_layer=finish, start_layer=start,
                 dgamma=None if sums is None else sums[0],
-                dbeta=None if sums is None else sums[1], dy=part,
-                update_sums=None if update is None else update[2])
+                dbeta=None if sums is None else sums[1], dy=part, reduce_id=reduce_id,
+                **_update_fields(update))
 
         def idle(piece: Slice) -> SampleBackwardRequest | None:
             """A worker without samples this step still applies every update."""
@@ -370,17 +399,20 @@ class SampleConvStage(BetweenSteps):
                 return None
             return SampleBackwardRequest(
                 request_id=self.cluster.request_id(), step=step, attempt=0,
-                learning_rate=learning_rate, update_layer=update[0], finish_layer=NO_LAYER,
-                start_layer=NO_LAYER, dweight=update[1], dgamma=None, dbeta=None, dy=None,
-                update_sums=update[2])
+                learning_rate=learning_rate, finish_layer=NO_LAYER, start_layer=NO_LAYER,
+                dgamma=None, dbeta=None, dy=None, reduce_id=0, **_update_fields(update))
 
         layer = start if start >= 0 else max(finish, 0)
         replies = self._round(f"backward of layer {layer + 1} (step {step})", layer,
-                              "backward", make, finish >= 0 or start >= 0, idle)
+                              "backward", make, finish >= 0 or start >= 0, idle,
+                              peer_update=update is not None and update.reduce_id > 0)
         active = [p for p in self.slices if p.samples > 0]
-        if finish >= 0:
+        if finish >= 0 and reduce_id > 0:
+            self._dweight = PendingUpdate(finish, None, np.stack(self._sums[finish]),
+                                          reduce_id, tuple(p.participant for p in active))
+        elif finish >= 0:
             shape = self.local[finish].state["weight"].shape
-            self._dweight = (finish, add_in_order([
+            self._dweight = PendingUpdate(finish, add_in_order([
                 self._checked(p.participant, finish, "dweight", replies[p.participant].dweight,
                               tuple(shape)) for p in active]), np.stack(self._sums[finish]))
         if start >= 0:
@@ -426,4 +458,16 @@ class SampleConvStage(BetweenSteps):
 
     def close(self) -> None:
         self.own_share.close()  # first: the helper thread's wake-up socket
+        if self.peers is not None:
+            self.peers.close()
         self._on_close()
+
+
+def _update_fields(update: PendingUpdate | None) -> dict[str, Any]:
+    """A round request's fields of the update it carries (none: NO_LAYER)."""
+    if update is None:
+        return {"update_layer": NO_LAYER, "dweight": None, "update_sums": None,
+                "update_id": 0, "contributors": []}
+    return {"update_layer": update.layer, "dweight": update.dweight,
+            "update_sums": update.sums, "update_id": update.reduce_id,
+            "contributors": list(update.contributors)}

@@ -10,7 +10,7 @@ with all the others.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -35,7 +35,10 @@ class SampleForwardRequest(Message):
     output just finished; in training every layer but a batch-norm one's last phase is
     run (``stop_layer`` = start_layer + 1), in evaluation the whole range.
     ``total_batch``: the whole batch's samples (B). ``return_output``: the reply carries
-    the output of the last layer run or finished.
+    the output of the last layer run or finished. ``update_id`` > 0: the update's
+    ``dweight`` is not in the request but reduced among the peers from the pieces of
+    reduction ``update_id`` sent by ``contributors`` (participant ids, in the order
+    their gradients are added; hetconv/weight_reduce.py); 0: ``dweight`` is given.
     """
 
     TYPE: ClassVar[str] = "sample_forward_request"
@@ -56,6 +59,8 @@ class SampleForwardRequest(Message):
     x: np.ndarray | None
     dweight: np.ndarray | None
     update_sums: np.ndarray | None
+    update_id: int
+    contributors: list[Any]
 
 
 @dataclass(frozen=True, eq=False)
@@ -63,7 +68,9 @@ class SampleForwardReply(Message):
     """worker → master: the round is done; the started layer's moments of its conv
     output over this worker's samples (``count`` values per channel, ``total`` and ``m2``
     (K,) float32: the sum and the sum of squares around this slice's mean; absent where
-    the layer needs no statistics) and, when asked, ``y`` (B_i, K, H', W')."""
+    the layer needs no statistics) and, when asked, ``y`` (B_i, K, H', W').
+    ``peer_bytes_sent``/``peer_bytes_received``/``peer_wait_s``: the weight reduction's
+    array bytes with the peers and seconds waited for them in this round."""
 
     TYPE: ClassVar[str] = "sample_forward_reply"
     request_id: int
@@ -74,6 +81,9 @@ class SampleForwardReply(Message):
     total: np.ndarray | None
     m2: np.ndarray | None
     y: np.ndarray | None
+    peer_bytes_sent: int
+    peer_bytes_received: int
+    peer_wait_s: float
 
 
 @dataclass(frozen=True, eq=False)
@@ -88,6 +98,9 @@ class SampleBackwardRequest(Message):
     ``dgamma`` and ``dbeta`` (K,) float32 (its input gradient becomes the next layer's
     dy); when ``start_layer`` >= 0, that layer's backward starts on ``dy``
     (B_i, K, H', W') when given, else on the input gradient just computed.
+    ``reduce_id`` > 0: the finished layer's weight gradient is not returned but reduced
+    among the peers as reduction ``reduce_id`` (hetconv/weight_reduce.py); 0: it is
+    returned. ``update_id`` and ``contributors``: as in :class:`SampleForwardRequest`.
     """
 
     TYPE: ClassVar[str] = "sample_backward_request"
@@ -103,6 +116,9 @@ class SampleBackwardRequest(Message):
     dbeta: np.ndarray | None
     dy: np.ndarray | None
     update_sums: np.ndarray | None
+    reduce_id: int
+    update_id: int
+    contributors: list[Any]
 
 
 @dataclass(frozen=True, eq=False)
@@ -110,7 +126,8 @@ class SampleBackwardReply(Message):
     """worker → master: the round is done; the finished layer's weight gradient over
     this worker's samples ``dweight`` (K, C, k, k) float32, and the started layer's
     batch-norm sums ``dgamma``, ``dbeta`` (K,) float32 (each absent where the round had
-    no such layer)."""
+    no such layer; ``dweight`` also absent when the request's ``reduce_id`` > 0).
+    Peer figures as in :class:`SampleForwardReply`."""
 
     TYPE: ClassVar[str] = "sample_backward_reply"
     request_id: int
@@ -120,3 +137,6 @@ class SampleBackwardReply(Message):
     dweight: np.ndarray | None
     dgamma: np.ndarray | None
     dbeta: np.ndarray | None
+    peer_bytes_sent: int
+    peer_bytes_received: int
+    peer_wait_s: float

@@ -57,6 +57,7 @@ from hetconv.protocol import (
 )
 from hetconv.sample_runner import SampleRequestError, SampleRunner
 from hetconv.shard import ConvShard, LayerSettings
+from hetconv.weight_reduce import GradientExchange
 from hetconv.wire_cast import to_wire
 from hetconv.worker.validation import (
     ACTIVATION_DTYPES,
@@ -215,6 +216,7 @@ class WorkerService:
                 return self._sample_call(self.sample.backward, message)
             case EndRun():
                 self.sample.reset()
+                self.sample.exchange = None
                 self.shards.clear()
                 self.need_dx.clear()
                 self.last_step.clear()
@@ -366,6 +368,10 @@ class WorkerService:
                                     request.wire_dtype, request.timeout_s,
                                     cancelled=self.cancel_wait.is_set,
                                     on_drop=lambda reason: log.debug("dropped %s", reason))
+        # the sample split reduces weight gradients over the same port and plan
+        self.sample.exchange = GradientExchange(request.participant, plan, port,
+                                                request.timeout_s,
+                                                cancelled=self.cancel_wait.is_set)
         return Ack(request_id=request.request_id)
 
     def _peer_participant(self) -> PeerParticipant:

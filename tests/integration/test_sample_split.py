@@ -24,12 +24,16 @@ def _records(run_dir: Path, kind: str) -> list[dict[str, Any]]:
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("plane", [(), ("--data-plane", "star")], ids=["default", "star"])
 def test_two_workers_and_the_master_reproduce_the_local_run(
-        endpoint: str, workers: Any, tmp_path: Path, local_reference: Path) -> None:
+        endpoint: str, workers: Any, tmp_path: Path, local_reference: Path,
+        plane: tuple[str, ...]) -> None:
+    """By default the weight gradients are reduced among the peers; through the master
+    with ``--data-plane star``: the same loss trace either way."""
     workers("w1", "w2")
     run_dir = tmp_path / "dist"
     result = run_hetconv("train", "--listen", endpoint, "--min-workers", "2", "--wait", "30",
-                         "--split-by", "samples", *SMALL_RUN,
+                         "--split-by", "samples", *SMALL_RUN, *plane,
                          "--run-dir", str(run_dir))
     assert result.returncode == 0, result.stderr
     assert "split by samples" in result.stdout
@@ -46,6 +50,14 @@ def test_two_workers_and_the_master_reproduce_the_local_run(
     # both workers computed (the re-slicing may later leave one out on a busy host)
     assert {"w1", "w2"} <= {d["device"] for d in steps[0]["layers"][0]["devices"]
                             if d["samples"] > 0}
+    # who carried the weight gradients: the peers (default) or the master's link (star)
+    peer_bytes = {name: sum(d.get("peer_bytes_sent", 0) for step in steps
+                            for layer in step["layers"] for d in layer["devices"]
+                            if d["device"] == name) for name in ("w1", "w2")}
+    if plane:
+        assert peer_bytes == {"w1": 0, "w2": 0}
+    else:
+        assert min(peer_bytes.values()) > 0, peer_bytes
 
 
 @pytest.mark.timeout(180)

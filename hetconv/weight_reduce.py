@@ -1,0 +1,269 @@
+"""The sample split's weight-gradient reduction among the peers (``--data-plane peer``).
+
+Under the sample split every participant ends a layer's backward with the weight
+gradient of its own samples, dW_i (K, C, k, k) float32, and every replica must apply
+the sum over the batch. Through the master (``--data-plane star``) that costs its
+link (N-1)·W each way. Here the participants reduce it among themselves, as a
+reduce-scatter then an all-gather over their data endpoints
+(:mod:`hetconv.peer_sockets`):
+
+1. *scatter*: each participant with samples (a *contributor*) sends kernels
+   [start_j, stop_j) of its dW_i to the *owner* j of that range (phase ``reduce``);
+2. *reduce*: owner j adds the pieces of its range in contributor order (its own
+   piece in its place), so the sum has the same bits as the master's ``add_in_order``
+   of the whole arrays, and sends it to every other participant (phase ``gather``);
+3. *gather*: each participant joins the owners' sums into ΣdW in kernel order.
+
+Every link carries about 2·(P-1)/P·W each way instead of the master's 2·(N-1)·W.
+Owners are the participants that compute (the master too when it does); a
+participant without a range (the master under ``--no-local``) only gathers. The
+ranges are :func:`reduce_ranges` (even split in participant order); they travel in
+``AssignPeers.plan`` as a :class:`~hetconv.peer_plan.PeerPlan`.
+
+Pieces are :class:`~hetconv.protocol.PeerPiece` messages keyed by the master's
+``reduce_id`` (unique in a run), the layer, the phase and the sender;
+``batch_start``/``batch_stop``/``batch_size`` are 0/1/1. :class:`GradientExchange`
+checks every piece (sender, phase, kernel range, shape, finite values) and waits with
+a deadline that every arrival restarts; a peer that does not deliver is a
+:class:`~hetconv.dataplane.PeerLost` naming it, one that sends NaN or a wrong shape
+one with ``bad_data``.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from hetconv.dataplane import RECEIVE_SLICE_S, PeerLost, PiecePort
+from hetconv.peer_plan import KernelRange, PeerPlan
+from hetconv.protocol import PeerPiece
+
+PHASE_REDUCE = "reduce"
+PHASE_GATHER = "gather"
+REDUCE_PHASES = (PHASE_REDUCE, PHASE_GATHER)
+MAX_HELD_PIECES = 512
+"""At most this many pieces wait in a participant's inbox (a run needs at most a few
+layers' worth per peer): beyond it, pieces are dropped as a stranger's would be."""
+
+
+def reduce_ranges(kernels: int, owners: Sequence[str], everyone: Sequence[str]
+                  ) -> list[KernelRange]:
+    """Kernel ranges of one layer tiling [0, ``kernels``) in the order of ``everyone``:
+    the ``owners`` share them evenly (the first ones one more when they do not divide),
+    the others get empty ranges."""
+    ranges: list[KernelRange] = []
+    position = 0
+    count = max(len(owners), 1)
+    index = 0
+    for participant in everyone:
+        size = 0
+        if participant in owners:
+            size = kernels // count + (1 if index < kernels % count else 0)
+            index += 1
+        ranges.append(KernelRange(participant, position, position + size))
+        position += size
+    return ranges
+
+
+def reduce_plan(kernels: Sequence[int], owners: Sequence[str], everyone: Sequence[str]
+                ) -> PeerPlan:
+    """The :class:`PeerPlan` of a run's reduction: :func:`reduce_ranges` per layer."""
+    return PeerPlan([reduce_ranges(k, owners, everyone) for k in kernels])
+
+
+def add_chunks(pieces: dict[str, np.ndarray], order: Sequence[str]) -> np.ndarray:
+    """The float32 sum of ``pieces`` added left to right in ``order`` (the same bits as
+    ``hetconv.sample_replica.add_in_order`` over the whole arrays)."""
+    total = np.array(pieces[order[0]], dtype=np.float32, copy=True)
+    for participant in order[1:]:
+        total += pieces[participant]
+    return total
+
+
+class GradientExchange:
+    """One participant's side of the reduction (see the module doc) over a port.
+
+    ``plan``: the owners' kernel ranges per layer (every participant of the run is in
+    it, possibly with an empty range). Used by one thread: the worker's compute
+    thread, or the master's helper thread. Counters (bytes, seconds waited) accumulate
+    until :meth:`take_stats`.
+    """
+
+    def __init__(self, participant: str, plan: PeerPlan, port: PiecePort, timeout_s: float,
+                 cancelled: Callable[[], bool] = lambda: False):
+        self.participant = participant
+        self.plan = plan
+        self.port = port
+        self.timeout_s = timeout_s
+        self.cancelled = cancelled
+        self._own: dict[tuple[int, int], np.ndarray] = {}  # (reduce id, layer) -> own dW
+        self._inbox: dict[tuple[int, int, str, str], np.ndarray] = {}
+        self._floor = 0  # pieces of older reduce ids are stale
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.wait_s = 0.0
+        self.dropped: list[str] = []  # reasons, for the log
+
+    # --- what the plan says ----------------------------------------------------------
+    def _ranges(self, layer: int) -> list[KernelRange]:
+        if not 0 <= layer < len(self.plan.layers):
+            raise PeerLost([], f"layer {layer + 1} is not in the reduction plan")
+        return self.plan.layers[layer]
+
+    def own_range(self, layer: int) -> KernelRange | None:
+        return next((r for r in self._ranges(layer) if r.participant == self.participant),
+                    None)
+
+    def take_stats(self) -> tuple[int, int, float]:
+        """(bytes sent, bytes received, seconds waited) since the last call."""
+        stats = (self.bytes_sent, self.bytes_received, self.wait_s)
+        self.bytes_sent = self.bytes_received = 0
+        self.wait_s = 0.0
+        return stats
+
+    # --- 1: scatter --------------------------------------------------------------------
+    def scatter(self, reduce_id: int, step: int, layer: int, dweight: np.ndarray) -> None:
+        """Keep this participant's dW of ``layer`` and send each owner its range."""
+        dweight = np.ascontiguousarray(dweight, dtype=np.float32)
+        self._own[(reduce_id, layer)] = dweight
+        for target in self._ranges(layer):
+            if target.participant == self.participant or target.kernels == 0:
+                continue
+            self._send(target.participant, reduce_id, step, layer, PHASE_REDUCE, target,
+                       dweight[target.start:target.stop])
+
+    # --- 2 and 3: reduce, share, gather ----------------------------------------------
+    def reduce(self, reduce_id: int, step: int, layer: int, contributors: Sequence[str],
+               shape: tuple[int, ...]) -> np.ndarray | None:
+        """Sum this participant's range over ``contributors`` (in their order) and send
+        the sum to every other participant; the sum, or None without a range."""
+        self._forget_before(reduce_id)
+        mine = self.own_range(layer)
+        if mine is None or mine.kernels == 0:
+            self._own.pop((reduce_id, layer), None)
+            return None
+        wanted = [c for c in contributors if c != self.participant]
+        pieces = self._wait(reduce_id, layer, PHASE_REDUCE,
+                            {c: (mine.kernels,) + tuple(shape[1:]) for c in wanted})
+        own = self._own.pop((reduce_id, layer), None)
+        if self.participant in contributors:
+            if own is None:
+                raise PeerLost([], f"no weight gradient of layer {layer + 1} kept for "
+                                   f"reduction {reduce_id}")
+            pieces[self.participant] = own[mine.start:mine.stop]
+        total = add_chunks(pieces, list(contributors))
+        for target in self._ranges(layer):
+            if target.participant != self.participant:
+                self._send(target.participant, reduce_id, step, layer, PHASE_GATHER, mine,
+                           total)
+        return total
+
+    def gather(self, reduce_id: int, layer: int, own_sum: np.ndarray | None,
+               shape: tuple[int, ...]) -> np.ndarray:
+        """ΣdW (``shape``) from every owner's sum (this participant's ``own_sum``)."""
+        owners = [r for r in self._ranges(layer) if r.kernels > 0]
+        if owners and owners[-1].stop != shape[0]:
+            raise PeerLost([], f"the reduction plan covers {owners[-1].stop} kernels of "
+                               f"layer {layer + 1}, the layer has {shape[0]}")
+        pieces = self._wait(reduce_id, layer, PHASE_GATHER, {
+            r.participant: (r.kernels,) + tuple(shape[1:]) for r in owners
+            if r.participant != self.participant})
+        total = np.empty(shape, np.float32)
+        for owner in owners:
+            part = own_sum if owner.participant == self.participant else \
+                pieces[owner.participant]
+            if part is None:
+                raise PeerLost([], f"no sum of layer {layer + 1} for this participant's range")
+            total[owner.start:owner.stop] = part
+        return total
+
+    # --- moving and keeping pieces ---------------------------------------------------
+    def _send(self, target: str, reduce_id: int, step: int, layer: int, phase: str,
+              kernels: KernelRange, data: np.ndarray) -> None:
+        piece = PeerPiece(pass_id=reduce_id, step=step, layer=layer, phase=phase, attempt=0,
+                          sender=self.participant, kernel_start=kernels.start,
+                          kernel_stop=kernels.stop, batch_start=0, batch_stop=1, batch_size=1,
+                          data=np.ascontiguousarray(data, dtype=np.float32))
+        self.bytes_sent += self.port.send(target, piece)
+
+    def _forget_before(self, reduce_id: int) -> None:
+        """Pieces and kept gradients of older reductions are stale (a retried step)."""
+        if reduce_id <= self._floor:
+            return
+        self._floor = reduce_id
+        self._inbox = {k: v for k, v in self._inbox.items() if k[0] >= reduce_id}
+        self._own = {k: v for k, v in self._own.items() if k[0] >= reduce_id}
+
+    def offer(self, piece: PeerPiece) -> str | None:
+        """Keep ``piece``; the reason it was dropped, or None."""
+        if piece.phase not in REDUCE_PHASES:
+            return f"a {piece.phase!r} piece during a weight reduction"
+        if piece.pass_id < self._floor:
+            return f"stale reduction piece {piece.pass_id} (now at {self._floor})"
+        if piece.sender == self.participant:
+            return "a piece that claims to come from this participant"
+        if not 0 <= piece.layer < len(self.plan.layers):
+            return f"a reduction piece of layer {piece.layer}, not in the plan"
+        ranges = self.plan.layers[piece.layer]
+        sender = next((r for r in ranges if r.participant == piece.sender), None)
+        if sender is None:
+            return f"a reduction piece from {piece.sender!r}, not a participant"
+        expected = self.own_range(piece.layer) if piece.phase == PHASE_REDUCE else sender
+        if expected is None or (piece.kernel_start, piece.kernel_stop) != \
+                (expected.start, expected.stop) or expected.kernels == 0:
+            return (f"{piece.phase} piece of layer {piece.layer + 1} from {piece.sender!r} "
+                    f"for kernels [{piece.kernel_start}, {piece.kernel_stop})")
+        key = (piece.pass_id, piece.layer, piece.phase, piece.sender)
+        if key in self._inbox:
+            return f"duplicate {piece.phase} piece of layer {piece.layer + 1} from {piece.sender!r}"
+        if len(self._inbox) >= MAX_HELD_PIECES:
+            return "too many reduction pieces waiting"
+        self._inbox[key] = piece.data
+        self.bytes_received += int(piece.data.nbytes)
+        return None
+
+    def _wait(self, reduce_id: int, layer: int, phase: str,
+              senders: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+        """Each sender's piece of (``reduce_id``, ``layer``, ``phase``), checked against
+        the shape given for it; PeerLost naming the senders still owing when nothing arrives for
+        ``timeout_s`` (every arrival restarts the clock) or when cancelled."""
+        start = time.monotonic()
+        deadline = start + self.timeout_s
+        got: dict[str, np.ndarray] = {}
+        try:
+            while True:
+                for sender, shape in senders.items():
+                    data = self._inbox.pop((reduce_id, layer, phase, sender), None)
+                    if data is None:
+                        continue
+                    if tuple(data.shape) != shape:
+                        raise PeerLost([sender], f"peer {sender} sent a {phase} piece of layer "
+                                       f"{layer + 1} of shape {tuple(data.shape)}, expected "
+                                       f"{shape}", bad_data=True)
+                    if data.dtype != np.float32 or not np.isfinite(data).all():
+                        raise PeerLost([sender], f"peer {sender} sent a {phase} piece of layer "
+                                       f"{layer + 1} holding NaN, Inf or not float32",
+                                       bad_data=True)
+                    got[sender] = data
+                owing = [s for s in senders if s not in got]
+                if not owing:
+                    return got
+                now = time.monotonic()
+                if self.cancelled():
+                    raise PeerLost(owing, f"cancelled while waiting for {', '.join(owing)}")
+                if now >= deadline:
+                    raise PeerLost(owing, f"no {phase} piece of layer {layer + 1}'s weight "
+                                   f"gradient from peer {', '.join(owing)} within "
+                                   f"{self.timeout_s:.1f} s")
+                piece = self.port.receive(min(RECEIVE_SLICE_S, deadline - now))
+                if piece is None:
+                    continue
+                reason = self.offer(piece)
+                if reason is not None:
+                    self.dropped.append(reason)
+                    del self.dropped[:-8]
+                    continue
+                deadline = time.monotonic() + self.timeout_s
+        finally:
+            self.wait_s += time.monotonic() - start
