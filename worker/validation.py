@@ -13,6 +13,7 @@ also called by the service (worker/service.py) with a shard's own stride and pad
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -71,10 +72,13 @@ def refusal(message: Message) -> str | None:
         case SampleForwardRequest():
             reason = (_ids_refusal(0, message.step, message.attempt, min_step=-1)
                       or _at_least("total_batch", message.total_batch, 1)
+                      or _reduction_refusal(0, message.update_id, message.contributors)
                       or (None if message.x is None else activation_refusal("x", message.x)))
         case SampleBackwardRequest():
             reason = (_ids_refusal(0, message.step, message.attempt, min_step=0)
                       or _rate_refusal(message.learning_rate)
+                      or _reduction_refusal(message.reduce_id, message.update_id,
+                                            message.contributors)
                       or (None if message.dy is None else activation_refusal("dy", message.dy)))
         case AssignPeers():
             reason = assign_peers_refusal(message)
@@ -208,6 +212,20 @@ def _rate_refusal(learning_rate: float) -> str | None:
 
 def _pool_refusal(pool: str) -> str | None:
     return None if pool in POOLS else f"pool must be one of {POOLS}, got {pool!r}"
+
+
+def _reduction_refusal(reduce_id: int, update_id: int, contributors: list[Any]) -> str | None:
+    """The sample split's weight reduction among the peers: ids >= 0, and the
+    contributors distinct participant ids (the codec bounds the list's length)."""
+    reason = _at_least("reduce_id", reduce_id, 0) or _at_least("update_id", update_id, 0)
+    if reason is not None:
+        return reason
+    if not all(isinstance(c, str) and c for c in contributors) \
+            or len(set(contributors)) != len(contributors):
+        return "contributors must be distinct participant ids"
+    if update_id > 0 and not contributors:
+        return "a reduction among the peers needs its contributors"
+    return None
 
 
 def _at_least(name: str, value: int, low: int) -> str | None:

@@ -24,6 +24,7 @@ from hetconv.protocol import (
     Message,
     PeerBackwardRequest,
     PeerForwardRequest,
+    SampleBackwardRequest,
     ProtocolError,
     Welcome,
     limits,
@@ -104,6 +105,14 @@ def peer_backward(**changes: Any) -> PeerBackwardRequest:
     return dataclasses.replace(message, **changes)
 
 
+def sample_backward(**changes: Any) -> SampleBackwardRequest:
+    message = SampleBackwardRequest(
+        request_id=8, step=0, attempt=0, learning_rate=0.05, update_layer=1, finish_layer=0,
+        start_layer=-1, dweight=None, dgamma=None, dbeta=None, dy=None, update_sums=None,
+        reduce_id=12, update_id=9, contributors=["master", "w1"])
+    return dataclasses.replace(message, **changes)
+
+
 def assign_peers(**changes: Any) -> AssignPeers:
     message = AssignPeers(request_id=7, participant="w1", wire_dtype="float32",
                           timeout_s=30.0, peers={}, peer_keys={}, plan=[])
@@ -121,6 +130,7 @@ def assign_peers(**changes: Any) -> AssignPeers:
     forward(), forward(step=-1, train=False, x=activation(dtype=np.float16)),
     backward(), backward(learning_rate=0.0), peer_forward(), peer_forward(x=activation()),
     peer_backward(), peer_backward(dy=activation(dtype=np.float16)), assign_peers(),
+    sample_backward(), sample_backward(reduce_id=0, update_id=0, contributors=[]),
 ], ids=lambda message: message.TYPE)
 def test_valid_requests_pass(message: Message) -> None:
     assert refusal(message) is None
@@ -200,6 +210,12 @@ REFUSED: list[tuple[Message, str]] = [
     (assign_peers(timeout_s=0.0), "timeout_s"),
     (assign_peers(timeout_s=1e12), "timeout_s"),
     (assign_peers(wire_dtype="int8"), "wire dtype 'int8'"),
+    # the sample split's weight reduction among the peers
+    (sample_backward(reduce_id=-1), "reduce_id must be at least 0"),
+    (sample_backward(update_id=-5), "update_id must be at least 0"),
+    (sample_backward(contributors=["w1", "w1"]), "contributors must be distinct"),
+    (sample_backward(contributors=["w1", 3]), "contributors must be distinct"),
+    (sample_backward(contributors=[]), "needs its contributors"),
 ]
 
 
