@@ -10,6 +10,7 @@ re-slice over the survivors, fall back to the master alone, stop, admit joiners)
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
@@ -36,7 +37,13 @@ from hetconv.master.run import (
     Stop,
 )
 from hetconv.master.sample_peers import SamplePeers
-from hetconv.master.sample_plan import SampleBalance, Slice, seconds_per_sample
+from hetconv.master.sample_plan import (
+    ALONE_WINDOW,
+    SampleBalance,
+    Slice,
+    seconds_per_sample,
+    slower_than_alone,
+)
 from hetconv.metrics import MetricsWriter
 from hetconv.model import ConvLayerShape
 from hetconv.names import layer_key
@@ -94,6 +101,8 @@ class BetweenSteps:
     _sums: dict[int, tuple[np.ndarray, np.ndarray]]
     _dweight: PendingUpdate | None
     peers: SamplePeers | None  # the weight reduction among the peers; None: via the master
+    walls: deque[float]  # per step: the conv part measured (seconds)
+    alone: deque[float]  # per step: the master alone, from its own measured compute
 
     @property
     def layers(self) -> int:
@@ -185,6 +194,9 @@ class BetweenSteps:
             Fault(str(fault), fault.participant, fault.gone, fault.evict, gone)), state)
 
     def replan_point(self, state: dict[str, np.ndarray]) -> ConvStage:
+        slower = slower_than_alone(self.walls, self.alone)
+        if slower is not None:
+            return self._carry_out([self._alone_is_faster(*slower)], state)
         self.cluster.pump(0.0)  # take in any Hello waiting on the socket
         holding = {id(p.worker) for n, p in self.workers.items() if n in self.balance.seconds}
         joinable = sorted(w.worker_id for w in self.cluster.known_workers()
@@ -193,6 +205,23 @@ class BetweenSteps:
         if not joinable:
             return cast(ConvStage, self)  # the subclass is the whole stage
         return self._carry_out(self.control.handle(ReplanPoint(tuple(joinable))), state)
+
+    def _alone_is_faster(self, measured: float, alone: float) -> FallBackLocal:
+        """The plan measured slower than the master alone: say so, record it (a re-plan
+        to the master alone, in the report's events) and fall back."""
+        reason = (f"slower than the master alone: the conv part took {measured * 1e3:.1f} ms "
+                  f"per step over the last {ALONE_WINDOW} steps, the master alone about "
+                  f"{alone * 1e3:.1f} ms")
+        self.setup.report(f"hetconv: {reason}: training on alone (the workers stay up for "
+                          "the next run)")
+        self.setup.metrics.write("replan", reason=reason, split_by="samples",
+                                 measured_step_s=measured, alone_step_s=alone, counts=[
+                                     {"layer": shape.index, "devices": [
+                                         {"device": MASTER_PARTICIPANT,
+                                          "kernels": shape.kernels,
+                                          "samples": self.setup.batch}]}
+                                     for shape in self.setup.shapes])
+        return FallBackLocal(reason)
 
     # --- carrying out the state machine's commands ------------------------------------
     def _carry_out(self, commands: list[Command], state: dict[str, np.ndarray]) -> ConvStage:

@@ -26,6 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from hetconv.config import MASTER_PARTICIPANT
 from hetconv.model import ConvLayerShape
 from hetconv.partition import balanced_counts
@@ -188,34 +190,69 @@ def sample_rounds(layers: int) -> int:
     return 2 * layers + 1
 
 
+ALONE_WINDOW = 9
+"""Steps whose median is compared with the master alone (``slower_than_alone``)."""
+ALONE_MARGIN = 1.05
+"""The plan is dropped when its measured conv part is this much slower than alone."""
+
+
+def slower_than_alone(walls: Sequence[float], alone: Sequence[float]
+                      ) -> tuple[float, float] | None:
+    """(median measured, median alone) seconds when the last ``ALONE_WINDOW`` steps'
+    conv part (``walls``: first round sent to last reply, every participant's rounds)
+    took ``ALONE_MARGIN`` times longer than the master alone would (``alone``: per step,
+    the master's own measured compute per sample times the batch; it computes a slice
+    of every step, so this is measured on the machine, under the same load, not
+    predicted). None with fewer steps or when the plan is not slower. A small slice
+    costs more per sample than the whole batch, so the estimate of alone errs long:
+    the plan is dropped only when clearly slower."""
+    if len(walls) < ALONE_WINDOW or len(alone) < ALONE_WINDOW:
+        return None
+    measured = float(np.median(list(walls)[-ALONE_WINDOW:]))
+    by_itself = float(np.median(list(alone)[-ALONE_WINDOW:]))
+    if by_itself <= 0 or measured <= ALONE_MARGIN * by_itself:
+        return None
+    return measured, by_itself
+
+
 def predict_sample_step(slices: Sequence[Slice], seconds_per_sample: dict[str, float],
                         links: dict[str, Link | None], shapes: Sequence[ConvLayerShape],
-                        weights: int, wire_itemsize: int) -> float:
+                        weights: int, wire_itemsize: int, reduce: str = "master") -> float:
     """Predicted seconds of one step's conv part under the sample split: the slowest
-    slice's compute, plus the master's link (every byte to and from the workers goes
-    through it, each direction at the fastest measured worker link rate: the master's
-    own port), plus one round trip per round at the slowest worker's rtt.
+    slice's compute, plus the master's link (each direction at the fastest measured
+    worker link rate: the master's own port), plus one round trip per round at the
+    slowest worker's rtt.
 
-    Bytes per worker with samples: its x slice and dy slice down, its y slice up, its
-    weight gradient (``weights`` float32 values) up and the summed one down (the last
-    to every worker, with samples or without)."""
+    Bytes per worker with samples on the master's link: its x slice and dy slice down,
+    its y slice up. The weight gradients (``weights`` float32 values): with ``reduce``
+    "master" (``--data-plane star``) each worker's goes up and the sum comes down to
+    every worker, on the master's link; with "peer" (hetconv/weight_reduce.py) every
+    participant's link carries 2·(P-1)/P of them each way, at the slowest link's rate,
+    plus one more round trip (the reduce-scatter, then the all-gather)."""
     compute = max((seconds_per_sample[s.participant] * s.samples for s in slices), default=0.0)
     first, last = shapes[0], shapes[-1]
     x_bytes = first.in_channels * first.height * first.width * wire_itemsize
     y_bytes = last.kernels * last.pooled_height * last.pooled_width * wire_itemsize
     gradient = 4 * weights
+    hub = reduce != "peer"
     down = up = 0.0
     workers = [s for s in slices if links.get(s.participant) is not None]
     for piece in workers:
-        down += piece.samples * (x_bytes + y_bytes) + gradient
-        up += piece.samples * y_bytes + (gradient if piece.samples else 0)
+        down += piece.samples * (x_bytes + y_bytes) + (gradient if hub else 0)
+        up += piece.samples * y_bytes + (gradient if hub and piece.samples else 0)
     rates = [link for link in links.values() if link is not None]
     if not rates:
         return compute
     down_rate = max(link.down_bytes_per_s for link in rates)
     up_rate = max(link.up_bytes_per_s for link in rates)
     rtt = max(link.rtt_s for link in rates)
-    return compute + max(down / down_rate, up / up_rate) + sample_rounds(len(shapes)) * rtt
+    predicted = compute + max(down / down_rate, up / up_rate) + sample_rounds(len(shapes)) * rtt
+    if not hub and workers:
+        participants = len(workers) + 1  # and the master, always in the reduction
+        per_link = 2 * (participants - 1) / participants * gradient
+        slowest = min(min(link.down_bytes_per_s, link.up_bytes_per_s) for link in rates)
+        predicted += per_link / slowest + rtt
+    return predicted
 
 def seconds_per_sample(calibration: list[Any], shapes: list[ConvLayerShape], batch: int
                        ) -> list[float]:

@@ -67,7 +67,8 @@ def predict_samples(config: MasterConfig, participants: list[Participant],
     weights = sum(s.kernels * s.in_channels * s.kernel_size ** 2 for s in shapes)
     return predict_sample_step(slices, dict(zip(names, real)), links, shapes, weights,
                                np.dtype(config.wire_dtype if config.wire_dtype != "auto"
-                                        else "float32").itemsize)
+                                        else "float32").itemsize,
+                               "peer" if config.data_plane == "peer" else "master")
 
 
 def open_sample_stage(cluster: Cluster, config: MasterConfig, participants: list[Participant],

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -41,7 +42,7 @@ from hetconv.master.run import (
 )
 from hetconv.master.sample_between import BetweenSteps, PendingUpdate, SampleSetup
 from hetconv.master.sample_peers import SamplePeers
-from hetconv.master.sample_plan import SampleBalance, Slice
+from hetconv.master.sample_plan import ALONE_WINDOW, SampleBalance, Slice
 from hetconv.protocol import (
     SampleBackwardRequest,
     SampleForwardRequest,
@@ -88,6 +89,11 @@ class SampleConvStage(BetweenSteps):
         self._comm_s = 0.0
         self._step_compute: dict[str, float] = {}  # participant -> its compute this step
         self._step_latency: dict[str, float] = {}  # participant -> its rounds this step
+        self._step_wall = 0.0  # the step's rounds, first request sent to last reply
+        # per step: the conv part measured, and the master alone (its own measured
+        # compute per sample times the batch), for ``slower_than_alone``
+        self.walls: deque[float] = deque(maxlen=ALONE_WINDOW)
+        self.alone: deque[float] = deque(maxlen=ALONE_WINDOW)
         self.step = 0
 
     # --- who computes what -------------------------------------------------------------
@@ -192,6 +198,7 @@ class SampleConvStage(BetweenSteps):
                     self._step_latency.get(piece.participant, 0.0) + (arrival - started)
         if record:
             self._comm_s += max(0.0, time.monotonic() - started - slowest)
+            self._step_wall += time.monotonic() - started
         return replies
 
     def _entry(self, layer: int, piece: Slice) -> dict[str, Any]:
@@ -440,6 +447,11 @@ class SampleConvStage(BetweenSteps):
                   for layer, devices in sorted(self._timings.items())]
         comm_s = self._comm_s
         samples = {p.participant: p.samples for p in self.slices}
+        own = samples.get(MASTER_PARTICIPANT, 0)
+        if own > 0 and MASTER_PARTICIPANT in self._step_compute:
+            self.walls.append(self._step_wall)
+            self.alone.append(self._step_compute[MASTER_PARTICIPANT] / own
+                              * sum(samples.values()))
         if self.setup.rebalancing and self.balance.observe(self._step_compute,
                                                            self._step_latency, samples):
             names = self._names()
@@ -454,6 +466,7 @@ class SampleConvStage(BetweenSteps):
                                               "samples": counts.get(n, 0)} for n in names]}
                                          for shape in self.setup.shapes])
         self._timings, self._comm_s, self._step_compute, self._step_latency = {}, 0.0, {}, {}
+        self._step_wall = 0.0
         return {"layers": layers, "comm_s": comm_s}
 
     def close(self) -> None:

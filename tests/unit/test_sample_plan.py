@@ -108,6 +108,26 @@ def test_the_predicted_step_adds_the_slowest_slice_the_master_link_and_the_round
     up = 24 * 8 * 4 * 4 * 4 + 900 * 4  # y slice, its dW
     assert sample_rounds(2) == 5
     assert predicted == pytest.approx(compute + max(down / 1e6, up / 2e6) + 5 * 0.001)
+    # the weight gradients reduced among the peers: off the master's link, 2 (P-1)/P of
+    # them on every link at the slowest rate, and one more round trip
+    peer = predict_sample_step(slices, {"master": 0.001, "a": 0.002},
+                               {"master": None, "a": link}, shapes, 900, 4, reduce="peer")
+    assert peer == pytest.approx(compute + max((down - 900 * 4) / 1e6, (up - 900 * 4) / 2e6)
+                                 + 5 * 0.001 + 900 * 4 / 1e6 + 0.001)
     # no worker: the compute alone
     assert predict_sample_step([Slice("master", 0, 64)], {"master": 0.001}, {"master": None},
                                shapes, 900, 4) == pytest.approx(0.064)
+
+
+def test_a_plan_is_dropped_only_when_clearly_slower_than_the_master_alone() -> None:
+    from hetconv.master.sample_plan import ALONE_MARGIN, ALONE_WINDOW, slower_than_alone
+
+    fast = [0.010] * ALONE_WINDOW
+    assert slower_than_alone(fast[:-1], fast[:-1]) is None  # too few steps to judge
+    assert slower_than_alone(fast, [0.012] * ALONE_WINDOW) is None  # faster than alone
+    assert slower_than_alone(fast, [0.010 / ALONE_MARGIN * 1.001] * ALONE_WINDOW) is None
+    # medians over the last ALONE_WINDOW steps: one slow outlier changes nothing
+    walls = [0.030] * 20 + [0.010] * (ALONE_WINDOW - 1) + [0.5]
+    assert slower_than_alone(walls, [0.0098] * len(walls)) is None
+    assert slower_than_alone([0.02] * ALONE_WINDOW, [0.012] * ALONE_WINDOW) == \
+        pytest.approx((0.02, 0.012))

@@ -24,8 +24,8 @@ from hetconv.protocol import (
     Message,
     PeerBackwardRequest,
     PeerForwardRequest,
-    SampleBackwardRequest,
     ProtocolError,
+    SampleBackwardRequest,
     Welcome,
     limits,
 )
