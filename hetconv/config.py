@@ -108,6 +108,7 @@ class MasterConfig:
     rebalance: bool | None = None  # re-split from measured step times; None: on for "model"
     on_worker_loss: str = ON_WORKER_LOSS[0]  # when the last worker is gone
     split_by: str = SPLIT_BY[0]  # auto (default), kernels (the paper's) or samples
+    fall_back: bool = True  # train alone when the plan measures slower than the master alone
 
     def __post_init__(self) -> None:
         check_endpoint("--listen", self.listen, bind=True)
@@ -188,6 +189,7 @@ class TrainConfig:
             "rebalance": master.rebalancing if master else False,
             "checkpoint_every": self.checkpoint_every,
             "on_worker_loss": master.on_worker_loss if master else None,
+            "fall_back": master.fall_back if master else None,
         }
 
 

@@ -84,6 +84,7 @@ class SampleSetup:
     metrics: MetricsWriter
     report: Callable[[str], None]
     rebalancing: bool = True  # re-slice from measured compute (``--rebalance``)
+    fall_back: bool = True  # train alone when measured slower than alone (``--fall-back``)
 
 
 class BetweenSteps:
@@ -194,7 +195,7 @@ class BetweenSteps:
             Fault(str(fault), fault.participant, fault.gone, fault.evict, gone)), state)
 
     def replan_point(self, state: dict[str, np.ndarray]) -> ConvStage:
-        slower = slower_than_alone(self.walls, self.alone)
+        slower = slower_than_alone(self.walls, self.alone) if self.setup.fall_back else None
         if slower is not None:
             return self._carry_out([self._alone_is_faster(*slower)], state)
         self.cluster.pump(0.0)  # take in any Hello waiting on the socket

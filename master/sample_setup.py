@@ -92,7 +92,8 @@ def open_sample_stage(cluster: Cluster, config: MasterConfig, participants: list
     setup = SampleSetup(tuple(shapes), settings, device,
                         "float32" if config.wire_dtype == "auto" else config.wire_dtype,
                         batch, master_computes, local_stage, metrics, report,
-                        rebalancing=config.rebalancing and config.split != "equal")
+                        rebalancing=config.rebalancing and config.split != "equal",
+                        fall_back=config.fall_back)
     control = RunControl((p.participant for p in workers),
                          stop_on_worker_loss=config.on_worker_loss == "stop")
 

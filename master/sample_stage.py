@@ -76,6 +76,7 @@ class SampleConvStage(BetweenSteps):
         self._on_close = on_close
         self.peers = peers  # the weight reduction among the peers; None: via the master
         self.pending_fault: WorkerLost | None = None  # found while the run was set up
+        self._closed = False
         self.runner = SampleRunner()  # the master's own slice, served like a worker's
         self.own_share = OwnShare(cluster)  # ... in a helper thread while replies arrive
         self.slices: list[Slice] = []
@@ -470,6 +471,9 @@ class SampleConvStage(BetweenSteps):
         return {"layers": layers, "comm_s": comm_s}
 
     def close(self) -> None:
+        if self._closed:  # a fall-back closed it; the trainer's end closes what it holds
+            return
+        self._closed = True
         self.own_share.close()  # first: the helper thread's wake-up socket
         if self.peers is not None:
             self.peers.close()

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from hetconv.checkpoint import load_weights
+from hetconv.worker.service import TEST_DELAY_VARIABLE
 from tests.conftest import SMALL_RUN, run_hetconv
 from tests.integration.test_distributed import assert_reproduces
 
@@ -32,8 +33,10 @@ def test_two_workers_and_the_master_reproduce_the_local_run(
     with ``--data-plane star``: the same loss trace either way."""
     workers("w1", "w2")
     run_dir = tmp_path / "dist"
+    # --fall-back off: 100 distributed steps (on two shared cores the master alone is
+    # faster, and the default would train alone from step 20: the test below)
     result = run_hetconv("train", "--listen", endpoint, "--min-workers", "2", "--wait", "30",
-                         "--split-by", "samples", *SMALL_RUN, *plane,
+                         "--split-by", "samples", *SMALL_RUN, *plane, "--fall-back", "off",
                          "--run-dir", str(run_dir))
     assert result.returncode == 0, result.stderr
     assert "split by samples" in result.stdout
@@ -61,6 +64,29 @@ def test_two_workers_and_the_master_reproduce_the_local_run(
 
 
 @pytest.mark.timeout(180)
+def test_workers_slower_than_the_master_alone_are_dropped_and_the_run_stays_exact(
+        endpoint: str, workers: Any, tmp_path: Path, local_reference: Path) -> None:
+    """Defaults (--fall-back on): workers far slower in training than calibrated (the
+    test hook sleeps in every training round) make the plan slower than the master alone;
+    at the first snapshot the master drops them, says so, records it, and trains on alone
+    from the snapshot: the loss trace is still the local run's."""
+    workers("w1", "w2", env={TEST_DELAY_VARIABLE: "0.004"})
+    run_dir = tmp_path / "dist"
+    result = run_hetconv("train", "--listen", endpoint, "--min-workers", "2", "--wait", "30",
+                         "--split-by", "samples", *SMALL_RUN, "--run-dir", str(run_dir))
+    assert result.returncode == 0, result.stderr
+    assert "slower than the master alone" in result.stdout, result.stdout
+    replans = [r for r in _records(run_dir, "replan")
+               if r["reason"].startswith("slower than the master alone")]
+    assert len(replans) == 1 and replans[0]["measured_step_s"] > replans[0]["alone_step_s"]
+    steps = _records(run_dir, "step")
+    after = [s for s in steps if s["step"] >= 20]
+    assert after and all({d["device"] for layer in s["layers"] for d in layer["devices"]}
+                         <= {"master"} for s in after)
+    assert_reproduces(run_dir, local_reference)
+
+
+@pytest.mark.timeout(180)
 def test_three_workers_without_the_master_reproduce_the_local_run(
         endpoint: str, workers: Any, tmp_path: Path, local_reference: Path) -> None:
     workers("w1", "w2", "w3")
@@ -80,7 +106,7 @@ def test_a_worker_without_samples_keeps_its_replica_in_step(endpoint: str, worke
     fell behind), and the run reproduces the local one."""
     run = ["--data", "synthetic", "--limit", "300", "--test-limit", "64", "--arch", "4:8",
            "--epochs", "1", "--batch", "3", "--threads", "1", "--no-progress", "--seed", "3",
-           "--wire-dtype", "float32", "--checkpoint-every", "10"]
+           "--wire-dtype", "float32", "--checkpoint-every", "10", "--fall-back", "off"]
     local_dir, run_dir = tmp_path / "local", tmp_path / "dist"
     local = run_hetconv("train", "--local", *run, "--run-dir", str(local_dir))
     assert local.returncode == 0, local.stderr
