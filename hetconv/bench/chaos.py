@@ -483,8 +483,9 @@ def run_once(name: str, root: Path, train_flags: list[str], lan: SwitchedLan | N
     port = free_port()
     endpoint = f"tcp://{host}:{port}"
     command = [sys.executable, "-m", "hetconv", "train", "--listen", endpoint,
-               "--min-workers", str(WORKERS), "--wait", "60", *train_flags, "--run-dir",
-               str(run_dir / "run"), "--overwrite"]
+               "--min-workers", str(WORKERS), "--wait", "60", *train_flags,
+               # faults must hit workers: never drop them for being slower than alone
+               "--fall-back", "off", "--run-dir", str(run_dir / "run"), "--overwrite"]
     if lan is not None:
         command = lan.machines[0].command(command)
     log_path = run_dir / "master.log"

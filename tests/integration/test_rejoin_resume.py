@@ -27,10 +27,12 @@ SLOW = {"HETCONV_TEST_DELAY_PER_KERNEL_S": "0.006"}
 
 
 def master(endpoint: str, run_dir: Path, workers: int, *extra: str) -> Any:
+    """--fall-back off: the runs must keep their workers on two shared cores (see
+    test_failover.start_master)."""
     return subprocess.Popen(
         hetconv_command("train", "--listen", endpoint, "--min-workers", str(workers),
-                        "--wait", "30", "--split", "equal", *RUN, "--run-dir", str(run_dir),
-                        *extra),
+                        "--wait", "30", "--split", "equal", *RUN, "--fall-back", "off",
+                        "--run-dir", str(run_dir), *extra),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
 
 
