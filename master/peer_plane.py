@@ -282,13 +282,8 @@ class PeerPlane:
                 everyone[shard.participant] = shard.worker
                 if shard.kernels > 0:
                     workers[shard.participant] = shard.worker
-        _await_endpoints(cluster, list(workers.values()))
+        await_data_endpoints(cluster, list(workers.values()))
         curve = cluster.curve
-        for worker in workers.values():
-            if curve is not None and \
-                    worker.data_public_key.encode() not in curve.allowed_client_keys:
-                raise UserError(f"worker {worker.name} announced a data-plane key that is not "
-                                "in --curve-allow; give it its allowed key (--curve-secret)")
         peers = {p: w.data_endpoint for p, w in workers.items()}
         keys = {p: w.data_public_key for p, w in workers.items()}
         master_holds = any(plan.holds(layer, MASTER_PARTICIPANT)
@@ -340,6 +335,18 @@ class PeerPlane:
 
 
 # --- setting the plane up ----------------------------------------------------------------
+def await_data_endpoints(cluster: Cluster, workers: list[WorkerHandle]) -> None:
+    """Every worker's announced data endpoint, and under CURVE an allowed data key
+    (UserError naming the worker otherwise)."""
+    _await_endpoints(cluster, workers)
+    curve = cluster.curve
+    for worker in workers:
+        if curve is not None and \
+                worker.data_public_key.encode() not in curve.allowed_client_keys:
+            raise UserError(f"worker {worker.name} announced a data-plane key that is not "
+                            "in --curve-allow; give it its allowed key (--curve-secret)")
+
+
 def _await_endpoints(cluster: Cluster, workers: list[WorkerHandle]) -> None:
     deadline = time.monotonic() + ENDPOINT_WAIT_S
     while True:

@@ -18,23 +18,20 @@ from typing import cast
 import numpy as np
 
 from hetconv.config import MASTER_PARTICIPANT
-from hetconv.errors import UserError
 from hetconv.master.assign import assign, exchange
 from hetconv.master.audit import audit_input, audit_mismatch
 from hetconv.master.calibration import calibrate
 from hetconv.master.cluster import Cluster, WorkerHandle, WorkerLost
+from hetconv.master.commands import carry_out
 from hetconv.master.plan import Participant, Shard
 from hetconv.master.run import (
-    Admit,
     Command,
-    Evict,
     FallBackLocal,
     Fault,
     ReplanDone,
     ReplanPoint,
     Resplit,
     RunControl,
-    Stop,
 )
 from hetconv.master.sample_peers import SamplePeers
 from hetconv.master.sample_plan import (
@@ -189,10 +186,12 @@ class BetweenSteps:
             workers, self._names(), [shape.kernels for shape in self.setup.shapes])
 
     def recover(self, fault: StageFault, state: dict[str, np.ndarray]) -> ConvStage:
+        return self._carry_out(self.control.handle(self.fault_event(fault)), state)
+
+    def fault_event(self, fault: StageFault) -> Fault:
         gone = frozenset(n for n, p in self.workers.items()
                          if p.worker is not None and p.worker.gone)
-        return self._carry_out(self.control.handle(
-            Fault(str(fault), fault.participant, fault.gone, fault.evict, gone)), state)
+        return Fault(str(fault), fault.participant, fault.gone, fault.evict, gone)
 
     def replan_point(self, state: dict[str, np.ndarray]) -> ConvStage:
         slower = slower_than_alone(self.walls, self.alone) if self.setup.fall_back else None
@@ -226,31 +225,19 @@ class BetweenSteps:
 
     # --- carrying out the state machine's commands ------------------------------------
     def _carry_out(self, commands: list[Command], state: dict[str, np.ndarray]) -> ConvStage:
-        try:
-            for command in commands:
-                match command:
-                    case Evict():
-                        member = self.workers.get(command.participant)
-                        if member is not None and command.drop and member.worker is not None \
-                                and not member.worker.gone:
-                            self.cluster.drop(member.worker, command.reason)
-                    case Stop():
-                        raise UserError(command.reason)
-                    case FallBackLocal():
-                        local = self.setup.local_stage()
-                        local.restore(state)
-                        self.close()
-                        log.warning("%s: training on alone", command.reason)
-                        return local
-                    case Admit():
-                        self._admit(list(command.participants))
-                    case Resplit():
-                        self._resplit(set(command.alive), command.reason, state)
-        except WorkerLost as lost:
-            return self.recover(lost, state)
-        return cast(ConvStage, self)  # the subclass is the whole stage
+        """Perform the state machine's commands (master/commands.py)."""
+        return carry_out(self, commands, state, self.setup.local_stage) \
+            or cast(ConvStage, self)  # the subclass is the whole stage
 
-    def _admit(self, names: list[str]) -> None:
+    def drop_worker(self, participant: str, reason: str) -> None:
+        member = self.workers.get(participant)
+        if member is not None and member.worker is not None and not member.worker.gone:
+            self.cluster.drop(member.worker, reason)
+
+    def resplit_to(self, command: Resplit, state: dict[str, np.ndarray]) -> None:
+        self._resplit(set(command.alive), command.reason, state)
+
+    def admit(self, names: list[str]) -> None:
         """Calibrate the joiners; they get their samples at the re-slice that follows."""
         found = {w.worker_id: w for w in self.cluster.known_workers() if not w.gone}
         joiners = [Participant(n, found[n], found[n].device) for n in names if n in found]

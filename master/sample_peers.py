@@ -17,10 +17,9 @@ from collections.abc import Sequence
 
 from hetconv.config import MASTER_PARTICIPANT
 from hetconv.dataplane import PeerLost
-from hetconv.errors import UserError
 from hetconv.master.assign import exchange
 from hetconv.master.cluster import Cluster, WorkerHandle, WorkerLost
-from hetconv.master.peer_plane import _await_endpoints, diagnosed, unreachable_fault
+from hetconv.master.peer_plane import await_data_endpoints, diagnosed, unreachable_fault
 from hetconv.peer_sockets import (
     DATA_PORT_PROBE_TIMEOUT_S,
     PeerSockets,
@@ -49,13 +48,8 @@ class SamplePeers:
         them when it computes) share every layer's kernels; between steps only."""
         cluster = self.cluster
         live = {p: w for p, w in workers.items() if not w.gone}
-        _await_endpoints(cluster, list(live.values()))
+        await_data_endpoints(cluster, list(live.values()))
         curve = cluster.curve
-        for worker in live.values():
-            if curve is not None and \
-                    worker.data_public_key.encode() not in curve.allowed_client_keys:
-                raise UserError(f"worker {worker.name} announced a data-plane key that is not "
-                                "in --curve-allow; give it its allowed key (--curve-secret)")
         if self.sockets is None:
             self.sockets = PeerSockets(
                 cluster.ctx, "tcp://*:0", authenticate=False,

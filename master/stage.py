@@ -22,26 +22,22 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from hetconv.errors import UserError
 from hetconv.master.assign import assign, exchange, shard_state
 from hetconv.master.audit import audit_input, audit_mismatch
 from hetconv.master.cluster import WorkerHandle, WorkerLost
+from hetconv.master.commands import carry_out
 from hetconv.master.phases import Phases
 from hetconv.master.plan import Shard, reshard
 from hetconv.master.planes import DataPlane
 from hetconv.master.rebalance import RebalanceDecision
 from hetconv.master.run import (
-    Admit,
     Command,
-    Evict,
-    FallBackLocal,
     Fault,
     ReplanDone,
     ReplanPoint,
     Resplit,
     RunControl,
     StepDone,
-    Stop,
 )
 from hetconv.names import STATE_NAMES, layer_key
 from hetconv.protocol import ForwardReply, ForwardRequest, SnapshotRequest
@@ -194,8 +190,7 @@ class DistributedConvStage:
         evict, re-plan over the rest and restore every shard to ``state``; with no
         worker left a local stage from ``state`` (or UserError under
         ``--on-worker-loss stop``)."""
-        self.phases.quiesce()
-        return self._carry_out(self.control.handle(self._fault_event(fault)), state)
+        return self._carry_out(self.control.handle(self.fault_event(fault)), state)
 
     def replan_point(self, state: dict[str, np.ndarray]) -> ConvStage:
         """Right after a snapshot: take in the workers that joined since the last one,
@@ -229,40 +224,25 @@ class DistributedConvStage:
         self.plane.after_resplit()
 
     # --- carrying out the state machine's commands ------------------------------------
-    def _fault_event(self, fault: StageFault) -> Fault:
+    def fault_event(self, fault: StageFault) -> Fault:
+        self.phases.quiesce()
         gone = frozenset(s.participant for row in self.shards for s in row
                          if s.worker is not None and s.worker.gone)
         return Fault(str(fault), fault.participant, fault.gone, fault.evict, gone)
 
     def _carry_out(self, commands: list[Command], state: dict[str, np.ndarray]) -> ConvStage:
-        """Perform the state machine's commands; a fault while doing so (a worker lost
-        during a re-plan) goes back to it, and its new commands are carried out."""
-        try:
-            for command in commands:
-                match command:
-                    case Evict():
-                        worker = self._worker_of(command.participant)
-                        if command.drop and worker is not None and not worker.gone:
-                            self.phases.cluster.drop(worker, command.reason)
-                    case Stop():
-                        raise UserError(command.reason)
-                    case FallBackLocal():
-                        local = self.setup.local_stage()
-                        local.restore(state)
-                        self.close()
-                        log.warning("%s: training on alone", command.reason)
-                        return local
-                    case Admit():
-                        self.phases.shards = self.setup.planning.admit(
-                            self.shards, list(command.participants))
-                    case Resplit():
-                        self._resplit_to(command, state)
-        except WorkerLost as lost:
-            self.phases.quiesce()
-            return self._carry_out(self.control.handle(self._fault_event(lost)), state)
-        return self
+        """Perform the state machine's commands (master/commands.py)."""
+        return carry_out(self, commands, state, self.setup.local_stage) or self
 
-    def _resplit_to(self, command: Resplit, state: dict[str, np.ndarray]) -> None:
+    def drop_worker(self, participant: str, reason: str) -> None:
+        worker = self._worker_of(participant)
+        if worker is not None and not worker.gone:
+            self.phases.cluster.drop(worker, reason)
+
+    def admit(self, participants: list[str]) -> None:
+        self.phases.shards = self.setup.planning.admit(self.shards, participants)
+
+    def resplit_to(self, command: Resplit, state: dict[str, np.ndarray]) -> None:
         """Re-plan over ``command.alive`` (and the master's own device) and restore
         every shard from ``state``."""
         own = {s.participant for s in self.shards[0] if s.worker is None}
