@@ -5,15 +5,18 @@ that runs between training steps: a snapshot is the master's own replicas (every
 update is applied to them too), audited against every worker; a restore hands every
 participant every whole layer of a state; faults and the re-plan point go to the run's
 state machine (``master/run.py``) and its commands are carried out here (evict,
-re-slice over the survivors, fall back to the master alone, stop, admit joiners).
+re-slice over the survivors, fall back to the master alone, stop, admit joiners);
+after every step, the step's record, the re-slicing from measured compute and the
+measures behind ``--fall-back`` (``slower_than_alone``).
 """
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 
@@ -32,6 +35,7 @@ from hetconv.master.run import (
     ReplanPoint,
     Resplit,
     RunControl,
+    StepDone,
 )
 from hetconv.master.sample_peers import SamplePeers
 from hetconv.master.sample_plan import (
@@ -45,6 +49,7 @@ from hetconv.metrics import MetricsWriter
 from hetconv.model import ConvLayerShape
 from hetconv.names import layer_key
 from hetconv.protocol import ForwardReply, ForwardRequest
+from hetconv.protocol.sample_messages import NO_LAYER
 from hetconv.sample_runner import SampleRunner
 from hetconv.shard import ConvShard, LayerSettings
 from hetconv.stage import ConvStage, StageFault
@@ -65,6 +70,43 @@ class PendingUpdate:
     sums: np.ndarray
     reduce_id: int = 0
     contributors: tuple[str, ...] = ()
+
+
+def update_fields(update: PendingUpdate | None) -> dict[str, Any]:
+    """A round request's fields of the update it carries (none: NO_LAYER)."""
+    if update is None:
+        return {"update_layer": NO_LAYER, "dweight": None, "update_sums": None,
+                "update_id": 0, "contributors": []}
+    return {"update_layer": update.layer, "dweight": update.dweight,
+            "update_sums": update.sums, "update_id": update.reduce_id,
+            "contributors": list(update.contributors)}
+
+
+def checked_result(participant: str, layer: int, name: str, array: Any,
+                   shape: tuple[int, ...]) -> np.ndarray:
+    """A worker's ``array`` of ``shape``, finite, as float32; WorkerLost evicting it
+    otherwise (its results are wrong)."""
+    if not isinstance(array, np.ndarray) or tuple(array.shape) != shape:
+        got = "nothing" if array is None else f"shape {tuple(getattr(array, 'shape', ()))}"
+        raise WorkerLost(f"worker {participant} sent {name} of layer {layer + 1} with "
+                         f"{got}, expected {shape}; evicting it", participant, evict=True)
+    if not np.isfinite(array).all():
+        raise WorkerLost(f"worker {participant} sent {name} of layer {layer + 1} holding "
+                         "NaN or Inf; evicting it", participant, evict=True)
+    return np.asarray(array, dtype=np.float32)
+
+
+def timing_entry(piece: Slice, kernels: int, peers: bool) -> dict[str, Any]:
+    """A participant's empty timing entry of one layer in a step record
+    (docs/metrics.md; the peer fields with the reduction among the peers)."""
+    entry: dict[str, Any] = {
+        "device": piece.participant, "kernels": kernels, "samples": piece.samples,
+        "split_by": "samples", "forward_s": 0.0, "backward_s": 0.0, "wait_s": 0.0,
+        "forward_latency_s": 0.0, "backward_latency_s": 0.0, "bytes_sent": 0,
+        "bytes_received": 0}
+    if peers:
+        entry.update(peer_bytes_sent=0, peer_bytes_received=0, peer_wait_s=0.0)
+    return entry
 
 
 @dataclass(frozen=True)
@@ -100,6 +142,12 @@ class BetweenSteps:
     _dweight: PendingUpdate | None
     peers: SamplePeers | None  # the weight reduction among the peers; None: via the master
     walls: deque[float]  # per step: the conv part measured (seconds)
+    slices: list[Slice]
+    _timings: dict[int, dict[str, dict[str, Any]]]
+    _comm_s: float
+    _step_compute: dict[str, float]
+    _step_latency: dict[str, float]
+    _step_wall: float
     alone: deque[float]  # per step: the master alone, from its own measured compute
 
     @property
@@ -222,6 +270,36 @@ class BetweenSteps:
                                           "samples": self.setup.batch}]}
                                      for shape in self.setup.shapes])
         return FallBackLocal(reason)
+
+    def take_step_timings(self) -> dict[str, Any]:
+        """The step's timing record; a good step for the state machine, a sample of the
+        master alone, and the re-slicing from measured compute."""
+        self.control.handle(StepDone(time.monotonic()))
+        layers = [{"layer": layer, "devices": list(devices.values())}
+                  for layer, devices in sorted(self._timings.items())]
+        comm_s = self._comm_s
+        samples = {p.participant: p.samples for p in self.slices}
+        own = samples.get(MASTER_PARTICIPANT, 0)
+        if own > 0 and MASTER_PARTICIPANT in self._step_compute:
+            self.walls.append(self._step_wall)
+            self.alone.append(self._step_compute[MASTER_PARTICIPANT] / own
+                              * sum(samples.values()))
+        if self.setup.rebalancing and self.balance.observe(self._step_compute,
+                                                           self._step_latency, samples):
+            names = self._names()
+            self.slices = self._slice_batch(sum(samples.values()))
+            counts = {p.participant: p.samples for p in self.slices}
+            self.setup.report("hetconv: re-sliced the batch from measured compute: " + ", ".join(
+                f"{n} {counts.get(n, 0)}" for n in names))
+            self.setup.metrics.write("rebalance", split_by="samples", step=self.step,
+                                     reason="measured compute per sample", counts=[
+                                         {"layer": shape.index, "devices": [
+                                             {"device": n, "kernels": shape.kernels,
+                                              "samples": counts.get(n, 0)} for n in names]}
+                                         for shape in self.setup.shapes])
+        self._timings, self._comm_s, self._step_compute, self._step_latency = {}, 0.0, {}, {}
+        self._step_wall = 0.0
+        return {"layers": layers, "comm_s": comm_s}
 
     # --- carrying out the state machine's commands ------------------------------------
     def _carry_out(self, commands: list[Command], state: dict[str, np.ndarray]) -> ConvStage:

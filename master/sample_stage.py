@@ -38,9 +38,15 @@ from hetconv.master.own_share import OwnShare
 from hetconv.master.plan import Participant
 from hetconv.master.run import (
     RunControl,
-    StepDone,
 )
-from hetconv.master.sample_between import BetweenSteps, PendingUpdate, SampleSetup
+from hetconv.master.sample_between import (
+    BetweenSteps,
+    PendingUpdate,
+    SampleSetup,
+    checked_result,
+    timing_entry,
+)
+from hetconv.master.sample_between import update_fields as _update_fields
 from hetconv.master.sample_peers import SamplePeers
 from hetconv.master.sample_plan import ALONE_WINDOW, SampleBalance, Slice
 from hetconv.protocol import (
@@ -204,32 +210,14 @@ class SampleConvStage(BetweenSteps):
 
     def _entry(self, layer: int, piece: Slice) -> dict[str, Any]:
         devices = self._timings.setdefault(layer, {})
-        entry = devices.get(piece.participant)
-        if entry is None:
-            entry = devices[piece.participant] = {
-                "device": piece.participant, "kernels": self.setup.shapes[layer].kernels,
-                "samples": piece.samples, "split_by": "samples", "forward_s": 0.0,
-                "backward_s": 0.0, "wait_s": 0.0, "forward_latency_s": 0.0,
-                "backward_latency_s": 0.0, "bytes_sent": 0, "bytes_received": 0}
-            if self.peers is not None:
-                entry.update(peer_bytes_sent=0, peer_bytes_received=0, peer_wait_s=0.0)
-        return entry
+        if piece.participant not in devices:
+            devices[piece.participant] = timing_entry(
+                piece, self.setup.shapes[layer].kernels, self.peers is not None)
+        return devices[piece.participant]
 
-    # --- checking what came back -------------------------------------------------------
     def _vector(self, participant: str, layer: int, name: str, array: Any) -> np.ndarray:
         kernels = self.setup.shapes[layer].kernels
-        return self._checked(participant, layer, name, array, (kernels,))
-
-    def _checked(self, participant: str, layer: int, name: str, array: Any,
-                 shape: tuple[int, ...]) -> np.ndarray:
-        if not isinstance(array, np.ndarray) or tuple(array.shape) != shape:
-            got = "nothing" if array is None else f"shape {tuple(getattr(array, 'shape', ()))}"
-            raise WorkerLost(f"worker {participant} sent {name} of layer {layer + 1} with "
-                             f"{got}, expected {shape}; evicting it", participant, evict=True)
-        if not np.isfinite(array).all():
-            raise WorkerLost(f"worker {participant} sent {name} of layer {layer + 1} holding "
-                             "NaN or Inf; evicting it", participant, evict=True)
-        return np.asarray(array, dtype=np.float32)
+        return checked_result(participant, layer, name, array, (kernels,))
 
     # --- forward -----------------------------------------------------------------------
     def forward(self, layer: int, x: np.ndarray, train: bool, step: int) -> np.ndarray:
@@ -271,7 +259,7 @@ class SampleConvStage(BetweenSteps):
             return NO_OUTPUT
         replies = self._forward_round(step, layer, NO_LAYER, True)
         shape = self.setup.shapes[layer]
-        outputs = [self._checked(piece.participant, layer, "y", replies[piece.participant].y,
+        outputs = [checked_result(piece.participant, layer, "y", replies[piece.participant].y,
                                  (piece.samples, shape.kernels, shape.pooled_height,
                                   shape.pooled_width))
                    for piece in self.slices if piece.samples > 0]
@@ -359,7 +347,7 @@ class SampleConvStage(BetweenSteps):
 
         replies = self._round("evaluation forward", 0, "forward", make, False)
         last = self.setup.shapes[-1]
-        outputs = [self._checked(p.participant, self.layers - 1, "y", replies[p.participant].y,
+        outputs = [checked_result(p.participant, self.layers - 1, "y", replies[p.participant].y,
                                  (p.samples, last.kernels, last.pooled_height,
                                   last.pooled_width))
                    for p in self.slices if p.samples > 0]
@@ -421,7 +409,7 @@ class SampleConvStage(BetweenSteps):
         elif finish >= 0:
             shape = self.local[finish].state["weight"].shape
             self._dweight = PendingUpdate(finish, add_in_order([
-                self._checked(p.participant, finish, "dweight", replies[p.participant].dweight,
+                checked_result(p.participant, finish, "dweight", replies[p.participant].dweight,
                               tuple(shape)) for p in active]), np.stack(self._sums[finish]))
         if start >= 0:
             self._sums[start] = (
@@ -442,34 +430,6 @@ class SampleConvStage(BetweenSteps):
         return int(self._x.shape[0]) * shape.conv_height * shape.conv_width
 
     # --- the rest of the ConvStage interface -------------------------------------------
-    def take_step_timings(self) -> dict[str, Any]:
-        self.control.handle(StepDone(time.monotonic()))
-        layers = [{"layer": layer, "devices": list(devices.values())}
-                  for layer, devices in sorted(self._timings.items())]
-        comm_s = self._comm_s
-        samples = {p.participant: p.samples for p in self.slices}
-        own = samples.get(MASTER_PARTICIPANT, 0)
-        if own > 0 and MASTER_PARTICIPANT in self._step_compute:
-            self.walls.append(self._step_wall)
-            self.alone.append(self._step_compute[MASTER_PARTICIPANT] / own
-                              * sum(samples.values()))
-        if self.setup.rebalancing and self.balance.observe(self._step_compute,
-                                                           self._step_latency, samples):
-            names = self._names()
-            self.slices = self._slice_batch(sum(samples.values()))
-            counts = {p.participant: p.samples for p in self.slices}
-            self.setup.report("hetconv: re-sliced the batch from measured compute: " + ", ".join(
-                f"{n} {counts.get(n, 0)}" for n in names))
-            self.setup.metrics.write("rebalance", split_by="samples", step=self.step,
-                                     reason="measured compute per sample", counts=[
-                                         {"layer": shape.index, "devices": [
-                                             {"device": n, "kernels": shape.kernels,
-                                              "samples": counts.get(n, 0)} for n in names]}
-                                         for shape in self.setup.shapes])
-        self._timings, self._comm_s, self._step_compute, self._step_latency = {}, 0.0, {}, {}
-        self._step_wall = 0.0
-        return {"layers": layers, "comm_s": comm_s}
-
     def close(self) -> None:
         if self._closed:  # a fall-back closed it; the trainer's end closes what it holds
             return
@@ -479,12 +439,3 @@ class SampleConvStage(BetweenSteps):
             self.peers.close()
         self._on_close()
 
-
-def _update_fields(update: PendingUpdate | None) -> dict[str, Any]:
-    """A round request's fields of the update it carries (none: NO_LAYER)."""
-    if update is None:
-        return {"update_layer": NO_LAYER, "dweight": None, "update_sums": None,
-                "update_id": 0, "contributors": []}
-    return {"update_layer": update.layer, "dweight": update.dweight,
-            "update_sums": update.sums, "update_id": update.reduce_id,
-            "contributors": list(update.contributors)}
