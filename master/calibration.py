@@ -40,53 +40,83 @@ class LayerCalibration:
                 for small, large in zip(self.small_seconds, self.seconds)]
 
 
+def _time_layer(cluster: Cluster, participants: list[Participant], shape: ConvLayerShape,
+                sizes: list[tuple[int, int]], repeats: int) -> dict[tuple[int, int, int], float]:
+    """Seconds of one block forward + backward of layer ``shape`` per (participant index,
+    batch, kernels) for every (batch, kernels) in ``sizes``; the workers and the master's
+    own device are timed concurrently, as they will compute during training. The master's
+    own device is the one its participant describes (``description["device"]``)."""
+    pending: dict[int, WorkerHandle] = {}
+    order: dict[int, tuple[int, int, int]] = {}
+    for index, participant in enumerate(participants):
+        if participant.worker is None:
+            continue
+        for batch, count in sizes:
+            rid = cluster.request_id()
+            cluster.send(participant.worker, CalibrateRequest(
+                request_id=rid, layer=shape.index, batch=batch,
+                in_channels=shape.in_channels, height=shape.height, width=shape.width,
+                kernels=count, kernel_size=shape.kernel_size, stride=shape.stride,
+                padding=shape.padding, repeats=repeats, pool=shape.pool,
+                batch_norm=shape.batch_norm))
+            pending[rid] = participant.worker
+            order[rid] = (index, batch, count)
+    timings: dict[tuple[int, int, int], float] = {}
+    local_index = next((i for i, p in enumerate(participants) if p.worker is None), None)
+    if local_index is not None:
+        local_device = str(participants[local_index].description.get("device", "cpu"))
+        for batch, count in sizes:
+            timings[(local_index, batch, count)] = time_block(
+                batch, shape.in_channels, shape.height, shape.width, count,
+                shape.kernel_size, padding=shape.padding, stride=shape.stride,
+                repeats=repeats, device=local_device, pool=shape.pool,
+                batch_norm=shape.batch_norm)
+    replies = cluster.gather(pending, f"calibration of layer {shape.index + 1}")
+    for rid, reply in replies.items():
+        assert isinstance(reply.message, CalibrateReply)
+        timings[order[rid]] = float(reply.message.seconds)
+    return timings
+
+
 def calibrate(cluster: Cluster, participants: list[Participant], shapes: list[ConvLayerShape],
               batch: int, repeats: int = CALIBRATION_REPEATS,
               report: Callable[[str], None] = print) -> list[LayerCalibration]:
-    """Time every participant on every layer (concurrently per layer).
-
-    The master's own device is the one its participant describes (``description
-    ["device"]``, ``cpu`` or ``gpu:N``), timed as a real step: transfers included.
+    """Time every participant on every layer (concurrently per layer), at an equal share
+    of its kernels and a quarter of that, on the whole batch (the kernel split's shape).
     """
     results = []
     for shape in shapes:
         kernels = max(1, math.ceil(shape.kernels / len(participants)))
         small = max(1, kernels // 4)
-        pending: dict[int, WorkerHandle] = {}
-        order: dict[int, tuple[int, int]] = {}
-        for index, participant in enumerate(participants):
-            if participant.worker is None:
-                continue
-            for count in (kernels, small):
-                rid = cluster.request_id()
-                cluster.send(participant.worker, CalibrateRequest(
-                    request_id=rid, layer=shape.index, batch=batch,
-                    in_channels=shape.in_channels, height=shape.height, width=shape.width,
-                    kernels=count, kernel_size=shape.kernel_size, stride=shape.stride,
-                    padding=shape.padding, repeats=repeats, pool=shape.pool,
-                    batch_norm=shape.batch_norm))
-                pending[rid] = participant.worker
-                order[rid] = (index, count)
-        timings: dict[tuple[int, int], float] = {}
-        local_index = next((i for i, p in enumerate(participants) if p.worker is None), None)
-        if local_index is not None:
-            # Timed while the workers calibrate too: that is how training will run.
-            local_device = str(participants[local_index].description.get("device", "cpu"))
-            for count in (kernels, small):
-                timings[(local_index, count)] = time_block(
-                    batch, shape.in_channels, shape.height, shape.width, count,
-                    shape.kernel_size, padding=shape.padding, stride=shape.stride,
-                    repeats=repeats, device=local_device, pool=shape.pool,
-                    batch_norm=shape.batch_norm)
-        replies = cluster.gather(pending, f"calibration of layer {shape.index + 1}")
-        for rid, reply in replies.items():
-            assert isinstance(reply.message, CalibrateReply)
-            timings[order[rid]] = float(reply.message.seconds)
-        seconds = [timings[(i, kernels)] for i in range(len(participants))]
-        small_seconds = [timings[(i, small)] for i in range(len(participants))]
+        timings = _time_layer(cluster, participants, shape, [(batch, kernels), (batch, small)],
+                              repeats)
+        seconds = [timings[(i, batch, kernels)] for i in range(len(participants))]
+        small_seconds = [timings[(i, batch, small)] for i in range(len(participants))]
         results.append(LayerCalibration(shape.index, kernels, seconds, small, small_seconds))
         report(f"hetconv: calibrated layer {shape.index + 1} ({shape.kernels} kernels; "
                f"{kernels} / {small} per participant timed): " + ", ".join(
                    f"{p.participant} {s * 1000:.1f} / {t * 1000:.1f} ms"
                    for p, s, t in zip(participants, seconds, small_seconds)))
     return results
+
+
+def calibrate_samples(cluster: Cluster, participants: list[Participant],
+                      shapes: list[ConvLayerShape], batch: int,
+                      repeats: int = CALIBRATION_REPEATS,
+                      report: Callable[[str], None] = print,
+                      slice_samples: int | None = None) -> list[float]:
+    """Per participant: seconds per sample of the whole conv chain under the sample
+    split, timed in place: every layer whole (all its kernels) on an equal slice of the
+    ``batch``, the shape a participant runs there. (The kernel calibration's share of
+    the kernels scaled to the whole layer counts its fixed cost once per share and
+    over-states the whole layer: 1.5x on 64:256 at 0.45 core.) ``slice_samples``: the
+    slice to time (default: the batch over ``participants``; joiners: over the run's)."""
+    size = slice_samples or max(1, math.ceil(batch / max(len(participants), 1)))
+    totals = [0.0] * len(participants)
+    for shape in shapes:
+        timings = _time_layer(cluster, participants, shape, [(size, shape.kernels)], repeats)
+        for index in range(len(participants)):
+            totals[index] += timings[(index, size, shape.kernels)]
+    report(f"hetconv: calibrated the sample split (every layer whole, {size} samples): "
+           + ", ".join(f"{p.participant} {t * 1000:.1f} ms" for p, t in zip(participants, totals)))
+    return [max(t, 1e-9) / size for t in totals]

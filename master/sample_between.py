@@ -23,7 +23,7 @@ import numpy as np
 from hetconv.config import MASTER_PARTICIPANT
 from hetconv.master.assign import assign, exchange
 from hetconv.master.audit import audit_input, audit_mismatch
-from hetconv.master.calibration import calibrate
+from hetconv.master.calibration import calibrate_samples
 from hetconv.master.cluster import Cluster, WorkerHandle, WorkerLost
 from hetconv.master.commands import carry_out
 from hetconv.master.plan import Participant, Shard
@@ -42,7 +42,6 @@ from hetconv.master.sample_plan import (
     ALONE_WINDOW,
     SampleBalance,
     Slice,
-    seconds_per_sample,
     slower_than_alone,
 )
 from hetconv.metrics import MetricsWriter
@@ -321,10 +320,12 @@ class BetweenSteps:
         joiners = [Participant(n, found[n], found[n].device) for n in names if n in found]
         self.setup.report(f"hetconv: worker(s) {', '.join(names)} joined: calibrating")
         self.cluster.admit([p.worker for p in joiners if p.worker is not None])
-        calibration = calibrate(self.cluster, joiners, list(self.setup.shapes),
-                                self.setup.batch, report=self.setup.report)
-        for joiner, seconds in zip(joiners, seconds_per_sample(
-                calibration, list(self.setup.shapes), self.setup.batch)):
+        members = len(self._names()) + len(joiners)
+        per_sample = calibrate_samples(
+            self.cluster, joiners, list(self.setup.shapes), self.setup.batch,
+            report=self.setup.report,
+            slice_samples=max(1, -(-self.setup.batch // max(members, 1))))
+        for joiner, seconds in zip(joiners, per_sample):
             self.workers[joiner.participant] = joiner
             self.balance.add(joiner.participant, seconds)
 

@@ -24,7 +24,6 @@ import statistics
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -254,15 +253,3 @@ def predict_sample_step(slices: Sequence[Slice], seconds_per_sample: dict[str, f
         predicted += per_link / slowest + rtt
     return predicted
 
-def seconds_per_sample(calibration: list[Any], shapes: list[ConvLayerShape], batch: int
-                       ) -> list[float]:
-    """Per participant: its calibrated seconds for the whole conv chain per sample of a
-    ``batch``-sample step: every layer's time measured at the calibration's equal share,
-    scaled to all the layer's kernels (so relative speeds are the paper's equation (1),
-    with no extrapolation of a fitted fixed cost)."""
-    totals = [0.0] * len(calibration[0].seconds) if calibration else []
-    for cal, shape in zip(calibration, shapes):
-        scale = shape.kernels / max(cal.calibrated_kernels, 1)
-        for i, seconds in enumerate(cal.seconds):
-            totals[i] += max(seconds * scale, 1e-9)
-    return [t / max(batch, 1) for t in totals]

@@ -26,7 +26,6 @@ from hetconv.master.sample_plan import (
     predict_sample_step,
     sample_slices,
     samples_refusal,
-    seconds_per_sample,
 )
 from hetconv.master.sample_stage import SampleConvStage
 from hetconv.metrics import MetricsWriter
@@ -48,20 +47,19 @@ def split_by_for(config: MasterConfig, model: ModelConfig, shapes: list[ConvLaye
                            refusal)
 
 
-def _seconds(config: MasterConfig, calibration: list[Any], shapes: list[ConvLayerShape],
-             batch: int) -> list[float]:
-    """Per participant: calibrated seconds per sample (all equal under ``--split equal``)."""
-    seconds = seconds_per_sample(calibration, shapes, batch)
-    return [1.0] * len(seconds) if config.split == "equal" else seconds
+def _seconds(config: MasterConfig, per_sample: list[float]) -> list[float]:
+    """Per participant: its share's weight (all equal under ``--split equal``)."""
+    return [1.0] * len(per_sample) if config.split == "equal" else list(per_sample)
 
 
 def predict_samples(config: MasterConfig, participants: list[Participant],
-                    calibration: list[Any], shapes: list[ConvLayerShape], batch: int,
+                    per_sample: list[float], shapes: list[ConvLayerShape], batch: int,
                     links: dict[str, Link | None]) -> float:
     """The predicted conv + transfer seconds of a step split by samples
-    (``predict_sample_step`` over the calibrated slices and the probed links)."""
-    real = seconds_per_sample(calibration, shapes, batch)
-    seconds = _seconds(config, calibration, shapes, batch)
+    (``predict_sample_step`` over the slices of ``per_sample``, each participant's
+    seconds per sample timed in place (``calibrate_samples``), and the probed links)."""
+    real = per_sample
+    seconds = _seconds(config, per_sample)
     names = [p.participant for p in participants]
     slices = sample_slices(names, seconds, batch)
     weights = sum(s.kernels * s.in_channels * s.kernel_size ** 2 for s in shapes)
@@ -72,14 +70,15 @@ def predict_samples(config: MasterConfig, participants: list[Participant],
 
 
 def open_sample_stage(cluster: Cluster, config: MasterConfig, participants: list[Participant],
-                      calibration: list[Any], shapes: list[ConvLayerShape],
+                      calibration: list[Any], per_sample: list[float],
+                      shapes: list[ConvLayerShape],
                       params: dict[str, np.ndarray], settings: LayerSettings,
                       metrics: MetricsWriter, batch: int, device: str,
                       local_stage: Callable[[], ConvStage],
                       report: Callable[[str], None] = print,
                       predicted_s: float | None = None) -> SampleConvStage:
     """Hand out the whole layers and build the stage (see the module doc)."""
-    seconds = _seconds(config, calibration, shapes, batch)
+    seconds = _seconds(config, per_sample)
     balance = SampleBalance({p.participant: t for p, t in zip(participants, seconds)})
     workers = [p for p in participants if p.worker is not None]
     rows = [[Shard(p.participant, p.worker, 0, shape.kernels) for p in workers]

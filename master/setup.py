@@ -21,7 +21,7 @@ from hetconv.device_info import describe_device
 from hetconv.errors import UserError
 from hetconv.keys import server_keys
 from hetconv.master.assign import assign
-from hetconv.master.calibration import LayerCalibration, calibrate
+from hetconv.master.calibration import LayerCalibration, calibrate, calibrate_samples
 from hetconv.master.cluster import Cluster, ClusterSettings, WorkerHandle
 from hetconv.master.link_probe import probe_links
 from hetconv.master.peer_plane import PEER_ENTRY_FIELDS, open_peer_plane
@@ -245,7 +245,8 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
         first = rule.split(profiles, traffic, {p.participant for p in participants})
         if split_by == "samples" and participants:
             links = {p.participant: profile.link for p, profile in zip(participants, profiles)}
-            predicted = predict_samples(sample_config, participants, calibration, shapes, batch,
+            per_sample = calibrate_samples(cluster, participants, shapes, batch, report=report)
+            predicted = predict_samples(sample_config, participants, per_sample, shapes, batch,
                                         links)
             if config.split_by == "auto" and first.plan is not None \
                     and predicted > first.plan.predicted_step_s:
@@ -256,7 +257,8 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
                 report(f"hetconv: split by samples ({why}; predicted conv + transfer "
                        f"{predicted * 1e3:.1f} ms per step)")
                 return open_sample_stage(
-                    cluster, sample_config, participants, calibration, shapes, params, settings,
+                    cluster, sample_config, participants, calibration, per_sample, shapes,
+                    params, settings,
                     metrics, batch, device,
                     lambda: LocalConvStage(model, params, settings, device=device), report,
                     predicted)
