@@ -118,6 +118,8 @@ class ChaosCluster:
                 self.link(name, True)
             except (subprocess.CalledProcessError, StopIteration):
                 pass
+        for worker in self.workers.values():  # all told first: they wind down together
+            worker.terminate()
         for worker in self.workers.values():
             worker.stop()
 
