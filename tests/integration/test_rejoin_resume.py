@@ -119,16 +119,27 @@ def assert_resumed_within_checkpoint_interval(run_dir: Path, last_done: int) -> 
     assert 0 <= last_done + 1 - start["resumed_from"] <= 10  # --checkpoint-every 10
 
 
+LOCAL_RUN = [*RUN]
+LOCAL_RUN[LOCAL_RUN.index("--limit") + 1] = "6400"
+LOCAL_RUN[LOCAL_RUN.index("--arch") + 1] = "8:16"
+
+
+@pytest.fixture(scope="module")
+def whole_local_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """LOCAL_RUN uninterrupted: what every killed and resumed local run must equal (read
+    only, so the kill steps share it)."""
+    whole = tmp_path_factory.mktemp("whole") / "run"
+    assert run_hetconv("train", "--local", *LOCAL_RUN, "--run-dir", str(whole)).returncode == 0
+    return whole
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("kill_step", [17, 44, 120])
-def test_a_killed_local_master_resumes_bit_for_bit(tmp_path: Path, kill_step: int) -> None:
+def test_a_killed_local_master_resumes_bit_for_bit(tmp_path: Path, kill_step: int,
+                                                   whole_local_run: Path) -> None:
     """Some kills land while a checkpoint is being written: the rename keeps the last
     complete one either way."""
-    local = [*RUN]
-    local[local.index("--limit") + 1] = "6400"
-    local[local.index("--arch") + 1] = "8:16"
-    whole = tmp_path / "whole"
-    assert run_hetconv("train", "--local", *local, "--run-dir", str(whole)).returncode == 0
+    local, whole = LOCAL_RUN, whole_local_run
     run_dir = tmp_path / "run"
     process = subprocess.Popen(
         hetconv_command("train", "--local", *local, "--run-dir", str(run_dir)),
