@@ -42,6 +42,23 @@ def holders_after(run_dir: Path, step: int) -> set[str]:
             for layer in r["layers"] for d in layer["devices"] if d["kernels"] > 0}
 
 
+def evicted(run_dir: Path, name: str) -> bool:
+    """Whether a complete ``recovery`` record says worker ``name`` is gone (the master may
+    be writing the next line)."""
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.exists():
+        return False
+    for line in metrics.read_text().splitlines():
+        if line.startswith('{"type":"recovery"'):
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # cut off: being written
+            if record.get("participant") == name and record.get("gone"):
+                return True
+    return False
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
     run_dir = tmp_path_factory.mktemp("ref") / "run"
@@ -59,7 +76,7 @@ def test_a_frozen_worker_is_evicted_then_rejoins(endpoint: str, workers: Any, tm
     try:
         assert wait_for(lambda: steps_done(run_dir) >= 20, 90), process.stderr
         os.kill(frozen.process.pid, signal.SIGSTOP)
-        time.sleep(8)  # past the liveness timeout: evicted
+        wait_for(lambda: evicted(run_dir, "w2"), 8)  # past the liveness timeout: evicted
         os.kill(frozen.process.pid, signal.SIGCONT)
         woke = time.time()
         out, err = process.communicate(timeout=200)
