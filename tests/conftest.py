@@ -63,6 +63,9 @@ def workers(endpoint: str, tmp_path: Path) -> Iterator[Any]:
         return group.__enter__()
 
     yield start
+    for group in started:  # every worker told first: they wind down together
+        for worker in group.workers:
+            worker.terminate()
     for group in started:
         group.__exit__()
 

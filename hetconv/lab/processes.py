@@ -43,6 +43,7 @@ class LocalWorker:
                        **(env or {})}
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
                                         env=environment)
+        self._terminated = False
         if self.quota is not None:
             try:
                 self.quota.add(self.process.pid)
@@ -50,9 +51,16 @@ class LocalWorker:
                 self.stop()
                 raise
 
+    def terminate(self) -> None:
+        """Ask it to stop (SIGTERM) without waiting; ``stop()`` then waits for it. Several
+        workers told first wind down at the same time instead of one after another."""
+        if self.process.poll() is None and not self._terminated:
+            self.process.send_signal(signal.SIGTERM)
+            self._terminated = True
+
     def stop(self, timeout_s: float = 3.0) -> int | None:
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
+            self.terminate()
             try:
                 self.process.wait(timeout_s)
             except subprocess.TimeoutExpired:
@@ -86,6 +94,8 @@ class LocalWorkers:
         return self.workers
 
     def __exit__(self, *exc: object) -> None:
+        for worker in self.workers:
+            worker.terminate()
         for worker in self.workers:
             worker.stop()
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from hetconv.checkpoint import load_weights
+from hetconv.lab import free_port
 from tests.conftest import (
     SMALL_RUN,
     child_env,
@@ -90,13 +91,25 @@ def test_worker_started_late_is_accepted(endpoint: str, workers: Any, tmp_path: 
             master.kill()
 
 
-@pytest.mark.timeout(60)
-def test_no_workers_is_a_clear_error(endpoint: str, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def run_without_workers(tmp_path_factory: pytest.TempPathFactory
+                        ) -> tuple[subprocess.CompletedProcess[str], float, Path]:
+    """A master that no worker joins (``--wait 1``): its result, its seconds and its run
+    directory, read only by the two tests below."""
+    run_dir = tmp_path_factory.mktemp("no-workers") / "r"
     start = time.monotonic()
-    result = run_hetconv("train", "--listen", endpoint, "--min-workers", "1", "--wait", "2",
-                         *SMALL_RUN, "--run-dir", str(tmp_path / "r"))
+    result = run_hetconv("train", "--listen", f"tcp://127.0.0.1:{free_port()}",
+                         "--min-workers", "1", "--wait", "1", *SMALL_RUN, "--run-dir",
+                         str(run_dir))
+    return result, time.monotonic() - start, run_dir
+
+
+@pytest.mark.timeout(60)
+def test_no_workers_is_a_clear_error(
+        run_without_workers: tuple[subprocess.CompletedProcess[str], float, Path]) -> None:
+    result, seconds, _ = run_without_workers
     assert result.returncode == 2
-    assert time.monotonic() - start < 30
+    assert seconds < 30
     assert result.stderr.strip().splitlines()[-1].startswith("hetconv: error: only 0 of 1")
 
 
@@ -118,10 +131,9 @@ def test_worker_survives_a_run_and_stops_on_sigterm(endpoint: str, workers: Any,
 
 
 @pytest.mark.timeout(60)
-def test_failed_start_is_recorded(endpoint: str, tmp_path: Path) -> None:
-    run_dir = tmp_path / "r"
-    result = run_hetconv("train", "--listen", endpoint, "--min-workers", "1", "--wait", "1",
-                         *SMALL_RUN, "--run-dir", str(run_dir))
+def test_failed_start_is_recorded(
+        run_without_workers: tuple[subprocess.CompletedProcess[str], float, Path]) -> None:
+    result, _, run_dir = run_without_workers
     assert result.returncode == 2
     last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["type"] == "run_end" and last["status"] == "failed"

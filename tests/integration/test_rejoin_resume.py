@@ -42,6 +42,23 @@ def holders_after(run_dir: Path, step: int) -> set[str]:
             for layer in r["layers"] for d in layer["devices"] if d["kernels"] > 0}
 
 
+def evicted(run_dir: Path, name: str) -> bool:
+    """Whether a complete ``recovery`` record says worker ``name`` is gone (the master may
+    be writing the next line)."""
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.exists():
+        return False
+    for line in metrics.read_text().splitlines():
+        if line.startswith('{"type":"recovery"'):
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # cut off: being written
+            if record.get("participant") == name and record.get("gone"):
+                return True
+    return False
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
     run_dir = tmp_path_factory.mktemp("ref") / "run"
@@ -59,7 +76,7 @@ def test_a_frozen_worker_is_evicted_then_rejoins(endpoint: str, workers: Any, tm
     try:
         assert wait_for(lambda: steps_done(run_dir) >= 20, 90), process.stderr
         os.kill(frozen.process.pid, signal.SIGSTOP)
-        time.sleep(8)  # past the liveness timeout: evicted
+        wait_for(lambda: evicted(run_dir, "w2"), 8)  # past the liveness timeout: evicted
         os.kill(frozen.process.pid, signal.SIGCONT)
         woke = time.time()
         out, err = process.communicate(timeout=200)
@@ -119,16 +136,27 @@ def assert_resumed_within_checkpoint_interval(run_dir: Path, last_done: int) -> 
     assert 0 <= last_done + 1 - start["resumed_from"] <= 10  # --checkpoint-every 10
 
 
+LOCAL_RUN = [*RUN]
+LOCAL_RUN[LOCAL_RUN.index("--limit") + 1] = "6400"
+LOCAL_RUN[LOCAL_RUN.index("--arch") + 1] = "8:16"
+
+
+@pytest.fixture(scope="module")
+def whole_local_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """LOCAL_RUN uninterrupted: what every killed and resumed local run must equal (read
+    only, so the kill steps share it)."""
+    whole = tmp_path_factory.mktemp("whole") / "run"
+    assert run_hetconv("train", "--local", *LOCAL_RUN, "--run-dir", str(whole)).returncode == 0
+    return whole
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("kill_step", [17, 44, 120])
-def test_a_killed_local_master_resumes_bit_for_bit(tmp_path: Path, kill_step: int) -> None:
+def test_a_killed_local_master_resumes_bit_for_bit(tmp_path: Path, kill_step: int,
+                                                   whole_local_run: Path) -> None:
     """Some kills land while a checkpoint is being written: the rename keeps the last
     complete one either way."""
-    local = [*RUN]
-    local[local.index("--limit") + 1] = "6400"
-    local[local.index("--arch") + 1] = "8:16"
-    whole = tmp_path / "whole"
-    assert run_hetconv("train", "--local", *local, "--run-dir", str(whole)).returncode == 0
+    local, whole = LOCAL_RUN, whole_local_run
     run_dir = tmp_path / "run"
     process = subprocess.Popen(
         hetconv_command("train", "--local", *local, "--run-dir", str(run_dir)),

@@ -349,6 +349,9 @@ def train_with_cut(lan: list[LanHost], tmp_path: Path, cut_s: float) -> tuple[Pa
         assert master.returncode == 0, err
         return run_dir, cut_at
     finally:
+        for group in groups:  # every worker told first: they wind down together
+            for worker in group.workers:
+                worker.terminate()
         for group in groups:
             group.__exit__()
 

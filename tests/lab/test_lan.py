@@ -41,6 +41,9 @@ def test_training_over_capped_links_reproduces_the_local_run(
         result = run_hetconv("train", "--listen", f"tcp://*:{port}", "--min-workers", "2",
                              "--wait", "30", *SMALL_RUN, "--run-dir", str(run_dir))
     finally:
+        for group in groups:  # every worker told first: they wind down together
+            for worker in group.workers:
+                worker.terminate()
         for group in groups:
             group.__exit__()
     assert result.returncode == 0, result.stderr
