@@ -191,8 +191,12 @@ def sample_rounds(layers: int) -> int:
 
 ALONE_WINDOW = 9
 """Steps whose median is compared with the master alone (``slower_than_alone``)."""
-ALONE_MARGIN = 1.05
-"""The plan is dropped when its measured conv part is this much slower than alone."""
+ALONE_MARGIN = 1.15
+"""The plan is dropped when its measured conv part is this much slower than alone. The
+estimate of alone is measured, not exact: on the lab's CPU quotas (short bursts of
+compute between waits are throttled less) it came out 24 % short of the master really
+alone (54.6 against 71.5 ms, 2 x 0.45 core, 32:64), and 5 % made a run 1.2x faster than
+alone fall back (docs/figures/scale-samples.md)."""
 
 
 def slower_than_alone(walls: Sequence[float], alone: Sequence[float]
@@ -202,9 +206,7 @@ def slower_than_alone(walls: Sequence[float], alone: Sequence[float]
     took ``ALONE_MARGIN`` times longer than the master alone would (``alone``: per step,
     the master's own measured compute per sample times the batch; it computes a slice
     of every step, so this is measured on the machine, under the same load, not
-    predicted). None with fewer steps or when the plan is not slower. A small slice
-    costs more per sample than the whole batch, so the estimate of alone errs long:
-    the plan is dropped only when clearly slower."""
+    predicted). None with fewer steps or when the plan is not clearly slower."""
     if len(walls) < ALONE_WINDOW or len(alone) < ALONE_WINDOW:
         return None
     measured = float(np.median(list(walls)[-ALONE_WINDOW:]))

@@ -115,7 +115,7 @@ def add_parser(sub: Any) -> None:
                    "calibrated and equal)")
     p.add_argument("--fall-back", choices=ON_OFF, default="on",
                    help="distributed, split by samples: 'on' (default) drops the workers and "
-                   "trains on alone when the last 9 steps measured more than 5%% slower than "
+                   "trains on alone when the last 9 steps measured more than 15%% slower than "
                    "the master alone would be; 'off' keeps them")
     p.add_argument("--on-worker-loss", choices=ON_WORKER_LOSS, default=ON_WORKER_LOSS[0],
                    help="distributed: when the last worker is lost, 'continue' (default) "
