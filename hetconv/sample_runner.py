@@ -33,6 +33,12 @@ from hetconv.wire_cast import to_wire
 SampleUpdate = SampleForwardRequest | SampleBackwardRequest
 
 
+def _compute_s(started: float, figures: dict[str, Any]) -> float:
+    """Seconds since ``started`` less the waits for peers' pieces: what the slice cost
+    this participant (the re-slicing and the estimate of the master alone read it)."""
+    return max(0.0, time.perf_counter() - started - float(figures["peer_wait_s"]))
+
+
 class SampleRequestError(Exception):
     """A sample-split request that does not fit the layers held (``code``, one line)."""
 
@@ -225,10 +231,11 @@ class SampleRunner:
                 raise SampleRequestError(ERR_BAD_REQUEST, "return_output without a finished "
                                          "layer")
             y = to_wire(finished, self._wire_dtype)
+        figures = self._peer_figures()
         return SampleForwardReply(request_id=request.request_id, step=request.step,
                                   attempt=request.attempt,
-                                  compute_s=time.perf_counter() - started, count=int(count),
-                                  total=total, m2=m2, y=y, **self._peer_figures())
+                                  compute_s=_compute_s(started, figures), count=int(count),
+                                  total=total, m2=m2, y=y, **figures)
 
     def backward(self, request: SampleBackwardRequest, shards: Mapping[int, ConvShard]
                  ) -> SampleBackwardReply:
@@ -265,8 +272,9 @@ class SampleRunner:
                 raise SampleRequestError(ERR_BAD_REQUEST, str(error)) from None
         if not uses_update:  # the gather's wait overlapped this round's compute
             self._finish_update(shards, request, begun)
+        figures = self._peer_figures()
         return SampleBackwardReply(request_id=request.request_id, step=request.step,
                                    attempt=request.attempt,
-                                   compute_s=time.perf_counter() - started,
+                                   compute_s=_compute_s(started, figures),
                                    dweight=dweight_out, dgamma=sums[0], dbeta=sums[1],
-                                   **self._peer_figures())
+                                   **figures)

@@ -70,7 +70,8 @@ class SampleForwardReply(Message):
     (K,) float32: the sum and the sum of squares around this slice's mean; absent where
     the layer needs no statistics) and, when asked, ``y`` (B_i, K, H', W').
     ``peer_bytes_sent``/``peer_bytes_received``/``peer_wait_s``: the weight reduction's
-    array bytes with the peers and seconds waited for them in this round."""
+    array bytes with the peers and seconds waited for them in this round (not counted
+    in ``compute_s``)."""
 
     TYPE: ClassVar[str] = "sample_forward_reply"
     request_id: int
