@@ -27,7 +27,7 @@ them, here to the larger conv output.
 
 numpy runs the ops with ``out=`` into per-thread scratch and applies masks by bitwise
 AND (exactly ``where(mask, x, 0)``, without its branches); other array modules (cupy)
-run the same arithmetic as expressions (``_Ops``), one chunk, bit for bit the numpy
+run the same arithmetic as expressions (``block_kernels.Ops``), one chunk, bit for bit the numpy
 result where the module is numpy underneath. Slow, obvious references:
 ``batch_norm_forward``/``_backward``, ``max_pool2x2``, ``avg_pool2x2``, ``relu`` and their
 backward functions, composed by ``hetconv.ops.conv_layer`` with ``fast=False``.
@@ -39,11 +39,8 @@ from typing import Any
 import numpy as np
 
 from hetconv.backend import run_parallel
-from hetconv.ops.workspace import Workspace, thread_scratch
-
-Array = Any  # a numpy or cupy ndarray
-CUT = 4  # the winner index of a window whose pooled value the ReLU cut
-POSITIONS = ((0, 0), (0, 1), (1, 0), (1, 1))  # window positions, row-major: winner index
+from hetconv.ops.block_kernels import CUT, Array, Ops, normalise, pool_max, windows
+from hetconv.ops.workspace import Workspace
 
 
 def supported(pool: str, conv_h: int, conv_w: int) -> bool:
@@ -73,165 +70,6 @@ def combine_moments(parts: list[tuple[int, Array, Array]], xp: Any = np
         offset += part_m2
         squares += offset
     return count, total, squares
-
-
-class _Ops:
-    """The elementwise kernels. numpy: ufuncs with ``out=`` into the calling thread's
-    scratch, masks by bitwise AND; other modules: expressions and ``where`` (no
-    scratch). Both give the same numbers."""
-
-    def __init__(self, xp: Any):
-        self.xp = xp
-        self.scratch = thread_scratch() if xp is np else None
-
-    def empty(self, name: str, shape: tuple[int, ...], dtype: Any) -> Array:
-        if self.scratch is None:
-            return self.xp.empty(shape, dtype)
-        return self.scratch.get(name, shape, dtype)
-
-    def subtract(self, a: Array, b: Any, out: Array) -> Array:
-        if self.scratch is None:
-            out[...] = a - b
-        else:
-            np.subtract(a, b, out=out)
-        return out
-
-    def multiply(self, a: Array, b: Any, out: Array) -> Array:
-        if self.scratch is None:
-            out[...] = a * b
-        else:
-            np.multiply(a, b, out=out)
-        return out
-
-    def add(self, a: Array, b: Any, out: Array) -> Array:
-        if self.scratch is None:
-            out[...] = a + b
-        else:
-            np.add(a, b, out=out)
-        return out
-
-    def greater(self, a: Array, b: Any, name: str) -> Array:
-        if self.scratch is None:
-            return a > b
-        return np.greater(a, b, out=self.empty(name, a.shape, np.bool_))
-
-    def less(self, a: Array, b: Any, name: str) -> Array:
-        if self.scratch is None:
-            return a < b
-        return np.less(a, b, out=self.empty(name, a.shape, np.bool_))
-
-    def equal(self, a: Array, b: Any, name: str) -> Array:
-        if self.scratch is None:
-            return a == b
-        return np.equal(a, b, out=self.empty(name, a.shape, np.bool_))
-
-    def masked(self, values: Array, flags: Array, name: str, out: Array = None) -> Array:
-        """``where(flags, values, 0)`` (into ``out`` when given)."""
-        if self.scratch is None:
-            result = self.xp.where(flags, values, values.dtype.type(0))
-            if out is None:
-                return result
-            out[...] = result
-            return out
-        bits = np.uint32 if values.dtype.itemsize == 4 else np.uint64
-        mask = np.negative(flags.view(np.uint8), dtype=bits,
-                           out=self.empty(name + " mask", flags.shape, bits))
-        if out is None:
-            out = self.empty(name, values.shape, values.dtype)
-        np.bitwise_and(values.view(bits), mask, out=out.view(bits))
-        return out
-
-    def winner(self, lower: Array, lower_right: Array, right: Array, out: Array) -> Array:
-        """uint8 window position 2*row + column into out: row ``lower``, column
-        ``lower_right`` in the lower row and ``right`` in the upper one."""
-        if self.scratch is None:
-            column = self.xp.where(lower, lower_right, right)
-            out[...] = lower.astype(np.uint8) * 2 + column.astype(np.uint8)
-            return out
-        np.bitwise_xor(lower_right, right, out=lower_right)
-        np.bitwise_and(lower_right, lower, out=lower_right)
-        np.bitwise_xor(lower_right, right, out=lower_right)  # the column of the row
-        np.left_shift(lower.view(np.uint8), 1, out=out)
-        np.bitwise_or(out, lower_right.view(np.uint8), out=out)
-        return out
-
-    def cut(self, winners: Array, passed: Array) -> None:
-        """winners = CUT where not ``passed`` (winners < 4 there before)."""
-        if self.scratch is None:
-            winners[...] = self.xp.where(passed, winners, np.uint8(CUT))
-            return
-        flags = passed.view(np.uint8)
-        np.bitwise_xor(flags, np.uint8(1), out=flags)
-        np.left_shift(flags, 2, out=flags)
-        np.bitwise_or(winners, flags, out=winners)
-
-
-def _windows(rows: Array, out_h: int, out_w: int) -> list[Array]:
-    """The four window positions of chunk rows (K, Ho*Wo*nb): (K, Ho/2, Wo/2, nb) views."""
-    kernels, nb = rows.shape[0], rows.shape[1] // (out_h * out_w)
-    grid = rows.reshape(kernels, out_h // 2, 2, out_w // 2, 2, nb)
-    return [grid[:, :, r, :, c, :] for r, c in POSITIONS]
-
-
-def _max_windows(ops: _Ops, four: list[Array], pooled: Array, winners: Array,
-                 negate: bool) -> None:
-    """pooled, winners (n, ...) = the first maximum of the four window positions in
-    row-major order and its index, as ``max_pool2x2``; with ``negate`` the first minimum
-    (pooled is then the minimum itself)."""
-    shape, dtype = four[0].shape, four[0].dtype
-    if negate:
-        four = [ops.multiply(view, dtype.type(-1), ops.empty(f"negated {i}", shape, dtype))
-                for i, view in enumerate(four)]
-    a, b, c, d = four
-    xp = ops.xp
-    top = xp.maximum(a, b, out=ops.empty("top", shape, dtype))
-    bottom = xp.maximum(c, d, out=ops.empty("bottom", shape, dtype))
-    xp.maximum(top, bottom, out=pooled)
-    ops.winner(ops.greater(bottom, top, "lower"), ops.greater(d, c, "lower right"),
-               ops.greater(b, a, "right"), winners)
-    if negate:
-        pooled *= dtype.type(-1)
-
-
-def _pool_max(ops: _Ops, four: list[Array], gamma: Array | None, pooled: Array,
-              winners: Array) -> None:
-    """Max-pool the conv output as the normalisation will see it (module docstring), per
-    channel by the sign of gamma (None: no batch norm; numpy: gamma on the host)."""
-    if gamma is None or (ops.scratch is not None and bool(np.all(gamma > 0))):
-        _max_windows(ops, four, pooled, winners, False)
-        return
-    xp = ops.xp
-    if ops.scratch is None:  # both, then a choice per channel: no host round trip
-        largest, first = xp.empty(pooled.shape, pooled.dtype), xp.empty(winners.shape, np.uint8)
-        _max_windows(ops, four, largest, first, False)
-        _max_windows(ops, four, pooled, winners, True)
-        shape = (gamma.shape[0],) + (1,) * (pooled.ndim - 1)
-        positive, zero = (gamma > 0).reshape(shape), (gamma == 0).reshape(shape)
-        pooled[...] = xp.where(positive, largest, xp.where(zero, four[0], pooled))
-        winners[...] = xp.where(positive, first, xp.where(zero, np.uint8(0), winners))
-        return
-    for k in range(gamma.shape[0]):
-        row = [view[k:k + 1] for view in four]
-        if gamma[k] == 0:  # constant: every position ties, the first wins
-            pooled[k], winners[k] = row[0][0], 0
-        else:
-            _max_windows(ops, row, pooled[k:k + 1], winners[k:k + 1], bool(gamma[k] < 0))
-
-
-def _normalise(ops: _Ops, values: Array, out: Array, mean: Array, inv_std: Array,
-               gamma: Array | None, beta: Array, x_hat: Array | None) -> Array:
-    """out = (values - mean) * inv_std * gamma + beta per channel (the separate ops'
-    order of roundings), or values + beta without batch norm (gamma None); the vectors
-    are shaped to broadcast over the channel axis 0. x_hat, when given, receives the
-    normalised values before the affine map."""
-    if gamma is None:
-        return ops.add(values, beta, out)
-    target = out if x_hat is None else x_hat
-    ops.subtract(values, mean, target)
-    target *= inv_std
-    ops.multiply(target, gamma, out)
-    out += beta
-    return out
 
 
 class BlockPass:
@@ -307,7 +145,7 @@ class BlockPass:
     def done(self, index: int, start: int, stop: int, rows: Array) -> None:
         """ChunkSink: chunk [start, stop) is in ``rows``: statistics, max pool, and the
         rest when nothing waits for the whole batch's statistics."""
-        ops, xp = _Ops(self.xp), self.xp
+        ops, xp = Ops(self.xp), self.xp
         nb = stop - start
         self.rows_of[index] = rows
         if self.statistics_later:
@@ -322,7 +160,7 @@ class BlockPass:
             winners = self._array("winners", index, self._pooled_shape(nb), np.uint8)
             gamma = (self.gamma_host if self.xp is np else self.gamma) if self.batch_norm \
                 else None
-            _pool_max(ops, _windows(rows, self.out_h, self.out_w), gamma, pooled, winners)
+            pool_max(ops, windows(rows, self.out_h, self.out_w), gamma, pooled, winners)
         if not self.statistics_later:
             self._output(index, start, stop)
 
@@ -382,7 +220,7 @@ class BlockPass:
 
     def _output(self, index: int, start: int, stop: int) -> None:
         """Normalise, ReLU (and the average pool) chunk ``index``; write its output."""
-        ops, xp, dtype = _Ops(self.xp), self.xp, self.dtype
+        ops, xp, dtype = Ops(self.xp), self.xp, self.dtype
         rows, nb = self.rows_of[index], stop - start
         gamma = self.gamma if self.batch_norm else None
         if self.pool == "max":
@@ -392,13 +230,13 @@ class BlockPass:
             z = ops.empty("z", pooled.shape, dtype)
             shaped = [self._vector(v, 4) for v in (self.mean, self.inv_std, self.gamma,
                                                    self.beta)]
-            _normalise(ops, pooled, z, shaped[0], shaped[1], shaped[2] if gamma is not None
+            normalise(ops, pooled, z, shaped[0], shaped[1], shaped[2] if gamma is not None
                        else None, shaped[3], x_hat)
             xp.maximum(z, dtype.type(0), out=z)
             ops.cut(self.kept["winners", index], ops.greater(z, dtype.type(0), "passed"))
             result = z
         else:
-            views = _windows(rows, self.out_h, self.out_w) if self.pool == "avg" else [
+            views = windows(rows, self.out_h, self.out_w) if self.pool == "avg" else [
                 rows.reshape(rows.shape[0], self.out_h, self.out_w, nb)]
             masks = self._array("masks", index, (len(views),) + views[0].shape, np.bool_)
             shaped = [self._vector(v, 4) for v in (self.mean, self.inv_std, self.gamma,
@@ -406,7 +244,7 @@ class BlockPass:
             rectified = []
             for position, view in enumerate(views):
                 z = ops.empty(f"z {position}", view.shape, dtype)
-                _normalise(ops, view, z, shaped[0], shaped[1], shaped[2] if gamma is not None
+                normalise(ops, view, z, shaped[0], shaped[1], shaped[2] if gamma is not None
                            else None, shaped[3], None)
                 masks[position] = ops.greater(z, dtype.type(0), "mask")
                 rectified.append(xp.maximum(z, dtype.type(0), out=z))
@@ -442,7 +280,7 @@ class BlockPass:
     def _sums(self, index: int, dy: Array, start: int, stop: int) -> tuple[Array, Array | None]:
         """Chunk ``index``: keep the gradient after the ReLU/pool; its per-channel sums
         of that gradient and of its product with x_hat."""
-        ops, xp, dtype = _Ops(self.xp), self.xp, self.dtype
+        ops, xp, dtype = Ops(self.xp), self.xp, self.dtype
         kernels, nb = self.out.shape[1], stop - start
         incoming = ops.empty("incoming", (kernels,) + tuple(self.out.shape[2:]) + (nb,), dtype)
         incoming[...] = dy[start:stop].transpose(1, 2, 3, 0)
@@ -479,12 +317,12 @@ class BlockPass:
         rows = self.rows_of[index]
         if self.pool == "none":
             return [rows.reshape(rows.shape[0], self.out_h, self.out_w, nb)]
-        return _windows(rows, self.out_h, self.out_w)
+        return windows(rows, self.out_h, self.out_w)
 
     def gradient_rows(self, index: int, start: int, stop: int) -> Array:
         """ChunkSource: chunk ``index``'s conv gradient (K, Ho*Wo*nb), written over its
         kept conv output (the separate ops' formulas, per channel)."""
-        ops = _Ops(self.xp)
+        ops = Ops(self.xp)
         rows, nb = self.rows_of[index], stop - start
         views = self._views(index, nb)
         train_bn = self.batch_norm and self.train
