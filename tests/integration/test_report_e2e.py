@@ -55,6 +55,7 @@ def distributed_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     with LocalWorkers(endpoint, [{"name": "w1"}, {"name": "w2"}], log_dir=base):
         result = run_hetconv("train", "--listen", endpoint, "--min-workers", "2", "--wait", "30",
                              "--rebalance", "off",  # the report must show the calibrated split
+                             "--fall-back", "off",  # ... of a run that keeps its workers
                              *SMALL_RUN, "--run-dir", str(run_dir))
     assert result.returncode == 0, result.stderr
     return run_dir
