@@ -40,11 +40,17 @@ def test_calibrated_share_follows_the_cpu_quota(endpoint: str, workers: Any,
     whole = layer2["kernels"] if split_by == "kernels" else 64  # the batch
     # speeds 1 : QUOTA -> the slow worker's share is QUOTA / (1 + QUOTA) of the whole
     predicted = whole * QUOTA / (1 + QUOTA)
-    # the sample split sums both layers' timings, the small first one dominated by
-    # per-call costs a quota stretches more: its speed ratio lands a little lower
-    tolerance = 0.25 if split_by == "kernels" else 0.35
+    # per-call costs, which a small quota stretches more than compute, put the slow
+    # machine's measured speed ratio below the ratio of quotas (0.2-0.25 against 0.3 at
+    # 0.27 core on this host, for both splits): the quota is the looser check, the
+    # equation of what was measured the exact one
+    tolerance = 0.35
     assert abs(kernels["slow"] - predicted) <= tolerance * predicted, (kernels, predicted)
     assert kernels["fast"] + kernels["slow"] == whole
+    if split_by == "kernels":  # exactly the paper's equation (1) of what was measured
+        seconds = {d["device"]: d["seconds"] for d in layer2["devices"]}
+        share = (1 / seconds["slow"]) / (1 / seconds["slow"] + 1 / seconds["fast"])
+        assert abs(kernels["slow"] - whole * share) <= 1.0, (kernels, seconds)
     if split_by == "samples":  # exactly the paper's equation (1) of what was measured
         # in place: every layer whole on a slice of the batch (master/calibration.py)
         times = [r for r in records if r["type"] == "plan"][-1]["seconds_per_sample"]
