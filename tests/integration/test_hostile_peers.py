@@ -140,9 +140,11 @@ def test_burst_and_disconnect_no_longer_abort_libzmq(kind: str) -> None:
 
 # --- a real master ----------------------------------------------------------------------
 def start_master(endpoint: str, run_dir: Path, *extra: str) -> subprocess.Popen[str]:
+    """--fall-back off: the flood must meet a master that keeps its workers (on two
+    shared cores the default may rightly train on alone and stop listening)."""
     return subprocess.Popen(
         hetconv_command("train", "--listen", endpoint, "--min-workers", "2", "--wait", "60",
-                        *SMALL_RUN, "--run-dir", str(run_dir), *extra),
+                        *SMALL_RUN, "--fall-back", "off", "--run-dir", str(run_dir), *extra),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
 
 
