@@ -7,13 +7,13 @@ participant every whole layer of a state; faults and the re-plan point go to the
 state machine (``master/run.py``) and its commands are carried out here (evict,
 re-slice over the survivors, fall back to the master alone, stop, admit joiners);
 after every step, the step's record, the re-slicing from measured compute and the
-measures behind ``--fall-back`` (``slower_than_alone``).
+measures behind ``--fall-back`` (``master/fall_back.py``: a trial of the master alone,
+``master/trial_alone.py``, then alone or back to the workers).
 """
 from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -26,10 +26,10 @@ from hetconv.master.audit import audit_input, audit_mismatch
 from hetconv.master.calibration import calibrate_samples
 from hetconv.master.cluster import Cluster, WorkerHandle, WorkerLost
 from hetconv.master.commands import carry_out
+from hetconv.master.fall_back import ALONE_WINDOW, AloneCheck, GoBack, StayAlone, TryAlone
 from hetconv.master.plan import Participant, Shard
 from hetconv.master.run import (
     Command,
-    FallBackLocal,
     Fault,
     ReplanDone,
     ReplanPoint,
@@ -38,12 +38,8 @@ from hetconv.master.run import (
     StepDone,
 )
 from hetconv.master.sample_peers import SamplePeers
-from hetconv.master.sample_plan import (
-    ALONE_WINDOW,
-    SampleBalance,
-    Slice,
-    slower_than_alone,
-)
+from hetconv.master.sample_plan import SampleBalance, Slice
+from hetconv.master.trial_alone import TrialAloneStage
 from hetconv.metrics import MetricsWriter
 from hetconv.model import ConvLayerShape
 from hetconv.names import layer_key
@@ -140,14 +136,13 @@ class BetweenSteps:
     _sums: dict[int, tuple[np.ndarray, np.ndarray]]
     _dweight: PendingUpdate | None
     peers: SamplePeers | None  # the weight reduction among the peers; None: via the master
-    walls: deque[float]  # per step: the conv part measured (seconds)
+    alone_check: AloneCheck  # never slower than the master alone (``--fall-back``)
     slices: list[Slice]
     _timings: dict[int, dict[str, dict[str, Any]]]
     _comm_s: float
     _step_compute: dict[str, float]
     _step_latency: dict[str, float]
     _step_wall: float
-    alone: deque[float]  # per step: the master alone, from its own measured compute
 
     @property
     def layers(self) -> int:
@@ -241,9 +236,12 @@ class BetweenSteps:
         return Fault(str(fault), fault.participant, fault.gone, fault.evict, gone)
 
     def replan_point(self, state: dict[str, np.ndarray]) -> ConvStage:
-        slower = slower_than_alone(self.walls, self.alone) if self.setup.fall_back else None
-        if slower is not None:
-            return self._carry_out([self._alone_is_faster(*slower)], state)
+        verdict = self.alone_check.at_snapshot() if self.setup.fall_back else None
+        if isinstance(verdict, TryAlone):
+            return self._try_alone(verdict, state)
+        return self._take_in_joiners(state)
+
+    def _take_in_joiners(self, state: dict[str, np.ndarray]) -> ConvStage:
         self.cluster.pump(0.0)  # take in any Hello waiting on the socket
         holding = {id(p.worker) for n, p in self.workers.items() if n in self.balance.seconds}
         joinable = sorted(w.worker_id for w in self.cluster.known_workers()
@@ -253,22 +251,55 @@ class BetweenSteps:
             return cast(ConvStage, self)  # the subclass is the whole stage
         return self._carry_out(self.control.handle(ReplanPoint(tuple(joinable))), state)
 
-    def _alone_is_faster(self, measured: float, alone: float) -> FallBackLocal:
-        """The plan measured slower than the master alone: say so, record it (a re-plan
-        to the master alone, in the report's events) and fall back."""
-        reason = (f"slower than the master alone: the conv part took {measured * 1e3:.1f} ms "
-                  f"per step over the last {ALONE_WINDOW} steps, the master alone about "
-                  f"{alone * 1e3:.1f} ms")
+    # --- never slower than the master alone (master/fall_back.py) -------------------------
+    def _try_alone(self, verdict: TryAlone, state: dict[str, np.ndarray]) -> ConvStage:
+        """The plan measured slower than the estimate of the master alone: train alone
+        until the next snapshot (the workers wait), then let the trial decide."""
+        reason = (f"trying the master alone: the conv part took {verdict.measured_s * 1e3:.1f} "
+                  f"ms per step over the last {ALONE_WINDOW} steps, the master alone is "
+                  f"estimated at {verdict.alone_s * 1e3:.1f} ms")
+        self.setup.report(f"hetconv: {reason}; until the next snapshot the workers wait")
+        self._record_replan(reason, verdict.measured_s, verdict.alone_s, alone=True)
+        local = self.setup.local_stage()
+        local.restore(state)
+        return TrialAloneStage(local, self, self.alone_check)
+
+    def keep_alive(self) -> None:
+        self.cluster.pump(0.0)
+
+    def stay_alone(self, verdict: StayAlone) -> None:
+        reason = (f"slower than the master alone: the conv part took "
+                  f"{verdict.measured_s * 1e3:.1f} ms per step with the workers, "
+                  f"{verdict.alone_s * 1e3:.1f} ms alone (medians of {ALONE_WINDOW} steps)")
         self.setup.report(f"hetconv: {reason}: training on alone (the workers stay up for "
                           "the next run)")
+        self._record_replan(reason, verdict.measured_s, verdict.alone_s, alone=True)
+        log.warning("%s: training on alone", reason)
+
+    def go_back(self, verdict: GoBack, state: dict[str, np.ndarray]) -> ConvStage:
+        reason = (f"the master alone was slower: {verdict.alone_s * 1e3:.1f} ms per step "
+                  f"alone, {verdict.measured_s * 1e3:.1f} ms with the workers (medians of "
+                  f"{ALONE_WINDOW} steps)")
+        self.setup.report(f"hetconv: {reason}: back to the workers")
+        self._record_replan(reason, verdict.measured_s, verdict.alone_s, alone=False)
+        try:
+            self.restore(state)
+        except WorkerLost as lost:  # one left while it waited
+            return self._carry_out(self.control.handle(self.fault_event(lost)), state)
+        return self._take_in_joiners(state)
+
+    def _record_replan(self, reason: str, measured: float, alone_s: float,
+                       alone: bool) -> None:
+        """A ``replan`` record (a report event): the master alone, or the slices."""
+        counts = ({MASTER_PARTICIPANT: self.setup.batch} if alone
+                  else {p.participant: p.samples for p in self.slices})
         self.setup.metrics.write("replan", reason=reason, split_by="samples",
-                                 measured_step_s=measured, alone_step_s=alone, counts=[
+                                 measured_step_s=measured, alone_step_s=alone_s, counts=[
                                      {"layer": shape.index, "devices": [
-                                         {"device": MASTER_PARTICIPANT,
-                                          "kernels": shape.kernels,
-                                          "samples": self.setup.batch}]}
+                                         {"device": name, "kernels": shape.kernels,
+                                          "samples": samples}
+                                         for name, samples in counts.items()]}
                                      for shape in self.setup.shapes])
-        return FallBackLocal(reason)
 
     def take_step_timings(self) -> dict[str, Any]:
         """The step's timing record; a good step for the state machine, a sample of the
@@ -280,9 +311,9 @@ class BetweenSteps:
         samples = {p.participant: p.samples for p in self.slices}
         own = samples.get(MASTER_PARTICIPANT, 0)
         if own > 0 and MASTER_PARTICIPANT in self._step_compute:
-            self.walls.append(self._step_wall)
-            self.alone.append(self._step_compute[MASTER_PARTICIPANT] / own
-                              * sum(samples.values()))
+            self.alone_check.distributed_step(
+                self._step_wall, self._step_compute[MASTER_PARTICIPANT] / own
+                * sum(samples.values()))
         if self.setup.rebalancing and self.balance.observe(self._step_compute,
                                                            self._step_latency, samples):
             names = self._names()

@@ -25,8 +25,6 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
 from hetconv.config import MASTER_PARTICIPANT
 from hetconv.model import ConvLayerShape
 from hetconv.partition import balanced_counts
@@ -187,33 +185,6 @@ def sample_rounds(layers: int) -> int:
     """Round trips of one training step: L + 1 forward, L backward (the last update
     travels with the next step's first round)."""
     return 2 * layers + 1
-
-
-ALONE_WINDOW = 9
-"""Steps whose median is compared with the master alone (``slower_than_alone``)."""
-ALONE_MARGIN = 1.15
-"""The plan is dropped when its measured conv part is this much slower than alone. The
-estimate of alone is measured, not exact: on the lab's CPU quotas (short bursts of
-compute between waits are throttled less) it came out 24 % short of the master really
-alone (54.6 against 71.5 ms, 2 x 0.45 core, 32:64), and 5 % made a run 1.2x faster than
-alone fall back (docs/figures/scale-samples.md)."""
-
-
-def slower_than_alone(walls: Sequence[float], alone: Sequence[float]
-                      ) -> tuple[float, float] | None:
-    """(median measured, median alone) seconds when the last ``ALONE_WINDOW`` steps'
-    conv part (``walls``: first round sent to last reply, every participant's rounds)
-    took ``ALONE_MARGIN`` times longer than the master alone would (``alone``: per step,
-    the master's own measured compute per sample times the batch; it computes a slice
-    of every step, so this is measured on the machine, under the same load, not
-    predicted). None with fewer steps or when the plan is not clearly slower."""
-    if len(walls) < ALONE_WINDOW or len(alone) < ALONE_WINDOW:
-        return None
-    measured = float(np.median(list(walls)[-ALONE_WINDOW:]))
-    by_itself = float(np.median(list(alone)[-ALONE_WINDOW:]))
-    if by_itself <= 0 or measured <= ALONE_MARGIN * by_itself:
-        return None
-    return measured, by_itself
 
 
 def predict_sample_step(slices: Sequence[Slice], seconds_per_sample: dict[str, float],

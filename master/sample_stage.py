@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +33,7 @@ import numpy as np
 from hetconv.config import MASTER_PARTICIPANT
 from hetconv.dataplane import PeerLost
 from hetconv.master.cluster import Cluster, WorkerHandle, WorkerLost
+from hetconv.master.fall_back import AloneCheck
 from hetconv.master.own_share import OwnShare
 from hetconv.master.plan import Participant
 from hetconv.master.run import (
@@ -48,7 +48,7 @@ from hetconv.master.sample_between import (
 )
 from hetconv.master.sample_between import update_fields as _update_fields
 from hetconv.master.sample_peers import SamplePeers
-from hetconv.master.sample_plan import ALONE_WINDOW, SampleBalance, Slice
+from hetconv.master.sample_plan import SampleBalance, Slice
 from hetconv.protocol import (
     SampleBackwardRequest,
     SampleForwardRequest,
@@ -97,10 +97,7 @@ class SampleConvStage(BetweenSteps):
         self._step_compute: dict[str, float] = {}  # participant -> its compute this step
         self._step_latency: dict[str, float] = {}  # participant -> its rounds this step
         self._step_wall = 0.0  # the step's rounds, first request sent to last reply
-        # per step: the conv part measured, and the master alone (its own measured
-        # compute per sample times the batch), for ``slower_than_alone``
-        self.walls: deque[float] = deque(maxlen=ALONE_WINDOW)
-        self.alone: deque[float] = deque(maxlen=ALONE_WINDOW)
+        self.alone_check = AloneCheck()  # never slower than the master alone
         self.step = 0
 
     # --- who computes what -------------------------------------------------------------

@@ -117,17 +117,3 @@ def test_the_predicted_step_adds_the_slowest_slice_the_master_link_and_the_round
     # no worker: the compute alone
     assert predict_sample_step([Slice("master", 0, 64)], {"master": 0.001}, {"master": None},
                                shapes, 900, 4) == pytest.approx(0.064)
-
-
-def test_a_plan_is_dropped_only_when_clearly_slower_than_the_master_alone() -> None:
-    from hetconv.master.sample_plan import ALONE_MARGIN, ALONE_WINDOW, slower_than_alone
-
-    fast = [0.010] * ALONE_WINDOW
-    assert slower_than_alone(fast[:-1], fast[:-1]) is None  # too few steps to judge
-    assert slower_than_alone(fast, [0.012] * ALONE_WINDOW) is None  # faster than alone
-    assert slower_than_alone(fast, [0.010 / ALONE_MARGIN * 1.001] * ALONE_WINDOW) is None
-    # medians over the last ALONE_WINDOW steps: one slow outlier changes nothing
-    walls = [0.030] * 20 + [0.010] * (ALONE_WINDOW - 1) + [0.5]
-    assert slower_than_alone(walls, [0.0098] * len(walls)) is None
-    assert slower_than_alone([0.02] * ALONE_WINDOW, [0.012] * ALONE_WINDOW) == \
-        pytest.approx((0.02, 0.012))

@@ -1,0 +1,114 @@
+"""Never slower than the master alone (``--fall-back on``): when to try the master
+alone, and, after the trial, whether to stay alone or go back to the workers.
+
+Under the sample split the master computes a slice of every step, so it can estimate,
+on its own machine and under the same load, what the whole batch would cost it alone
+(its measured compute per sample times the batch). The estimate is a measure of
+slices, not of the whole batch: on the lab's CPU quotas it came out 24 % short of the
+master really alone (54.6 against 71.5 ms, 2 x 0.45 core, 32:64). So it only *triggers*
+a trial: from the next snapshot the master really trains alone (the workers wait,
+heartbeated) until the following snapshot, and the medians of two measured step times
+decide (:class:`AloneCheck`). Going back to the workers costs one hand-out of the
+layers; a wrong trial costs one snapshot interval at the slower speed, once: the trial
+also corrects the estimate (measured over estimated alone), so the same conditions do
+not trigger it again.
+
+Sans-IO: the stage feeds measured seconds in and acts on the verdicts
+(``master/trial_alone.py``); no clock, no sockets (``tests/unit/test_fall_back.py``).
+"""
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass
+
+ALONE_WINDOW = 9
+"""Steps whose median is compared: the last ones with the workers, the trial's alone."""
+TRIAL_TRIGGER = 1.05
+"""A trial starts when the conv part with the workers measures this much slower than
+the (corrected) estimate of the master alone."""
+
+
+@dataclass(frozen=True)
+class TryAlone:
+    """Train the master alone from this snapshot to the next: the plan measured
+    ``measured_s`` per step, the master alone is estimated at ``alone_s``."""
+
+    measured_s: float
+    alone_s: float
+
+
+@dataclass(frozen=True)
+class StayAlone:
+    """The trial is over: alone (``alone_s``, measured) beat the workers
+    (``measured_s``): drop them and train on alone."""
+
+    measured_s: float
+    alone_s: float
+
+
+@dataclass(frozen=True)
+class GoBack:
+    """The trial is over: the workers (``measured_s``) beat the master alone
+    (``alone_s``, measured): hand them the snapshot and train on with them."""
+
+    measured_s: float
+    alone_s: float
+
+
+Verdict = TryAlone | StayAlone | GoBack | None
+
+
+class AloneCheck:
+    """Decides, at each snapshot, between the workers and the master alone.
+
+    Feed :meth:`distributed_step` with every step the workers take part in, and
+    :meth:`trial_step` with every step of a trial; call :meth:`at_snapshot` after
+    every snapshot and act on its verdict."""
+
+    def __init__(self) -> None:
+        self.walls: deque[float] = deque(maxlen=ALONE_WINDOW)  # s, conv part, with workers
+        self.estimates: deque[float] = deque(maxlen=ALONE_WINDOW)  # s, alone, estimated
+        self.trial: deque[float] = deque(maxlen=ALONE_WINDOW)  # s, alone, measured
+        self.in_trial = False
+        self.correction = 1.0  # measured over estimated alone, from the last trial
+        self._estimate_then = 0.0  # the median estimate that started the trial
+
+    def distributed_step(self, wall_s: float, alone_estimate_s: float) -> None:
+        """A step with the workers: its conv part (first round sent to last reply) and
+        the estimate of the master alone (its compute per sample times the batch)."""
+        self.walls.append(wall_s)
+        self.estimates.append(alone_estimate_s)
+
+    def trial_step(self, alone_s: float) -> None:
+        """A step of the trial: the master's conv part alone, measured."""
+        self.trial.append(alone_s)
+
+    def at_snapshot(self) -> Verdict:
+        """What to do from this snapshot on (None: go on as now)."""
+        if self.in_trial:
+            return self._end_trial()
+        if len(self.walls) < ALONE_WINDOW or len(self.estimates) < ALONE_WINDOW:
+            return None
+        measured = statistics.median(self.walls)
+        estimate = statistics.median(self.estimates)
+        alone = estimate * self.correction
+        if alone <= 0 or measured <= TRIAL_TRIGGER * alone:
+            return None
+        self.in_trial, self._estimate_then = True, estimate
+        self.trial.clear()
+        return TryAlone(measured, alone)
+
+    def _end_trial(self) -> Verdict:
+        if len(self.trial) < ALONE_WINDOW:
+            return None  # too few steps alone yet: the trial goes on to the next snapshot
+        measured = statistics.median(self.walls)
+        alone = statistics.median(self.trial)
+        self.in_trial = False
+        if alone <= measured:
+            return StayAlone(measured, alone)
+        if self._estimate_then > 0:
+            self.correction = alone / self._estimate_then
+        self.walls.clear()
+        self.estimates.clear()
+        return GoBack(measured, alone)

@@ -1,0 +1,158 @@
+"""Never slower than the master alone: the trial's decisions (master/fall_back.py) and
+the trial stage (master/trial_alone.py), without sockets or a clock."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from hetconv.master.fall_back import (
+    ALONE_WINDOW,
+    TRIAL_TRIGGER,
+    AloneCheck,
+    GoBack,
+    StayAlone,
+    TryAlone,
+)
+from hetconv.master.trial_alone import TrialAloneStage
+
+
+def _with_workers(check: AloneCheck, wall: float, estimate: float,
+                  steps: int = ALONE_WINDOW) -> None:
+    for _ in range(steps):
+        check.distributed_step(wall, estimate)
+
+
+def test_no_trial_before_a_full_window_or_while_the_workers_are_faster() -> None:
+    check = AloneCheck()
+    _with_workers(check, 0.020, 0.010, ALONE_WINDOW - 1)
+    assert check.at_snapshot() is None  # too few steps to judge
+    check = AloneCheck()
+    _with_workers(check, 0.010, 0.012)
+    assert check.at_snapshot() is None  # faster than the estimate alone
+    _with_workers(check, 0.010, 0.010 / TRIAL_TRIGGER * 1.001)
+    assert check.at_snapshot() is None  # within the trigger
+
+
+def test_medians_ignore_one_outlier() -> None:
+    check = AloneCheck()
+    _with_workers(check, 0.010, 0.0098, ALONE_WINDOW - 1)
+    check.distributed_step(0.5, 0.0098)
+    assert check.at_snapshot() is None
+
+
+def test_a_trial_that_confirms_the_estimate_stays_alone() -> None:
+    check = AloneCheck()
+    _with_workers(check, 0.020, 0.012)
+    assert check.at_snapshot() == TryAlone(pytest.approx(0.020), pytest.approx(0.012))
+    assert check.in_trial
+    for _ in range(ALONE_WINDOW - 1):
+        check.trial_step(0.013)
+    assert check.at_snapshot() is None  # too few steps alone: the trial goes on
+    check.trial_step(0.013)
+    assert check.at_snapshot() == StayAlone(pytest.approx(0.020), pytest.approx(0.013))
+
+
+def test_a_trial_that_refutes_the_estimate_goes_back_and_corrects_it() -> None:
+    """The estimate 24 % short (as on the lab's CPU quotas): the trial measures the
+    master alone slower than the workers, the run goes back, and the same steps do not
+    start another trial (the estimate is corrected by what the trial measured)."""
+    check = AloneCheck()
+    _with_workers(check, 0.060, 0.0546)  # 1.10x the estimate: a trial
+    assert isinstance(check.at_snapshot(), TryAlone)
+    for _ in range(ALONE_WINDOW):
+        check.trial_step(0.0715)
+    verdict = check.at_snapshot()
+    assert verdict == GoBack(pytest.approx(0.060), pytest.approx(0.0715))
+    assert not check.in_trial and check.correction == pytest.approx(0.0715 / 0.0546)
+    assert check.at_snapshot() is None  # the window starts over with the workers
+    _with_workers(check, 0.060, 0.0546)
+    assert check.at_snapshot() is None  # corrected: 60 ms against 71.5 alone
+    _with_workers(check, 0.090, 0.0546)  # the workers got slower since
+    assert check.at_snapshot() == TryAlone(pytest.approx(0.090), pytest.approx(0.0715))
+
+
+class _Local:
+    """A local stage that takes ``seconds`` (of the fake clock) per call."""
+
+    def __init__(self, clock: list[float], seconds: float) -> None:
+        self.clock, self.seconds, self.closed, self.restored = clock, seconds, False, 0
+
+    def forward(self, layer: int, x: np.ndarray, train: bool, step: int) -> np.ndarray:
+        self.clock[0] += self.seconds
+        return x
+
+    def backward(self, layer: int, dy: np.ndarray, need_dx: bool, learning_rate: float,
+                 step: int) -> np.ndarray | None:
+        self.clock[0] += self.seconds
+        return dy
+
+    def take_step_timings(self) -> dict[str, Any]:
+        return {"layers": [], "comm_s": 0.0}
+
+    def snapshot(self) -> dict[str, np.ndarray]:
+        return {}
+
+    def restore(self, state: dict[str, np.ndarray]) -> None:
+        self.restored += 1
+
+    def recover(self, fault: Any, state: dict[str, np.ndarray]) -> Any:
+        raise fault
+
+    def replan_point(self, state: dict[str, np.ndarray]) -> Any:
+        return self
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class _Waiting:
+    def __init__(self) -> None:
+        self.events: list[str] = []
+        self.back = object()
+
+    def keep_alive(self) -> None:
+        self.events.append("alive")
+
+    def stay_alone(self, verdict: StayAlone) -> None:
+        self.events.append(f"stay {verdict.alone_s:.3f}")
+
+    def go_back(self, verdict: GoBack, state: dict[str, np.ndarray]) -> Any:
+        self.events.append(f"back {verdict.alone_s:.3f}")
+        return self.back
+
+    def close(self) -> None:
+        self.events.append("close")
+
+
+def _trial(seconds_per_call: float, with_workers_s: float) -> tuple[TrialAloneStage, Any, Any]:
+    clock = [0.0]
+    check = AloneCheck()
+    _with_workers(check, with_workers_s, 0.001)
+    assert isinstance(check.at_snapshot(), TryAlone)
+    local, waiting = _Local(clock, seconds_per_call), _Waiting()
+    stage = TrialAloneStage(local, waiting, check, clock=lambda: clock[0])
+    x = np.zeros((2, 1, 4, 4), dtype=np.float32)
+    for step in range(ALONE_WINDOW):
+        for layer in range(2):
+            stage.forward(layer, x, True, step)
+        stage.forward(0, x, False, step)  # an evaluation: not the step's conv part
+        for layer in (1, 0):
+            stage.backward(layer, x, layer > 0, 0.1, step)
+        stage.take_step_timings()
+    return stage, local, waiting
+
+
+def test_the_trial_stage_times_each_steps_conv_part_and_stays_alone() -> None:
+    stage, local, waiting = _trial(0.001, with_workers_s=0.010)  # 4 ms alone against 10
+    assert waiting.events == ["alive"] * ALONE_WINDOW  # heartbeats every step
+    assert stage.check.trial == pytest.approx([0.004] * ALONE_WINDOW)
+    assert stage.replan_point({}) is local
+    assert waiting.events[-2:] == ["stay 0.004", "close"] and not local.closed
+
+
+def test_the_trial_stage_goes_back_to_the_waiting_workers() -> None:
+    stage, local, waiting = _trial(0.004, with_workers_s=0.010)  # 16 ms alone against 10
+    assert stage.replan_point({}) is waiting.back
+    assert waiting.events[-1] == "back 0.016" and local.closed
