@@ -362,7 +362,8 @@ def train_with_cut(lan: list[LanHost], tmp_path: Path, cut_s: float) -> tuple[Pa
 
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(REASON is not None, reason=f"cannot emulate a LAN here: {REASON}")
-@pytest.mark.parametrize("cut_s", [2.0, 3.0])  # 4 and 6 s: the run under the defaults
+@pytest.mark.parametrize("cut_s", [3.0])  # 2, 4 and 6 s: the run under the defaults
+# (3 s: the cut that meets TCP's first retransmission, the hardest of the short ones)
 def test_pinned_a_short_link_cut_costs_no_failover(lan: list[LanHost], tmp_path: Path,
                                             reference: list[float], cut_s: float) -> None:
     run_dir, _ = train_with_cut(lan, tmp_path, cut_s)
