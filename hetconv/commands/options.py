@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 from hetconv.errors import UserError
@@ -83,6 +84,17 @@ def non_negative_float(text: str) -> float:
     if not value >= 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
     return value
+
+
+def check_output_path(flag: str, path: str) -> None:
+    """Fail before any work when FILE (given with ``flag``) cannot be written."""
+    folder = Path(path).parent
+    if Path(path).is_dir():
+        raise UserError(f"{flag} {path}: is a directory; give a file name")
+    if not folder.is_dir():
+        raise UserError(f"{flag} {path}: directory {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise UserError(f"{flag} {path}: cannot write in {folder}")
 
 
 def add_curve_master(p: argparse.ArgumentParser) -> None:
