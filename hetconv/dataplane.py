@@ -113,6 +113,29 @@ class PeerLost(Exception):
         self.bad_data = bad_data
 
 
+def wait_for_pieces(port: PiecePort, timeout_s: float, cancelled: Callable[[], bool],
+                    done: Callable[[], bool], owing: Callable[[], list[str]],
+                    keep: Callable[[PeerPiece], bool], late: Callable[[list[str]], str]) -> None:
+    """The wait of both peer exchanges (this module's and :mod:`hetconv.weight_reduce`'s):
+    until ``done()`` (checked after each piece; the caller takes what arrived), receive
+    pieces from ``port`` :data:`RECEIVE_SLICE_S` at a time and hand each to ``keep``,
+    which says whether it kept it. Every piece kept restarts the clock; PeerLost naming
+    the peers still ``owing()`` when ``cancelled()``, or with ``late(owing)`` when
+    nothing is kept for ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        now = time.monotonic()
+        if cancelled():
+            peers = owing()
+            raise PeerLost(peers, f"cancelled while waiting for {', '.join(peers)}")
+        if now >= deadline:
+            peers = owing()
+            raise PeerLost(peers, late(peers))
+        piece = port.receive(min(RECEIVE_SLICE_S, deadline - now))
+        if piece is not None and keep(piece):
+            deadline = time.monotonic() + timeout_s
+
+
 @dataclass
 class ExchangeStats:
     """One participant's layer phase: compute and wait seconds, and array bytes per
@@ -298,44 +321,40 @@ class PeerParticipant:
         """Feed ``key``'s pieces into ``gather`` until ``done()``; PeerLost naming the
         peers still owing samples when nothing arrives for ``timeout_s`` (every arrival
         restarts the clock)."""
+        def taken() -> bool:
+            for sender, waiting in self.inbox.take(key).items():
+                for held in waiting:
+                    wrong = gather.misfit(sender, held)
+                    if wrong is not None:  # a peer computing the wrong shape
+                        raise PeerLost([sender], wrong, bad_data=True)
+                    refused = gather.add(sender, held)
+                    if refused is not None:
+                        self.on_drop(refused)
+            return done()
+
+        def owing() -> list[str]:
+            return [r.participant for r in gather.sources
+                    if not gather.allocated
+                    or sum(b - a for a, b in gather.rows[r.participant]) < gather.batch_size]
+
+        def keep(piece: PeerPiece) -> bool:
+            reason = self.inbox.offer(piece)
+            if reason is not None:
+                self.on_drop(reason)
+                return False
+            if not np.isfinite(piece.data).all():  # a peer computing garbage
+                raise PeerLost([piece.sender], f"peer {piece.sender} sent {piece.phase} "
+                               f"data of layer {piece.layer + 1} holding NaN or Inf",
+                               bad_data=True)
+            where = (piece.sender, piece.layer, piece.phase)
+            stats.received[where] = stats.received.get(where, 0) + piece.data.nbytes
+            return True
+
         start = time.monotonic()
-        deadline = start + self.timeout_s
         try:
-            while True:
-                for sender, waiting in self.inbox.take(key).items():
-                    for held in waiting:
-                        wrong = gather.misfit(sender, held)
-                        if wrong is not None:  # a peer computing the wrong shape
-                            raise PeerLost([sender], wrong, bad_data=True)
-                        refused = gather.add(sender, held)
-                        if refused is not None:
-                            self.on_drop(refused)
-                if done():
-                    return
-                now = time.monotonic()
-                if self.cancelled() or now >= deadline:
-                    owing = [r.participant for r in gather.sources
-                             if not gather.allocated
-                             or sum(b - a for a, b in gather.rows[r.participant])
-                             < gather.batch_size]
-                    if self.cancelled():
-                        raise PeerLost(owing, f"cancelled while waiting for {', '.join(owing)}")
-                    raise PeerLost(owing, f"no {key.phase} data of layer {key.layer + 1} "
-                                          f"from peer {', '.join(owing)} within "
+            wait_for_pieces(self.port, self.timeout_s, self.cancelled, taken, owing, keep,
+                            lambda peers: f"no {key.phase} data of layer {key.layer + 1} from "
+                                          f"peer {', '.join(peers)} within "
                                           f"{self.timeout_s:.1f} s")
-                piece = self.port.receive(min(RECEIVE_SLICE_S, deadline - now))
-                if piece is None:
-                    continue
-                reason = self.inbox.offer(piece)
-                if reason is not None:
-                    self.on_drop(reason)
-                    continue
-                if not np.isfinite(piece.data).all():  # a peer computing garbage
-                    raise PeerLost([piece.sender], f"peer {piece.sender} sent {piece.phase} "
-                                   f"data of layer {piece.layer + 1} holding NaN or Inf",
-                                   bad_data=True)
-                where = (piece.sender, piece.layer, piece.phase)
-                stats.received[where] = stats.received.get(where, 0) + piece.data.nbytes
-                deadline = time.monotonic() + self.timeout_s
         finally:
             stats.wait_s += time.monotonic() - start

@@ -58,7 +58,8 @@ def _vector(array: np.ndarray | None, name: str, kernels: int, layer: int) -> np
 
 
 def _test_delay(shard: ConvShard) -> None:
-    """The tests' slow worker (worker/service.py ``DelayedShard``); nothing otherwise."""
+    """The tests' slow worker (tests/support/faulty_worker.py ``FaultyShard``); nothing
+    otherwise."""
     delay = getattr(shard, "training_delay", None)
     if delay is not None:
         delay()
@@ -184,7 +185,7 @@ class SampleRunner:
                     finished = replica.finish_forward(mean, var)
                 except RuntimeError as error:  # no forward started: a round out of order
                     raise SampleRequestError(ERR_BAD_REQUEST, str(error)) from None
-                hook = getattr(replica.shard, "corrupt_output", None)  # tests' broken worker
+                hook = getattr(replica.shard, "corrupt_output", None)  # tests' broken worker (FaultyShard)
                 if hook is not None:
                     finished = hook(finished)
                 self._activation = finished

@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from hetconv.dataplane import RECEIVE_SLICE_S, PeerLost, PiecePort
+from hetconv.dataplane import PeerLost, PiecePort, wait_for_pieces
 from hetconv.peer_plan import KernelRange, PeerPlan
 from hetconv.protocol import PeerPiece
 
@@ -228,42 +228,38 @@ class GradientExchange:
         """Each sender's piece of (``reduce_id``, ``layer``, ``phase``), checked against
         the shape given for it; PeerLost naming the senders still owing when nothing arrives for
         ``timeout_s`` (every arrival restarts the clock) or when cancelled."""
-        start = time.monotonic()
-        deadline = start + self.timeout_s
         got: dict[str, np.ndarray] = {}
+
+        def taken() -> bool:
+            for sender, shape in senders.items():
+                data = self._inbox.pop((reduce_id, layer, phase, sender), None)
+                if data is None:
+                    continue
+                if tuple(data.shape) != shape:
+                    raise PeerLost([sender], f"peer {sender} sent a {phase} piece of layer "
+                                   f"{layer + 1} of shape {tuple(data.shape)}, expected "
+                                   f"{shape}", bad_data=True)
+                if data.dtype != np.float32 or not np.isfinite(data).all():
+                    raise PeerLost([sender], f"peer {sender} sent a {phase} piece of layer "
+                                   f"{layer + 1} holding NaN, Inf or not float32",
+                                   bad_data=True)
+                got[sender] = data
+            return all(sender in got for sender in senders)
+
+        def keep(piece: PeerPiece) -> bool:
+            reason = self.offer(piece)
+            if reason is not None:
+                self.dropped.append(reason)
+                del self.dropped[:-8]
+            return reason is None
+
+        start = time.monotonic()
         try:
-            while True:
-                for sender, shape in senders.items():
-                    data = self._inbox.pop((reduce_id, layer, phase, sender), None)
-                    if data is None:
-                        continue
-                    if tuple(data.shape) != shape:
-                        raise PeerLost([sender], f"peer {sender} sent a {phase} piece of layer "
-                                       f"{layer + 1} of shape {tuple(data.shape)}, expected "
-                                       f"{shape}", bad_data=True)
-                    if data.dtype != np.float32 or not np.isfinite(data).all():
-                        raise PeerLost([sender], f"peer {sender} sent a {phase} piece of layer "
-                                       f"{layer + 1} holding NaN, Inf or not float32",
-                                       bad_data=True)
-                    got[sender] = data
-                owing = [s for s in senders if s not in got]
-                if not owing:
-                    return got
-                now = time.monotonic()
-                if self.cancelled():
-                    raise PeerLost(owing, f"cancelled while waiting for {', '.join(owing)}")
-                if now >= deadline:
-                    raise PeerLost(owing, f"no {phase} piece of layer {layer + 1}'s weight "
-                                   f"gradient from peer {', '.join(owing)} within "
-                                   f"{self.timeout_s:.1f} s")
-                piece = self.port.receive(min(RECEIVE_SLICE_S, deadline - now))
-                if piece is None:
-                    continue
-                reason = self.offer(piece)
-                if reason is not None:
-                    self.dropped.append(reason)
-                    del self.dropped[:-8]
-                    continue
-                deadline = time.monotonic() + self.timeout_s
+            wait_for_pieces(self.port, self.timeout_s, self.cancelled, taken,
+                            lambda: [s for s in senders if s not in got], keep,
+                            lambda owing: f"no {phase} piece of layer {layer + 1}'s weight "
+                                          f"gradient from peer {', '.join(owing)} within "
+                                          f"{self.timeout_s:.1f} s")
         finally:
             self.wait_s += time.monotonic() - start
+        return got

@@ -18,12 +18,21 @@ went wrong while it computes consistently with them (the snapshot carries the
 same wrong weights), errors only in the backward pass or in the batch-statistics
 path of training mode, errors below :data:`AUDIT_TOLERANCE` of the output's
 magnitude, and corruption that comes and goes between snapshots.
+
+:func:`audit_input` and :func:`audit_mismatch` are pure; :func:`audit_workers` asks
+the workers (both splits' stages use it, each with its own reference).
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import numpy as np
 
+from hetconv.master.assign import exchange
+from hetconv.master.cluster import Cluster, WorkerHandle, WorkerLost
+from hetconv.master.plan import Shard
 from hetconv.model import ConvLayerShape
+from hetconv.protocol import ForwardReply, ForwardRequest
 
 AUDIT_SAMPLES = 4
 """Images in an audit's forward request: enough to exercise every kernel, cheap to send."""
@@ -52,3 +61,30 @@ def audit_mismatch(answered: np.ndarray, reference: np.ndarray) -> str | None:
         return None
     return (f"output off by up to {error:.3g} where the master's recomputation peaks at "
             f"{scale:.3g} (tolerance {AUDIT_TOLERANCE:g} of it)")
+
+
+def audit_workers(cluster: Cluster, step: int, asked: Sequence[tuple[Shard, int, np.ndarray]],
+                  timeout_s: float,
+                  reference: Callable[[Shard, int, np.ndarray], np.ndarray]) -> None:
+    """Send every worker's shard in ``asked`` (shard, layer, audit input as sent) an
+    evaluation-mode forward request and compare each answer with ``reference(shard,
+    layer, x)`` (the master's own output, x as float32): WorkerLost (evict) for the
+    first worker that answers differently."""
+    sent: list[tuple[Shard, int, np.ndarray]] = []
+    requests: list[tuple[WorkerHandle, ForwardRequest]] = []
+    for shard, layer, x in asked:
+        if shard.worker is not None:  # the master's own shards are not audited
+            sent.append((shard, layer, x))
+            requests.append((shard.worker, ForwardRequest(
+                request_id=cluster.request_id(), step=step, layer=layer, attempt=0,
+                train=False, x=x)))
+    replies = exchange(cluster, requests, "result audit", timeout_s=timeout_s)
+    for (shard, layer, x), reply in zip(sent, replies):
+        message = reply.message  # a ForwardReply of this layer (Membership checked)
+        assert isinstance(message, ForwardReply)
+        expected = reference(shard, layer, x.astype(np.float32))
+        problem = audit_mismatch(np.asarray(message.y), np.asarray(expected))
+        if problem is not None:
+            raise WorkerLost(f"worker {shard.participant} failed the result audit of layer "
+                             f"{layer + 1}: {problem}; evicting it", shard.participant,
+                             evict=True)

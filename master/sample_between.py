@@ -21,10 +21,10 @@ from typing import Any, cast
 import numpy as np
 
 from hetconv.config import MASTER_PARTICIPANT
-from hetconv.master.assign import assign, exchange
-from hetconv.master.audit import audit_input, audit_mismatch
+from hetconv.master.assign import assign
+from hetconv.master.audit import audit_input, audit_workers
 from hetconv.master.calibration import calibrate_samples
-from hetconv.master.cluster import Cluster, WorkerHandle, WorkerLost
+from hetconv.master.cluster import Cluster, WorkerLost
 from hetconv.master.commands import carry_out
 from hetconv.master.fall_back import ALONE_WINDOW, AloneCheck, GoBack, StayAlone, TryAlone
 from hetconv.master.plan import Participant, Shard
@@ -43,7 +43,6 @@ from hetconv.master.trial_alone import TrialAloneStage
 from hetconv.metrics import MetricsWriter
 from hetconv.model import ConvLayerShape
 from hetconv.names import layer_key
-from hetconv.protocol import ForwardReply, ForwardRequest
 from hetconv.protocol.sample_messages import NO_LAYER
 from hetconv.sample_runner import SampleRunner
 from hetconv.shard import ConvShard, LayerSettings
@@ -176,26 +175,14 @@ class BetweenSteps:
         """Every worker's evaluation-mode output of a few seeded images per layer
         against the master's replica (master/audit.py); a worker answering
         differently is evicted (WorkerLost) before the snapshot is kept."""
-        asked: list[tuple[str, int, np.ndarray]] = []
-        requests: list[tuple[WorkerHandle, ForwardRequest]] = []
+        asked: list[tuple[Shard, int, np.ndarray]] = []
         for layer, shape in enumerate(self.setup.shapes):
             x = to_wire(audit_input(shape, self.step, layer), self.setup.wire_dtype)
-            for name, member in self.workers.items():
-                if name in self.balance.seconds and member.worker is not None:
-                    asked.append((name, layer, x))
-                    requests.append((member.worker, ForwardRequest(
-                        request_id=self.cluster.request_id(), step=self.step, layer=layer,
-                        attempt=0, train=False, x=x)))
-        replies = exchange(self.cluster, requests, "result audit",
-                           timeout_s=self.control.request_deadline_s())
-        for (name, layer, x), reply in zip(asked, replies):
-            message = reply.message
-            assert isinstance(message, ForwardReply)
-            reference = self.local[layer].forward_host(x.astype(np.float32), False)
-            problem = audit_mismatch(np.asarray(message.y), np.asarray(reference))
-            if problem is not None:
-                raise WorkerLost(f"worker {name} failed the result audit of layer {layer + 1}: "
-                                 f"{problem}; evicting it", name, evict=True)
+            asked += [(Shard(name, member.worker, 0, shape.kernels), layer, x)
+                      for name, member in self.workers.items()
+                      if name in self.balance.seconds and member.worker is not None]
+        audit_workers(self.cluster, self.step, asked, self.control.request_deadline_s(),
+                      lambda _shard, layer, x: self.local[layer].forward_host(x, False))
 
     def restore(self, state: dict[str, np.ndarray]) -> None:
         """Every participant's layers back to ``state``, between steps."""

@@ -22,9 +22,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from hetconv.master.assign import assign, exchange, shard_state
-from hetconv.master.audit import audit_input, audit_mismatch
-from hetconv.master.cluster import WorkerHandle, WorkerLost
+from hetconv.master.assign import assign, shard_state
+from hetconv.master.audit import audit_input, audit_workers
+from hetconv.master.cluster import WorkerHandle
 from hetconv.master.commands import carry_out
 from hetconv.master.phases import Phases
 from hetconv.master.plan import Shard, reshard
@@ -40,7 +40,7 @@ from hetconv.master.run import (
     StepDone,
 )
 from hetconv.names import STATE_NAMES, layer_key
-from hetconv.protocol import ForwardReply, ForwardRequest, SnapshotRequest
+from hetconv.protocol import SnapshotRequest
 from hetconv.shard import ConvShard, LayerSettings
 from hetconv.stage import ConvStage, StageFault
 from hetconv.wire_cast import to_wire
@@ -155,31 +155,20 @@ class DistributedConvStage:
         answering differently is evicted (WorkerLost), before this snapshot is kept."""
         phases = self.phases
         asked: list[tuple[Shard, int, np.ndarray]] = []
-        requests: list[tuple[WorkerHandle, ForwardRequest]] = []
         for layer, row in enumerate(self.shards):
             if layer >= len(phases.layer_shapes):
                 continue
             x = to_wire(audit_input(phases.layer_shapes[layer], phases.step, layer),
                         phases.wire_dtype)
-            for shard in row:
-                if shard.worker is not None and shard.kernels > 0:
-                    asked.append((shard, layer, x))
-                    requests.append((shard.worker, ForwardRequest(
-                        request_id=phases.cluster.request_id(), step=phases.step, layer=layer,
-                        attempt=0, train=False, x=x)))
-        replies = exchange(phases.cluster, requests, "result audit",
-                           timeout_s=self.control.request_deadline_s())
-        for (shard, layer, x), reply in zip(asked, replies):
-            message = reply.message  # a ForwardReply of this layer (Membership checked)
-            assert isinstance(message, ForwardReply)
-            reference = ConvShard(layer, shard.start, shard.stop, self.setup.settings,
-                                  shard_state(state, layer, shard.start, shard.stop),
-                                  device="cpu").forward_host(x.astype(np.float32), False)
-            problem = audit_mismatch(np.asarray(message.y), np.asarray(reference))
-            if problem is not None:
-                raise WorkerLost(f"worker {shard.participant} failed the result audit of layer "
-                                 f"{layer + 1}: {problem}; evicting it", shard.participant,
-                                 evict=True)
+            asked += [(shard, layer, x) for shard in row
+                      if shard.worker is not None and shard.kernels > 0]
+
+        def reference(shard: Shard, layer: int, x: np.ndarray) -> np.ndarray:
+            return ConvShard(layer, shard.start, shard.stop, self.setup.settings,
+                             shard_state(state, layer, shard.start, shard.stop),
+                             device="cpu").forward_host(x, False)
+        audit_workers(phases.cluster, phases.step, asked, self.control.request_deadline_s(),
+                      reference)
 
     def restore(self, state: dict[str, np.ndarray]) -> None:
         """Roll every shard (same split) back to ``state``, between steps."""

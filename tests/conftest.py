@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from hetconv.lab import LocalWorkers, free_port
+from tests.support.faulty_worker import WorkerFaults
 
 REPO = Path(__file__).resolve().parents[1]
 TORCH_SKIP_REASON = "could not import 'torch'"  # pytest.importorskip("torch")'s reason
@@ -53,10 +54,13 @@ def endpoint() -> str:
 
 @pytest.fixture
 def workers(endpoint: str, tmp_path: Path) -> Iterator[Any]:
-    """A factory that starts local workers; all are stopped at the end of the test."""
+    """A factory that starts local workers; all are stopped at the end of the test.
+    ``faults``: they are the tests' faulty worker (tests/support/faulty_worker.py)."""
     started: list[LocalWorkers] = []
 
-    def start(*names: str, **spec: Any) -> Any:
+    def start(*names: str, faults: WorkerFaults | None = None, **spec: Any) -> Any:
+        if faults is not None:
+            spec = {**spec, **faults.spec()}
         group = LocalWorkers(endpoint, [{"name": name, **spec} for name in names],
                              log_dir=tmp_path)
         started.append(group)

@@ -45,7 +45,7 @@ from hetconv.protocol import (
     limits,
     transport,
 )
-from hetconv.worker.service import ENDS_EXCHANGES, WorkerService
+from hetconv.worker.service import ENDS_EXCHANGES, FaultInjector, WorkerService
 from hetconv.worker.session import (
     BadMessage,
     Compute,
@@ -69,12 +69,13 @@ IDLE_DRAIN_INTERVAL_S = 0.5
 class WorkerDaemon:
     """One worker process: a socket loop around a :class:`WorkerService`."""
 
-    def __init__(self, config: WorkerConfig, exporter: Exporter | None = None):
+    def __init__(self, config: WorkerConfig, exporter: Exporter | None = None,
+                 faults: FaultInjector | None = None):
         self.config = config
         self.exporter = exporter  # --metrics-port: what this worker served, for /metrics
         self.joined_line = ""  # said once per session (master, data endpoint, CURVE)
         set_blas_threads(config.threads)
-        self.service = WorkerService(config.device)
+        self.service = WorkerService(config.device, faults=faults)  # faults: tests only
         self.device = describe_device(config.device, threads=config.threads)
         host = socket.gethostname()
         self.worker_id = config.name or f"{host}-{os.getpid()}-{config.device}"
@@ -257,10 +258,12 @@ class WorkerDaemon:
             log.warning("send failed: %s", error)
 
 
-def run_worker(config: WorkerConfig, exporter: Exporter | None = None) -> int:
+def run_worker(config: WorkerConfig, exporter: Exporter | None = None,
+               faults: FaultInjector | None = None) -> int:
     """Run a daemon in this process until SIGTERM/SIGINT; returns the exit status.
-    ``exporter``: count what it serves for /metrics (``hetconv.prometheus``)."""
-    daemon = WorkerDaemon(config, exporter)
+    ``exporter``: count what it serves for /metrics (``hetconv.prometheus``);
+    ``faults``: a test's :class:`~hetconv.worker.service.FaultInjector`."""
+    daemon = WorkerDaemon(config, exporter, faults)
 
     def _stop(signum: int, _frame: Any) -> None:
         log.info("signal %d: stopping", signum)

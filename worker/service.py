@@ -6,15 +6,15 @@ backward (with the optimizer update) and hands shards back for snapshots. Every
 failure becomes an :class:`ErrorReply`, so one bad request never stops the worker.
 With the peer data plane (``AssignPeers``) it runs its side of the exchange through
 a :class:`~hetconv.dataplane.PeerParticipant` over the ``data_plane`` it was given
-(the sockets are the daemon's; the service only calls the port).
+(the sockets are the daemon's; the service only calls the port). Tests make a worker
+slow or wrong through a :class:`FaultInjector` given to the constructor.
 """
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import numpy as np
@@ -67,58 +67,16 @@ from hetconv.worker.validation import (
 
 log = logging.getLogger(__name__)
 
-TEST_DELAY_VARIABLE = "HETCONV_TEST_DELAY_PER_KERNEL_S"
-"""Test hook only (tests/integration/test_rebalance.py): seconds a worker sleeps per
-kernel of its shard in every training forward and backward, not in calibration, so
-that it is slower in training than calibrated. Unset or 0 in every real run."""
+class FaultInjector(Protocol):
+    """How a test makes a worker misbehave (``tests/support/faulty_worker.py``): it
+    builds the worker's shards and hears the step of every forward request before it is
+    served. A real worker has none: its shards are plain :class:`ConvShard`."""
 
+    def make_shard(self, layer: int, kernel_start: int, kernel_stop: int,
+                   settings: LayerSettings, state: dict[str, Any], *,
+                   device: str) -> ConvShard: ...
 
-TEST_CORRUPT_VARIABLE = "HETCONV_TEST_CORRUPT_FROM_STEP"
-"""Test hook only (tests/integration/test_failover.py): from this training step on, the
-worker's forward outputs are wrong, as a machine with broken memory would send them
-(how: :data:`TEST_CORRUPT_MODE_VARIABLE`). Unset in every real run."""
-TEST_CORRUPT_MODE_VARIABLE = "HETCONV_TEST_CORRUPT_MODE"
-"""Test hook only: how corrupted outputs are wrong: ``nan`` (default), ``scale`` (finite,
-y x 1000) or ``crop`` (one row and column short: the wrong H and W)."""
-TEST_CORRUPT_FILE_VARIABLE = "HETCONV_TEST_CORRUPT_FILE"
-"""Test hook only: outputs are corrupted while this file exists (a test turns a worker
-bad at the moment it holds kernels). Unset in every real run."""
-
-
-class DelayedShard(ConvShard):
-    """A shard for the test hooks: sleeps ``delay_per_kernel_s`` per kernel in each
-    training forward and backward (:data:`TEST_DELAY_VARIABLE`; results unchanged),
-    and answers NaN while ``corrupt`` is set (:data:`TEST_CORRUPT_VARIABLE`)."""
-
-    delay_per_kernel_s = 0.0
-    corrupt = False
-
-    def forward(self, x: Any, train: bool,
-                rows_ready: Callable[[int], None] | None = None) -> Any:
-        if train:
-            time.sleep(self.delay_per_kernel_s * self.kernels)
-        return self.corrupt_output(super().forward(x, train, rows_ready))
-
-    def training_delay(self) -> None:
-        """The delay hook of one training phase (the sample split's rounds call it)."""
-        time.sleep(self.delay_per_kernel_s * self.kernels)
-
-    def corrupt_output(self, y: Any) -> Any:
-        """y as this shard answers it: wrong while ``corrupt`` is set (the sample split's
-        rounds call this on every layer output they finish)."""
-        if not self.corrupt:
-            return y
-        mode = os.environ.get(TEST_CORRUPT_MODE_VARIABLE, "nan")
-        if mode == "scale":
-            return y * np.float32(1000.0)
-        if mode == "crop":
-            return np.ascontiguousarray(y[:, :, :-1, :-1])
-        return y * np.float32("nan")
-
-    def backward(self, dy: Any, need_dx: bool, learning_rate: float,
-                 dx_rows: Callable[[Any, int, int], None] | None = None) -> Any:
-        time.sleep(self.delay_per_kernel_s * self.kernels)
-        return super().backward(dy, need_dx, learning_rate, dx_rows)
+    def at_step(self, step: int, shards: Mapping[int, ConvShard]) -> None: ...
 
 
 ENDS_EXCHANGES = (AssignShard, AssignPeers, SnapshotRequest, EndRun)
@@ -152,7 +110,8 @@ class DataPlane(Protocol):
 class WorkerService:
     """Serves compute requests for one device (``cpu`` or ``gpu:N``)."""
 
-    def __init__(self, device: str = "cpu", data_plane: DataPlane | None = None):
+    def __init__(self, device: str = "cpu", data_plane: DataPlane | None = None,
+                 faults: FaultInjector | None = None):
         self.device = device
         array_module_for(device)  # a clear error for a bad or unavailable device
         self.shards: dict[int, ConvShard] = {}
@@ -165,8 +124,7 @@ class WorkerService:
         # exchange (a new assignment, a snapshot, the end of the run): a wait for peers
         # stops at once instead of at its deadline
         self.cancel_wait = threading.Event()
-        self.test_delay_per_kernel_s = float(os.environ.get(TEST_DELAY_VARIABLE) or 0.0)
-        self.test_corrupt_from_step = int(os.environ.get(TEST_CORRUPT_VARIABLE) or -1)
+        self.faults = faults  # tests only (FaultInjector); None in every real worker
 
     def handle(self, message: Message) -> Message:
         """The reply to ``message``; never raises."""
@@ -229,7 +187,7 @@ class WorkerService:
     def _sample_call(self, serve: Callable[[Any, dict[int, ConvShard]], Message],
                      request: Message) -> Message:
         """A sample-split round (hetconv/sample_runner.py) over the shards held."""
-        self._test_corruption(max(int(getattr(request, "step", 0)), 0))
+        self._at_step(max(int(getattr(request, "step", 0)), 0))
         try:
             return serve(request, self.shards)
         except SampleRequestError as error:
@@ -273,13 +231,10 @@ class WorkerService:
             self.shards.pop(request.layer, None)
             self.need_dx.pop(request.layer, None)
             return Ack(request_id=request.request_id)
-        hooked = (self.test_delay_per_kernel_s > 0 or self.test_corrupt_from_step >= 0
-                  or bool(os.environ.get(TEST_CORRUPT_FILE_VARIABLE)))
-        shard_class = DelayedShard if hooked else ConvShard
-        shard = shard_class(request.layer, request.kernel_start, request.kernel_stop, settings,
-                            state, device=self.device)
-        if isinstance(shard, DelayedShard):
-            shard.delay_per_kernel_s = self.test_delay_per_kernel_s
+        make_shard: Callable[..., ConvShard] = (
+            ConvShard if self.faults is None else self.faults.make_shard)
+        shard = make_shard(request.layer, request.kernel_start, request.kernel_stop, settings,
+                           state, device=self.device)
         self.shards[request.layer] = shard
         self.need_dx[request.layer] = request.need_dx
         return Ack(request_id=request.request_id)
@@ -295,18 +250,13 @@ class WorkerService:
         if reason is not None:
             raise RequestError(ERR_BAD_REQUEST, f"layer {shard.layer}: {reason}")
 
-    def _test_corruption(self, step: int) -> None:
-        """The :data:`TEST_CORRUPT_VARIABLE` hook: corrupt from its step on."""
-        flag = os.environ.get(TEST_CORRUPT_FILE_VARIABLE)
-        if self.test_corrupt_from_step < 0 and not flag:
-            return
-        corrupt = os.path.exists(flag) if flag else step >= self.test_corrupt_from_step
-        for shard in self.shards.values():
-            if isinstance(shard, DelayedShard):
-                shard.corrupt = corrupt
+    def _at_step(self, step: int) -> None:
+        """Tell the fault injector (tests only) the step about to be served."""
+        if self.faults is not None:
+            self.faults.at_step(step, self.shards)
 
     def _forward(self, request: ForwardRequest) -> ForwardReply:
-        self._test_corruption(request.step)
+        self._at_step(request.step)
         shard = self._shard(request.layer)
         x = request.x
         _check_wire_dtype(x, "x")
@@ -380,7 +330,7 @@ class WorkerService:
         return self.peer
 
     def _peer_forward(self, request: PeerForwardRequest) -> PeerForwardReply:
-        self._test_corruption(request.step)
+        self._at_step(request.step)
         peer = self._peer_participant()
         self._shard(request.layer)
         if request.x is not None:

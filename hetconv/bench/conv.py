@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from hetconv.ops.conv import (
+    ConvGeometry,
     conv2d,
     conv2d_backward,
     conv2d_backward_cached,
@@ -42,15 +43,18 @@ class BenchShape:
     stride: int = 1
     padding: int = 0
 
+    def geometry(self, batch: int) -> ConvGeometry:
+        """This layer's sizes at ``batch``, as the conv ops see them."""
+        return ConvGeometry(batch, self.channels, self.height, self.width, self.kernels,
+                            self.kernel_h, self.kernel_w, self.stride, self.padding)
+
     def out_size(self) -> tuple[int, int]:
-        return ((self.height + 2 * self.padding - self.kernel_h) // self.stride + 1,
-                (self.width + 2 * self.padding - self.kernel_w) // self.stride + 1)
+        geometry = self.geometry(1)
+        return geometry.out_h, geometry.out_w
 
     def train_flop(self, batch: int) -> float:
         """Forward + backward FLOPs: 3 * 2*B*K*C*kh*kw*Ho*Wo."""
-        out_h, out_w = self.out_size()
-        return 3.0 * 2 * batch * self.kernels * self.channels * self.kernel_h \
-            * self.kernel_w * out_h * out_w
+        return 3.0 * self.geometry(batch).forward_flop
 
 
 PAPER_SHAPES = (

@@ -243,6 +243,16 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
     def label(configuration: tuple[tuple[float, ...], str]) -> str:
         return configuration_label(*configuration)
 
+    def keep(what: str, name: str, status: int, run_dir: Path, repeat: int,
+             link: float | None) -> None:
+        """A finished run's figures under ``name``, or UserError when it failed."""
+        if status != 0:
+            raise UserError(f"{what} failed (status {status}); see "
+                            f"{run_dir.parent / f'repeat{repeat}.log'}")
+        results.setdefault(name, []).append(run_figures(run_dir, link))
+        out(f"  repeat {repeat + 1}: {name}: median step "
+            f"{results[name][-1].step_s * 1e3:.1f} ms")
+
     out(f"hetconv bench scale: rate {rate}, arch {arch}, batch {batch}, {repeats} repeat(s), "
         f"runs in {root}")
     size = max(len(fractions) for fractions in machine_sets)
@@ -257,12 +267,7 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
                                                        "--local", *common, "--run-dir",
                                                        str(run_dir)]),
                                        fraction, run_dir.parent / f"repeat{repeat}.log")
-                if status != 0:
-                    raise UserError(f"baseline run failed (status {status}); see "
-                                    f"{run_dir.parent / f'repeat{repeat}.log'}")
-                results.setdefault(name, []).append(run_figures(run_dir, None))
-                out(f"  repeat {repeat + 1}: {name}: median step "
-                    f"{results[name][-1].step_s * 1e3:.1f} ms")
+                keep("baseline run", name, status, run_dir, repeat, None)
             for configuration in configurations:
                 config, plane = configuration
                 name = label(configuration)
@@ -291,12 +296,7 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
                 finally:
                     for worker in workers:
                         worker.stop()
-                if status != 0:
-                    raise UserError(f"run {name} failed (status {status}); see "
-                                    f"{run_dir.parent / f'repeat{repeat}.log'}")
-                results.setdefault(name, []).append(run_figures(run_dir, link_bytes_per_s))
-                out(f"  repeat {repeat + 1}: {name}: median step "
-                    f"{results[name][-1].step_s * 1e3:.1f} ms")
+                keep(f"run {name}", name, status, run_dir, repeat, link_bytes_per_s)
                 time.sleep(0.2)
             if peer is not None:
                 runs = [((fraction,), "even") for fraction in baselines] + [

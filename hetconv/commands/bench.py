@@ -14,11 +14,10 @@ import os
 import platform
 import shlex
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
 from hetconv.checkpoint import save_text
-from hetconv.commands.options import Parser, positive_int
+from hetconv.commands.options import Parser, check_output_path, positive_int
 from hetconv.config import (
     BENCH_PEERS,
     DATA_PLANES,
@@ -261,17 +260,6 @@ def figure_header(args: argparse.Namespace) -> list[str]:
             f"- machine: {machine_description()}", ""]
 
 
-def check_markdown_path(path: str) -> None:
-    """Fail before a long benchmark, not after it, when FILE cannot be written."""
-    folder = Path(path).parent
-    if Path(path).is_dir():
-        raise UserError(f"--markdown {path}: is a directory; give a file name")
-    if not folder.is_dir():
-        raise UserError(f"--markdown {path}: directory {folder} does not exist")
-    if not os.access(folder, os.W_OK):
-        raise UserError(f"--markdown {path}: cannot write in {folder}")
-
-
 def write_markdown(path: str, lines: list[str]) -> None:
     """Write ``lines`` to ``path`` atomically (temp file, fsync, rename)."""
     save_text(path, "\n".join(lines).rstrip("\n") + "\n")
@@ -280,7 +268,7 @@ def write_markdown(path: str, lines: list[str]) -> None:
 # --- dispatch -----------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
     if args.markdown:
-        check_markdown_path(args.markdown)
+        check_output_path("--markdown", args.markdown)  # before a long benchmark, not after
     if args.bench == "chaos" and args.faults is None:  # spelled out in the command line
         from hetconv.bench.chaos import FAULT_KINDS, LOOPBACK_FAULTS
 

@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
 
 from hetconv.errors import UserError
+
+T = TypeVar("T")
 
 
 class Parser(argparse.ArgumentParser):
@@ -35,44 +39,41 @@ def env_int(name: str, default: int) -> int:
         raise UserError(f"HETCONV_{name}={text!r}: expected an integer") from None
 
 
-def env_float(name: str, default: float) -> float:
+def _env_typed(name: str, default: T, parse: Callable[[str], T]) -> T:
+    """``HETCONV_<name>`` through the flag type ``parse``, or ``default`` when unset."""
     text = env(name, None)
     if text is None:
         return default
     try:
-        return non_negative_float(text)
+        return parse(text)
     except argparse.ArgumentTypeError as error:
         raise UserError(f"HETCONV_{name}: {error}") from None
+
+
+def env_float(name: str, default: float) -> float:
+    return _env_typed(name, default, non_negative_float)
 
 
 def env_positive_int(name: str) -> int | None:
-    text = env(name, None)
-    if text is None:
-        return None
+    return _env_typed(name, None, positive_int)
+
+
+def _int_at_least(text: str, lowest: int, expected: str) -> int:
     try:
-        return positive_int(text)
-    except argparse.ArgumentTypeError as error:
-        raise UserError(f"HETCONV_{name}: {error}") from None
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if value < lowest:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+    return value
 
 
 def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+    return _int_at_least(text, 1, "a positive integer")
 
 
 def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
+    return _int_at_least(text, 0, "an integer >= 0")
 
 
 def non_negative_float(text: str) -> float:
@@ -83,6 +84,17 @@ def non_negative_float(text: str) -> float:
     if not value >= 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
     return value
+
+
+def check_output_path(flag: str, path: str) -> None:
+    """Fail before any work when FILE (given with ``flag``) cannot be written."""
+    folder = Path(path).parent
+    if Path(path).is_dir():
+        raise UserError(f"{flag} {path}: is a directory; give a file name")
+    if not folder.is_dir():
+        raise UserError(f"{flag} {path}: directory {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise UserError(f"{flag} {path}: cannot write in {folder}")
 
 
 def add_curve_master(p: argparse.ArgumentParser) -> None:

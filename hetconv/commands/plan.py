@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import textwrap
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
 from hetconv.checkpoint import save_text
+from hetconv.commands.options import check_output_path
 from hetconv.errors import UserError
 from hetconv.lab.network import parse_rate_bits
 from hetconv.master.report.records import parse_run
@@ -182,17 +181,6 @@ def command_line(args: argparse.Namespace) -> str:
         if value is not None:
             words += [flag, value]
     return shlex.join(words)
-
-
-def check_output_path(flag: str, path: str) -> None:
-    """Fail before any work when FILE cannot be written."""
-    folder = Path(path).parent
-    if Path(path).is_dir():
-        raise UserError(f"{flag} {path}: is a directory; give a file name")
-    if not folder.is_dir():
-        raise UserError(f"{flag} {path}: directory {folder} does not exist")
-    if not os.access(folder, os.W_OK):
-        raise UserError(f"{flag} {path}: cannot write in {folder}")
 
 
 def run_plan(args: argparse.Namespace, out: Callable[[str], None] = print) -> int:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hetconv.backend import array_module_for
 from hetconv.commands.options import env, env_int, env_positive_int, positive_int
@@ -11,6 +11,9 @@ from hetconv.errors import UserError
 from hetconv.keys import client_keys
 from hetconv.logs import add_output_flags
 from hetconv.prometheus import add_metrics_port, serve, worker_exporter
+
+if TYPE_CHECKING:
+    from hetconv.worker.service import FaultInjector
 
 
 def add_parser(sub: Any) -> None:
@@ -51,14 +54,16 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
                         data_port=args.data_port, advertise=args.advertise)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, faults: FaultInjector | None = None) -> int:
+    """Run the worker daemon; ``faults``: only a test's worker has them
+    (``tests/support/faulty_worker.py``)."""
     from hetconv.worker.daemon import run_worker
 
     config = worker_config(args)
     exporter = worker_exporter()
     server = serve(exporter, args.metrics_port)
     try:
-        return run_worker(config, exporter if server else None)
+        return run_worker(config, exporter if server else None, faults)
     finally:
         if server is not None:
             server.close()

@@ -1,6 +1,7 @@
 """Local processes of the lab: worker daemons as real subprocesses, always stopped.
 
-A :class:`LocalWorker` is one ``python -m hetconv worker`` subprocess, optionally in
+A :class:`LocalWorker` is one ``python -m hetconv worker`` subprocess (or another
+module that takes the same arguments: the tests' faulty worker), optionally in
 a CPU quota (:mod:`hetconv.lab.quota`) and a network namespace
 (:mod:`hetconv.lab.network`). Everything started here is stopped on exit.
 """
@@ -12,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -26,16 +28,18 @@ def free_port() -> int:
 
 
 class LocalWorker:
-    """One ``hetconv worker`` subprocess; ``stop()`` always ends it."""
+    """One ``hetconv worker`` subprocess; ``stop()`` always ends it. ``launcher``: what
+    follows ``python`` before ``worker`` (default ``-m hetconv``)."""
 
     def __init__(self, master: str, name: str, threads: int = 1, cpu_fraction: float | None = None,
                  log_path: Path | None = None, extra_args: tuple[str, ...] = (),
-                 netns: str | None = None, env: dict[str, str] | None = None):
+                 netns: str | None = None, env: dict[str, str] | None = None,
+                 launcher: Sequence[str] = ("-m", "hetconv")):
         self.name = name
         self.quota = CpuQuota(cpu_fraction) if cpu_fraction is not None else None
         self.log_path = log_path
         self._log: IO[bytes] | int = open(log_path, "wb") if log_path else subprocess.DEVNULL
-        command = [sys.executable, "-m", "hetconv", "worker", "--master", master,
+        command = [sys.executable, *launcher, "worker", "--master", master,
                    "--threads", str(threads), "--name", name, *extra_args]
         if netns is not None:  # run it on the emulated LAN host
             command = ["ip", "netns", "exec", netns, *command]

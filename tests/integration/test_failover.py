@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +16,11 @@ import pytest
 
 from hetconv.lab import wait_for
 from tests.conftest import SMALL_RUN, child_env, epoch_records, hetconv_command
+from tests.support.faulty_worker import WorkerFaults
 
 pytestmark = [pytest.mark.integration]
 
-SLOW = {"HETCONV_TEST_DELAY_PER_KERNEL_S": "0.003"}  # steps long enough to kill one mid-run
+SLOW = WorkerFaults(delay_per_kernel_s=0.003)  # steps long enough to kill one mid-run
 
 
 def records(run_dir: Path) -> list[dict[str, Any]]:
@@ -65,7 +67,7 @@ def assert_reproduces_all(run_dir: Path, reference: Path) -> None:
 def test_a_killed_worker_is_replaced_and_nothing_is_lost(endpoint: str, workers: Any,
                                                          tmp_path: Path, local_reference: Path,
                                                          plane: str) -> None:
-    started = workers("w1", "w2", "w3", env=SLOW)
+    started = workers("w1", "w2", "w3", faults=SLOW)
     victim = started[1]
     run_dir = tmp_path / "run"
     master = start_master(endpoint, run_dir, 3, "--data-plane", plane, "--split", "equal")
@@ -94,8 +96,8 @@ def test_a_killed_worker_is_replaced_and_nothing_is_lost(endpoint: str, workers:
 @pytest.mark.timeout(180)
 def test_a_worker_sending_nan_is_evicted_and_its_work_recomputed(
         endpoint: str, workers: Any, tmp_path: Path, local_reference: Path) -> None:
-    workers("w1", env=SLOW)
-    workers("bad", env={**SLOW, "HETCONV_TEST_CORRUPT_FROM_STEP": "25"})
+    workers("w1", faults=SLOW)
+    workers("bad", faults=replace(SLOW, corrupt_from_step=25))
     run_dir = tmp_path / "run"
     master = start_master(endpoint, run_dir, 2, "--split", "equal")
     out, err = master.communicate(timeout=150)
@@ -109,7 +111,7 @@ def test_a_worker_sending_nan_is_evicted_and_its_work_recomputed(
 @pytest.mark.timeout(180)
 def test_when_the_last_worker_dies_the_master_trains_on_alone(
         endpoint: str, workers: Any, tmp_path: Path, local_reference: Path) -> None:
-    only = workers("only", env=SLOW)[0]
+    only = workers("only", faults=SLOW)[0]
     run_dir = tmp_path / "run"
     master = start_master(endpoint, run_dir, 1, "--split", "equal")
     try:
@@ -127,7 +129,7 @@ def test_when_the_last_worker_dies_the_master_trains_on_alone(
 @pytest.mark.timeout(120)
 def test_on_worker_loss_stop_ends_with_one_line(endpoint: str, workers: Any,
                                                 tmp_path: Path) -> None:
-    only = workers("only", env=SLOW)[0]
+    only = workers("only", faults=SLOW)[0]
     run_dir = tmp_path / "run"
     master = start_master(endpoint, run_dir, 1, "--split", "equal", "--on-worker-loss", "stop")
     try:

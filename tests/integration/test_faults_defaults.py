@@ -21,6 +21,7 @@ import pytest
 from hetconv.lab import wait_for
 from tests.conftest import child_env, hetconv_command
 from tests.integration.test_failover import records, steps_done
+from tests.support.faulty_worker import WorkerFaults
 
 pytestmark = [pytest.mark.integration]
 
@@ -167,8 +168,7 @@ def test_a_worker_answering_wrong_results_is_evicted_for_good(
         plane: tuple[str, ...]) -> None:
     flags = {name: tmp_path / f"corrupt-{name}" for name in ("a", "b", "c")}
     for name, flag in flags.items():  # each turns bad when its flag file appears
-        workers(name, env={"HETCONV_TEST_CORRUPT_FILE": str(flag),
-                           "HETCONV_TEST_CORRUPT_MODE": mode})
+        workers(name, faults=WorkerFaults(corrupt_file=str(flag), corrupt_mode=mode))
     run_dir = tmp_path / "run"
     master = start_master(endpoint, run_dir, 3, *plane)
     try:

@@ -1,8 +1,8 @@
 """Rebalancing from measured step times over real worker processes on loopback.
 
-One worker is made slower in training than its calibration says by the test hook
-``HETCONV_TEST_DELAY_PER_KERNEL_S`` (``worker/service.py``: it sleeps per kernel in
-each training forward and backward, never in calibration). The master must notice,
+One worker is made slower in training than its calibration says by the tests' faulty
+worker's ``delay_per_kernel_s`` (``tests/support/faulty_worker.py``: it sleeps per
+kernel in each training forward and backward, never in calibration). The master must notice,
 re-split between two steps, and still reproduce the local run's loss trace.
 """
 from __future__ import annotations
@@ -13,13 +13,13 @@ from typing import Any
 
 import pytest
 
-from hetconv.worker.service import TEST_DELAY_VARIABLE
 from tests.conftest import SMALL_RUN, run_hetconv
 from tests.integration.test_distributed import assert_reproduces
+from tests.support.faulty_worker import WorkerFaults
 
 pytestmark = [pytest.mark.integration]
 
-SLOW = {TEST_DELAY_VARIABLE: "0.01"}  # 10 ms per kernel per phase: far slower than calibrated
+SLOW = WorkerFaults(delay_per_kernel_s=0.01)  # 10 ms per kernel per phase: far slower than calibrated
 
 
 def records(run_dir: Path, kind: str) -> list[dict[str, Any]]:
@@ -38,7 +38,7 @@ def test_a_slow_worker_loses_kernels_and_the_run_stays_exact(
         data_plane: str, endpoint: str, workers: Any, tmp_path: Path,
         local_reference: Path) -> None:
     workers("w1")
-    workers("slow", env=SLOW)
+    workers("slow", faults=SLOW)
     run_dir = tmp_path / data_plane
     result = run_hetconv("train", "--listen", endpoint, "--split-by", "kernels", "--min-workers", "2", "--wait", "30",
                          "--split", "equal", "--rebalance", "on", "--data-plane", data_plane,
@@ -60,7 +60,7 @@ def test_a_slow_worker_loses_kernels_and_the_run_stays_exact(
 @pytest.mark.timeout(120)
 def test_rebalance_off_never_re_splits(endpoint: str, workers: Any, tmp_path: Path) -> None:
     workers("w1")
-    workers("slow", env=SLOW)
+    workers("slow", faults=SLOW)
     args = list(SMALL_RUN)
     args[args.index("--limit") + 1] = "1920"  # 30 steps: a re-split would come at step 7
     run_dir = tmp_path / "off"

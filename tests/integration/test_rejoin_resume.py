@@ -17,13 +17,14 @@ import pytest
 from hetconv.lab import wait_for
 from tests.conftest import child_env, hetconv_command, run_hetconv
 from tests.integration.test_failover import final_losses, records, steps_done
+from tests.support.faulty_worker import WorkerFaults
 
 pytestmark = [pytest.mark.integration]
 
 RUN = ["--data", "synthetic", "--limit", "3200", "--test-limit", "128", "--arch", "4:8",
        "--epochs", "3", "--batch", "64", "--threads", "1", "--no-progress", "--seed", "5",
        "--checkpoint-every", "10", "--wire-dtype", "float32"]
-SLOW = {"HETCONV_TEST_DELAY_PER_KERNEL_S": "0.006"}
+SLOW = WorkerFaults(delay_per_kernel_s=0.006)
 
 
 def master(endpoint: str, run_dir: Path, workers: int, *extra: str) -> Any:
@@ -70,7 +71,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
 @pytest.mark.timeout(240)
 def test_a_frozen_worker_is_evicted_then_rejoins(endpoint: str, workers: Any, tmp_path: Path,
                                                  reference: list[float]) -> None:
-    frozen = workers("w1", "w2", env=SLOW)[1]
+    frozen = workers("w1", "w2", faults=SLOW)[1]
     run_dir = tmp_path / "run"
     process = master(endpoint, run_dir, 2)
     try:
@@ -101,12 +102,12 @@ def test_a_frozen_worker_is_evicted_then_rejoins(endpoint: str, workers: Any, tm
 @pytest.mark.timeout(240)
 def test_a_worker_that_joins_mid_run_gets_kernels(endpoint: str, workers: Any, tmp_path: Path,
                                                   reference: list[float]) -> None:
-    workers("first", env=SLOW)
+    workers("first", faults=SLOW)
     run_dir = tmp_path / "run"
     process = master(endpoint, run_dir, 1)
     try:
         assert wait_for(lambda: steps_done(run_dir) >= 15, 90), process.stderr
-        workers("late", env=SLOW)
+        workers("late", faults=SLOW)
         out, err = process.communicate(timeout=200)
     finally:
         if process.poll() is None:
@@ -173,7 +174,7 @@ def test_a_killed_local_master_resumes_bit_for_bit(tmp_path: Path, kill_step: in
 @pytest.mark.timeout(240)
 def test_a_killed_distributed_master_resumes_with_the_same_workers(
         endpoint: str, workers: Any, tmp_path: Path, reference: list[float]) -> None:
-    started = workers("w1", "w2", env=SLOW)
+    started = workers("w1", "w2", faults=SLOW)
     run_dir = tmp_path / "run"
     last_done = kill_at(run_dir, 33, master(endpoint, run_dir, 2))
     result = run_hetconv("train", "--resume", str(run_dir), "--listen", endpoint,

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from hetconv.checkpoint import load_weights
-from hetconv.worker.service import TEST_DELAY_VARIABLE
 from tests.conftest import SMALL_RUN, run_hetconv
 from tests.integration.test_distributed import assert_reproduces
+from tests.support.faulty_worker import WorkerFaults
 
 pytestmark = [pytest.mark.integration]
 
@@ -71,7 +71,7 @@ def test_workers_slower_than_the_master_alone_are_dropped_and_the_run_stays_exac
     the master alone; at the first snapshot the master tries training alone, at the
     second the trial has measured it faster: it drops the workers, says so, records
     both, and trains on alone: the loss trace is still the local run's."""
-    workers("w1", "w2", env={TEST_DELAY_VARIABLE: "0.004"})
+    workers("w1", "w2", faults=WorkerFaults(delay_per_kernel_s=0.004))
     run_dir = tmp_path / "dist"
     result = run_hetconv("train", "--listen", endpoint, "--min-workers", "2", "--wait", "30",
                          "--split-by", "samples", *SMALL_RUN, "--run-dir", str(run_dir))

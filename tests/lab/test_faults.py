@@ -31,6 +31,7 @@ from hetconv.lab.quota import CpuQuota, cpu_quota_unavailable_reason
 from hetconv.master.membership import LINK_RETRY_S
 from tests.conftest import child_env, epoch_records, hetconv_command, run_hetconv
 from tests.integration.test_failover import final_losses, records, steps_done
+from tests.support.faulty_worker import WorkerFaults
 
 pytestmark = [pytest.mark.lab, pytest.mark.integration]
 REASON = netns_unavailable_reason()
@@ -304,7 +305,7 @@ RUN = ["--data", "synthetic", "--limit", "3200", "--test-limit", "128", "--arch"
 # LanHost namespaces reach the master's host, not each other: the star plane here (the
 # peer plane over a switched LAN is what `hetconv bench scale` and tests/lab/
 # test_bench_scale.py run)
-SLOW = {"HETCONV_TEST_DELAY_PER_KERNEL_S": "0.008"}
+SLOW = WorkerFaults(delay_per_kernel_s=0.008)
 
 
 @pytest.fixture
@@ -331,7 +332,7 @@ def train_with_cut(lan: list[LanHost], tmp_path: Path, cut_s: float) -> tuple[Pa
     """Two workers on LAN hosts; w2's link goes down for ``cut_s`` at step 20."""
     port = free_port()
     groups = [LocalWorkers(f"tcp://{host.host_address}:{port}",
-                           [{"name": f"w{i + 1}", "netns": host.netns, "env": SLOW}],
+                           [{"name": f"w{i + 1}", "netns": host.netns, **SLOW.spec()}],
                            log_dir=tmp_path) for i, host in enumerate(lan)]
     for group in groups:
         group.__enter__()
