@@ -76,7 +76,8 @@ def open_sample_stage(cluster: Cluster, config: MasterConfig, participants: list
                       metrics: MetricsWriter, batch: int, device: str,
                       local_stage: Callable[[], ConvStage],
                       report: Callable[[str], None] = print,
-                      predicted_s: float | None = None) -> SampleConvStage:
+                      predicted_s: float | None = None,
+                      links: dict[str, Link | None] | None = None) -> SampleConvStage:
     """Hand out the whole layers and build the stage (see the module doc)."""
     seconds = _seconds(config, per_sample)
     balance = SampleBalance({p.participant: t for p, t in zip(participants, seconds)})
@@ -132,6 +133,9 @@ def open_sample_stage(cluster: Cluster, config: MasterConfig, participants: list
     metrics.write("plan", split_by="samples", chosen=[s.participant for s in slices],
                   predicted_step_s=predicted_s,
                   samples=[{"device": s.participant, "samples": s.samples} for s in slices],
-                  seconds_per_sample={p.participant: t for p, t in zip(participants, seconds)},
-                  wire_dtype=setup.wire_dtype)
+                  seconds_per_sample={p.participant: t for p, t in zip(participants, per_sample)},
+                  wire_dtype=setup.wire_dtype,
+                  links=[{"device": name, "down_bytes_per_s": link.down_bytes_per_s,
+                          "up_bytes_per_s": link.up_bytes_per_s, "rtt_s": link.rtt_s}
+                         for name, link in (links or {}).items() if link is not None])
     return stage

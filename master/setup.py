@@ -261,7 +261,7 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
                     params, settings,
                     metrics, batch, device,
                     lambda: LocalConvStage(model, params, settings, device=device), report,
-                    predicted)
+                    predicted, links)
         report(f"hetconv: split by kernels ({why})")
         if first.plan is not None:  # link-aware: which participants, how many kernels
             report_plan(first.plan, participants, profiles, metrics, report, config.wire_dtype)

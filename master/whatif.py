@@ -246,7 +246,7 @@ def scaled_costs(run: MeasuredRun, profile: ParticipantProfile, arch: tuple[int,
                  batch: int) -> tuple[tuple[float, float], ...]:
     """A participant's (fixed_s, per_kernel_s) per layer of ``arch`` at ``batch`` (module doc)."""
     measured = conv_layer_shapes(run.model)
-    target = conv_layer_shapes(_model(run, arch))
+    target = conv_layer_shapes(model_with_arch(run, arch))
     factor = batch / run.batch
     costs = []
     for shape in target:
@@ -260,11 +260,11 @@ def scaled_costs(run: MeasuredRun, profile: ParticipantProfile, arch: tuple[int,
 
 def scaled_dense_s(run: MeasuredRun, arch: tuple[int, ...], batch: int) -> float:
     """The measured dense part scaled to ``batch`` and the dense input of ``arch``."""
-    return (run.dense_s * batch / run.batch * dense_features(_model(run, arch))
+    return (run.dense_s * batch / run.batch * dense_features(model_with_arch(run, arch))
             / dense_features(run.model))
 
 
-def _model(run: MeasuredRun, arch: tuple[int, ...]) -> ModelConfig:
+def model_with_arch(run: MeasuredRun, arch: tuple[int, ...]) -> ModelConfig:
     """The run's network with ``arch`` kernels per conv layer (a layer-token network
     keeps its layers and takes the new kernel counts)."""
     m = run.model
@@ -389,7 +389,7 @@ def predict_scenarios(run: MeasuredRun, scenarios: Sequence[Scenario]) -> list[P
                           if (s.rate_bits, s.batch, s.arch, s.like) == key)
             machines = cluster(run, Scenario(largest, scenario.rate_bits, scenario.batch,
                                              scenario.arch, scenario.like))
-            traffic = layer_traffic(conv_layer_shapes(_model(run, scenario.arch)),
+            traffic = layer_traffic(conv_layer_shapes(model_with_arch(run, scenario.arch)),
                                     scenario.batch, run.wire_itemsize)
             groups[key] = machines, Evaluator(machines, traffic, run.data_plane)
         machines, evaluate = groups[key]

@@ -30,11 +30,17 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hetconv.bench.ddp import SPLITS, batch_shares, rank_command
+from hetconv.bench.scale_breakdown import (
+    comm_share,
+    format_breakdown,
+    merge_repeats,
+    step_breakdown,
+)
 from hetconv.bench.signals import terminate_as_interrupt
 from hetconv.config import BENCH_PEERS, SPLIT_MODES, check_choice
 from hetconv.errors import UserError
@@ -72,6 +78,8 @@ class RunFigures:
     master_link_bytes: float
     busiest_worker_link_bytes: float
     predicted_step_s: float | None
+    breakdown: dict[str, dict[str, float]] = field(default_factory=dict)  # scale_breakdown
+    comm_share: float = 0.0  # median comm_s over step_s
 
 
 def settled_split(records: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -136,7 +144,8 @@ def run_figures(run_dir: Path, link_bytes_per_s: float | None) -> RunFigures:
     return RunFigures(step_s=statistics.median(float(s["step_s"]) for s in steps),
                       dense_s=dense_s, master_link_bytes=statistics.median(master_bytes),
                       busiest_worker_link_bytes=statistics.median(busiest),
-                      predicted_step_s=predicted)
+                      predicted_step_s=predicted, breakdown=step_breakdown(steps),
+                      comm_share=comm_share(steps))
 
 
 
@@ -319,6 +328,7 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
     if peer is not None:
         add_peer_figures(summary, configurations, peer_results)
         table += format_peer_table(summary, rate)
+    table += format_breakdown(summary)
     for line in table:
         out(line)
     (root / "scale.json").write_text(json.dumps(
@@ -360,6 +370,8 @@ def summarize(configurations: list[tuple[tuple[float, ...], str]],
             "busiest_worker_link_bytes": statistics.median(
                 r.busiest_worker_link_bytes for r in runs),
             "predicted_step_s": statistics.median(predictions) if predictions else None,
+            "breakdown": merge_repeats([r.breakdown for r in runs]),
+            "comm_share": statistics.median(r.comm_share for r in runs),
         })
     return rows
 

@@ -34,10 +34,16 @@ from hetconv.master.whatif import (
     predict_scenarios,
     read_plan_links,
 )
+from hetconv.master.whatif_samples import predict_sample_scenarios, read_sample_plan
 from hetconv.model import parse_arch
 
 HEADERS = ("machines", "link", "batch", "arch", "est. step ms", "est. speedup",
            "share of ideal", "used", "master link MB/step")
+SAMPLE_NOTE = ("Model estimates of the sample split (predict_sample_step: the slowest slice's "
+               "calibrated compute, the master's link, the rounds and the reduction among the "
+               "peers), not measurements: speedup is over the fastest single machine's "
+               "compute; share of ideal is that speedup over the machines' summed speed; "
+               "'used' is how many machines get samples.")
 ESTIMATE_NOTE = ("Model estimates (hetconv.perf_model through the planner), not measurements: "
                  "speedup is over the fastest single machine's estimate; share of ideal is "
                  "that speedup over the machines' summed compute speed; 'used' is how many "
@@ -188,11 +194,18 @@ def run_plan(args: argparse.Namespace, out: Callable[[str], None] = print) -> in
         if path:
             check_output_path(flag, path)
     run = measured_run(parse_run(args.run_dir), read_plan_links(args.run_dir))
-    predictions = predict_scenarios(run, scenarios(args, run))
-    measured = (predict_scenarios(run, [measured_scenario(run)])[0]
-                if run.links_measured else None)
-    out(describe(run))
-    for line in textwrap.wrap(ESTIMATE_NOTE, width=100):
+    per_sample = read_sample_plan(args.run_dir)
+    note = ESTIMATE_NOTE if per_sample is None else SAMPLE_NOTE
+
+    def predict(wanted: list[Scenario]) -> list[Prediction]:
+        if per_sample is None:
+            return predict_scenarios(run, wanted)
+        return predict_sample_scenarios(run, per_sample, wanted)
+
+    predictions = predict(scenarios(args, run))
+    measured = predict([measured_scenario(run)])[0] if run.links_measured else None
+    out(describe(run) + ("" if per_sample is None else ", split by samples"))
+    for line in textwrap.wrap(note, width=100):
         out(line)
     out("")
     for line in text_table(predictions):
@@ -204,14 +217,17 @@ def run_plan(args: argparse.Namespace, out: Callable[[str], None] = print) -> in
         now = datetime.now(timezone.utc).astimezone().isoformat(timespec="seconds")
         header = ["# `hetconv plan`: model estimates", "",
                   f"- command: `{command_line(args)}`", f"- date: {now}",
-                  f"- {describe(run)}", "", ESTIMATE_NOTE, ""]
+                  f"- {describe(run)}", "", note, ""]
         save_text(args.markdown, "\n".join(header + markdown_table(predictions) + [""]
                                            + measured_lines(run, measured)) + "\n")
         out(f"wrote {args.markdown}")
     if args.json:
         document = {"run_dir": run.run_dir, "data_plane": run.data_plane,
                     "participants": [p.participant for p in run.profiles],
-                    "estimate": "performance model (hetconv.perf_model via the planner)",
+                    "split_by": "kernels" if per_sample is None else "samples",
+                    "estimate": ("performance model (hetconv.perf_model via the planner)"
+                                 if per_sample is None else
+                                 "sample split model (master.sample_plan.predict_sample_step)"),
                     "rows": [p.record() for p in predictions],
                     "measured_configuration": None if measured is None else {
                         **measured.record(), "steps_used": run.steps_used}}

@@ -241,15 +241,20 @@ def training_curves(records: RunRecords) -> bytes | None:
 
 def predicted_scaling(records: RunRecords) -> bytes | None:
     """The model's estimated speedup against machine count (1 to 128, the run's participants
-    repeated at its measured links, batch and network; :mod:`master.whatif`), with the
+    repeated at its measured links, batch and network; :mod:`master.whatif`, or
+    :mod:`master.whatif_samples` for a run split by samples), with the
     ideal (the machines' summed compute speed). None without cost fits or measured links."""
     from hetconv.master import whatif
+    from hetconv.master.whatif_samples import predict_sample_scenarios, read_sample_plan
 
     try:
         run = whatif.measured_run(records, whatif.read_plan_links(records.run_dir))
         if not run.links_measured:
             return None
-        curve = whatif.scaling_curve(run)
+        per_sample = read_sample_plan(records.run_dir)
+        curve = (whatif.scaling_curve(run) if per_sample is None else predict_sample_scenarios(
+            run, per_sample, [whatif.Scenario(n, None, run.batch, run.arch)
+                              for n in whatif.DEFAULT_MACHINES]))
     except (UserError, ValueError, OSError):
         return None
     machines = [p.scenario.machines for p in curve]

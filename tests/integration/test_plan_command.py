@@ -113,3 +113,45 @@ def test_bad_input_is_one_line(distributed_run: Path, tmp_path: Path, arguments:
     assert len(lines) == 1 and lines[0].startswith("hetconv: error: "), result.stderr
     assert message in lines[0], lines[0]
     assert "Traceback" not in result.stderr
+
+
+@pytest.fixture(scope="module")
+def sample_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished run of the master and two workers split by samples."""
+    from hetconv.lab import LocalWorkers, free_port
+
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    base = tmp_path_factory.mktemp("plan-samples")
+    run_dir = base / "run"
+    with LocalWorkers(endpoint, [{"name": "w1"}, {"name": "w2"}], log_dir=base):
+        result = run_hetconv("train", "--listen", endpoint, "--split-by", "samples",
+                             "--min-workers", "2", "--wait", "30", *SMALL_RUN, "--limit", "1280",
+                             "--run-dir", str(run_dir))
+    assert result.returncode == 0, result.stderr
+    return run_dir
+
+
+@pytest.mark.timeout(240)
+def test_a_run_split_by_samples_is_modelled_as_the_sample_split(sample_run: Path,
+                                                                tmp_path: Path) -> None:
+    records = metrics(sample_run)
+    plan = [r for r in records if r["type"] == "plan"][-1]
+    assert plan["split_by"] == "samples" and len(plan["links"]) == 2
+    dense = statistics.median([r["dense_s"] for r in records if r["type"] == "step"][1:])
+    data = tmp_path / "plan.json"
+    result = run_hetconv("plan", str(sample_run), "--machines", "1,3,8", "--rate",
+                         "measured,1gbit", "--json", str(data))
+    assert result.returncode == 0, result.stderr
+    assert "split by samples" in result.stdout and "sample split" in result.stdout
+    document = json.loads(data.read_text())
+    assert document["split_by"] == "samples" and len(document["rows"]) == 6
+    # the measured configuration: the run's own prediction plus its measured dense part
+    measured = document["measured_configuration"]
+    assert measured["predicted_step_s"] == pytest.approx(plan["predicted_step_s"] + dense,
+                                                         rel=1e-6)
+    assert all(row["predicted_step_s"] > 0 and 1 <= row["chosen"] <= row["machines"]
+               for row in document["rows"])
+    report = run_hetconv("report", str(sample_run))
+    assert report.returncode == 0, report.stderr
+    assert "Predicted scaling (model estimate)" in (sample_run / "report.html").read_text(
+        encoding="utf-8")

@@ -1,0 +1,137 @@
+"""What if, for a run split by samples: the sample split's model
+(:func:`hetconv.master.sample_plan.predict_sample_step`) for clusters that were never
+measured, from the run's in-place calibration (seconds per sample of the whole conv
+chain, per participant: the ``plan`` record's ``seconds_per_sample``) and its probed
+links. The same scenarios, table and measured-configuration check as the kernel
+split's what-if (:mod:`hetconv.master.whatif`), with its cluster rule: the measured
+participants repeated in order, or ``like`` N copies of one.
+
+Approximations (units: seconds, bytes):
+
+- **Batch**: a participant's seconds per sample do not change with its slice (the
+  per-call cost is spread over the calibrated slice; a much smaller slice is
+  predicted too fast).
+- **Network** (``arch``): seconds per sample scale with the conv forward flop per
+  sample of the whole chain over the measured one's; the dense part as in the kernel
+  what-if.
+- The master's dense part is the measured median, scaled the same way.
+- Slices follow speed (equation 1 applied to samples), also for a run that was split
+  ``--split equal``.
+
+Pure; :func:`read_sample_plan` reads the run's ``plan`` record.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from hetconv.errors import UserError
+from hetconv.master.report.records import METRICS_FILE
+from hetconv.master.sample_plan import predict_sample_step, sample_slices
+from hetconv.master.whatif import (
+    MAX_MACHINES,
+    MeasuredRun,
+    Prediction,
+    Scenario,
+    cluster,
+    is_measured,
+    model_with_arch,
+    scaled_dense_s,
+)
+from hetconv.metrics import iter_metrics
+from hetconv.model import ConvLayerShape, conv_layer_shapes
+
+
+def read_sample_plan(run_dir: str | Path) -> dict[str, float] | None:
+    """Seconds per sample per participant from the run's last ``plan`` record when the
+    run was split by samples; None when it was split by kernels."""
+    seconds: dict[str, float] | None = None
+    for record in iter_metrics(Path(run_dir) / METRICS_FILE):
+        if record["type"] != "plan":
+            continue
+        if record.get("split_by") != "samples":
+            seconds = None
+            continue
+        try:
+            seconds = {str(k): float(v) for k, v in dict(record["seconds_per_sample"]).items()}
+        except (KeyError, TypeError, ValueError):
+            raise UserError(f"{run_dir}: the sample split's plan record has no usable "
+                            "seconds_per_sample (a run from an older hetconv?)") from None
+    return seconds
+
+
+def _chain_flops(shapes: Sequence[ConvLayerShape]) -> float:
+    """Conv forward flop per sample of the whole chain."""
+    return float(sum(shape.conv_flops(1) for shape in shapes))
+
+
+def _weights(shapes: Sequence[ConvLayerShape]) -> int:
+    return sum(s.kernels * s.in_channels * s.kernel_size ** 2 for s in shapes)
+
+
+def _master_link_bytes(slices: Sequence[tuple[str, int]], remote: dict[str, bool],
+                       shapes: Sequence[ConvLayerShape], itemsize: int, data_plane: str,
+                       weights: int) -> float:
+    """Bytes per step on the master's link, both directions: every worker's x and dy
+    slices down and y slice up; with the star plane its weight gradient up and the sum
+    down too (the peer plane reduces them worker to worker, but the master takes part:
+    2·(P-1)/P of them each way)."""
+    first, last = shapes[0], shapes[-1]
+    x_bytes = first.in_channels * first.height * first.width * itemsize
+    y_bytes = last.kernels * last.pooled_height * last.pooled_width * itemsize
+    workers = [(name, n) for name, n in slices if remote.get(name)]
+    total = sum(n * (x_bytes + 2 * y_bytes) for _, n in workers)
+    if not workers:
+        return 0.0
+    if data_plane == "peer":
+        participants = len(workers) + 1
+        return total + 2 * 2 * (participants - 1) / participants * 4 * weights
+    return total + sum(2 * 4 * weights for _, n in workers if n > 0)
+
+
+def predict_sample_scenarios(run: MeasuredRun, seconds_per_sample: dict[str, float],
+                             scenarios: Sequence[Scenario]) -> list[Prediction]:
+    """The sample split model's estimate for every scenario (module doc)."""
+    measured_shapes = conv_layer_shapes(run.model)
+    missing = [p.participant for p in run.profiles if p.participant not in seconds_per_sample]
+    if missing:
+        raise UserError(f"{run.run_dir}: the sample split's plan record has no seconds per "
+                        f"sample for {', '.join(missing)}")
+    out = []
+    for scenario in scenarios:
+        if not 1 <= scenario.machines <= MAX_MACHINES:
+            raise UserError(f"{scenario.machines} machines: give 1 to {MAX_MACHINES}")
+        shapes = conv_layer_shapes(model_with_arch(run, scenario.arch))
+        scale = _chain_flops(shapes) / _chain_flops(measured_shapes)
+        machines = cluster(run, scenario)
+        sources = _sources(run, scenario)
+        seconds = [seconds_per_sample[source] * scale for source in sources]
+        names = [m.participant for m in machines]
+        slices = sample_slices(names, seconds, scenario.batch)
+        per_sample = dict(zip(names, seconds))
+        links = {m.participant: m.link for m in machines}
+        conv = predict_sample_step(slices, per_sample, links, shapes, _weights(shapes),
+                                   run.wire_itemsize,
+                                   "peer" if run.data_plane == "peer" else "master")
+        dense = scaled_dense_s(run, scenario.arch, scenario.batch)
+        single = min(seconds) * scenario.batch
+        speeds = [1.0 / t for t in seconds]
+        out.append(Prediction(
+            scenario=scenario, step_s=conv + dense, single_step_s=single + dense,
+            ideal_speedup=sum(speeds) / max(speeds),
+            chosen=sum(1 for s in slices if s.samples > 0),
+            master_link_bytes=_master_link_bytes(
+                [(s.participant, s.samples) for s in slices],
+                {m.participant: m.link is not None for m in machines}, shapes,
+                run.wire_itemsize, run.data_plane, _weights(shapes)),
+            measured_step_s=run.measured_step_s if is_measured(run, scenario) else None))
+    return out
+
+
+def _sources(run: MeasuredRun, scenario: Scenario) -> list[str]:
+    """The measured participant each machine of :func:`cluster` copies, in order."""
+    if scenario.like is not None:
+        return [scenario.like] * scenario.machines
+    count = len(run.profiles)
+    return [run.profiles[i % count].participant for i in range(scenario.machines)]
+
