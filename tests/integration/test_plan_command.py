@@ -18,20 +18,25 @@ def metrics(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.fixture(scope="module")
-def distributed_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A finished run of the master and two workers with the link-aware planner."""
+def finished_run(tmp_path_factory: pytest.TempPathFactory, name: str, *flags: str) -> Path:
+    """The run directory of a finished run of the master and two workers with ``flags``."""
     from hetconv.lab import LocalWorkers, free_port
 
     endpoint = f"tcp://127.0.0.1:{free_port()}"
-    base = tmp_path_factory.mktemp("plan")
+    base = tmp_path_factory.mktemp(name)
     run_dir = base / "run"
     with LocalWorkers(endpoint, [{"name": "w1"}, {"name": "w2"}], log_dir=base):
-        result = run_hetconv("train", "--listen", endpoint, "--split-by", "kernels", "--min-workers", "2", "--wait", "30",
-                             *SMALL_RUN, "--limit", "1280", "--split", "model",
+        result = run_hetconv("train", "--listen", endpoint, *flags, "--min-workers", "2",
+                             "--wait", "30", *SMALL_RUN, "--limit", "1280",
                              "--run-dir", str(run_dir))
     assert result.returncode == 0, result.stderr
     return run_dir
+
+
+@pytest.fixture(scope="module")
+def distributed_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished run with the link-aware planner, split by kernels."""
+    return finished_run(tmp_path_factory, "plan", "--split-by", "kernels", "--split", "model")
 
 
 @pytest.mark.timeout(240)
@@ -117,18 +122,8 @@ def test_bad_input_is_one_line(distributed_run: Path, tmp_path: Path, arguments:
 
 @pytest.fixture(scope="module")
 def sample_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A finished run of the master and two workers split by samples."""
-    from hetconv.lab import LocalWorkers, free_port
-
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
-    base = tmp_path_factory.mktemp("plan-samples")
-    run_dir = base / "run"
-    with LocalWorkers(endpoint, [{"name": "w1"}, {"name": "w2"}], log_dir=base):
-        result = run_hetconv("train", "--listen", endpoint, "--split-by", "samples",
-                             "--min-workers", "2", "--wait", "30", *SMALL_RUN, "--limit", "1280",
-                             "--run-dir", str(run_dir))
-    assert result.returncode == 0, result.stderr
-    return run_dir
+    """A finished run split by samples."""
+    return finished_run(tmp_path_factory, "plan-samples", "--split-by", "samples")
 
 
 @pytest.mark.timeout(240)
