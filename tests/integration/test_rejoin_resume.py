@@ -22,7 +22,7 @@ from tests.support.faulty_worker import WorkerFaults
 pytestmark = [pytest.mark.integration]
 
 RUN = ["--data", "synthetic", "--limit", "3200", "--test-limit", "128", "--arch", "4:8",
-       "--epochs", "3", "--batch", "64", "--threads", "1", "--no-progress", "--seed", "5",
+       "--epochs", "2", "--batch", "64", "--threads", "1", "--no-progress", "--seed", "5",
        "--checkpoint-every", "10", "--wire-dtype", "float32"]
 SLOW = WorkerFaults(delay_per_kernel_s=0.006)
 
