@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: participant ids under "participant" (1: "device")
 PARTICIPANT_KEY = "participant"
 LEGACY_PARTICIPANT_KEY = "device"  # the key before it was "participant"; still read
 log = logging.getLogger(__name__)

@@ -77,7 +77,7 @@ class RebalanceDecision:
                 "old_predicted_step_s": self.old_predicted_step_s,
                 "new_predicted_step_s": self.new_predicted_step_s,
                 "counts": [{"layer": layer, "devices": [
-                    {"device": p, "kernels": count, "scale": scale}
+                    {"participant": p, "kernels": count, "scale": scale}
                     for p, count, scale in zip(self.participants, row, self.scales[layer])]}
                     for layer, row in enumerate(self.counts)]}
 
