@@ -3,6 +3,8 @@
 :class:`MetricsWriter` appends one JSON object per line and flushes it, so a
 reader (``hetconv report``) can follow a run that is still in progress.
 :func:`read_metrics` parses a file, skipping a cut-off last line with a warning.
+:func:`participant_of` reads the participant id of a per-participant entry, in files
+written before the key was ``participant`` (it was ``device``) as well.
 """
 from __future__ import annotations
 
@@ -10,12 +12,27 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: participant ids under "participant" (1: "device")
+PARTICIPANT_KEY = "participant"
+LEGACY_PARTICIPANT_KEY = "device"  # the key before it was "participant"; still read
 log = logging.getLogger(__name__)
+
+
+def participant_of(entry: Mapping[str, Any]) -> str:
+    """The participant id (``master`` or a worker id) of one per-participant entry of a
+    record (a step's ``layers[].devices[]``, a calibration's ``devices[]``, a plan's
+    ``links[]`` and ``samples[]``, a re-split's ``counts[].devices[]``): its
+    ``participant`` key, or ``device`` in files written before the rename. KeyError
+    when it has neither."""
+    if PARTICIPANT_KEY in entry:
+        return str(entry[PARTICIPANT_KEY])
+    if LEGACY_PARTICIPANT_KEY in entry:
+        return str(entry[LEGACY_PARTICIPANT_KEY])
+    raise KeyError(PARTICIPANT_KEY)
 
 
 def drop_cut_off_line(path: Path) -> None:

@@ -23,7 +23,9 @@ from typing import Any
 import numpy as np
 
 from hetconv.errors import UserError
+from hetconv.metrics import participant_of
 
+# labels of hetconv_participant_info, from the ``devices`` record (``device``: cpu, gpu:N)
 PARTICIPANT_INFO_KEYS = ("device", "kind", "name", "hostname")
 
 
@@ -79,7 +81,7 @@ class TrainingTotals:
                     key: str(entry.get(key, "")) for key in PARTICIPANT_INFO_KEYS}
         elif kind == "calibration":
             for entry in record.get("devices", []):
-                self.participant(str(entry["device"])).calibrated_s[int(record["layer"])] = \
+                self.participant(participant_of(entry)).calibrated_s[int(record["layer"])] = \
                     float(entry["seconds"])
         elif kind == "step":
             self._step(record)
@@ -110,7 +112,7 @@ class TrainingTotals:
         kernels: dict[str, int] = {}
         for layer in record.get("layers", []):
             for entry in layer.get("devices", []):
-                name = str(entry["device"])
+                name = participant_of(entry)
                 totals = self.participant(name)
                 totals.compute_s += float(entry.get("forward_s", 0.0)) + \
                     float(entry.get("backward_s", 0.0))

@@ -99,8 +99,9 @@ class LocalConvStage:
 
     def _record(self, layer: int, key: str, seconds: float) -> None:
         entry = self._timings.setdefault(layer, {
-            "device": MASTER_PARTICIPANT, "kernels": self.shards[layer].kernels, "forward_s": 0.0,
-            "backward_s": 0.0, "wait_s": 0.0, "bytes_sent": 0, "bytes_received": 0})
+            "participant": MASTER_PARTICIPANT, "kernels": self.shards[layer].kernels,
+            "forward_s": 0.0, "backward_s": 0.0, "wait_s": 0.0, "bytes_sent": 0,
+            "bytes_received": 0})
         entry[key] += seconds
 
     def forward(self, layer: int, x: np.ndarray, train: bool, step: int) -> np.ndarray:

@@ -141,7 +141,7 @@ class Phases:
     def entry(self, layer: int, shard: Shard) -> dict[str, Any]:
         devices = self._timings.setdefault(layer, {})
         return devices.setdefault(shard.participant, {
-            "device": shard.participant, "kernels": shard.kernels, "forward_s": 0.0,
+            "participant": shard.participant, "kernels": shard.kernels, "forward_s": 0.0,
             "backward_s": 0.0,
             "wait_s": 0.0, "forward_latency_s": 0.0, "backward_latency_s": 0.0,
             "bytes_sent": 0, "bytes_received": 0, **self._entry_fields})

@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from hetconv.master.planner import ParticipantProfile, choose_plan, predict
+from hetconv.metrics import participant_of
 from hetconv.perf_model import LayerTraffic
 
 DRIFT_FRACTION = 0.25
@@ -76,7 +77,7 @@ class RebalanceDecision:
                 "old_predicted_step_s": self.old_predicted_step_s,
                 "new_predicted_step_s": self.new_predicted_step_s,
                 "counts": [{"layer": layer, "devices": [
-                    {"device": p, "kernels": count, "scale": scale}
+                    {"participant": p, "kernels": count, "scale": scale}
                     for p, count, scale in zip(self.participants, row, self.scales[layer])]}
                     for layer, row in enumerate(self.counts)]}
 
@@ -87,7 +88,7 @@ def measured_compute(timings: Mapping[str, Any]) -> list[dict[str, tuple[int, fl
     layers: dict[int, dict[str, tuple[int, float]]] = {}
     for layer in timings.get("layers", []):
         layers[int(layer["layer"])] = {
-            str(d["device"]): (int(d["kernels"]), float(d["forward_s"]) + float(d["backward_s"]))
+            participant_of(d): (int(d["kernels"]), float(d["forward_s"]) + float(d["backward_s"]))
             for d in layer["devices"]}
     return [layers.get(index, {}) for index in range(max(layers, default=-1) + 1)]
 

@@ -94,7 +94,7 @@ def timing_entry(piece: Slice, kernels: int, peers: bool) -> dict[str, Any]:
     """A participant's empty timing entry of one layer in a step record
     (docs/metrics.md; the peer fields with the reduction among the peers)."""
     entry: dict[str, Any] = {
-        "device": piece.participant, "kernels": kernels, "samples": piece.samples,
+        "participant": piece.participant, "kernels": kernels, "samples": piece.samples,
         "split_by": "samples", "forward_s": 0.0, "backward_s": 0.0, "wait_s": 0.0,
         "forward_latency_s": 0.0, "backward_latency_s": 0.0, "bytes_sent": 0,
         "bytes_received": 0}
@@ -283,7 +283,7 @@ class BetweenSteps:
         self.setup.metrics.write("replan", reason=reason, split_by="samples",
                                  measured_step_s=measured, alone_step_s=alone_s, counts=[
                                      {"layer": shape.index, "devices": [
-                                         {"device": name, "kernels": shape.kernels,
+                                         {"participant": name, "kernels": shape.kernels,
                                           "samples": samples}
                                          for name, samples in counts.items()]}
                                      for shape in self.setup.shapes])
@@ -311,7 +311,7 @@ class BetweenSteps:
             self.setup.metrics.write("rebalance", split_by="samples", step=self.step,
                                      reason="measured compute per sample", counts=[
                                          {"layer": shape.index, "devices": [
-                                             {"device": n, "kernels": shape.kernels,
+                                             {"participant": n, "kernels": shape.kernels,
                                               "samples": counts.get(n, 0)} for n in names]}
                                          for shape in self.setup.shapes])
         self._timings, self._comm_s, self._step_compute, self._step_latency = {}, 0.0, {}, {}
@@ -360,7 +360,7 @@ class BetweenSteps:
         slices = {p.participant: p.samples for p in self._slice_batch(self.setup.batch)}
         self.setup.metrics.write("replan", reason=reason, split_by="samples", counts=[
             {"layer": shape.index, "devices": [
-                {"device": n, "kernels": shape.kernels, "samples": slices.get(n, 0)}
+                {"participant": n, "kernels": shape.kernels, "samples": slices.get(n, 0)}
                 for n in names]} for shape in self.setup.shapes])
 
 

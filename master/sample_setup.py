@@ -118,7 +118,7 @@ def open_sample_stage(cluster: Cluster, config: MasterConfig, participants: list
         metrics.write("calibration", layer=shape.index, split=config.split, split_by="samples",
                       calibrated_kernels=cal.calibrated_kernels, kernels=shape.kernels,
                       small_kernels=cal.small_kernels,
-                      devices=[{"device": p.participant, "seconds": t, "small_seconds": small,
+                      devices=[{"participant": p.participant, "seconds": t, "small_seconds": small,
                                 "fixed_s": cost[0], "per_kernel_s": cost[1],
                                 "kernels": shape.kernels, "kernel_start": 0,
                                 "kernel_stop": shape.kernels,
@@ -132,10 +132,10 @@ def open_sample_stage(cluster: Cluster, config: MasterConfig, participants: list
         + f" of every batch of {batch}; every participant holds every layer")
     metrics.write("plan", split_by="samples", chosen=[s.participant for s in slices],
                   predicted_step_s=predicted_s,
-                  samples=[{"device": s.participant, "samples": s.samples} for s in slices],
+                  samples=[{"participant": s.participant, "samples": s.samples} for s in slices],
                   seconds_per_sample={p.participant: t for p, t in zip(participants, per_sample)},
                   wire_dtype=setup.wire_dtype,
-                  links=[{"device": name, "down_bytes_per_s": link.down_bytes_per_s,
+                  links=[{"participant": name, "down_bytes_per_s": link.down_bytes_per_s,
                           "up_bytes_per_s": link.up_bytes_per_s, "rtt_s": link.rtt_s}
                          for name, link in (links or {}).items() if link is not None])
     return stage

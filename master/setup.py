@@ -110,7 +110,8 @@ def report_plan(choice: Plan, participants: list[Participant],
     metrics.write("plan", chosen=list(choice.chosen), predicted_step_s=choice.predicted_step_s,
                   best_single=choice.best_single, best_single_step_s=choice.best_single_step_s,
                   all_step_s=choice.all_step_s, wire_dtype=wire_dtype,
-                  links=[{"device": p.participant, "down_bytes_per_s": profile.link.down_bytes_per_s,
+                  links=[{"participant": p.participant,
+                          "down_bytes_per_s": profile.link.down_bytes_per_s,
                           "up_bytes_per_s": profile.link.up_bytes_per_s,
                           "rtt_s": profile.link.rtt_s}
                          for p, profile in zip(participants, profiles) if profile.link is not None])
@@ -143,7 +144,7 @@ class RunPlanning:
             f"layer {layer + 1}: " + ", ".join(f"{p} {c}" for p, c in zip(names, row))
             for layer, row in enumerate(counts)))
         self.metrics.write("replan", reason=reason, counts=[
-            {"layer": layer, "devices": [{"device": p, "kernels": c}
+            {"layer": layer, "devices": [{"participant": p, "kernels": c}
                                          for p, c in zip(names, row)]}
             for layer, row in enumerate(counts)])
 
@@ -270,7 +271,7 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
             metrics.write("calibration", layer=shape.index, split=config.split,
                           calibrated_kernels=cal.calibrated_kernels, kernels=shape.kernels,
                           small_kernels=cal.small_kernels,
-                          devices=[{"device": p.participant, "seconds": s,
+                          devices=[{"participant": p.participant, "seconds": s,
                                     "small_seconds": small, "fixed_s": cost[0],
                                     "per_kernel_s": cost[1], "kernels": shard.kernels,
                                     "kernel_start": shard.start, "kernel_stop": shard.stop,

@@ -68,7 +68,7 @@ from hetconv.master.planner import (
 from hetconv.master.report.analysis import median, used_steps
 from hetconv.master.report.records import METRICS_FILE, RunRecords
 from hetconv.master.split import layer_traffic
-from hetconv.metrics import iter_metrics
+from hetconv.metrics import iter_metrics, participant_of
 from hetconv.model import (
     ConvLayerShape,
     ModelConfig,
@@ -167,8 +167,8 @@ def read_plan_links(run_dir: str | Path) -> dict[str, Link]:
         if record["type"] != "plan":
             continue
         try:
-            links = {str(raw["device"]): Link(float(raw["down_bytes_per_s"]),
-                                              float(raw["up_bytes_per_s"]), float(raw["rtt_s"]))
+            links = {participant_of(raw): Link(float(raw["down_bytes_per_s"]),
+                                               float(raw["up_bytes_per_s"]), float(raw["rtt_s"]))
                      for raw in record.get("links") or []}
         except (KeyError, TypeError, ValueError):
             links = {}
@@ -196,14 +196,14 @@ def measured_run(records: RunRecords, links: dict[str, Link]) -> MeasuredRun:
         raise UserError(f"{where}: no calibration records, so no measured profiles to "
                         "predict from (only a distributed run, 'hetconv train --listen', "
                         "calibrates its participants)")
-    ids = [d.device for d in records.calibration[0].devices]
+    ids = [d.participant for d in records.calibration[0].devices]
     costs: dict[str, list[tuple[float, float]]] = {i: [] for i in ids}
     for layer in records.calibration:
-        for device in layer.devices:
-            if device.fixed_s is None or device.per_kernel_s is None or device.device not in costs:
+        for entry in layer.devices:
+            if entry.fixed_s is None or entry.per_kernel_s is None or entry.participant not in costs:
                 raise UserError(f"{where}: calibration of layer {layer.layer + 1} has no cost "
-                                f"fit for {device.device} (a run from an older hetconv?)")
-            costs[device.device].append((device.fixed_s, device.per_kernel_s))
+                                f"fit for {entry.participant} (a run from an older hetconv?)")
+            costs[entry.participant].append((entry.fixed_s, entry.per_kernel_s))
     # a worker the link probe did not measure keeps link None too: see MeasuredRun.links_measured
     profiles = tuple(ParticipantProfile(i, tuple(costs[i]),
                                         None if i == MASTER_PARTICIPANT else links.get(i))

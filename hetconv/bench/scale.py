@@ -46,7 +46,7 @@ from hetconv.config import BENCH_PEERS, SPLIT_MODES, check_choice
 from hetconv.errors import UserError
 from hetconv.lab import CpuQuota, LocalWorker, cpu_quota_unavailable_reason, free_port
 from hetconv.lab.network import SwitchedLan, netns_unavailable_reason, parse_rate_bits
-from hetconv.metrics import read_metrics
+from hetconv.metrics import participant_of, read_metrics
 from hetconv.perf_model import ParticipantCost, ideal_speedup, star_step_seconds
 
 RUN_TIMEOUT_S = 600.0
@@ -113,12 +113,12 @@ def run_figures(run_dir: Path, link_bytes_per_s: float | None) -> RunFigures:
         worker_link: dict[str, int] = {}  # per worker: everything on its link
         for layer in step.get("layers", []):
             for timing in layer.get("devices", []):
-                if timing["device"] == "master":
+                name = participant_of(timing)
+                if name == "master":
                     continue
                 to_master = int(timing.get("bytes_sent", 0)) + int(timing.get("bytes_received", 0))
                 peers = (int(timing.get("peer_bytes_sent", 0))
                          + int(timing.get("peer_bytes_received", 0)))
-                name = timing["device"]
                 master_link[name] = master_link.get(name, 0) + to_master
                 worker_link[name] = worker_link.get(name, 0) + to_master + peers
         master_bytes.append(sum(master_link.values()))

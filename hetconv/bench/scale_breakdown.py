@@ -17,6 +17,8 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+from hetconv.metrics import participant_of
+
 FIELDS = ("compute_s", "latency_s", "wait_s", "peer_wait_s")
 
 
@@ -28,7 +30,7 @@ def step_breakdown(steps: Sequence[dict[str, Any]]) -> dict[str, dict[str, float
         totals: dict[str, dict[str, float]] = {}
         for layer in step.get("layers", []):
             for timing in layer.get("devices", []):
-                entry = totals.setdefault(str(timing["device"]),
+                entry = totals.setdefault(participant_of(timing),
                                           {field: 0.0 for field in FIELDS})
                 entry["compute_s"] += float(timing.get("forward_s", 0.0)) + float(
                     timing.get("backward_s", 0.0))

@@ -4,13 +4,13 @@ No I/O here. Every per-step figure is a median over the *used* steps: all steps
 but the first of the run (warm-up: first-touch allocations, BLAS start-up) when
 more than one step exists. Notation used in the docstrings below:
 
-* ``K_l`` kernels of conv layer ``l``; ``k_dl`` kernels device ``d`` owns in it;
-* ``t_dlp`` device ``d``'s compute seconds in layer ``l``, phase ``p`` (forward or
-  backward, as measured on the device), ``t~_dlp`` its median over used steps;
+* ``K_l`` kernels of conv layer ``l``; ``k_dl`` kernels participant ``d`` owns in it;
+* ``t_dlp`` participant ``d``'s compute seconds in layer ``l``, phase ``p`` (forward or
+  backward, as measured by the participant), ``t~_dlp`` its median over used steps;
 * ``c_dl = forward + backward`` seconds, ``c~_dl`` its median;
-* ``v_dlp = k_dl / t~_dlp`` the device's measured speed in kernels per second.
+* ``v_dlp = k_dl / t~_dlp`` the participant's measured speed in kernels per second.
 
-Speeds are assumed linear in kernels (a device's time grows in proportion to the
+Speeds are assumed linear in kernels (a participant's time grows in proportion to the
 kernels it owns), the same model the calibrated split itself uses.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import statistics
 from collections.abc import Iterable, Sequence
 
 from hetconv.master.report.events import RECOVERY
-from hetconv.master.report.records import DeviceTiming, RunRecords, StepRecord
+from hetconv.master.report.records import ParticipantTiming, RunRecords, StepRecord
 from hetconv.master.report.summary import (
     DeviceLayer,
     DeviceSummary,
@@ -52,35 +52,35 @@ def used_steps(steps: Sequence[StepRecord]) -> tuple[StepRecord, ...]:
     return tuple(steps[1:]) if len(steps) > 1 else tuple(steps)
 
 
-def _timings(steps: Sequence[StepRecord]) -> dict[tuple[str, int], list[DeviceTiming]]:
-    """(device, layer) -> its timings over the steps, devices with kernels only."""
-    out: dict[tuple[str, int], list[DeviceTiming]] = {}
+def _timings(steps: Sequence[StepRecord]) -> dict[tuple[str, int], list[ParticipantTiming]]:
+    """(participant, layer) -> its timings over the steps, participants with kernels only."""
+    out: dict[tuple[str, int], list[ParticipantTiming]] = {}
     for step in steps:
         for layer in step.layers:
             for timing in layer.devices:
                 if timing.kernels > 0:
-                    out.setdefault((timing.device, layer.layer), []).append(timing)
+                    out.setdefault((timing.participant, layer.layer), []).append(timing)
     return out
 
 
-def _device_order(records: RunRecords) -> list[str]:
+def _participant_order(records: RunRecords) -> list[str]:
     order = [d.id for d in records.devices]
     seen = set(order)
-    extra = [d.device for c in records.calibration for d in c.devices]
-    extra += [t.device for s in records.steps for layer in s.layers for t in layer.devices]
-    for device in extra:
-        if device not in seen:
-            seen.add(device)
-            order.append(device)
+    extra = [d.participant for c in records.calibration for d in c.devices]
+    extra += [t.participant for s in records.steps for layer in s.layers for t in layer.devices]
+    for participant in extra:
+        if participant not in seen:
+            seen.add(participant)
+            order.append(participant)
     return order
 
 
 def _kernel_counts(records: RunRecords, steps: Sequence[StepRecord]) -> dict[tuple[str, int], int]:
-    """Kernels per (device, layer): as in the last used step, else the calibration split."""
+    """Kernels per (participant, layer): as in the last used step, else the calibration split."""
     if steps:
-        return {(t.device, layer.layer): t.kernels for layer in steps[-1].layers
+        return {(t.participant, layer.layer): t.kernels for layer in steps[-1].layers
                 for t in layer.devices}
-    return {(d.device, c.layer): d.kernels for c in records.calibration for d in c.devices}
+    return {(d.participant, c.layer): d.kernels for c in records.calibration for d in c.devices}
 
 
 def _layer_kernels(records: RunRecords, counts: dict[tuple[str, int], int],
@@ -99,12 +99,12 @@ def _layer_kernels(records: RunRecords, counts: dict[tuple[str, int], int],
     return dict(sorted(kernels.items()))
 
 
-def compute_speeds(timings: dict[tuple[str, int], list[DeviceTiming]],
+def compute_speeds(timings: dict[tuple[str, int], list[ParticipantTiming]],
                    layer: int) -> dict[str, float]:
-    """device -> k_dl / c~_dl (kernels per second, forward+backward) in one layer."""
-    return {device: samples[-1].kernels / max(median(t.compute_s for t in samples) or 0.0,
+    """participant -> k_dl / c~_dl (kernels per second, forward+backward) in one layer."""
+    return {participant: samples[-1].kernels / max(median(t.compute_s for t in samples) or 0.0,
                                               _TINY_S)
-            for (device, other), samples in timings.items() if other == layer}
+            for (participant, other), samples in timings.items() if other == layer}
 
 
 def time_split(steps: Sequence[StepRecord]) -> TimeSplit | None:
@@ -129,7 +129,7 @@ def time_split(steps: Sequence[StepRecord]) -> TimeSplit | None:
 
 
 def latest_result_s(step: StepRecord) -> float | None:
-    """Sum over layers and phases of the latest device's latency (None for local runs)."""
+    """Sum over layers and phases of the latest participant's latency (None for local runs)."""
     total = 0.0
     for layer in step.layers:
         for phase in PHASES:
@@ -151,17 +151,17 @@ def _after_results(steps: Sequence[StepRecord]) -> list[float]:
 
 
 def phase_speeds(steps: Sequence[StepRecord]) -> dict[tuple[int, str], dict[str, float]]:
-    """(layer, phase) -> {device: v_dlp = k_dl / median t_dlp} for devices with kernels."""
+    """(layer, phase) -> {participant: v_dlp = k_dl / median t_dlp}, those with kernels."""
     speeds: dict[tuple[int, str], dict[str, float]] = {}
-    for (device, layer), timings in _timings(steps).items():
+    for (participant, layer), timings in _timings(steps).items():
         kernels = timings[-1].kernels
         for phase in PHASES:
             seconds = median(getattr(t, f"{phase}_s") for t in timings) or 0.0
-            speeds.setdefault((layer, phase), {})[device] = kernels / max(seconds, _TINY_S)
+            speeds.setdefault((layer, phase), {})[participant] = kernels / max(seconds, _TINY_S)
     return speeds
 
 
-def _phase_times(timing: DeviceTiming) -> tuple[float, float]:
+def _phase_times(timing: ParticipantTiming) -> tuple[float, float]:
     return timing.forward_s, timing.backward_s
 
 
@@ -170,19 +170,19 @@ def layer_balance(steps: Sequence[StepRecord],
                                                           float | None, float | None]:
     """Per-layer balance, and the whole conv stage's (ideal_s, slowest_s).
 
-    For every used step ``s``, layer ``l`` and phase ``p``, over the devices with
+    For every used step ``s``, layer ``l`` and phase ``p``, over the participants with
     kernels (speeds ``v_dlps = k_dl / t_dlps`` of that very step):
 
     * ``ideal_lps = K_l / sum_d v_dlps``: the layer's kernels divided among its
-      devices in proportion to their measured speeds, all finishing together;
-    * ``slowest_lps = max_d t_dlps``: the device compute on the critical path
+      participants in proportion to their measured speeds, all finishing together;
+    * ``slowest_lps = max_d t_dlps``: the participant compute on the critical path
       (communication excluded: that is ``comm_s``).
 
     Per layer, ``ideal_s = median_s sum_p ideal_lps``, ``slowest_s = median_s
     sum_p slowest_lps`` and ``efficiency = ideal_s / slowest_s``; the stage
-    figures use the per-step sums over layers as well. A single device scores
+    figures use the per-step sums over layers as well. A single participant scores
     exactly 1. ``imbalance = median_s (max_d c_dls / mean_d c_dls)`` with
-    ``c = forward + backward``; 1.0 is perfect, the number of devices the worst.
+    ``c = forward + backward``; 1.0 is perfect, the number of participants the worst.
     """
     ideal_by_layer: dict[int, list[float]] = {}
     slowest_by_layer: dict[int, list[float]] = {}
@@ -222,17 +222,17 @@ def layer_balance(steps: Sequence[StepRecord],
     return tuple(rows), median(stage_ideal), median(stage_slowest)
 
 
-def single_device_conv_s(timings: dict[tuple[str, int], list[DeviceTiming]], device: str,
-                         layer_kernels: dict[int, int],
+def single_device_conv_s(timings: dict[tuple[str, int], list[ParticipantTiming]],
+                         participant: str, layer_kernels: dict[int, int],
                          costs: dict[int, tuple[float, float]] | None = None) -> float | None:
-    """The device alone doing every layer's conv work (an estimate), from its measured
+    """The participant alone doing every layer's conv work (an estimate), from its measured
     share time ``c~_dl`` at ``k_dl`` kernels: scaled by its fitted cost model,
     ``c~_dl * (a + b*K_l) / (a + b*k_dl)``, so the per-share fixed cost ``a`` counts once;
     linearly (``K_l / k_dl``) where a layer has no fit. None unless it has kernels in
     every layer."""
     total = 0.0
     for layer, kernels in layer_kernels.items():
-        samples = timings.get((device, layer))
+        samples = timings.get((participant, layer))
         if not samples or kernels <= 0:
             return None
         measured = median(t.compute_s for t in samples) or 0.0
@@ -242,35 +242,36 @@ def single_device_conv_s(timings: dict[tuple[str, int], list[DeviceTiming]], dev
     return total
 
 
-def _fitted_costs(records: RunRecords, device: str) -> dict[int, tuple[float, float]]:
-    """Per layer the device's calibrated cost fit (fixed_s, per_kernel_s), where usable."""
+def _fitted_costs(records: RunRecords, participant: str) -> dict[int, tuple[float, float]]:
+    """Per layer the participant's calibrated cost fit (fixed_s, per_kernel_s), where usable."""
     out = {}
     for cal in records.calibration:
-        entry = next((d for d in cal.devices if d.device == device), None)
+        entry = next((d for d in cal.devices if d.participant == participant), None)
         if (entry is not None and entry.fixed_s is not None and entry.per_kernel_s is not None
                 and entry.fixed_s >= 0 and entry.per_kernel_s > 0):
             out[cal.layer] = (entry.fixed_s, entry.per_kernel_s)
     return out
 
 
-def _device_layers(records: RunRecords, device: str,
-                   timings: dict[tuple[str, int], list[DeviceTiming]],
+def _participant_layers(records: RunRecords, participant: str,
+                   timings: dict[tuple[str, int], list[ParticipantTiming]],
                    layer_kernels: dict[int, int],
                    counts: dict[tuple[str, int], int]) -> tuple[DeviceLayer, ...]:
     calibration = {c.layer: c for c in records.calibration}
     rows = []
     for layer, kernels in layer_kernels.items():
-        compute = median(t.compute_s for t in timings.get((device, layer), []))
+        compute = median(t.compute_s for t in timings.get((participant, layer), []))
         speeds = compute_speeds(timings, layer)
-        speed = speeds.get(device)
+        speed = speeds.get(participant)
         calib_s = calib_speed = versus = None
         cal = calibration.get(layer)
-        entry = next((d for d in cal.devices if d.device == device), None) if cal else None
+        entry = (next((d for d in cal.devices if d.participant == participant), None)
+                 if cal else None)
         if cal is not None and entry is not None and entry.seconds > 0:
             calib_s = entry.seconds
             calib_speed = min(d.seconds for d in cal.devices) / entry.seconds
             versus = _ratio(speed, cal.calibrated_kernels / entry.seconds)
-        own = counts.get((device, layer), 0)
+        own = counts.get((participant, layer), 0)
         rows.append(DeviceLayer(layer=layer, kernels=own,
                                 kernel_share=own / kernels if kernels else 0.0,
                                 calibration_s=calib_s, calibrated_speed=calib_speed,
@@ -280,11 +281,12 @@ def _device_layers(records: RunRecords, device: str,
     return tuple(rows)
 
 
-def _per_step(steps: Sequence[StepRecord], device: str, field: str) -> float | None:
-    """Median over steps (where the device took part) of a per-layer field summed."""
+def _per_step(steps: Sequence[StepRecord], participant: str, field: str) -> float | None:
+    """Median over steps (where the participant took part) of a per-layer field summed."""
     values = []
     for step in steps:
-        entries = [t for layer in step.layers for t in layer.devices if t.device == device]
+        entries = [t for layer in step.layers for t in layer.devices
+                   if t.participant == participant]
         if entries:
             values.append(sum(float(getattr(t, field)) for t in entries))
     return median(values)
@@ -296,18 +298,18 @@ def device_summaries(records: RunRecords, steps: Sequence[StepRecord],
     info = {d.id: d for d in records.devices}
     timings = _timings(steps)
     out = []
-    for device in _device_order(records):
-        meta = info.get(device)
+    for participant in _participant_order(records):
+        meta = info.get(participant)
         out.append(DeviceSummary(
-            id=device, kind=meta.kind if meta else "?", name=meta.name if meta else "?",
-            layers=_device_layers(records, device, timings, layer_kernels, counts),
-            compute_s=_per_step(steps, device, "compute_s"),
-            wait_s=_per_step(steps, device, "wait_s"),
-            bytes_sent=_per_step(steps, device, "bytes_sent"),
-            bytes_received=_per_step(steps, device, "bytes_received"),
-            single_device_conv_s=single_device_conv_s(timings, device, layer_kernels,
-                                                      _fitted_costs(records, device)),
-            peer_bytes=_per_step(steps, device, "peer_bytes")))
+            id=participant, kind=meta.kind if meta else "?", name=meta.name if meta else "?",
+            layers=_participant_layers(records, participant, timings, layer_kernels, counts),
+            compute_s=_per_step(steps, participant, "compute_s"),
+            wait_s=_per_step(steps, participant, "wait_s"),
+            bytes_sent=_per_step(steps, participant, "bytes_sent"),
+            bytes_received=_per_step(steps, participant, "bytes_received"),
+            single_device_conv_s=single_device_conv_s(timings, participant, layer_kernels,
+                                                      _fitted_costs(records, participant)),
+            peer_bytes=_per_step(steps, participant, "peer_bytes")))
     return tuple(out)
 
 
@@ -395,7 +397,8 @@ def summarize(records: RunRecords) -> RunSummary:
         single_step = fastest.single_device_conv_s + split.dense_s
         speedup = _ratio(single_step, split.step_s)
         amdahl = _ratio(single_step, split.dense_s)
-    workers = len({device for (device, _), k in counts.items() if k > 0 and device != "master"})
+    workers = len({participant for (participant, _), k in counts.items()
+                   if k > 0 and participant != "master"})
     warnings = list(records.warnings)
     if not records.steps:
         warnings.append("no step records yet: nothing to measure")

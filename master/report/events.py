@@ -31,6 +31,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hetconv.metrics import participant_of
+
 RESUME, RECOVERY, LOSS, JOIN, REPLAN, RESPLIT = (
     "resume", "recovery", "loss", "join", "re-plan", "re-split")
 EVENT_KINDS = (RESUME, RECOVERY, LOSS, JOIN, REPLAN, RESPLIT)
@@ -70,7 +72,7 @@ def _holders(counts: Sequence[dict[str, Any]]) -> dict[str, int]:
     total: dict[str, int] = {}
     for layer in counts:
         for entry in layer["devices"]:
-            name = str(entry["device"])
+            name = participant_of(entry)
             total[name] = total.get(name, 0) + int(entry["kernels"])
     return total
 
@@ -80,7 +82,7 @@ def split_text(counts: Sequence[dict[str, Any]]) -> str:
     out."""
     return "; ".join(
         f"layer {int(layer['layer']) + 1}: " + ", ".join(
-            f"{entry['device']} {int(entry['kernels'])}" for entry in layer["devices"]
+            f"{participant_of(entry)} {int(entry['kernels'])}" for entry in layer["devices"]
             if int(entry["kernels"]) > 0)
         for layer in counts)
 
@@ -91,7 +93,7 @@ def _initial_holders(records: Iterable[dict[str, Any]]) -> dict[str, int]:
     for record in records:
         if record.get("type") == "calibration":
             for entry in record.get("devices") or []:
-                name = str(entry["device"])
+                name = participant_of(entry)
                 total[name] = total.get(name, 0) + int(entry["kernels"])
     return total
 

@@ -2,7 +2,7 @@
 
 Each table is built once here as a header row plus rows of short strings, so the
 terminal and the HTML page show the same figures with the same units. A missing
-figure (no steps yet, a device without kernels in a layer) is shown as ``-``.
+figure (no steps yet, a participant without kernels in a layer) is shown as ``-``.
 """
 from __future__ import annotations
 
@@ -85,20 +85,20 @@ def overview_table(summary: RunSummary) -> Table:
     rows += [
         ("balance efficiency (ideal / slowest conv)", pct(summary.balance_efficiency),
          f"{ms(summary.conv_ideal_s)} / {ms(summary.conv_slowest_s)} ms"),
-        ("imbalance (slowest / mean device)", times(summary.imbalance),
+        ("imbalance (slowest / mean participant)", times(summary.imbalance),
          MISSING if summary.imbalance_layer is None else f"layer {summary.imbalance_layer + 1}"),
         ("model's predicted step (planner, est.)", MISSING if summary.predicted_step_s is None
          else f"{ms(summary.predicted_step_s)} ms",
          MISSING if summary.predicted_step_s is None or split is None
          else f"measured / predicted {split.step_s / summary.predicted_step_s:.2f}"),
-        ("speedup over fastest device alone (est., cost model)", times(summary.speedup),
+        ("speedup over fastest participant alone (est., cost model)", times(summary.speedup),
          MISSING if summary.fastest_device is None else
          f"{summary.fastest_device}: {ms(summary.single_device_step_s)} ms"),
         ("Amdahl bound of the dense part", times(summary.amdahl_bound), "conv, comm = 0"),
     ]
     what_if = summary.what_if
     if what_if is not None:
-        rows += [(f"what if: + a device like {what_if.extra_device or '?'}",
+        rows += [(f"what if: + a participant like {what_if.extra_device or '?'}",
                   f"{ms(what_if.extra_device_step_s)} ms", times(what_if.extra_device_speedup)),
                  ("what if: network twice as fast", f"{ms(what_if.fast_network_step_s)} ms",
                   times(what_if.fast_network_speedup))]
@@ -110,23 +110,24 @@ def overview_table(summary: RunSummary) -> Table:
 def devices_table(summary: RunSummary) -> Table:
     rows = tuple((d.id, d.kind, d.name, ms(d.compute_s), ms(d.wait_s), kib(d.bytes_sent),
                   kib(d.bytes_received), kib(d.peer_bytes)) for d in summary.devices)
-    return Table("Devices (medians per step; sent/received: with the master)",
-                 ("device", "kind", "name", "compute\nms", "waited on\nms", "sent\nKiB",
+    return Table("Participants (medians per step; sent/received: with the master)",
+                 ("participant", "kind", "name", "compute\nms", "waited on\nms", "sent\nKiB",
                   "received\nKiB", "with peers\nKiB"), rows, left_columns=3)
 
 
 def layers_table(summary: RunSummary) -> Table:
     rows = []
-    for device in summary.devices:
-        for row in device.layers:
-            rows.append((str(row.layer + 1), device.id, str(row.kernels), pct(row.kernel_share),
+    for participant in summary.devices:
+        for row in participant.layers:
+            rows.append((str(row.layer + 1), participant.id, str(row.kernels),
+                         pct(row.kernel_share),
                          ms(row.calibration_s), num(row.calibrated_speed), ms(row.compute_s),
                          pct(row.throughput_share), num(row.speed_vs_calibration)))
     rows.sort(key=lambda r: int(r[0]))
     unit = "samples" if summary.split_by == "samples" else "kernels"
-    return Table(f"{unit.capitalize()} per layer and device",
-                 ("layer", "device", unit, f"{unit[:-1]}\nshare", "calib.\nms", "calib.\nspeed",
-                  "compute\nms", "throughput\nshare", "measured\n/ calib."),
+    return Table(f"{unit.capitalize()} per layer and participant",
+                 ("layer", "participant", unit, f"{unit[:-1]}\nshare", "calib.\nms",
+                  "calib.\nspeed", "compute\nms", "throughput\nshare", "measured\n/ calib."),
                  tuple(rows), left_columns=2)
 
 
@@ -152,7 +153,7 @@ def notes(summary: RunSummary) -> list[str]:
     if summary.what_if is not None:
         out += [f"what-if: {note}" for note in summary.what_if.notes]
     if summary.speedup is None and summary.split is not None:
-        out.append("speedup: no device computed kernels in every layer; nothing to compare to")
+        out.append("speedup: no participant computed kernels in every layer; nothing to compare to")
     return out
 
 
@@ -244,7 +245,7 @@ def comparison_table(summaries: Sequence[RunSummary]) -> Table:
     figures: list[tuple[str, list[str]]] = [
         ("mode", [s.mode for s in summaries]),
         ("status", [s.status for s in summaries]),
-        ("devices", [str(sum(1 for d in s.devices if any(r.kernels for r in d.layers)))
+        ("participants", [str(sum(1 for d in s.devices if any(r.kernels for r in d.layers)))
                      for s in summaries]),
         ("steps used", [str(s.steps_used) for s in summaries]),
         ("step time ms", [ms(s.split.step_s if s.split else None) for s in summaries]),
@@ -253,7 +254,7 @@ def comparison_table(summaries: Sequence[RunSummary]) -> Table:
         ("dense ms", [split_cell(s, "dense") for s in summaries]),
         ("balance efficiency", [pct(s.balance_efficiency) for s in summaries]),
         ("imbalance", [times(s.imbalance) for s in summaries]),
-        ("speedup vs fastest device", [times(s.speedup) for s in summaries]),
+        ("speedup vs fastest participant", [times(s.speedup) for s in summaries]),
         ("Amdahl bound", [times(s.amdahl_bound) for s in summaries]),
         ("final test accuracy", [pct(s.final_test_accuracy) for s in summaries]),
     ]

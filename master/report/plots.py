@@ -93,10 +93,10 @@ def time_breakdown(records: RunRecords) -> bytes | None:
 
 
 def kernel_vs_throughput(summary: RunSummary) -> bytes | None:
-    """Per layer, each device's kernel share next to its measured throughput share (%)."""
+    """Per layer, each participant's kernel share next to its measured throughput share (%)."""
     layers = [row.layer for row in summary.layers]
-    devices = [d for d in summary.devices if any(r.kernels for r in d.layers)]
-    if not layers or not devices or summary.steps_used == 0:
+    participants = [d for d in summary.devices if any(r.kernels for r in d.layers)]
+    if not layers or not participants or summary.steps_used == 0:
         return None
     columns = min(len(layers), 3)
     rows = -(-len(layers) // columns)
@@ -104,16 +104,17 @@ def kernel_vs_throughput(summary: RunSummary) -> bytes | None:
     width = 0.38
     for index, layer in enumerate(layers):
         axes = figure.add_subplot(rows, columns, index + 1)
-        positions = list(range(len(devices)))
-        kernel = [100 * d.layers[index].kernel_share for d in devices]
-        throughput = [100 * (d.layers[index].throughput_share or 0.0) for d in devices]
+        positions = list(range(len(participants)))
+        kernel = [100 * d.layers[index].kernel_share for d in participants]
+        throughput = [100 * (d.layers[index].throughput_share or 0.0) for d in participants]
         axes.bar([p - width / 2 for p in positions], kernel, width, color=COLOURS["kernels"],
                  label="kernel share")
         axes.bar([p + width / 2 for p in positions], throughput, width,
                  color=COLOURS["throughput"], label="measured throughput share")
-        axes.set_xticks(positions, [d.id for d in devices], rotation=20 if len(devices) > 3 else 0)
+        axes.set_xticks(positions, [d.id for d in participants],
+                        rotation=20 if len(participants) > 3 else 0)
         axes.set_title(f"layer {layer + 1} ({summary.layers[index].kernels} kernels)")
-        axes.set_xlabel("device")
+        axes.set_xlabel("participant")
         axes.set_ylabel("share of the layer (%)")
         axes.set_ylim(0, 105)
         axes.grid(axis="y", alpha=0.3)
@@ -129,21 +130,23 @@ def _phase_order(step: StepRecord) -> list[tuple[int, str]]:
 
 
 def timeline(records: RunRecords, last: int = TIMELINE_STEPS) -> bytes | None:
-    """Per device, the last steps laid out phase by phase (forward layers, dense,
+    """Per participant, the last steps laid out phase by phase (forward layers, dense,
     backward layers): compute bars, then the time until its result reached the
-    master (transfer and queueing) in grey. A phase is as long as its latest device."""
+    master (transfer and queueing) in grey. A phase is as long as its latest participant."""
     steps = list(records.steps[-last:])
-    devices = sorted({t.device for s in steps for layer in s.layers for t in layer.devices},
-                     key=lambda d: (d != "master", d))
-    if not steps or not devices:
+    participants = sorted({t.participant for s in steps for layer in s.layers
+                           for t in layer.devices},
+                          key=lambda name: (name != "master", name))
+    if not steps or not participants:
         return None
-    if len(devices) > 4:
+    if len(participants) > 4:
         steps = steps[-10:]
     height = 0.5 + 0.16 * len(steps)
-    figure = Figure(figsize=(WIDTH_IN, 0.8 + height * len(devices)), layout="constrained")
-    axes_list = figure.subplots(len(devices), 1, sharex=True, squeeze=False)[:, 0]
-    row_of = {device: axes for device, axes in zip(devices, axes_list)}
-    bars: dict[str, dict[tuple[str, int], list[tuple[float, float]]]] = {d: {} for d in devices}
+    figure = Figure(figsize=(WIDTH_IN, 0.8 + height * len(participants)), layout="constrained")
+    axes_list = figure.subplots(len(participants), 1, sharex=True, squeeze=False)[:, 0]
+    row_of = {participant: axes for participant, axes in zip(participants, axes_list)}
+    bars: dict[str, dict[tuple[str, int], list[tuple[float, float]]]] = {
+        p: {} for p in participants}
     for row, step in enumerate(steps):
         cursor = 0.0
         by_layer = {layer.layer: layer for layer in step.layers}
@@ -158,31 +161,31 @@ def timeline(records: RunRecords, last: int = TIMELINE_STEPS) -> bytes | None:
                 compute = getattr(timing, f"{phase}_s") * 1e3
                 latency = getattr(timing, f"{phase}_latency_s")
                 latency = compute if latency is None else max(latency * 1e3, compute)
-                bars[timing.device].setdefault((phase, row), []).append((cursor, compute))
+                bars[timing.participant].setdefault((phase, row), []).append((cursor, compute))
                 if latency > compute:
-                    bars[timing.device].setdefault(("wait", row), []).append(
+                    bars[timing.participant].setdefault(("wait", row), []).append(
                         (cursor + compute, latency - compute))
                 wall = max(wall, latency)
             cursor += wall
         rest = (step.conv_s + step.dense_s) * 1e3 - cursor
         if rest > 0:  # conv wall time after the results came in: not placed in the metrics
-            for device in devices:
-                bars[device].setdefault(("rest", row), []).append((cursor, rest))
+            for participant in participants:
+                bars[participant].setdefault(("rest", row), []).append((cursor, rest))
     labels = {"forward": "forward compute", "backward": "backward compute + update",
               "wait": "until result at master (transfer, queue)", "dense": "dense part (master)",
               "rest": "rest of the conv wall time (master side, not placed)"}
-    for device, axes in row_of.items():
+    for participant, axes in row_of.items():
         seen: set[str] = set()
-        for (kind, row), spans in bars[device].items():
+        for (kind, row), spans in bars[participant].items():
             axes.broken_barh(spans, (row - 0.4, 0.8), facecolors=COLOURS[kind],
                              edgecolor="white", linewidth=0.4,
                              label=None if kind in seen else labels[kind])
             seen.add(kind)
         axes.set_yticks(range(len(steps)), [str(s.step) for s in steps], fontsize="x-small")
         axes.set_ylim(len(steps) - 0.5, -0.5)
-        axes.set_ylabel(f"{device}\nstep")
+        axes.set_ylabel(f"{participant}\nstep")
         axes.grid(axis="x", alpha=0.3)
-    figure.suptitle(f"Timeline of the last {len(steps)} steps, per device")
+    figure.suptitle(f"Timeline of the last {len(steps)} steps, per participant")
     axes_list[-1].set_xlabel("time since the step started (ms)")
     handles: dict[str, Artist] = {}
     for axes in axes_list:

@@ -5,7 +5,9 @@ Reads ``config.json`` (optional) and ``metrics.jsonl`` (schema in
 cut-off or non-JSON line with a logging warning; those warnings are captured here
 too and kept in :attr:`RunRecords.warnings`, so the report can show them. Works on
 a run still in progress (no ``epoch`` or ``run_end`` yet) and on a local run (no
-``calibration`` records, one device ``"master"``). Nothing here computes figures;
+``calibration`` records, one participant ``"master"``). A participant's id is read
+through :func:`hetconv.metrics.participant_of`, so files written before its key was
+``participant`` (it was ``device``) read the same. Nothing here computes figures;
 that is :mod:`master.report.analysis`.
 
 A step replayed after a recovery, or again after a ``--resume``, has several ``step``
@@ -27,15 +29,16 @@ from typing import Any
 
 from hetconv.errors import UserError
 from hetconv.master.report.events import CheckpointRecord, MembershipEvent, membership_events
-from hetconv.metrics import iter_metrics
+from hetconv.metrics import iter_metrics, participant_of
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.json"
 
 
 @dataclass(frozen=True)
-class DeviceInfo:
-    """One participant as described by the ``devices`` record."""
+class ParticipantInfo:
+    """One participant as described by the ``devices`` record (``device``: what it
+    computes on, ``cpu`` or ``gpu:N``)."""
 
     id: str
     kind: str = "?"
@@ -47,10 +50,10 @@ class DeviceInfo:
 
 
 @dataclass(frozen=True)
-class CalibratedDevice:
-    """One device in a layer's calibration: its timing and the kernels it was given."""
+class CalibratedParticipant:
+    """One participant in a layer's calibration: its timing and the kernels it was given."""
 
-    device: str
+    participant: str
     seconds: float
     kernels: int
     share: float
@@ -64,14 +67,14 @@ class LayerCalibration:
     split: str
     kernels: int
     calibrated_kernels: int
-    devices: tuple[CalibratedDevice, ...]
+    devices: tuple[CalibratedParticipant, ...]  # the record's ``devices`` list
 
 
 @dataclass(frozen=True)
-class DeviceTiming:
-    """One device's share of one conv layer in one step (seconds, bytes)."""
+class ParticipantTiming:
+    """One participant's share of one conv layer in one step (seconds, bytes)."""
 
-    device: str
+    participant: str
     kernels: int
     forward_s: float
     backward_s: float
@@ -82,23 +85,23 @@ class DeviceTiming:
     bytes_received: int = 0
     peer_bytes_sent: int = 0  # worker-to-worker traffic (peer data plane)
     peer_bytes_received: int = 0
-    by_samples: bool = False  # a sample split: ``kernels`` counts this device's samples
+    by_samples: bool = False  # a sample split: ``kernels`` counts its samples
 
     @property
     def compute_s(self) -> float:
-        """Forward plus backward compute seconds measured on the device."""
+        """Forward plus backward compute seconds measured by the participant."""
         return self.forward_s + self.backward_s
 
     @property
     def peer_bytes(self) -> int:
-        """Bytes the device exchanged with other workers (both directions)."""
+        """Bytes the participant exchanged with other workers (both directions)."""
         return self.peer_bytes_sent + self.peer_bytes_received
 
 
 @dataclass(frozen=True)
 class LayerTiming:
     layer: int
-    devices: tuple[DeviceTiming, ...]
+    devices: tuple[ParticipantTiming, ...]  # the record's ``devices`` list
 
 
 @dataclass(frozen=True)
@@ -147,7 +150,7 @@ class RunRecords:
     run_dir: str
     config: dict[str, Any]
     layers: tuple[LayerShape, ...]
-    devices: tuple[DeviceInfo, ...]
+    devices: tuple[ParticipantInfo, ...]  # the ``devices`` record
     calibration: tuple[LayerCalibration, ...]
     steps: tuple[StepRecord, ...]
     epochs: tuple[EpochRecord, ...]
@@ -200,45 +203,49 @@ def _opt_int(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
-def _device_info(raw: dict[str, Any]) -> DeviceInfo:
-    return DeviceInfo(id=str(raw["id"]), kind=str(raw.get("kind") or "?"),
-                      name=str(raw.get("name") or "?"), device=str(raw.get("device") or "?"),
-                      hostname=str(raw.get("hostname") or "?"), cores=_opt_int(raw.get("cores")),
-                      threads=_opt_int(raw.get("threads")))
+def _participant_info(raw: dict[str, Any]) -> ParticipantInfo:
+    return ParticipantInfo(id=str(raw["id"]), kind=str(raw.get("kind") or "?"),
+                           name=str(raw.get("name") or "?"),
+                           device=str(raw.get("device") or "?"),
+                           hostname=str(raw.get("hostname") or "?"),
+                           cores=_opt_int(raw.get("cores")),
+                           threads=_opt_int(raw.get("threads")))
 
 
 def _calibration(raw: dict[str, Any]) -> LayerCalibration:
-    devices = tuple(CalibratedDevice(device=str(d["device"]), seconds=float(d["seconds"]),
-                                     # work units: samples under the sample split
-                                     kernels=int(d["samples"] if raw.get("split_by") == "samples"
-                                                 else d["kernels"]),
-                                     share=float(d.get("share", 0.0)),
-                                     fixed_s=_opt_float(d.get("fixed_s")),
-                                     per_kernel_s=_opt_float(d.get("per_kernel_s")))
+    by_samples = raw.get("split_by") == "samples"  # work units: samples, not kernels
+    devices = tuple(CalibratedParticipant(participant=participant_of(d),
+                                          seconds=float(d["seconds"]),
+                                          kernels=int(d["samples"] if by_samples
+                                                      else d["kernels"]),
+                                          share=float(d.get("share", 0.0)),
+                                          fixed_s=_opt_float(d.get("fixed_s")),
+                                          per_kernel_s=_opt_float(d.get("per_kernel_s")))
                     for d in raw["devices"])
     return LayerCalibration(layer=int(raw["layer"]), split=str(raw.get("split", "?")),
                             kernels=int(raw["kernels"]),
                             calibrated_kernels=int(raw["calibrated_kernels"]), devices=devices)
 
 
-def _device_timing(raw: dict[str, Any]) -> DeviceTiming:
+def _participant_timing(raw: dict[str, Any]) -> ParticipantTiming:
     by_samples = raw.get("split_by") == "samples"  # work units: samples, not kernels
-    return DeviceTiming(device=str(raw["device"]),
-                        kernels=int(raw["samples"] if by_samples else raw["kernels"]),
-                        by_samples=by_samples,
-                        forward_s=float(raw["forward_s"]), backward_s=float(raw["backward_s"]),
-                        wait_s=float(raw.get("wait_s", 0.0)),
-                        forward_latency_s=_opt_float(raw.get("forward_latency_s")),
-                        backward_latency_s=_opt_float(raw.get("backward_latency_s")),
-                        bytes_sent=int(raw.get("bytes_sent", 0)),
-                        bytes_received=int(raw.get("bytes_received", 0)),
-                        peer_bytes_sent=int(raw.get("peer_bytes_sent", 0)),
-                        peer_bytes_received=int(raw.get("peer_bytes_received", 0)))
+    return ParticipantTiming(participant=participant_of(raw),
+                             kernels=int(raw["samples"] if by_samples else raw["kernels"]),
+                             by_samples=by_samples,
+                             forward_s=float(raw["forward_s"]),
+                             backward_s=float(raw["backward_s"]),
+                             wait_s=float(raw.get("wait_s", 0.0)),
+                             forward_latency_s=_opt_float(raw.get("forward_latency_s")),
+                             backward_latency_s=_opt_float(raw.get("backward_latency_s")),
+                             bytes_sent=int(raw.get("bytes_sent", 0)),
+                             bytes_received=int(raw.get("bytes_received", 0)),
+                             peer_bytes_sent=int(raw.get("peer_bytes_sent", 0)),
+                             peer_bytes_received=int(raw.get("peer_bytes_received", 0)))
 
 
 def _step(raw: dict[str, Any]) -> StepRecord:
     layers = tuple(LayerTiming(layer=int(layer["layer"]),
-                               devices=tuple(_device_timing(d) for d in layer["devices"]))
+                               devices=tuple(_participant_timing(d) for d in layer["devices"]))
                    for layer in raw.get("layers", []))
     return StepRecord(epoch=int(raw["epoch"]), step=int(raw["step"]), loss=float(raw["loss"]),
                       accuracy=float(raw["accuracy"]), images=int(raw.get("images", 0)),
@@ -291,7 +298,7 @@ def check_run_dir(run_dir: str | Path) -> Path:
 def _dispatch(records: list[dict[str, Any]], warnings: list[str]) -> Iterator[tuple[str, Any]]:
     """(record type, parsed object) per usable record; malformed ones become warnings."""
     parsers: dict[str, Callable[[dict[str, Any]], Any]] = {
-        "devices": lambda r: tuple(_device_info(d) for d in r["devices"]),
+        "devices": lambda r: tuple(_participant_info(d) for d in r["devices"]),
         "calibration": _calibration, "step": _step, "epoch": _epoch,
         "run_start": lambda r: r, "run_end": lambda r: r,
         "plan": lambda r: (None if r.get("predicted_step_s") is None
@@ -316,7 +323,7 @@ def parse_run(run_dir: str | Path) -> RunRecords:
                         "is the run still starting?")
     config = _read_config(directory, warnings)
     layers: tuple[LayerShape, ...] = ()
-    devices: tuple[DeviceInfo, ...] = ()
+    devices: tuple[ParticipantInfo, ...] = ()
     calibration: dict[int, LayerCalibration] = {}
     steps: dict[int, StepRecord] = {}  # the last record of each step counts
     step_records = 0

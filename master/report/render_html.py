@@ -3,8 +3,8 @@
 Everything is inline: CSS in a ``<style>`` element, pictures as base64 PNG
 ``data:`` URLs (see :mod:`master.report.plots`); no scripts, no web fonts, no
 links to anything outside the file. The tables are those of
-:mod:`master.report.format`. All text that comes from the run (device names,
-paths, warnings) is escaped with :func:`html.escape`.
+:mod:`master.report.format`. All text that comes from the run (participant and device
+names, paths, warnings) is escaped with :func:`html.escape`.
 """
 from __future__ import annotations
 
@@ -55,28 +55,28 @@ footer { margin-top: 3em; color: #777; font-size: 0.85em; }
 
 DEFINITIONS = [
     ("communication", ("comm_s: per layer and phase, the phase's wall time minus the slowest "
-     "device's compute time, summed (transfer and serialization on the critical path).")),
+     "participant's compute time, summed (transfer and serialization on the critical path).")),
     ("after the last result arrived", ("conv_s minus, per layer and phase, the latest "
-     "device's latency (from the phase's start to its result in the master's hands), summed: "
-     "conv time the master spends once the results are in (waking up, gathering, summing, "
-     "concatenating); mostly counted in communication.")),
-    ("distributed conv", "conv_s - comm_s: the slowest device's compute, layer by layer."),
+     "participant's latency (from the phase's start to its result in the master's hands), "
+     "summed: conv time the master spends once the results are in (waking up, gathering, "
+     "summing, concatenating); mostly counted in communication.")),
+    ("distributed conv", "conv_s - comm_s: the slowest participant's compute, layer by layer."),
     ("dense part", "dense_s: the master's fully connected layer, loss and its update."),
-    ("balance efficiency", ("per step, layer and phase: ideal = K / sum over devices of "
+    ("balance efficiency", ("per step, layer and phase: ideal = K / sum over participants of "
      "(kernels / seconds), the kernels divided in proportion to measured speeds; slowest = "
-     "the slowest device's seconds. Efficiency = median of the summed ideal over median of "
-     "the summed slowest (1.0 = perfectly balanced).")),
-    ("imbalance", ("per step and layer, the slowest device's forward+backward time over the "
-     "devices' mean; the median over steps; the worst layer is shown.")),
-    ("speedup over the fastest device", ("estimate: each device alone would need sum over "
-     "layers of K * (its median seconds / its kernels); the fastest such device plus the "
+     "the slowest participant's seconds. Efficiency = median of the summed ideal over median "
+     "of the summed slowest (1.0 = perfectly balanced).")),
+    ("imbalance", ("per step and layer, the slowest participant's forward+backward time over "
+     "the participants' mean; the median over steps; the worst layer is shown.")),
+    ("speedup over the fastest participant", ("estimate: each participant alone would need "
+     "sum over layers of K * (its median seconds / its kernels); the fastest such one plus the "
      "dense time, over the measured median step time.")),
-    ("Amdahl bound", ("(fastest single-device conv time + dense) / dense: the speedup if the "
-     "conv part and communication took no time at all.")),
-    ("what if", ("one more device like the fastest: the conv part scales as the ideal time "
-     "with that device's speed added (balance efficiency kept), communication by (W+1)/W "
-     "for W workers (the input goes to every worker). Network twice as fast: the median "
-     "step time minus half the median communication.")),
+    ("Amdahl bound", ("(fastest single-participant conv time + dense) / dense: the speedup if "
+     "the conv part and communication took no time at all.")),
+    ("what if", ("one more participant like the fastest: the conv part scales as the ideal "
+     "time with that participant's speed added (balance efficiency kept), communication by "
+     "(W+1)/W for W workers (the input goes to every worker). Network twice as fast: the "
+     "median step time minus half the median communication.")),
     ("replayed steps", ("a step replayed after a recovery, or again after --resume, has "
      "several step records; the last one counts, in every figure and plot.")),
     ("snapshot cost per step", ("the checkpoint records' seconds (pulling every shard's state, "
@@ -137,20 +137,20 @@ def run_body(records: RunRecords, summary: RunSummary, level: int = 2) -> str:
         parts.append("<p>The vertical lines mark the membership events listed under "
                      "<em>Membership and re-plans</em>; a replayed step is drawn once, with "
                      "its last record.</p>")
-    parts += [f"<{h}>Devices</{h}>", _table(devices, caption=True)]
+    parts += [f"<{h}>Participants</{h}>", _table(devices, caption=True)]
     parts += [f"<{h}>Kernel split against measured throughput</{h}>",
-              ("<p>Balanced when each device's kernel share equals its share of the layer's "
+              ("<p>Balanced when each participant's kernel share equals its share of the layer's "
               "measured throughput (kernels per second).</p>"),
               _image(plots.kernel_vs_throughput(summary),
-                     "per layer, kernel share and measured throughput share of each device"),
+                     "per layer, kernel share and measured throughput share of each participant"),
               _table(layers, caption=True), _table(balance, caption=True)]
     parts += [f"<{h}>Timeline</{h}>",
               ("<p>Each step laid out phase by phase (forward layers, the dense part, backward "
-               "layers in reverse); a phase lasts as long as its latest device. What is left of "
-               "the step's conv wall time after that (master-side gaps, which the metrics do "
+               "layers in reverse); a phase lasts as long as its latest participant. What is left "
+               "of the step's conv wall time after that (master-side gaps, which the metrics do "
                "not place) is drawn at the end.</p>"),
-              _image(plots.timeline(records), "per device timeline of the last steps: forward, "
-                     "backward and waiting time per layer")]
+              _image(plots.timeline(records), "per participant timeline of the last steps: "
+                     "forward, backward and waiting time per layer")]
     scaling = plots.predicted_scaling(records)
     parts += [f"<{h}>Predicted scaling (model estimate)</{h}>",
               ("<p>The performance model's step time for 1 to 128 machines like the run's "

@@ -3,8 +3,11 @@ computes and the renderers show).
 
 Times are seconds (``_s``), sizes bytes, shares and efficiencies fractions
 (0..1), ratios plain numbers (1.0 = equal). ``None`` means "cannot be computed
-from this run" (no steps yet, a device without kernels in a layer, a local run
-without calibration). Layers are numbered from 0, as in ``metrics.jsonl``.
+from this run" (no steps yet, a participant without kernels in a layer, a local run
+without calibration). Layers are numbered from 0, as in ``metrics.jsonl``. The names
+with ``device`` in them (``DeviceSummary``, ``devices``, ``fastest_device``, ...) are
+about participants; they are the keys of ``hetconv report --json``
+(:mod:`master.report.json_out`, ``hetconv-report/1``) and keep their spelling.
 """
 from __future__ import annotations
 
@@ -16,28 +19,30 @@ from hetconv.master.report.records import EpochRecord
 
 @dataclass(frozen=True)
 class DeviceLayer:
-    """One device in one conv layer."""
+    """One participant in one conv layer."""
 
     layer: int
     kernels: int
     kernel_share: float  # kernels / layer kernels
     calibration_s: float | None  # calibration block forward+backward time (equal share)
-    calibrated_speed: float | None  # fastest calibration time / this device's (1.0 = fastest)
+    calibrated_speed: float | None  # fastest calibration time / this one's (1.0 = fastest)
     compute_s: float | None  # median forward+backward compute seconds per step
-    throughput_share: float | None  # k/c~ over the sum of k/c~ of the layer's devices
+    throughput_share: float | None  # k/c~ over the sum of k/c~ of the layer's participants
     speed_vs_calibration: float | None  # measured kernels/s over calibrated kernels/s
 
 
 @dataclass(frozen=True)
 class DeviceSummary:
+    """One participant (``id``) over the run."""
+
     id: str
     kind: str
     name: str
     layers: tuple[DeviceLayer, ...]
     compute_s: float | None  # median per step of forward+backward summed over layers
     wait_s: float | None  # median per step of the time the master waited on it
-    bytes_sent: float | None  # median per step, master -> device
-    bytes_received: float | None  # median per step, device -> master
+    bytes_sent: float | None  # median per step, master -> participant
+    bytes_received: float | None  # median per step, participant -> master
     single_device_conv_s: float | None  # estimate from the cost fit (None: not in every layer)
     peer_bytes: float | None = None  # median per step, worker <-> worker (peer plane)
 
@@ -55,7 +60,7 @@ class TimeSplit:
     conv_fraction: float
     dense_fraction: float
     other_fraction: float
-    # median of conv_s minus, per layer and phase, the latest device's latency summed:
+    # median of conv_s minus, per layer and phase, the latest participant's latency summed:
     # conv wall time after the last result was in the master's hands (None: no latencies)
     after_results_s: float | None = None
 
@@ -73,7 +78,7 @@ class LayerBalance:
 @dataclass(frozen=True)
 class WhatIf:
     step_s: float  # the measured median step time both predictions start from
-    extra_device: str | None  # the device a new one would be a copy of (the fastest)
+    extra_device: str | None  # the participant a new one would be a copy of (the fastest)
     extra_device_step_s: float | None
     extra_device_speedup: float | None  # step_s / extra_device_step_s
     fast_network_step_s: float

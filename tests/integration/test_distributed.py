@@ -56,7 +56,7 @@ def test_two_workers_reproduce_local_run(endpoint: str, workers: Any, tmp_path: 
     assert len(calibrations) == 2
     assert all(sum(d["kernels"] for d in c["devices"]) == c["kernels"] for c in calibrations)
     steps = [r for r in records if r["type"] == "step"]
-    devices = {d["device"] for s in steps for layer in s["layers"] for d in layer["devices"]}
+    devices = {d["participant"] for s in steps for layer in s["layers"] for d in layer["devices"]}
     assert devices <= {"master", "w1", "w2"} and {"w1", "w2"} & devices
 
 
@@ -169,6 +169,6 @@ def test_float16_on_the_wire_halves_traffic_and_still_trains(endpoint: str, work
                - epoch_records(local_reference)[0]["test_accuracy"]) <= 0.02
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     step = next(r for r in records if r["type"] == "step" and r["step"] == 1)
-    first = next(d for d in step["layers"][0]["devices"] if d["device"] != "master")
+    first = next(d for d in step["layers"][0]["devices"] if d["participant"] != "master")
     layer_input = 64 * 1 * 28 * 28  # batch 64 of 1x28x28 images
     assert first["bytes_sent"] == layer_input * 2 + 64 * first["kernels"] * 12 * 12 * 2

@@ -49,8 +49,8 @@ def holders_now(run_dir: Path) -> list[str]:
     steps = [r for r in records(run_dir) if r["type"] == "step"]
     if not steps:
         return []
-    return sorted({d["device"] for layer in steps[-1]["layers"] for d in layer["devices"]
-                   if d["kernels"] > 0 and d["device"] != "master"})
+    return sorted({d["participant"] for layer in steps[-1]["layers"] for d in layer["devices"]
+                   if d["kernels"] > 0 and d["participant"] != "master"})
 
 
 def finish(master: Any) -> tuple[str, str]:
@@ -78,7 +78,7 @@ def assert_completed(run_dir: Path, victim: str) -> list[dict[str, Any]]:
 
 def joins_of(events: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
     return [r for r in events if r["type"] == "replan" and r["reason"].startswith("join")
-            and any(d["device"] == name and d["kernels"] > 0
+            and any(d["participant"] == name and d["kernels"] > 0
                     for layer in r["counts"] for d in layer["devices"])]
 
 
@@ -98,7 +98,7 @@ def turn_a_holder_bad(run_dir: Path, flags: dict[str, Path]) -> str:
         if any(r["type"] == "recovery" and r["participant"] == bad for r in events):
             return bad  # seen wrong already
         steps = [r for r in events if r["type"] == "step"]
-        if steps and any(d["device"] == bad and d["kernels"] > 0
+        if steps and any(d["participant"] == bad and d["kernels"] > 0
                          for layer in steps[-1]["layers"] for d in layer["devices"]):
             return bad  # wrong while holding kernels: the next check or audit sees it
         flags[bad].unlink()
@@ -154,7 +154,7 @@ def test_a_lost_worker_costs_at_most_two_recoveries(endpoint: str, workers: Any,
     for replan in (r for r in events if r["type"] in ("replan", "rebalance")):
         if replan["time"] >= recovered_at and not replan["reason"].startswith("join"):
             held = [d for layer in replan["counts"] for d in layer["devices"]
-                    if d["device"] == victim and d["kernels"] > 0]
+                    if d["participant"] == victim and d["kernels"] > 0]
             if joins_of([r for r in events if r["time"] <= replan["time"]], victim):
                 continue  # back through a join: it may hold kernels again
             assert not held, f"{victim} was put back into the plan it left: {replan}"
@@ -184,4 +184,4 @@ def test_a_worker_answering_wrong_results_is_evicted_for_good(
     assert not joins_of(events, bad), "a worker evicted for wrong results was taken back"
     last = [r for r in events if r["type"] == "step"][-1]
     assert all(d["kernels"] == 0 for layer in last["layers"] for d in layer["devices"]
-               if d["device"] == bad)
+               if d["participant"] == bad)

@@ -26,7 +26,7 @@ def steps_of(run_dir: Path) -> list[dict[str, Any]]:
 def master_link_bytes(step: dict[str, Any]) -> int:
     """Array bytes on the master's link in one step: every worker's bytes_sent + received."""
     return sum(d["bytes_sent"] + d["bytes_received"] for layer in step["layers"]
-               for d in layer["devices"] if d["device"] != "master")
+               for d in layer["devices"] if d["participant"] != "master")
 
 
 @pytest.mark.timeout(180)
@@ -48,7 +48,7 @@ def test_two_workers_and_the_master_reproduce_the_local_run(endpoint: str, worke
         np.testing.assert_allclose(peer_w[name], local_w[name], rtol=1e-3, atol=1e-4)
     step = steps_of(run_dir)[1]
     w1 = {layer["layer"]: d for layer in step["layers"] for d in layer["devices"]
-          if d["device"] == "w1"}
+          if d["participant"] == "w1"}
     assert w1[0]["peer_bytes_sent"] > 0 and w1[1]["peer_bytes_received"] > 0
     config = json.loads((run_dir / "config.json").read_text())
     assert config["data_plane"] == "peer"

@@ -29,7 +29,7 @@ def records(run_dir: Path, kind: str) -> list[dict[str, Any]]:
 
 def kernels_of(step: dict[str, Any], participant: str) -> int:
     return sum(d["kernels"] for layer in step["layers"] for d in layer["devices"]
-               if d["device"] == participant)
+               if d["participant"] == participant)
 
 
 @pytest.mark.timeout(240)

@@ -74,9 +74,9 @@ def test_terminal_and_json_figures(distributed_run: Path) -> None:
     assert max(len(line) for line in text.splitlines()) <= 100
     assert re.search(rf"median step time\s+{median_step_ms:.1f} ms", text), text
     for calibration in (r for r in records if r["type"] == "calibration"):
-        for device in calibration["devices"]:
-            row = rf"^{calibration['layer'] + 1}\s+{re.escape(device['device'])}\s+" \
-                  rf"{device.get('samples', device['kernels'])}\s"
+        for entry in calibration["devices"]:
+            row = rf"^{calibration['layer'] + 1}\s+{re.escape(entry['participant'])}\s+" \
+                  rf"{entry.get('samples', entry['kernels'])}\s"
             assert re.search(row, text, re.MULTILINE), (row, text)
     assert (distributed_run / "report.html").is_file()
 
@@ -89,10 +89,10 @@ def test_terminal_and_json_figures(distributed_run: Path) -> None:
     assert {"w1", "w2"} <= set(kernels)
     last = used[-1]
     for layer in last["layers"]:
-        for device in layer["devices"]:
+        for entry in layer["devices"]:
             # work units: kernels, or samples under the sample split
-            assert kernels[device["device"]][layer["layer"]] == device.get("samples",
-                                                                          device["kernels"])
+            assert kernels[entry["participant"]][layer["layer"]] == entry.get("samples",
+                                                                             entry["kernels"])
     assert 0 < data["balance_efficiency"] <= 1.05
 
 

@@ -48,15 +48,15 @@ def test_two_workers_and_the_master_reproduce_the_local_run(
         np.testing.assert_allclose(dist_w[name], local_w[name], rtol=1e-3, atol=1e-4)
     steps = _records(run_dir, "step")
     for step in steps:
-        samples = {d["device"]: d["samples"] for d in step["layers"][0]["devices"]}
+        samples = {d["participant"]: d["samples"] for d in step["layers"][0]["devices"]}
         assert set(samples) <= {"master", "w1", "w2"} and sum(samples.values()) == 64
     # both workers computed (the re-slicing may later leave one out on a busy host)
-    assert {"w1", "w2"} <= {d["device"] for d in steps[0]["layers"][0]["devices"]
+    assert {"w1", "w2"} <= {d["participant"] for d in steps[0]["layers"][0]["devices"]
                             if d["samples"] > 0}
     # who carried the weight gradients: the peers (default) or the master's link (star)
     peer_bytes = {name: sum(d.get("peer_bytes_sent", 0) for step in steps
                             for layer in step["layers"] for d in layer["devices"]
-                            if d["device"] == name) for name in ("w1", "w2")}
+                            if d["participant"] == name) for name in ("w1", "w2")}
     if plane:
         assert peer_bytes == {"w1": 0, "w2": 0}
     else:
@@ -86,7 +86,7 @@ def test_workers_slower_than_the_master_alone_are_dropped_and_the_run_stays_exac
     assert replans[0]["measured_step_s"] > replans[0]["alone_step_s"]
     steps = _records(run_dir, "step")
     after = [s for s in steps if s["step"] >= 20]
-    assert after and all({d["device"] for layer in s["layers"] for d in layer["devices"]}
+    assert after and all({d["participant"] for layer in s["layers"] for d in layer["devices"]}
                          <= {"master"} for s in after)
     assert_reproduces(run_dir, local_reference)
 
@@ -122,7 +122,7 @@ def test_a_worker_without_samples_keeps_its_replica_in_step(endpoint: str, worke
     assert result.returncode == 0, result.stderr
     assert not _records(run_dir, "recovery"), result.stdout
     steps = _records(run_dir, "step")
-    idle = {d["device"] for s in steps for d in s["layers"][0]["devices"]}
+    idle = {d["participant"] for s in steps for d in s["layers"][0]["devices"]}
     assert len(idle) < 4  # the slices are the same every step: one participant sits out
     local_losses = [r["loss"] for r in _records(local_dir, "step")]
     np.testing.assert_allclose([r["loss"] for r in steps], local_losses, rtol=1e-4)

@@ -85,8 +85,8 @@ def holders_now(run_dir: Path) -> list[str]:
     if not splits:
         return []
     layers = splits[-1]["layers" if splits[-1]["type"] == "step" else "counts"]
-    return sorted({d["device"] for layer in layers for d in layer["devices"]
-                   if d["kernels"] > 0 and d["device"] != "master"})
+    return sorted({d["participant"] for layer in layers for d in layer["devices"]
+                   if d["kernels"] > 0 and d["participant"] != "master"})
 
 
 def nobody_away(run_dir: Path, since: float) -> bool:
@@ -98,7 +98,7 @@ def nobody_away(run_dir: Path, since: float) -> bool:
 
 
 def gives_kernels(record: dict[str, Any], name: str) -> bool:
-    return any(d["device"] == name and d["kernels"] > 0
+    return any(d["participant"] == name and d["kernels"] > 0
                for layer in record["counts"] for d in layer["devices"])
 
 
@@ -419,5 +419,5 @@ def test_a_machine_that_slows_down_loses_kernels(endpoint: str, workers: Any,
 
     def kernels(record: dict[str, Any], who: str) -> int:
         return sum(d["kernels"] for layer in record["counts"] for d in layer["devices"]
-                   if d["device"] == who)
+                   if d["participant"] == who)
     assert kernels(after[0], "busy") < kernels(after[0], "steady")

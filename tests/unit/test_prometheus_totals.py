@@ -16,7 +16,7 @@ def step(number: int, time: float, kernels: dict[str, int]) -> dict[str, object]
             "accuracy": 0.5, "images": 64, "learning_rate": 0.05, "step_s": 0.25,
             "conv_s": 0.2, "dense_s": 0.01, "comm_s": 0.05, "data_s": 0.0,
             "layers": [{"layer": 0, "devices": [
-                {"device": name, "kernels": count, "forward_s": 0.01, "backward_s": 0.02,
+                {"participant": name, "kernels": count, "forward_s": 0.01, "backward_s": 0.02,
                  "wait_s": 0.005, "bytes_sent": 1000, "bytes_received": 500}
                 for name, count in kernels.items()]}]}
 
@@ -29,8 +29,8 @@ def test_records_fold_into_totals() -> None:
                                          "name": "EPYC", "hostname": "h1"},
                                         {"id": "b", "device": "gpu:0", "kind": "gpu",
                                          "name": "T4", "hostname": "h2"}]},
-        {"type": "calibration", "layer": 0, "devices": [{"device": "a", "seconds": 0.5},
-                                                        {"device": "b", "seconds": 0.1}]},
+        {"type": "calibration", "layer": 0, "devices": [{"participant": "a", "seconds": 0.5},
+                                                        {"participant": "b", "seconds": 0.1}]},
         {"type": "checkpoint", "seconds": 0.3},
         step(0, 100.0, {"a": 2, "b": 6}),
         {"type": "recovery", "gone": True},

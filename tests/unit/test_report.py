@@ -19,10 +19,10 @@ from hetconv.master.report.render_text import WIDTH, render_comparison, render_r
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def device(name: str, kernels: int, forward_s: float, backward_s: float, wait_s: float = 0.0,
+def timing(name: str, kernels: int, forward_s: float, backward_s: float, wait_s: float = 0.0,
            sent: int = 0, received: int = 0) -> dict[str, Any]:
-    return {"device": name, "kernels": kernels, "forward_s": forward_s, "backward_s": backward_s,
-            "wait_s": wait_s, "forward_latency_s": forward_s + wait_s,
+    return {"participant": name, "kernels": kernels, "forward_s": forward_s,
+            "backward_s": backward_s, "wait_s": wait_s, "forward_latency_s": forward_s + wait_s,
             "backward_latency_s": backward_s, "bytes_sent": sent, "bytes_received": received}
 
 
@@ -53,7 +53,7 @@ def calibration(layer: int, kernels: int, calibrated: int,
                 timings: list[tuple[str, float, int]]) -> dict[str, Any]:
     start, entries = 0, []
     for name, seconds, count in timings:
-        entries.append({"device": name, "seconds": seconds, "kernels": count,
+        entries.append({"participant": name, "seconds": seconds, "kernels": count,
                         "kernel_start": start, "kernel_stop": start + count,
                         "share": count / kernels})
         start += count
@@ -76,10 +76,10 @@ def write_run(directory: Path, records: list[dict[str, Any]], tail: str = "") ->
 
 def two_device_layers(w1_layer1_forward_s: float) -> list[list[dict[str, Any]]]:
     """Layer 0 (4 kernels): master 1, w1 3; layer 1 (8 kernels): master 2, w1 6."""
-    return [[device("master", 1, 0.005, 0.010),
-             device("w1", 3, 0.005, 0.005, wait_s=0.002, sent=1000, received=500)],
-            [device("master", 2, 0.010, 0.020),
-             device("w1", 6, w1_layer1_forward_s, 0.015, wait_s=0.003, sent=2000, received=700)]]
+    return [[timing("master", 1, 0.005, 0.010),
+             timing("w1", 3, 0.005, 0.005, wait_s=0.002, sent=1000, received=500)],
+            [timing("master", 2, 0.010, 0.020),
+             timing("w1", 6, w1_layer1_forward_s, 0.015, wait_s=0.003, sent=2000, received=700)]]
 
 
 def two_device_records(with_end: bool = True) -> list[dict[str, Any]]:
@@ -203,8 +203,8 @@ def test_truncated_last_line_is_skipped_with_a_visible_warning(
 
 
 def test_device_with_zero_kernels_in_a_layer(tmp_path: Path) -> None:
-    layers = [[device("master", 1, 0.005, 0.010), device("w1", 3, 0.005, 0.005)],
-              [device("w1", 8, 0.020, 0.020)]]  # the master got none of layer 1
+    layers = [[timing("master", 1, 0.005, 0.010), timing("w1", 3, 0.005, 0.005)],
+              [timing("w1", 8, 0.020, 0.020)]]  # the master got none of layer 1
     records = [run_start(), devices_record(("master", "cpu"), ("w1", "gpu")),
                calibration(0, 4, 2, [("master", 0.02, 1), ("w1", 0.01, 3)]),
                calibration(1, 8, 4, [("master", 0.2, 0), ("w1", 0.02, 8)]),
@@ -225,7 +225,7 @@ def test_device_with_zero_kernels_in_a_layer(tmp_path: Path) -> None:
 
 
 def test_local_run(tmp_path: Path) -> None:
-    layers = [[device("master", 4, 0.004, 0.006)], [device("master", 8, 0.010, 0.010)]]
+    layers = [[timing("master", 4, 0.004, 0.006)], [timing("master", 8, 0.010, 0.010)]]
     records = [run_start("local"), devices_record(("master", "cpu")),
                *[step(n, 0.035, 0.030, 0.0, 0.005, layers) for n in range(3)], epoch_record(),
                {"type": "run_end", "time": 2001.0, "status": "completed", "error": None}]

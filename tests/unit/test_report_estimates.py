@@ -4,11 +4,11 @@ from __future__ import annotations
 import pytest
 
 from hetconv.master.report.analysis import single_device_conv_s
-from hetconv.master.report.records import DeviceTiming
+from hetconv.master.report.records import ParticipantTiming
 
 
-def timing(kernels: int, compute_s: float) -> DeviceTiming:
-    return DeviceTiming(device="w", kernels=kernels, forward_s=compute_s / 3,
+def timing(kernels: int, compute_s: float) -> ParticipantTiming:
+    return ParticipantTiming(participant="w", kernels=kernels, forward_s=compute_s / 3,
                         backward_s=2 * compute_s / 3, peer_bytes_sent=5, peer_bytes_received=7)
 
 

@@ -17,19 +17,19 @@ from hetconv.master.report.records import parse_run
 from hetconv.master.report.render_text import WIDTH, render_run
 from tests.unit.test_report import (
     calibration,
-    device,
     devices_record,
     epoch_record,
     run_start,
     step,
+    timing,
     write_run,
 )
 
 
 def layers(*holders: str) -> list[list[dict[str, Any]]]:
     """Layer 0 (4 kernels) and layer 1 (8 kernels) split equally over ``holders``."""
-    return [[device(name, 4 // len(holders), 0.004, 0.006) for name in holders],
-            [device(name, 8 // len(holders), 0.008, 0.012) for name in holders]]
+    return [[timing(name, 4 // len(holders), 0.004, 0.006) for name in holders],
+            [timing(name, 8 // len(holders), 0.008, 0.012) for name in holders]]
 
 
 def timed(record: dict[str, Any], time: float) -> dict[str, Any]:
@@ -42,7 +42,7 @@ def checkpoint(number: int, time: float, seconds: float = 0.010) -> dict[str, An
 
 
 def counts(split: dict[str, tuple[int, int]]) -> list[dict[str, Any]]:
-    return [{"layer": layer, "devices": [{"device": name, "kernels": kernels[layer]}
+    return [{"layer": layer, "devices": [{"participant": name, "kernels": kernels[layer]}
                                          for name, kernels in split.items()]}
             for layer in (0, 1)]
 
@@ -74,9 +74,9 @@ def faulty_run() -> list[dict[str, Any]]:
                  "reason": "w1 measured 0.8 of calibrated; step 120 -> 100 ms",
                  "old_predicted_step_s": 0.12, "new_predicted_step_s": 0.10,
                  "counts": [{"layer": layer, "devices": [
-                     {"device": "master", "kernels": k[0], "scale": 1.0},
-                     {"device": "w1", "kernels": k[1], "scale": 0.8},
-                     {"device": "w2", "kernels": 0, "scale": 1.0}]}
+                     {"participant": "master", "kernels": k[0], "scale": 1.0},
+                     {"participant": "w1", "kernels": k[1], "scale": 0.8},
+                     {"participant": "w2", "kernels": 0, "scale": 1.0}]}
                      for layer, k in ((0, (3, 1)), (1, (5, 3)))],
                  "apply_s": 0.03},
                 checkpoint(8, 1017.5, seconds=0.020),
@@ -184,8 +184,8 @@ def test_json_report_carries_the_events(run_dir: Path) -> None:
 
 def test_a_run_without_faults_shows_the_snapshot_cost_and_no_events(tmp_path: Path) -> None:
     records = [run_start(), devices_record(("master", "cpu")), checkpoint(0, 999.5)]
-    records += [step(n, 0.050, 0.030, 0.0, 0.020, [[device("master", 4, 0.01, 0.01)],
-                                                    [device("master", 8, 0.005, 0.005)]])
+    records += [step(n, 0.050, 0.030, 0.0, 0.020, [[timing("master", 4, 0.01, 0.01)],
+                                                    [timing("master", 8, 0.005, 0.005)]])
                 for n in range(4)]
     summary = summarize(parse_run(write_run(tmp_path / "run", records)))
     assert summary.resilience is not None and summary.resilience.events == ()

@@ -12,10 +12,10 @@ from hetconv.bench.scale_breakdown import (
 
 
 def _step(compute: float, latency: float, comm: float) -> dict[str, object]:
-    timing = {"device": "m1", "samples": 32, "forward_s": compute / 2,
+    timing = {"participant": "m1", "samples": 32, "forward_s": compute / 2,
               "backward_s": compute / 2, "forward_latency_s": latency / 2,
               "backward_latency_s": latency / 2, "wait_s": 0.001, "peer_wait_s": 0.002}
-    master = {"device": "master", "samples": 96, "forward_s": 0.010, "backward_s": 0.020}
+    master = {"participant": "master", "samples": 96, "forward_s": 0.010, "backward_s": 0.020}
     return {"step_s": 0.050, "comm_s": comm,
             "layers": [{"layer": 0, "devices": [master, timing]},
                        {"layer": 1, "devices": [master, timing]}]}

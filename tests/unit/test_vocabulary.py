@@ -1,4 +1,5 @@
-"""One vocabulary: error codes, array names and choices are spelled in one place each."""
+"""One vocabulary: error codes, array names and choices are spelled in one place each; a
+participant id is written as ``participant`` and read through ``participant_of``."""
 from __future__ import annotations
 
 import re
@@ -22,6 +23,13 @@ RULES = [
      "dispatch on class-name strings: match by type", set()),
     (re.compile(r"""choices\s*=\s*\(["']"""), "choices retyped: use the tuples in hetconv.config",
      set()),
+    (re.compile(r"""\[\s*["']device["']\s*\]"""),
+     "an entry's participant id read by hand: use hetconv.metrics.participant_of (it reads "
+     "the legacy 'device' key too)", {"master/calibration.py"}),  # a docstring, a real device
+    (re.compile(r"""["']device["']\s*:"""),
+     "a 'device' key written: a participant id is 'participant'; only a device description "
+     "names its cpu/gpu:N 'device'",
+     {"hetconv/device_info.py", "hetconv/config.py", "hetconv/commands/train.py"}),
 ]
 
 
@@ -47,6 +55,7 @@ def test_no_private_spellings(pattern: re.Pattern[str], why: str, allowed: set[s
 def test_rules_catch_what_they_claim() -> None:
     samples = ['ErrorReply(request_id=0, code="bad_request", message="x")',
                'raise RequestError("unknown_layer", "x")', 'key = f"conv{layer}.weight"',
-               'if type(message).__name__ in REPLY_TYPES:', 'p.add_argument("--x", choices=("a", "b"))']
+               'if type(message).__name__ in REPLY_TYPES:', 'p.add_argument("--x", choices=("a", "b"))',
+               'name = str(entry["device"])', '{"device": p.participant, "kernels": 3}']
     for (pattern, _, _), sample in zip(RULES, samples):
         assert pattern.search(sample), sample

@@ -189,7 +189,7 @@ def write_run(directory: Path, records: list[dict[str, object]]) -> Path:
 def calibration(layer: int, kernels: int) -> dict[str, object]:
     return {"type": "calibration", "layer": layer, "split": "model", "kernels": kernels,
             "calibrated_kernels": kernels // 2, "small_kernels": kernels // 8,
-            "devices": [{"device": d, "seconds": 0.01, "small_seconds": 0.005,
+            "devices": [{"participant": d, "seconds": 0.01, "small_seconds": 0.005,
                          "fixed_s": 0.002, "per_kernel_s": 0.0003, "kernels": kernels // 2,
                          "kernel_start": 0, "kernel_stop": kernels // 2, "share": 0.5}
                         for d in ("master", "w1")]}
@@ -208,7 +208,7 @@ def test_a_run_directory_becomes_the_model_s_inputs(tmp_path: Path) -> None:
         calibration(0, 32), calibration(1, 64),
         {"type": "plan", "chosen": ["master", "w1"], "predicted_step_s": 0.02,
          "best_single": "master", "best_single_step_s": 0.03, "all_step_s": 0.02,
-         "links": [{"device": "w1", "down_bytes_per_s": 1e8, "up_bytes_per_s": 2e8,
+         "links": [{"participant": "w1", "down_bytes_per_s": 1e8, "up_bytes_per_s": 2e8,
                     "rtt_s": 1e-4}]},
         *({**STEP, "step": i, "step_s": 0.03 + i * 0.001, "dense_s": 0.004} for i in range(5)),
         {"type": "run_end", "status": "completed", "error": None}])
