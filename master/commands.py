@@ -59,26 +59,35 @@ class CommandSite(Protocol):
 def carry_out(site: CommandSite, commands: list[Command], state: dict[str, np.ndarray],
               local_stage: Callable[[], ConvStage]) -> ConvStage | None:
     """Perform ``commands`` on ``site``; the stage to go on with when it is another
-    one (the master alone, from ``state``), None when it is ``site`` itself."""
-    try:
-        for command in commands:
-            match command:
-                case Evict():
-                    if command.drop:
-                        site.drop_worker(command.participant, command.reason)
-                case Stop():
-                    raise UserError(command.reason)
-                case FallBackLocal():
-                    local = local_stage()
-                    local.restore(state)
-                    site.close()
-                    log.warning("%s: training on alone", command.reason)
-                    return local
-                case Admit():
-                    site.admit(list(command.participants))
-                case Resplit():
-                    site.resplit_to(command, state)
-    except WorkerLost as lost:
-        return carry_out(site, site.control.handle(site.fault_event(lost)), state,
-                         local_stage)
+    one (the master alone, from ``state``), None when it is ``site`` itself. A worker
+    lost while they are carried out is a fault for the state machine, whose commands
+    are carried out next (it gives every worker up after MAX_REPLAN_FAULTS in a row)."""
+    pending = list(commands)
+    while True:
+        try:
+            return _perform(site, pending, state, local_stage)
+        except WorkerLost as lost:
+            log.warning("while re-planning: %s", lost)
+            pending = site.control.handle(site.fault_event(lost))
+
+
+def _perform(site: CommandSite, commands: list[Command], state: dict[str, np.ndarray],
+             local_stage: Callable[[], ConvStage]) -> ConvStage | None:
+    for command in commands:
+        match command:
+            case Evict():
+                if command.drop:
+                    site.drop_worker(command.participant, command.reason)
+            case Stop():
+                raise UserError(command.reason)
+            case FallBackLocal():
+                local = local_stage()
+                local.restore(state)
+                site.close()
+                log.warning("%s: training on alone", command.reason)
+                return local
+            case Admit():
+                site.admit(list(command.participants))
+            case Resplit():
+                site.resplit_to(command, state)
     return None

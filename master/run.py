@@ -30,6 +30,10 @@ FIRST_REQUEST_DEADLINE_S = 120.0
 timed, then REQUEST_DEADLINE_FACTOR x the median recent good step (at least
 REQUEST_DEADLINE_MIN_S): a request lost behind a short partition is retried."""
 STEP_HISTORY = 9  # good steps the request deadline's median is taken over
+MAX_REPLAN_FAULTS = 8
+"""Faults in a row while re-plans are out (no re-plan done between) after which every
+worker is given up: the master trains on alone (or stops, under ``--on-worker-loss
+stop``) rather than re-planning for ever over workers that keep failing it."""
 
 
 # --- events in -----------------------------------------------------------------------------
@@ -131,6 +135,7 @@ class RunControl:
         self.faults: dict[str, int] = {}  # worker -> faults since the last good step
         self.steps_done = 0  # good steps (the clock of the rejoin back-off)
         self.replanning = False  # a Resplit is out and not yet done
+        self.replan_faults = 0  # faults in a row while a Resplit was out
         self.step_seconds: deque[float] = deque(maxlen=STEP_HISTORY)
         self._last_step_end: float | None = None
         self._fault_since_step = False
@@ -166,6 +171,7 @@ class RunControl:
                 return self._replan_point(event.joinable)
             case ReplanDone():
                 self.replanning = False
+                self.replan_faults = 0
                 return []
 
     def _step_done(self, now: float) -> list[Command]:
@@ -179,6 +185,9 @@ class RunControl:
 
     def _fault(self, fault: Fault) -> list[Command]:
         self._fault_since_step = True
+        self.replan_faults = self.replan_faults + 1 if self.replanning else 0
+        if self.replan_faults >= MAX_REPLAN_FAULTS:
+            return self._give_up(fault)
         culprit = fault.participant if fault.participant in self.active else None
         out: list[Command] = []
         for name in sorted(self.active & fault.gone_workers):
@@ -197,6 +206,17 @@ class RunControl:
             return [*out, FallBackLocal(f"every worker is lost ({fault.reason})")]
         self.replanning = True
         return [*out, Resplit(frozenset(self.active), f"recovery from: {fault.reason}")]
+
+    def _give_up(self, fault: Fault) -> list[Command]:
+        """Every re-plan of the last MAX_REPLAN_FAULTS failed: drop every worker."""
+        reason = (f"{self.replan_faults} re-plans in a row failed (the last: {fault.reason})")
+        out: list[Command] = [self._evict(name, f"given up: {reason}",
+                                          drop=name not in fault.gone_workers)
+                              for name in sorted(self.active)]
+        self.replanning, self.replan_faults = False, 0
+        if self.stop_on_worker_loss:
+            return [*out, Stop(f"{reason}; stopping as --on-worker-loss stop asks")]
+        return [*out, FallBackLocal(reason)]
 
     def _evict(self, worker: str, reason: str, drop: bool) -> Evict:
         self.active.discard(worker)

@@ -184,3 +184,51 @@ def test_a_worker_joining_at_a_snapshot_gets_kernels_and_nothing_rolls_back() ->
     assert ("w3", 1, 5, 6) in cluster.assigned
     assert planning.replans[-1][1] == "join of w3"
     stage.close()
+
+
+class _FailingSite:
+    """A stage whose every re-plan fails with a fault that blames no worker (seen once in
+    CI as a RecursionError: the loop re-planned for ever)."""
+
+    def __init__(self, stop: bool = False) -> None:
+        self.control = RunControl(["w1", "w2"], stop_on_worker_loss=stop)
+        self.resplits = 0
+        self.dropped: list[str] = []
+        self.closed = False
+
+    def drop_worker(self, participant: str, reason: str) -> None:
+        self.dropped.append(participant)
+
+    def admit(self, participants: list[str]) -> None:
+        raise AssertionError("no join here")
+
+    def resplit_to(self, command: Any, state: dict[str, np.ndarray]) -> None:
+        self.resplits += 1
+        raise WorkerLost("a peer could not be reached (no one named)", None)
+
+    def fault_event(self, lost: WorkerLost) -> Any:
+        from hetconv.master.run import Fault
+
+        return Fault(str(lost), lost.participant, lost.gone, lost.evict, frozenset())
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.mark.parametrize("stop", [False, True])
+def test_re_plans_that_keep_failing_give_every_worker_up(stop: bool) -> None:
+    from hetconv.master.commands import carry_out
+    from hetconv.master.run import MAX_REPLAN_FAULTS, Fault
+
+    site = _FailingSite(stop)
+    first = site.control.handle(Fault("worker w1 stopped responding", None))
+    local = LocalConvStage(MODEL, init_parameters(MODEL, seed=0), SETTINGS)
+    state = local.snapshot()
+    if stop:
+        with pytest.raises(UserError, match=f"{MAX_REPLAN_FAULTS} re-plans in a row failed"):
+            carry_out(site, first, state, lambda: local)
+    else:
+        assert carry_out(site, first, state, lambda: local) is local
+        assert site.closed
+    assert site.resplits == MAX_REPLAN_FAULTS  # the first re-plan, then one per fault
+    assert sorted(site.dropped) == ["w1", "w2"] and not site.control.active
