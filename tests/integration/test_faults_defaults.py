@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.integration]
 # than the master alone, and the default --fall-back on would rightly drop the workers at
 # the first snapshot (tests/integration/test_sample_split.py checks that); the faults here
 # must hit a run that keeps its workers, as on a LAN where they pay.
-DEFAULT_RUN = ["--data", "synthetic", "--limit", "24000", "--test-limit", "256", "--arch",
+DEFAULT_RUN = ["--data", "synthetic", "--limit", "12800", "--test-limit", "256", "--arch",
                "8:16", "--epochs", "1", "--batch", "64", "--threads", "1", "--no-progress",
                "--seed", "5", "--fall-back", "off"]
 MAX_RECOVERIES = 2
@@ -125,9 +125,10 @@ def test_a_lost_worker_costs_at_most_two_recoveries(endpoint: str, workers: Any,
                                                     fault: str, plane: tuple[str, ...]) -> None:
     started = {w.name: w for w in workers("a", "b", "c")}
     run_dir = tmp_path / "run"
-    # still training when it is back: 2 epochs are 750 steps, the stop and the join
-    # about 250 of them at the pace of two shared cores
-    longer = ("--epochs", "2") if fault == "stop" else ()
+    # still training when it is back: 4 epochs are 800 steps, the stop and the join
+    # about 250 of them at the pace of two shared cores (the other faults: 200 steps, the
+    # fault at step 60)
+    longer = ("--epochs", "4") if fault == "stop" else ()
     master = start_master(endpoint, run_dir, 3, *plane, *longer)
     try:
         assert wait_for(lambda: steps_done(run_dir) >= FAULT_AT_STEP and holders_now(run_dir),
