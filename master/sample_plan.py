@@ -187,6 +187,18 @@ def sample_rounds(layers: int) -> int:
     return 2 * layers + 1
 
 
+def conv_weights(shapes: Sequence[ConvLayerShape]) -> int:
+    """Weight values of the conv chain (each layer's K·C·k²): what the reduction moves."""
+    return sum(s.kernels * s.in_channels * s.kernel_size ** 2 for s in shapes)
+
+
+def sample_bytes(shapes: Sequence[ConvLayerShape], wire_itemsize: int) -> tuple[int, int]:
+    """Bytes per sample on the wire: the chain's input x and its output y (dy alike)."""
+    first, last = shapes[0], shapes[-1]
+    return (first.in_channels * first.height * first.width * wire_itemsize,
+            last.kernels * last.pooled_height * last.pooled_width * wire_itemsize)
+
+
 def predict_sample_step(slices: Sequence[Slice], seconds_per_sample: dict[str, float],
                         links: dict[str, Link | None], shapes: Sequence[ConvLayerShape],
                         weights: int, wire_itemsize: int, reduce: str = "master") -> float:
@@ -202,9 +214,7 @@ def predict_sample_step(slices: Sequence[Slice], seconds_per_sample: dict[str, f
     participant's link carries 2·(P-1)/P of them each way, at the slowest link's rate,
     plus one more round trip (the reduce-scatter, then the all-gather)."""
     compute = max((seconds_per_sample[s.participant] * s.samples for s in slices), default=0.0)
-    first, last = shapes[0], shapes[-1]
-    x_bytes = first.in_channels * first.height * first.width * wire_itemsize
-    y_bytes = last.kernels * last.pooled_height * last.pooled_width * wire_itemsize
+    x_bytes, y_bytes = sample_bytes(shapes, wire_itemsize)
     gradient = 4 * weights
     hub = reduce != "peer"
     down = up = 0.0

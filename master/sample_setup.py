@@ -23,6 +23,7 @@ from hetconv.master.sample_peers import SamplePeers
 from hetconv.master.sample_plan import (
     SampleBalance,
     choose_split_by,
+    conv_weights,
     predict_sample_step,
     sample_slices,
     samples_refusal,
@@ -62,8 +63,8 @@ def predict_samples(config: MasterConfig, participants: list[Participant],
     seconds = _seconds(config, per_sample)
     names = [p.participant for p in participants]
     slices = sample_slices(names, seconds, batch)
-    weights = sum(s.kernels * s.in_channels * s.kernel_size ** 2 for s in shapes)
-    return predict_sample_step(slices, dict(zip(names, real)), links, shapes, weights,
+    return predict_sample_step(slices, dict(zip(names, real)), links, shapes,
+                               conv_weights(shapes),
                                np.dtype(config.wire_dtype if config.wire_dtype != "auto"
                                         else "float32").itemsize,
                                "peer" if config.data_plane == "peer" else "master")

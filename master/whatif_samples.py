@@ -27,7 +27,12 @@ from pathlib import Path
 
 from hetconv.errors import UserError
 from hetconv.master.report.records import METRICS_FILE
-from hetconv.master.sample_plan import predict_sample_step, sample_slices
+from hetconv.master.sample_plan import (
+    conv_weights,
+    predict_sample_step,
+    sample_bytes,
+    sample_slices,
+)
 from hetconv.master.whatif import (
     MAX_MACHINES,
     MeasuredRun,
@@ -65,10 +70,6 @@ def _chain_flops(shapes: Sequence[ConvLayerShape]) -> float:
     return float(sum(shape.conv_flops(1) for shape in shapes))
 
 
-def _weights(shapes: Sequence[ConvLayerShape]) -> int:
-    return sum(s.kernels * s.in_channels * s.kernel_size ** 2 for s in shapes)
-
-
 def _master_link_bytes(slices: Sequence[tuple[str, int]], remote: dict[str, bool],
                        shapes: Sequence[ConvLayerShape], itemsize: int, data_plane: str,
                        weights: int) -> float:
@@ -76,9 +77,7 @@ def _master_link_bytes(slices: Sequence[tuple[str, int]], remote: dict[str, bool
     slices down and y slice up; with the star plane its weight gradient up and the sum
     down too (the peer plane reduces them worker to worker, but the master takes part:
     2·(P-1)/P of them each way)."""
-    first, last = shapes[0], shapes[-1]
-    x_bytes = first.in_channels * first.height * first.width * itemsize
-    y_bytes = last.kernels * last.pooled_height * last.pooled_width * itemsize
+    x_bytes, y_bytes = sample_bytes(shapes, itemsize)
     workers = [(name, n) for name, n in slices if remote.get(name)]
     total = sum(n * (x_bytes + 2 * y_bytes) for _, n in workers)
     if not workers:
@@ -110,7 +109,7 @@ def predict_sample_scenarios(run: MeasuredRun, seconds_per_sample: dict[str, flo
         slices = sample_slices(names, seconds, scenario.batch)
         per_sample = dict(zip(names, seconds))
         links = {m.participant: m.link for m in machines}
-        conv = predict_sample_step(slices, per_sample, links, shapes, _weights(shapes),
+        conv = predict_sample_step(slices, per_sample, links, shapes, conv_weights(shapes),
                                    run.wire_itemsize,
                                    "peer" if run.data_plane == "peer" else "master")
         dense = scaled_dense_s(run, scenario.arch, scenario.batch)
@@ -123,7 +122,7 @@ def predict_sample_scenarios(run: MeasuredRun, seconds_per_sample: dict[str, flo
             master_link_bytes=_master_link_bytes(
                 [(s.participant, s.samples) for s in slices],
                 {m.participant: m.link is not None for m in machines}, shapes,
-                run.wire_itemsize, run.data_plane, _weights(shapes)),
+                run.wire_itemsize, run.data_plane, conv_weights(shapes)),
             measured_step_s=run.measured_step_s if is_measured(run, scenario) else None))
     return out
 
