@@ -10,7 +10,7 @@ docs/protocol.md.
 """
 from __future__ import annotations
 
-from .codec import WIRE_DTYPES, decode, encode
+from .codec import ARRAY_DTYPES, decode, encode
 from .errors import (
     ERR_BAD_MESSAGE,
     ERR_BAD_PEER_DATA,
@@ -99,7 +99,7 @@ __all__ = [
     "MESSAGE_TYPES",
     "NO_REQUEST_ID",
     "PROTOCOL_VERSION",
-    "WIRE_DTYPES",
+    "ARRAY_DTYPES",
     "peer_error_message",
     "peer_named",
     "Ack",

@@ -34,7 +34,7 @@ from .errors import ERR_BAD_MESSAGE, ProtocolError, VersionMismatch
 from .messages import HANDSHAKE_TYPES, SCHEMAS, Message
 from .version import PROTOCOL_VERSION
 
-WIRE_DTYPES: dict[str, np.dtype[Any]] = {
+ARRAY_DTYPES: dict[str, np.dtype[Any]] = {
     "float16": np.dtype("<f2"),
     "float32": np.dtype("<f4"),
     "float64": np.dtype("<f8"),
@@ -42,11 +42,13 @@ WIRE_DTYPES: dict[str, np.dtype[Any]] = {
     "int64": np.dtype("<i8"),
     "uint8": np.dtype("|u1"),
 }
-"""Allow-list of array dtypes on the wire: name in the header → little-endian dtype."""
+"""Allow-list of array dtypes any message may carry: name in the header → little-endian
+dtype (the codec's concern; the activation wire dtypes a run may choose are
+``hetconv.config.WIRE_DTYPES``)."""
 
 _DTYPE_NAMES: dict[np.dtype[Any], tuple[str, bool]] = {
     dtype.newbyteorder(order): (name, order == ">" and dtype.itemsize > 1)
-    for name, dtype in WIRE_DTYPES.items()
+    for name, dtype in ARRAY_DTYPES.items()
     for order in ("<", ">")
 }
 """Either byte order of an allowed dtype → (wire name, needs a byte swap)."""
@@ -166,7 +168,7 @@ def _encode_array(name: str, value: object) -> tuple[dict[str, Any], Frame]:
     found = _DTYPE_NAMES.get(value.dtype)
     if found is None:
         raise _fail(f"array field {name!r} has dtype {value.dtype}, allowed: "
-                    f"{', '.join(WIRE_DTYPES)}")
+                    f"{', '.join(ARRAY_DTYPES)}")
     dtype_name, needs_swap = found
     shape = value.shape
     if len(shape) > limits.MAX_NDIM:
@@ -175,7 +177,7 @@ def _encode_array(name: str, value: object) -> tuple[dict[str, Any], Frame]:
     if max(shape, default=0) > limits.MAX_DIM or extent > limits.MAX_ELEMENTS:
         raise _fail(f"array field {name!r}: shape {shape} has a dim over MAX_DIM or MAX_ELEMENTS")
     if needs_swap:
-        value = value.astype(WIRE_DTYPES[dtype_name])
+        value = value.astype(ARRAY_DTYPES[dtype_name])
     if not value.flags.c_contiguous:
         value = value.copy(order="C")
     nbytes = value.nbytes
@@ -274,10 +276,10 @@ def _check_description(
         raise _fail(f"array {name!r}: description must be a map with keys {sorted(ARRAY_KEYS)}")
     if entry["name"] != name:
         raise _fail(f"array {name!r}: description names {_short(entry['name'])}")
-    dtype = WIRE_DTYPES.get(entry["dtype"]) if type(entry["dtype"]) is str else None
+    dtype = ARRAY_DTYPES.get(entry["dtype"]) if type(entry["dtype"]) is str else None
     if dtype is None:
         raise _fail(f"array {name!r}: dtype {_short(entry['dtype'])} not in "
-                    f"{', '.join(WIRE_DTYPES)}")
+                    f"{', '.join(ARRAY_DTYPES)}")
     shape = entry["shape"]
     if type(shape) is not list or len(shape) > limits.MAX_NDIM:
         raise _fail(f"array {name!r}: shape must be a list of at most {limits.MAX_NDIM} ints")

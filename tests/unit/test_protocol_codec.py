@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from hetconv.protocol import limits
-from hetconv.protocol.codec import WIRE_DTYPES, decode, encode
+from hetconv.protocol.codec import ARRAY_DTYPES, decode, encode
 from hetconv.protocol.errors import (
     ERR_BAD_MESSAGE,
     ERR_VERSION_MISMATCH,
@@ -92,14 +92,14 @@ def test_round_trip_every_type(tag: str, variant: str) -> None:
     assert message_equal(decoded, msg)
 
 
-@pytest.mark.parametrize("dtype_name", sorted(WIRE_DTYPES))
+@pytest.mark.parametrize("dtype_name", sorted(ARRAY_DTYPES))
 def test_round_trip_every_dtype_and_layout(dtype_name: str) -> None:
     base = (np.arange(60) % 17).astype(dtype_name).reshape(3, 4, 5)
     big_endian = base.astype(base.dtype.newbyteorder(">"))
     for x in (base, base.transpose(2, 0, 1), base[:, ::2], big_endian,
               base[:1, 0, 0].reshape(()), np.zeros((0, 2**30), dtype_name)):
         y = decode(encode(forward(x))).x  # type: ignore[attr-defined]
-        assert y.dtype == WIRE_DTYPES[dtype_name] and y.shape == x.shape
+        assert y.dtype == ARRAY_DTYPES[dtype_name] and y.shape == x.shape
         assert np.array_equal(y, x)
 
 

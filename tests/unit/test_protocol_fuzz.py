@@ -15,7 +15,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hetconv.protocol.codec import WIRE_DTYPES, decode, encode
+from hetconv.protocol.codec import ARRAY_DTYPES, decode, encode
 from hetconv.protocol.errors import ProtocolError
 from hetconv.protocol.messages import (
     MESSAGE_TYPES,
@@ -72,7 +72,7 @@ descriptions = st.one_of(
     st.none(),
     st.fixed_dictionaries({
         "name": st.one_of(st.sampled_from(["x", "y", "dx", "dy", "weight"]), msgpack_values),
-        "dtype": st.one_of(st.sampled_from([*sorted(WIRE_DTYPES), "float128", "|O"]),
+        "dtype": st.one_of(st.sampled_from([*sorted(ARRAY_DTYPES), "float128", "|O"]),
                            msgpack_values),
         "shape": st.one_of(st.lists(st.integers(-3, 2**40), max_size=10), msgpack_values),
         "nbytes": st.one_of(st.integers(-1, 1 << 12), msgpack_values),
