@@ -206,10 +206,13 @@ def test_worker_releases_what_a_stranger_sends_its_data_endpoint(endpoint: str,
         pid = worker.process.pid
         before = rss_mib(pid)
         pusher = pusher_ctx.socket(zmq.PUSH)
-        pusher.setsockopt(zmq.LINGER, 5000)
+        # close() does not wait: libzmq goes on sending for LINGER ms, then drops what is
+        # left and the connection (the worker then discards a partial message unread, no
+        # line logged: seen in CI with 5 s on a loaded machine). 30 s covers a slow machine.
+        pusher.setsockopt(zmq.LINGER, 30_000)
         pusher.connect(f"tcp://127.0.0.1:{data_port}")
         pusher.send_multipart(big_message(), copy=False)
-        pusher.close()  # waits until the message is on its way (LINGER)
+        pusher.close()
         # Done when the worker has logged the drop and its memory is back: waiting on both
         # (not on the RSS peak alone, which a 50 ms sample can miss or see before the
         # message is read) keeps a loaded machine from reading the log too early.
