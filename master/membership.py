@@ -38,6 +38,7 @@ from hetconv.master.membership_types import (
     LINK_CHECK_AFTER_S,
     LINK_RETRY_S,
     REPLY_TYPES,
+    SILENT_SUSPECT_BEATS,
     Action,
     BadMessage,
     ClusterSettings,
@@ -361,6 +362,13 @@ class Membership:
                       and worker.peer_address in stalled_peers}
         for identity in links_down:
             self.workers[identity].link_down = True
+        # a late answer from a worker that is heard from, while another awaited worker is
+        # silent, is most likely waiting on the silent one (a peer's piece, a reduction):
+        # the deadline defers to the liveness limit, which names the silent one
+        silent_awaited = any(
+            r.reply is None and not r.worker.gone
+            and now - r.worker.last_seen > SILENT_SUSPECT_BEATS * self.settings.heartbeat_interval_s
+            for r in self.requests.values())
         for request in self.requests.values():
             if request.reply is not None:
                 continue
@@ -378,7 +386,9 @@ class Membership:
                 actions.append(Fail(worker, f"worker {worker.name} stopped responding during "
                                             f"{request.what} (silent for {silent_s:.1f} s"
                                             f"{behind})"))
-            elif now - request.sent_at > (timeout := self._deadline_s(request)):
+            elif now - request.sent_at > (timeout := self._deadline_s(request)) and not (
+                    silent_awaited and now - request.sent_at
+                    <= timeout + self.settings.liveness_timeout_s):
                 actions.append(Fail(worker, f"worker {worker.name} did not answer "
                                             f"{request.what} within {timeout:.0f} s"))
         return actions

@@ -55,6 +55,11 @@ peer: master/liveness.py) may stay silent before it is lost; SIGSTOP and kill ar
 still found after ``liveness_timeout_s`` (5 s). Below ZeroMQ's own heartbeat limits
 (``limits.HEARTBEAT_TIMEOUT_MS``, ``HEARTBEAT_TTL_MS``: 12 s), so that this check, not
 libzmq closing the connection, decides."""
+SILENT_SUSPECT_BEATS = 4
+"""An awaited worker silent for this many heartbeat intervals (2 s at 0.5 s) holds back
+the request deadline of the others it awaits with (their late answers may wait on its
+pieces): the liveness limit names it instead, and a deadline waits at most that much
+longer (a CI run blamed a live worker whose weight reduction waited on a stopped one)."""
 LINK_CHECK_AFTER_S = 1.0
 """A member silent this long (two heartbeat intervals) has its link checked on every
 tick until it is heard again: once it is seen behind a dead link, every request then

@@ -42,9 +42,7 @@ ARRAY_DTYPES: dict[str, np.dtype[Any]] = {
     "int64": np.dtype("<i8"),
     "uint8": np.dtype("|u1"),
 }
-"""Allow-list of array dtypes any message may carry: name in the header → little-endian
-dtype (the codec's concern; the activation wire dtypes a run may choose are
-``hetconv.config.WIRE_DTYPES``)."""
+"""Array dtypes any message may carry (not a run's wire dtypes): name → little-endian dtype."""
 
 _DTYPE_NAMES: dict[np.dtype[Any], tuple[str, bool]] = {
     dtype.newbyteorder(order): (name, order == ">" and dtype.itemsize > 1)

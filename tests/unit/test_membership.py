@@ -203,6 +203,34 @@ def test_request_timeout_names_the_worker(membership: Membership) -> None:
     assert "within 60 s" in fail.reason
 
 
+def test_a_deadline_defers_to_a_silent_worker_awaited_with_it() -> None:
+    """A live worker whose answer waits on a stopped one (a weight reduction among the
+    peers) is not blamed at its deadline: the stopped one is, at the liveness limit."""
+    membership = Membership("run1", ClusterSettings(heartbeat_interval_s=0.5,
+                                                    liveness_timeout_s=5.0,
+                                                    request_timeout_s=5.0))
+    waiting = join(membership, "waiting", now=0.0)
+    stopped = join(membership, "stopped", now=0.0)
+    membership.handle(MessageReceived(b"stopped", Heartbeat(sent_at=0.0), 0.8))  # then frozen
+    for worker in (waiting, stopped):
+        send_request(membership, worker, now=0.5)
+    for tenth in range(1, 59):  # "waiting" heartbeats all along and never answers
+        now = tenth / 10
+        membership.handle(MessageReceived(b"waiting", Heartbeat(sent_at=0.0), now))
+        assert fails(membership.handle(Tick(now, 0.0))) == [], now
+    failed = fails(membership.handle(Tick(5.9, 0.0)))
+    assert [f.worker for f in failed] == [stopped], [f.reason for f in failed]
+    assert "stopped responding" in failed[0].reason
+
+
+def test_a_deadline_still_fails_a_worker_nobody_else_holds_back(membership: Membership) -> None:
+    alone = join(membership, "alone", now=0.0)
+    send_request(membership, alone, now=0.0)
+    membership.handle(MessageReceived(b"alone", Heartbeat(sent_at=0.0), 60.0))
+    [fail] = fails(membership.handle(Tick(60.5, 0.0)))
+    assert fail.worker is alone and "did not answer" in fail.reason
+
+
 def test_waiting_counts_only_live_workers(membership: Membership) -> None:
     silent = join(membership, "silent", now=0.0)
     leaving = join(membership, "leaving", now=0.0)
