@@ -172,7 +172,9 @@ def test_without_a_dead_link_the_request_deadline_holds() -> None:
         beat(membership, "w2", tenth / 10)
         assert failures(membership, tenth / 10, frozenset()) == []
     beat(membership, "w2", 5.0)
-    assert failures(membership, 5.1, frozenset()) == ["w1", "w2"]  # silent; late
+    # w1 is lost (silent); w2, late but heard, is not blamed while w1 may be holding it up
+    # (the stage re-plans at the first failure and forgets the rest)
+    assert failures(membership, 5.1, frozenset()) == ["w1"]
 
 
 def test_the_zmtp_limits_leave_the_decision_to_the_master() -> None:
