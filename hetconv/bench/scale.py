@@ -44,7 +44,13 @@ from hetconv.bench.scale_breakdown import (
 from hetconv.bench.signals import terminate_as_interrupt
 from hetconv.config import BENCH_PEERS, SPLIT_MODES, check_choice
 from hetconv.errors import UserError
-from hetconv.lab import CpuQuota, LocalWorker, cpu_quota_unavailable_reason, free_port
+from hetconv.lab import (
+    CFS_PERIOD_US,
+    CpuQuota,
+    LocalWorker,
+    cpu_quota_unavailable_reason,
+    free_port,
+)
 from hetconv.lab.network import SwitchedLan, netns_unavailable_reason, parse_rate_bits
 from hetconv.metrics import participant_of, read_metrics
 from hetconv.perf_model import ParticipantCost, ideal_speedup, star_step_seconds
@@ -150,8 +156,9 @@ def run_figures(run_dir: Path, link_bytes_per_s: float | None) -> RunFigures:
 
 
 
-def _run_in_quota(command: list[str], fraction: float, log_path: Path) -> int:
-    quota = CpuQuota(fraction)
+def _run_in_quota(command: list[str], fraction: float, log_path: Path,
+                  period_us: int = CFS_PERIOD_US) -> int:
+    quota = CpuQuota(fraction, period_us)
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         try:
@@ -165,7 +172,7 @@ def _run_in_quota(command: list[str], fraction: float, log_path: Path) -> int:
 
 
 def _run_ddp(lan: SwitchedLan, fractions: tuple[float, ...], arch: str, batch: int,
-             split: str, run_dir: Path) -> float:
+             split: str, run_dir: Path, period_us: int = CFS_PERIOD_US) -> float:
     """One PyTorch DDP run over the first ``len(fractions)`` machines of ``lan`` (rank i
     on machine i, in its quota); the median step time rank 0 measured, seconds."""
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -183,7 +190,7 @@ def _run_ddp(lan: SwitchedLan, fractions: tuple[float, ...], arch: str, batch: i
                 samples, machine.interface, result if rank == 0 else None))
             log = open(run_dir / f"rank{rank}.log", "wb")
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-            quota = CpuQuota(fraction)
+            quota = CpuQuota(fraction, period_us)
             running.append((process, quota, log))
             quota.add(process.pid)
         for process, _, _ in running:
@@ -212,13 +219,19 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
                     data_planes: tuple[str, ...] = ("peer",), epochs: int = 4,
                     out: Callable[[str], None] = print, split: str = "model",
                     peer: str | None = None,
-                    split_by: tuple[str, ...] = ("kernels",)) -> dict[str, Any]:
+                    split_by: tuple[str, ...] = ("kernels",),
+                    cfs_period_ms: float = CFS_PERIOD_US / 1000) -> dict[str, Any]:
     """Run every machine set with every data plane, and the baselines, ``repeats``
     times, interleaved within each repeat. ``split``: the runs' ``--split``; ``model``
     (the default) lets the link-aware planner choose the machines from its timings,
     ``equal`` has every machine compute the same share whatever they measure.
     ``peer="ddp"``: PyTorch DDP (even and by-speed batch splits) and PyTorch alone on
-    the same machines too, interleaved (needs torch: the ``bench`` extra)."""
+    the same machines too, interleaved (needs torch: the ``bench`` extra).
+    ``cfs_period_ms``: every machine's CPU quota is granted per period of this length
+    (default 10 ms; a real slower CPU is the limit of short periods)."""
+    period_us = int(round(cfs_period_ms * 1000))
+    if not 1_000 <= period_us <= 1_000_000:
+        raise UserError(f"--cfs-period-ms must be within 1..1000, got {cfs_period_ms:g}")
     check_choice("split", split, SPLIT_MODES)
     if peer is not None:
         check_choice("peer", peer, BENCH_PEERS)
@@ -275,7 +288,8 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
                 status = _run_in_quota(master.command([python, "-m", "hetconv", "train",
                                                        "--local", *common, "--run-dir",
                                                        str(run_dir)]),
-                                       fraction, run_dir.parent / f"repeat{repeat}.log")
+                                       fraction, run_dir.parent / f"repeat{repeat}.log",
+                                       period_us)
                 keep("baseline run", name, status, run_dir, repeat, None)
             for configuration in configurations:
                 config, plane = configuration
@@ -291,7 +305,8 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
                         workers.append(LocalWorker(
                             endpoint, f"m{index}", threads=1, cpu_fraction=fraction,
                             log_path=run_dir.parent / f"repeat{repeat}-m{index}.log",
-                            netns=machine.netns, extra_args=("--once",)))
+                            netns=machine.netns, extra_args=("--once",),
+                            cpu_period_us=period_us))
                     train = [python, "-m", "hetconv", "train", "--listen",
                              f"tcp://{master.address}:{port}", "--min-workers",
                              str(len(config) - 1), "--wait", "60",
@@ -301,7 +316,7 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
                     if len(config) == 1:
                         train[train.index("--min-workers") + 1] = "0"
                     status = _run_in_quota(master.command(train), config[0],
-                                           run_dir.parent / f"repeat{repeat}.log")
+                                           run_dir.parent / f"repeat{repeat}.log", period_us)
                 finally:
                     for worker in workers:
                         worker.stop()
@@ -316,11 +331,12 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
                     name = ddp_label(fractions, batch_split)
                     where = root / name.replace(" ", "-") / f"repeat{repeat}"
                     try:
-                        step_s = _run_ddp(lan, fractions, arch, batch, batch_split, where)
+                        step_s = _run_ddp(lan, fractions, arch, batch, batch_split, where,
+                                          period_us)
                     except UserError as error:  # gloo's teardown aborts now and then
                         out(f"  repeat {repeat + 1}: {name}: {error}; measuring it again")
                         step_s = _run_ddp(lan, fractions, arch, batch, batch_split,
-                                          where.with_name(where.name + "-again"))
+                                          where.with_name(where.name + "-again"), period_us)
                     peer_results.setdefault(name, []).append(step_s)
                     out(f"  repeat {repeat + 1}: {name}: median step {step_s * 1e3:.1f} ms")
     summary = summarize(configurations, results, label)

@@ -136,6 +136,11 @@ def add_parser(sub: Any) -> None:
                        help="also run what users would run instead on the same machines: "
                        "PyTorch DDP (gloo; even and by-speed batch splits) and PyTorch alone, "
                        "interleaved (needs the bench extra: pip install '.[bench]')")
+    scale.add_argument("--cfs-period-ms", type=float, default=10.0,
+                       help="the CPU quotas' period in ms (1 to 1000, default 10): a machine "
+                       "that used its share of a period waits for the next one, so a "
+                       "protocol with many synchronisation points pays up to (1 - share) x "
+                       "period at each; shorter is closer to a really slower CPU")
     chaos = bench.add_parser("chaos", help="a master and 4 workers under a seeded random fault "
                              "every 20-40 s (SIGKILL, SIGSTOP, restart; with --lab also CPU "
                              "quota and link faults) against a fault-free run of the same seed")
@@ -324,7 +329,8 @@ def run(args: argparse.Namespace) -> int:
                                  batch=args.batch, limit=args.limit, repeats=args.repeats,
                                  work_dir=args.work_dir, data_planes=tuple(args.data_plane),
                                  epochs=args.epochs, split=args.split, peer=args.peer,
-                                 split_by=tuple(args.split_by or ("kernels",)))
+                                 split_by=tuple(args.split_by or ("kernels",)),
+                                 cfs_period_ms=args.cfs_period_ms)
         table = result["table"]
     elif args.bench == "chaos":
         from hetconv.bench.chaos import run_chaos_bench

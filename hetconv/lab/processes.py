@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from hetconv.lab.quota import CpuQuota
+from hetconv.lab.quota import CFS_PERIOD_US, CpuQuota
 
 
 def free_port() -> int:
@@ -34,9 +34,9 @@ class LocalWorker:
     def __init__(self, master: str, name: str, threads: int = 1, cpu_fraction: float | None = None,
                  log_path: Path | None = None, extra_args: tuple[str, ...] = (),
                  netns: str | None = None, env: dict[str, str] | None = None,
-                 launcher: Sequence[str] = ("-m", "hetconv")):
+                 launcher: Sequence[str] = ("-m", "hetconv"), cpu_period_us: int = CFS_PERIOD_US):
         self.name = name
-        self.quota = CpuQuota(cpu_fraction) if cpu_fraction is not None else None
+        self.quota = CpuQuota(cpu_fraction, cpu_period_us) if cpu_fraction is not None else None
         self.log_path = log_path
         self._log: IO[bytes] | int = open(log_path, "wb") if log_path else subprocess.DEVNULL
         command = [sys.executable, *launcher, "worker", "--master", master,

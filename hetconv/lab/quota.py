@@ -24,24 +24,29 @@ def cpu_quota_unavailable_reason() -> str | None:
 
 
 class CpuQuota:
-    """A cgroup v1 cpu group limited to ``fraction`` of one core."""
+    """A cgroup v1 cpu group limited to ``fraction`` of one core, granted per period of
+    ``period_us`` microseconds (1 ms to 1 s; default ``CFS_PERIOD_US``): a process that
+    used its share of a period waits for the next one."""
 
-    def __init__(self, fraction: float):
+    def __init__(self, fraction: float, period_us: int = CFS_PERIOD_US):
         if not 0.01 <= fraction <= 64:
             raise ValueError(f"CPU fraction must be within 0.01..64, got {fraction}")
+        if not 1_000 <= period_us <= 1_000_000:
+            raise ValueError(f"CFS period must be within 1000..1000000 us, got {period_us}")
         reason = cpu_quota_unavailable_reason()
         if reason:
             raise RuntimeError(f"CPU quotas unavailable: {reason}")
         self.path = CGROUP_CPU_ROOT / f"hetconv-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.path.mkdir()
-        (self.path / "cpu.cfs_period_us").write_text(str(CFS_PERIOD_US))
-        (self.path / "cpu.cfs_quota_us").write_text(str(int(CFS_PERIOD_US * fraction)))
+        self.period_us = period_us
+        (self.path / "cpu.cfs_period_us").write_text(str(period_us))
+        (self.path / "cpu.cfs_quota_us").write_text(str(int(period_us * fraction)))
 
     def set(self, fraction: float) -> None:
         """Change the group's share of a core (a machine that gets busy or recovers)."""
         if not 0.01 <= fraction <= 64:
             raise ValueError(f"CPU fraction must be within 0.01..64, got {fraction}")
-        (self.path / "cpu.cfs_quota_us").write_text(str(int(CFS_PERIOD_US * fraction)))
+        (self.path / "cpu.cfs_quota_us").write_text(str(int(self.period_us * fraction)))
 
     def add(self, pid: int) -> None:
         (self.path / "cgroup.procs").write_text(str(pid))
