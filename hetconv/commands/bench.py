@@ -137,7 +137,8 @@ def add_parser(sub: Any) -> None:
                        "PyTorch DDP (gloo; even and by-speed batch splits) and PyTorch alone, "
                        "interleaved (needs the bench extra: pip install '.[bench]')")
     scale.add_argument("--cfs-period-ms", type=float, default=10.0,
-                       help="the CPU quotas' period in ms (1 to 1000, default 10): a machine "
+                       help="the CPU quotas' period in ms (default 10; 1 to 1000, and the smallest "
+                       "machine's share of it at least 1 ms): a machine "
                        "that used its share of a period waits for the next one, so a "
                        "protocol with many synchronisation points pays up to (1 - share) x "
                        "period at each; shorter is closer to a really slower CPU")

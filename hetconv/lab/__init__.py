@@ -11,10 +11,17 @@ Everything started here is stopped and removed on exit.
 """
 from hetconv.lab.network import LanHost, netns_unavailable_reason
 from hetconv.lab.processes import LocalWorker, LocalWorkers, free_port, wait_for
-from hetconv.lab.quota import CFS_PERIOD_US, CGROUP_CPU_ROOT, CpuQuota, cpu_quota_unavailable_reason
+from hetconv.lab.quota import (
+    CFS_PERIOD_US,
+    CGROUP_CPU_ROOT,
+    MIN_QUOTA_US,
+    CpuQuota,
+    cpu_quota_unavailable_reason,
+)
 
 __all__ = [
     "CFS_PERIOD_US",
+    "MIN_QUOTA_US",
     "CGROUP_CPU_ROOT",
     "CpuQuota",
     "LanHost",

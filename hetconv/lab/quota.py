@@ -12,6 +12,7 @@ from pathlib import Path
 
 CGROUP_CPU_ROOT = Path("/sys/fs/cgroup/cpu")
 CFS_PERIOD_US = 10_000  # short periods: a throttled worker is slow at every scale
+MIN_QUOTA_US = 1_000  # the kernel refuses a shorter cpu.cfs_quota_us
 
 
 def cpu_quota_unavailable_reason() -> str | None:
@@ -31,8 +32,9 @@ class CpuQuota:
     def __init__(self, fraction: float, period_us: int = CFS_PERIOD_US):
         if not 0.01 <= fraction <= 64:
             raise ValueError(f"CPU fraction must be within 0.01..64, got {fraction}")
-        if not 1_000 <= period_us <= 1_000_000:
-            raise ValueError(f"CFS period must be within 1000..1000000 us, got {period_us}")
+        if not 1_000 <= period_us <= 1_000_000 or period_us * fraction < MIN_QUOTA_US:
+            raise ValueError(f"a CFS period of {period_us} us must be within 1000..1000000 "
+                             f"and grant {fraction:g} of it at least {MIN_QUOTA_US} us")
         reason = cpu_quota_unavailable_reason()
         if reason:
             raise RuntimeError(f"CPU quotas unavailable: {reason}")
