@@ -106,14 +106,14 @@ def test_the_predicted_step_adds_the_slowest_slice_the_master_link_and_the_round
     compute = max(0.001 * 40, 0.002 * 24)
     down = 24 * (28 * 28 * 4 + 8 * 4 * 4 * 4) + 900 * 4  # x and dy slices, summed dW
     up = 24 * 8 * 4 * 4 * 4 + 900 * 4  # y slice, its dW
-    assert sample_rounds(2) == 5
-    assert predicted == pytest.approx(compute + max(down / 1e6, up / 2e6) + 5 * 0.001)
+    assert sample_rounds(2) == 6  # fwd 0, fwd 1, output; bwd 1, bwd 1->0, bwd 0
+    assert predicted == pytest.approx(compute + max(down / 1e6, up / 2e6) + 6 * 0.001)
     # the weight gradients reduced among the peers: off the master's link, 2 (P-1)/P of
     # them on every link at the slowest rate, and one more round trip
     peer = predict_sample_step(slices, {"master": 0.001, "a": 0.002},
                                {"master": None, "a": link}, shapes, 900, 4, reduce="peer")
     assert peer == pytest.approx(compute + max((down - 900 * 4) / 1e6, (up - 900 * 4) / 2e6)
-                                 + 5 * 0.001 + 900 * 4 / 1e6 + 0.001)
+                                 + 6 * 0.001 + 900 * 4 / 1e6 + 0.001)
     # no worker: the compute alone
     assert predict_sample_step([Slice("master", 0, 64)], {"master": 0.001}, {"master": None},
                                shapes, 900, 4) == pytest.approx(0.064)
