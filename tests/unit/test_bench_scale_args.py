@@ -1,0 +1,23 @@
+"""``hetconv bench scale --cfs-period-ms``: a period the kernel would refuse is one line,
+before any namespace or quota is made (no root needed to see it)."""
+from __future__ import annotations
+
+import pytest
+
+from hetconv.commands.cli import main
+from hetconv.lab.quota import MIN_QUOTA_US, CpuQuota
+
+
+@pytest.mark.parametrize("period", ["0.5", "2", "2000"])
+def test_a_period_the_kernel_refuses_is_one_line(period: str,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    status = main(["bench", "scale", "--machines", "0.45,0.45", "--cfs-period-ms", period])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1, err
+    assert err[0].startswith(f"hetconv: error: --cfs-period-ms {period}: must be within")
+    assert "0.45 core" in err[0]
+
+
+def test_the_quota_refuses_a_share_under_the_kernel_least() -> None:
+    with pytest.raises(ValueError, match="at least"):
+        CpuQuota(0.45, period_us=int(MIN_QUOTA_US / 0.45) - 1)
