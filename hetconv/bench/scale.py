@@ -46,11 +46,11 @@ from hetconv.config import BENCH_PEERS, SPLIT_MODES, check_choice
 from hetconv.errors import UserError
 from hetconv.lab import (
     CFS_PERIOD_US,
-    MIN_QUOTA_US,
     CpuQuota,
     LocalWorker,
     cpu_quota_unavailable_reason,
     free_port,
+    quota_refusal,
 )
 from hetconv.lab.network import SwitchedLan, netns_unavailable_reason, parse_rate_bits
 from hetconv.metrics import participant_of, read_metrics
@@ -231,11 +231,9 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
     ``cfs_period_ms``: every machine's CPU quota is granted per period of this length
     (default 10 ms; a real slower CPU is the limit of short periods)."""
     period_us = int(round(cfs_period_ms * 1000))
-    least = min(min(fractions) for fractions in machine_sets)
-    if not 1_000 <= period_us <= 1_000_000 or period_us * least < MIN_QUOTA_US:
-        raise UserError(f"--cfs-period-ms {cfs_period_ms:g}: must be within 1..1000 and "
-                        f"grant the smallest machine ({least:g} core) at least "
-                        f"{MIN_QUOTA_US / 1000:g} ms of it (the kernel's least quota)")
+    refusal = quota_refusal(min(min(fractions) for fractions in machine_sets), period_us)
+    if refusal:
+        raise UserError(f"--cfs-period-ms {cfs_period_ms:g}: {refusal}")
     check_choice("split", split, SPLIT_MODES)
     if peer is not None:
         check_choice("peer", peer, BENCH_PEERS)

@@ -17,11 +17,13 @@ from hetconv.lab.quota import (
     MIN_QUOTA_US,
     CpuQuota,
     cpu_quota_unavailable_reason,
+    quota_refusal,
 )
 
 __all__ = [
     "CFS_PERIOD_US",
     "MIN_QUOTA_US",
+    "quota_refusal",
     "CGROUP_CPU_ROOT",
     "CpuQuota",
     "LanHost",

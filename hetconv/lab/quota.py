@@ -15,6 +15,18 @@ CFS_PERIOD_US = 10_000  # short periods: a throttled worker is slow at every sca
 MIN_QUOTA_US = 1_000  # the kernel refuses a shorter cpu.cfs_quota_us
 
 
+def quota_refusal(fraction: float, period_us: int) -> str | None:
+    """Why the kernel would refuse ``fraction`` of a core per ``period_us`` (one line), or
+    None: the period must be 1 ms to 1 s and the share of it at least ``MIN_QUOTA_US``."""
+    if not 0.01 <= fraction <= 64:
+        return f"CPU fraction must be within 0.01..64, got {fraction:g}"
+    if not 1_000 <= period_us <= 1_000_000 or period_us * fraction < MIN_QUOTA_US:
+        return (f"a CFS period of {period_us / 1000:g} ms must be within 1..1000 ms and grant "
+                f"{fraction:g} core at least {MIN_QUOTA_US / 1000:g} ms of it (the kernel's "
+                "least quota)")
+    return None
+
+
 def cpu_quota_unavailable_reason() -> str | None:
     """Why cgroup v1 CPU quotas cannot be used here, or None when they can."""
     if not (CGROUP_CPU_ROOT / "cpu.cfs_quota_us").exists():
@@ -30,11 +42,9 @@ class CpuQuota:
     used its share of a period waits for the next one."""
 
     def __init__(self, fraction: float, period_us: int = CFS_PERIOD_US):
-        if not 0.01 <= fraction <= 64:
-            raise ValueError(f"CPU fraction must be within 0.01..64, got {fraction}")
-        if not 1_000 <= period_us <= 1_000_000 or period_us * fraction < MIN_QUOTA_US:
-            raise ValueError(f"a CFS period of {period_us} us must be within 1000..1000000 "
-                             f"and grant {fraction:g} of it at least {MIN_QUOTA_US} us")
+        refusal = quota_refusal(fraction, period_us)
+        if refusal:
+            raise ValueError(refusal)
         reason = cpu_quota_unavailable_reason()
         if reason:
             raise RuntimeError(f"CPU quotas unavailable: {reason}")
@@ -46,8 +56,9 @@ class CpuQuota:
 
     def set(self, fraction: float) -> None:
         """Change the group's share of a core (a machine that gets busy or recovers)."""
-        if not 0.01 <= fraction <= 64:
-            raise ValueError(f"CPU fraction must be within 0.01..64, got {fraction}")
+        refusal = quota_refusal(fraction, self.period_us)
+        if refusal:
+            raise ValueError(refusal)
         (self.path / "cpu.cfs_quota_us").write_text(str(int(self.period_us * fraction)))
 
     def add(self, pid: int) -> None:

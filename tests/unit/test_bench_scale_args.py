@@ -14,8 +14,8 @@ def test_a_period_the_kernel_refuses_is_one_line(period: str,
     status = main(["bench", "scale", "--machines", "0.45,0.45", "--cfs-period-ms", period])
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 2 and len(err) == 1, err
-    assert err[0].startswith(f"hetconv: error: --cfs-period-ms {period}: must be within")
-    assert "0.45 core" in err[0]
+    assert err[0].startswith(f"hetconv: error: --cfs-period-ms {period}: a CFS period of")
+    assert "0.45 core" in err[0] and "least quota" in err[0]
 
 
 def test_the_quota_refuses_a_share_under_the_kernel_least() -> None:
