@@ -39,6 +39,7 @@ from hetconv.master.run import (
 )
 from hetconv.master.sample_peers import SamplePeers
 from hetconv.master.sample_plan import SampleBalance, Slice
+from hetconv.master.step_model import InPlaceModel, StepSample
 from hetconv.master.trial_alone import TrialAloneStage
 from hetconv.metrics import MetricsWriter
 from hetconv.model import ConvLayerShape
@@ -118,6 +119,7 @@ class SampleSetup:
     report: Callable[[str], None]
     rebalancing: bool = True  # re-slice from measured compute (``--rebalance``)
     fall_back: bool = True  # train alone when measured slower than alone (``--fall-back``)
+    predicted_s: float | None = None  # the setup's prediction of the conv part (the plan's)
 
 
 class BetweenSteps:
@@ -132,6 +134,9 @@ class BetweenSteps:
     setup: SampleSetup
     runner: SampleRunner
     step: int
+    step_model: InPlaceModel
+    _step_rounds: int
+    _step_started: float | None
     _sums: dict[int, tuple[np.ndarray, np.ndarray]]
     _dweight: PendingUpdate | None
     peers: SamplePeers | None  # the weight reduction among the peers; None: via the master
@@ -301,6 +306,7 @@ class BetweenSteps:
             self.alone_check.distributed_step(
                 self._step_wall, self._step_compute[MASTER_PARTICIPANT] / own
                 * sum(samples.values()))
+        self._check_step_model(samples)
         if self.setup.rebalancing and self.balance.observe(self._step_compute,
                                                            self._step_latency, samples):
             names = self._names()
@@ -315,8 +321,21 @@ class BetweenSteps:
                                               "samples": counts.get(n, 0)} for n in names]}
                                          for shape in self.setup.shapes])
         self._timings, self._comm_s, self._step_compute, self._step_latency = {}, 0.0, {}, {}
-        self._step_wall = 0.0
+        self._step_wall, self._step_rounds, self._step_started = 0.0, 0, None
         return {"layers": layers, "comm_s": comm_s}
+
+    def _check_step_model(self, samples: dict[str, int]) -> None:
+        """Feed the step to the model calibrated in place (``master/step_model.py``);
+        its check, once, as a console line and a ``model`` record."""
+        if self._step_started is None or not self._step_rounds:
+            return
+        check = self.step_model.observe(StepSample(
+            time.monotonic() - self._step_started, self._step_wall, self._step_rounds,
+            dict(self._step_compute), {n: c for n, c in samples.items() if c > 0}))
+        if check is not None:
+            self.setup.report(check.line())
+            self.setup.metrics.write("model", split_by="samples", step=self.step,
+                                     **check.as_record())
 
     # --- carrying out the state machine's commands ------------------------------------
     def _carry_out(self, commands: list[Command], state: dict[str, np.ndarray]) -> ConvStage:
@@ -352,6 +371,7 @@ class BetweenSteps:
         the layers of ``state`` (the snapshot the trainer goes on from)."""
         keep = [n for n in self.workers if n in alive]
         self.balance.restrict(keep + [MASTER_PARTICIPANT])
+        self.step_model.reset()  # other participants: fit and check again
         self._hand_out(state, reason)
         self.control.handle(ReplanDone())
         names = self._names()

@@ -94,7 +94,7 @@ def open_sample_stage(cluster: Cluster, config: MasterConfig, participants: list
                         "float32" if config.wire_dtype == "auto" else config.wire_dtype,
                         batch, master_computes, local_stage, metrics, report,
                         rebalancing=config.rebalancing and config.split != "equal",
-                        fall_back=config.fall_back)
+                        fall_back=config.fall_back, predicted_s=predicted_s)
     control = RunControl((p.participant for p in workers),
                          stop_on_worker_loss=config.on_worker_loss == "stop")
 

@@ -49,6 +49,7 @@ from hetconv.master.sample_between import (
 from hetconv.master.sample_between import update_fields as _update_fields
 from hetconv.master.sample_peers import SamplePeers
 from hetconv.master.sample_plan import SampleBalance, Slice
+from hetconv.master.step_model import InPlaceModel
 from hetconv.protocol import (
     SampleBackwardRequest,
     SampleForwardRequest,
@@ -97,6 +98,9 @@ class SampleConvStage(BetweenSteps):
         self._step_compute: dict[str, float] = {}  # participant -> its compute this step
         self._step_latency: dict[str, float] = {}  # participant -> its rounds this step
         self._step_wall = 0.0  # the step's rounds, first request sent to last reply
+        self._step_rounds = 0  # rounds recorded this step
+        self._step_started: float | None = None  # its first round's start (monotonic s)
+        self.step_model = InPlaceModel(setup.predicted_s)  # calibrated in place
         self.alone_check = AloneCheck()  # never slower than the master alone
         self.step = 0
 
@@ -203,6 +207,7 @@ class SampleConvStage(BetweenSteps):
         if record:
             self._comm_s += max(0.0, time.monotonic() - started - slowest)
             self._step_wall += time.monotonic() - started
+            self._step_rounds += 1
         return replies
 
     def _entry(self, layer: int, piece: Slice) -> dict[str, Any]:
@@ -226,6 +231,7 @@ class SampleConvStage(BetweenSteps):
             raise fault  # the trainer's recovery: a re-plan that checks again
         if layer == 0:
             self.step = step
+            self._step_started = time.monotonic()
             self._x = np.ascontiguousarray(x, dtype=np.float32)
             self.slices = self._slice_batch(x.shape[0])
             update = self._take_update()  # the previous step's last one rides along

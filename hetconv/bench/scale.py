@@ -135,7 +135,10 @@ def run_figures(run_dir: Path, link_bytes_per_s: float | None) -> RunFigures:
     plans = [r for r in records if r.get("type") == "plan"]
     predicted = None
     sample_split = any(r.get("split_by") == "samples" for r in plans)
-    if sample_split:  # the setup's prediction (master/sample_plan.py) plus the dense part
+    models = [r for r in records if r.get("type") == "model"]
+    if sample_split and models:  # the step model calibrated in place (master/step_model.py)
+        predicted = float(models[-1]["predicted_step_s"])
+    elif sample_split:  # the setup's prediction (master/sample_plan.py) plus the dense part
         value = plans[-1].get("predicted_step_s")
         predicted = None if value is None else float(value) + dense_s
     elif settled is not None:  # the model's prediction of that split (measured corrections)

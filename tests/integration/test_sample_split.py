@@ -61,6 +61,15 @@ def test_two_workers_and_the_master_reproduce_the_local_run(
         assert peer_bytes == {"w1": 0, "w2": 0}
     else:
         assert min(peer_bytes.values()) > 0, peer_bytes
+    # the step model calibrated in place: fitted on the first steps, checked on the next
+    models = _records(run_dir, "model")
+    assert len(models) == 1, models
+    model = models[0]
+    assert model["predicted_step_s"] > 0 and model["measured_step_s"] > 0
+    assert model["rounds"] == 2 * 2 + 2  # SMALL_RUN's two conv layers
+    assert model["predicted_step_s"] == pytest.approx(
+        model["compute_s"] + model["rounds"] * model["round_s"] + model["serial_s"])
+    assert "step model fitted on 9 steps" in result.stdout
 
 
 @pytest.mark.timeout(180)

@@ -1,0 +1,177 @@
+"""The sample split's step model, calibrated in place from the run's first steps.
+
+The setup's prediction (``predict_sample_step``) knows the calibrated compute, the
+links and one round trip per round; it cannot know what a round costs beyond that on
+the machines at hand: message handling, CPU-quota throttling and the skew between the
+participants at every barrier (2L + 2 a step), nor the master's serial part (the dense
+layers and its turnaround between rounds). On four 0.45-core machines it was 10-35 %
+low (docs/sample-split.md). So after the first steps the master fits three terms to
+what it measured (:func:`fit_step_terms`), over a window of ``MODEL_WINDOW`` steps:
+
+- ``b_i``: each participant's compute per sample (median of the window);
+- ``round_s``: per round, the rounds' wall time beyond the slowest participant's
+  compute, (Σ_r wall_r − max_i Σ_r c_i,r) / rounds (median): the wire, message
+  handling and the barrier's skew;
+- ``serial_s``: the step beyond its rounds (median): the master's dense layers and
+  its work between rounds, while every worker waits.
+
+The prediction for any slicing of the batch is then
+``max_i b_i·n_i + rounds·round_s + serial_s`` (:meth:`StepTerms.predict`). The model is
+checked, not assumed: :class:`InPlaceModel` predicts the step for the slices in use
+after the window (a re-slice by the rebalancer included: a new split, not the fitted
+one) and compares with the median of the next ``MODEL_WINDOW`` steps measured on
+them. The check is written as a ``model`` record and a console line.
+
+Sans-IO: seconds in, a check out (``tests/unit/test_step_model.py``).
+"""
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+MODEL_WINDOW = 9
+"""Steps fitted, then steps measured to check the prediction."""
+MODEL_SKIP = 1
+"""First steps left out of the fit (start-up: first-touch memory, caches)."""
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """One training step as the master saw it (seconds): the whole step (first
+    request of its first round to the end of its backward), the wall time of its
+    rounds, their number, and per participant its compute and its samples."""
+
+    step_s: float
+    rounds_s: float
+    rounds: int
+    compute_s: Mapping[str, float]
+    samples: Mapping[str, int]
+
+
+@dataclass(frozen=True)
+class StepTerms:
+    """The fitted model (see the module doc): ``per_sample_s`` b_i per participant,
+    ``round_s`` per round, ``serial_s`` per step, ``rounds`` per step."""
+
+    per_sample_s: Mapping[str, float]
+    round_s: float
+    serial_s: float
+    rounds: int
+
+    def compute_s(self, samples: Mapping[str, int]) -> float:
+        """The slowest participant's compute for ``samples`` per participant."""
+        return max((self.per_sample_s[name] * count for name, count in samples.items()
+                    if count > 0 and name in self.per_sample_s), default=0.0)
+
+    def predict(self, samples: Mapping[str, int]) -> float:
+        """Seconds of one step with ``samples`` per participant."""
+        return self.compute_s(samples) + self.rounds * self.round_s + self.serial_s
+
+    def as_record(self) -> dict[str, float | int]:
+        return {"round_s": self.round_s, "serial_s": self.serial_s, "rounds": self.rounds,
+                "per_sample_s": dict(self.per_sample_s)}
+
+
+def fit_step_terms(window: Sequence[StepSample]) -> StepTerms:
+    """The terms of the module doc, medians over ``window`` (not empty; every step with
+    the same number of rounds)."""
+    if not window:
+        raise ValueError("no steps to fit the step model to")
+    rounds = window[-1].rounds
+    per_sample: dict[str, list[float]] = {}
+    beyond, serial = [], []
+    for step in window:
+        for name, seconds in step.compute_s.items():
+            count = step.samples.get(name, 0)
+            if count > 0:
+                per_sample.setdefault(name, []).append(seconds / count)
+        slowest = max((step.compute_s.get(name, 0.0) for name, count in step.samples.items()
+                       if count > 0), default=0.0)
+        beyond.append(max(0.0, step.rounds_s - slowest) / max(step.rounds, 1))
+        serial.append(max(0.0, step.step_s - step.rounds_s))
+    return StepTerms({name: statistics.median(values) for name, values in per_sample.items()},
+                     statistics.median(beyond), statistics.median(serial), rounds)
+
+
+@dataclass(frozen=True)
+class ModelCheck:
+    """The fitted model's prediction for the slices of the checked steps against the
+    median of those steps, and the setup's prediction of the conv part and its
+    transfers (``predict_sample_step``; None when it made none), for reference."""
+
+    terms: StepTerms
+    samples: Mapping[str, int]
+    predicted_s: float
+    measured_s: float
+    setup_predicted_s: float | None
+    fitted_steps: int
+    checked_steps: int
+
+    @property
+    def error(self) -> float:
+        """(predicted − measured) / measured: negative when the model is optimistic."""
+        return (self.predicted_s - self.measured_s) / self.measured_s
+
+    def line(self) -> str:
+        t = self.terms
+        compute = t.compute_s(self.samples)
+        return (f"hetconv: step model fitted on {self.fitted_steps} steps: predicted "
+                f"{self.predicted_s * 1e3:.1f} ms = compute {compute * 1e3:.1f} + "
+                f"{t.rounds} rounds x {t.round_s * 1e3:.1f} + master serial "
+                f"{t.serial_s * 1e3:.1f}; measured {self.measured_s * 1e3:.1f} ms over the "
+                f"next {self.checked_steps} ({self.error:+.1%})")
+
+    def as_record(self) -> dict[str, object]:
+        return {"predicted_step_s": self.predicted_s, "measured_step_s": self.measured_s,
+                "error": self.error, "setup_predicted_step_s": self.setup_predicted_s,
+                "compute_s": self.terms.compute_s(self.samples), "samples": dict(self.samples),
+                "fitted_steps": self.fitted_steps, "checked_steps": self.checked_steps,
+                **self.terms.as_record()}
+
+
+class InPlaceModel:
+    """Fit on steps [MODEL_SKIP, MODEL_SKIP + MODEL_WINDOW), then check on the next
+    ``MODEL_WINDOW`` steps whose slices are the same (a step on other slices, or with
+    other participants, starts the check again). Once checked, it says nothing more;
+    :meth:`reset` (a re-plan: other participants) starts over."""
+
+    def __init__(self, setup_predicted_s: float | None = None):
+        self.setup_predicted_s = setup_predicted_s
+        self.reset()
+
+    def reset(self) -> None:
+        self._seen = 0
+        self._fit: list[StepSample] = []
+        self._terms: StepTerms | None = None
+        self._checked: list[StepSample] = []
+        self.done = False
+
+    def observe(self, step: StepSample) -> ModelCheck | None:
+        """Take one step; the check once it is complete (once), else None."""
+        if self.done:
+            return None
+        self._seen += 1
+        if self._seen <= MODEL_SKIP:
+            return None
+        if self._terms is None:
+            if self._fit and set(step.samples) != set(self._fit[0].samples):
+                self.reset()  # other participants: start over
+                return None
+            self._fit.append(step)
+            if len(self._fit) == MODEL_WINDOW:
+                self._terms = fit_step_terms(self._fit)
+            return None
+        if self._checked and dict(step.samples) != dict(self._checked[0].samples):
+            self._checked = []  # re-sliced: check the prediction for the new slices
+        if set(step.samples) - set(self._terms.per_sample_s):
+            self.reset()
+            return None
+        self._checked.append(step)
+        if len(self._checked) < MODEL_WINDOW:
+            return None
+        self.done = True
+        samples = dict(self._checked[0].samples)
+        return ModelCheck(self._terms, samples, self._terms.predict(samples),
+                          statistics.median(s.step_s for s in self._checked),
+                          self.setup_predicted_s, len(self._fit), len(self._checked))

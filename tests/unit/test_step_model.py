@@ -1,0 +1,91 @@
+"""The sample split's step model calibrated in place (master/step_model.py): the fit's
+three terms, its prediction for other slices, and when the check is made."""
+from __future__ import annotations
+
+import pytest
+
+from hetconv.master.step_model import (
+    MODEL_SKIP,
+    MODEL_WINDOW,
+    InPlaceModel,
+    StepSample,
+    fit_step_terms,
+)
+
+
+def _step(samples: dict[str, int], per_sample: dict[str, float], round_s: float,
+          serial_s: float, rounds: int = 6, jitter: float = 0.0) -> StepSample:
+    """A step made from known terms (the slowest compute + rounds·round_s + serial)."""
+    compute = {n: per_sample[n] * c * (1 + jitter) for n, c in samples.items()}
+    rounds_s = max(compute.values()) + rounds * round_s
+    return StepSample(rounds_s + serial_s, rounds_s, rounds, compute, samples)
+
+
+def test_the_fit_recovers_the_terms_a_step_was_made_of() -> None:
+    per_sample = {"master": 0.002, "a": 0.001}
+    window = [_step({"master": 40, "a": 88}, per_sample, 0.003, 0.015, jitter=j)
+              for j in (0.0, 0.01, -0.01, 0.02, 0.0)]
+    terms = fit_step_terms(window)
+    assert terms.per_sample_s["master"] == pytest.approx(0.002)
+    assert terms.per_sample_s["a"] == pytest.approx(0.001)
+    assert terms.round_s == pytest.approx(0.003)
+    assert terms.serial_s == pytest.approx(0.015)
+    assert terms.rounds == 6
+    # another slicing: only the compute term moves
+    assert terms.predict({"master": 64, "a": 64}) == pytest.approx(0.128 + 6 * 0.003 + 0.015)
+
+
+def test_the_fit_refuses_no_steps() -> None:
+    with pytest.raises(ValueError, match="no steps"):
+        fit_step_terms([])
+
+
+def test_the_check_predicts_the_slices_after_a_re_slice_not_the_fitted_ones() -> None:
+    per_sample = {"master": 0.002, "a": 0.001}
+    model = InPlaceModel(setup_predicted_s=0.1)
+    first, second = {"master": 64, "a": 64}, {"master": 43, "a": 85}
+    checks = []
+    for index in range(MODEL_SKIP + MODEL_WINDOW):
+        checks.append(model.observe(_step(first, per_sample, 0.004, 0.01)))
+    # the rebalancer moved samples: the check is of the new slices, measured on them
+    for index in range(MODEL_WINDOW):
+        checks.append(model.observe(_step(second, per_sample, 0.004, 0.01)))
+    done = [c for c in checks if c is not None]
+    assert len(done) == 1
+    check = done[0]
+    assert check.samples == second
+    assert check.predicted_s == pytest.approx(0.086 + 6 * 0.004 + 0.01)
+    assert check.error == pytest.approx(0.0, abs=1e-9)
+    assert check.setup_predicted_s == 0.1
+    assert "predicted" in check.line() and "measured" in check.line()
+    record = check.as_record()
+    assert record["fitted_steps"] == MODEL_WINDOW and record["checked_steps"] == MODEL_WINDOW
+    # once checked it says nothing more
+    assert model.observe(_step(second, per_sample, 0.004, 0.01)) is None
+
+
+def test_a_slower_step_than_the_fit_shows_as_an_optimistic_model() -> None:
+    per_sample = {"master": 0.002, "a": 0.001}
+    model = InPlaceModel()
+    slices = {"master": 64, "a": 64}
+    for _ in range(MODEL_SKIP + MODEL_WINDOW):
+        model.observe(_step(slices, per_sample, 0.004, 0.01))
+    check = None
+    for _ in range(MODEL_WINDOW):
+        check = model.observe(_step(slices, per_sample, 0.008, 0.01)) or check
+    assert check is not None and check.error < -0.1
+
+
+def test_other_participants_start_the_fit_again() -> None:
+    per_sample = {"master": 0.002, "a": 0.001, "b": 0.001}
+    model = InPlaceModel()
+    for _ in range(MODEL_SKIP + 3):
+        model.observe(_step({"master": 40, "a": 44, "b": 44}, per_sample, 0.004, 0.01))
+    # "b" was evicted: what was fitted so far is dropped
+    results = [model.observe(_step({"master": 60, "a": 68}, per_sample, 0.004, 0.01))
+               for _ in range(2 * MODEL_WINDOW)]
+    assert all(r is None for r in results)
+    results = [model.observe(_step({"master": 60, "a": 68}, per_sample, 0.004, 0.01))
+               for _ in range(2)]
+    check = [r for r in results if r is not None]
+    assert len(check) == 1 and check[0].samples == {"master": 60, "a": 68}
