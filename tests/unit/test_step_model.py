@@ -45,10 +45,10 @@ def test_the_check_predicts_the_slices_after_a_re_slice_not_the_fitted_ones() ->
     model = InPlaceModel(setup_predicted_s=0.1)
     first, second = {"master": 64, "a": 64}, {"master": 43, "a": 85}
     checks = []
-    for index in range(MODEL_SKIP + MODEL_WINDOW):
+    for _ in range(MODEL_SKIP + MODEL_WINDOW):
         checks.append(model.observe(_step(first, per_sample, 0.004, 0.01)))
     # the rebalancer moved samples: the check is of the new slices, measured on them
-    for index in range(MODEL_WINDOW):
+    for _ in range(MODEL_WINDOW):
         checks.append(model.observe(_step(second, per_sample, 0.004, 0.01)))
     done = [c for c in checks if c is not None]
     assert len(done) == 1
