@@ -68,7 +68,7 @@ class StepTerms:
         """Seconds of one step with ``samples`` per participant."""
         return self.compute_s(samples) + self.rounds * self.round_s + self.serial_s
 
-    def as_record(self) -> dict[str, float | int]:
+    def as_record(self) -> dict[str, object]:
         return {"round_s": self.round_s, "serial_s": self.serial_s, "rounds": self.rounds,
                 "per_sample_s": dict(self.per_sample_s)}
 

@@ -426,6 +426,7 @@ def summarize(records: RunRecords) -> RunSummary:
         images_per_s=epochs[-1].images_per_s if epochs else None, warnings=tuple(warnings),
         resilience=resilience(records, split.step_s if split else None),
         checkpoint_every=_opt_int(config.get("checkpoint_every")),
+        step_model=records.step_model,
         split_by="samples" if steps and any(t.by_samples for layer in steps[-1].layers
                                             for t in layer.devices) else "kernels")
 

@@ -91,6 +91,13 @@ def overview_table(summary: RunSummary) -> Table:
          else f"{ms(summary.predicted_step_s)} ms",
          MISSING if summary.predicted_step_s is None or split is None
          else f"measured / predicted {split.step_s / summary.predicted_step_s:.2f}"),
+        *([] if summary.step_model is None else [(
+            "step model calibrated in place", f"{ms(summary.step_model.predicted_s)} ms",
+            f"measured {ms(summary.step_model.measured_s)} ms over the next "
+            f"{summary.step_model.checked_steps} steps "
+            f"({(summary.step_model.predicted_s - summary.step_model.measured_s) / summary.step_model.measured_s:+.0%}): "
+            f"compute {ms(summary.step_model.compute_s)} + {summary.step_model.rounds} rounds x "
+            f"{ms(summary.step_model.round_s)} + master serial {ms(summary.step_model.serial_s)}")]),
         ("speedup over fastest participant alone (est., cost model)", times(summary.speedup),
          MISSING if summary.fastest_device is None else
          f"{summary.fastest_device}: {ms(summary.single_device_step_s)} ms"),

@@ -144,6 +144,21 @@ class LayerShape:
 
 
 @dataclass(frozen=True)
+class StepModelCheck:
+    """A ``model`` record: the step model calibrated in place (master/step_model.py),
+    its prediction (``compute_s`` + ``rounds`` x ``round_s`` + ``serial_s``) against the
+    median of the ``checked_steps`` measured after its fit (seconds)."""
+
+    predicted_s: float
+    measured_s: float
+    compute_s: float
+    rounds: int
+    round_s: float
+    serial_s: float
+    checked_steps: int
+
+
+@dataclass(frozen=True)
 class RunRecords:
     """Everything the report needs from one run directory."""
 
@@ -158,6 +173,7 @@ class RunRecords:
     error: str | None
     warnings: tuple[str, ...]
     plan_predicted_step_s: float | None = None  # the planner's conv + transfer prediction
+    step_model: StepModelCheck | None = None  # the last ``model`` record (sample split)
     events: tuple[MembershipEvent, ...] = ()  # joins, losses, re-plans, ... in time order
     checkpoints: tuple[CheckpointRecord, ...] = ()  # every training snapshot taken
     replayed_steps: int = 0  # step records left out: an earlier record of a replayed step
@@ -302,7 +318,11 @@ def _dispatch(records: list[dict[str, Any]], warnings: list[str]) -> Iterator[tu
         "calibration": _calibration, "step": _step, "epoch": _epoch,
         "run_start": lambda r: r, "run_end": lambda r: r,
         "plan": lambda r: (None if r.get("predicted_step_s") is None
-                           else float(r["predicted_step_s"]))}
+                           else float(r["predicted_step_s"])),
+        "model": lambda r: StepModelCheck(
+            float(r["predicted_step_s"]), float(r["measured_step_s"]), float(r["compute_s"]),
+            int(r["rounds"]), float(r["round_s"]), float(r["serial_s"]),
+            int(r["checked_steps"]))}
     for number, raw in enumerate(records, start=1):
         parser = parsers.get(raw["type"])
         if parser is None:
@@ -331,6 +351,7 @@ def parse_run(run_dir: str | Path) -> RunRecords:
     status: str | None = None
     error: str | None = None
     predicted: float | None = None
+    step_model: StepModelCheck | None = None
     for kind, item in _dispatch(raw_records, warnings):
         if kind == "run_start":
             status = error = None  # a resumed run: what the earlier process ended with is past
@@ -350,6 +371,8 @@ def parse_run(run_dir: str | Path) -> RunRecords:
             epochs.append(item)
         elif kind == "plan":
             predicted = item
+        elif kind == "model":
+            step_model = item
         elif kind == "run_end":
             status = str(item.get("status") or "?")
             error = item.get("error")
@@ -365,7 +388,8 @@ def parse_run(run_dir: str | Path) -> RunRecords:
                       calibration=tuple(calibration[k] for k in sorted(calibration)),
                       steps=tuple(ordered), epochs=_last_per_epoch(epochs), status=status,
                       error=None if error is None else str(error), warnings=tuple(warnings),
-                      plan_predicted_step_s=predicted, events=events, checkpoints=checkpoints,
+                      plan_predicted_step_s=predicted, step_model=step_model,
+                      events=events, checkpoints=checkpoints,
                       replayed_steps=step_records - len(ordered),
                       start_time=_first_time(raw_records))
 

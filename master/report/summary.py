@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hetconv.master.report.events import MembershipEvent
-from hetconv.master.report.records import EpochRecord
+from hetconv.master.report.records import EpochRecord, StepModelCheck
 
 
 @dataclass(frozen=True)
@@ -147,5 +147,6 @@ class RunSummary:
     resilience: Resilience | None = None
     checkpoint_every: int | None = None  # the run's --checkpoint-every (None: not recorded)
     network: str = ""  # the run's network spec (--arch / --model), "" for older runs
+    step_model: StepModelCheck | None = None  # the sample split's model calibrated in place
 
     split_by: str = "kernels"  # what the layers were cut into: kernels or samples
