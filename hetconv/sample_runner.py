@@ -12,7 +12,7 @@ does not fit raises ``RequestError`` (answered ``bad_request`` or ``unknown_laye
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -33,7 +33,7 @@ from hetconv.wire_cast import to_wire
 SampleUpdate = SampleForwardRequest | SampleBackwardRequest
 
 
-def _compute_s(started: float, figures: dict[str, Any]) -> float:
+def compute_seconds(started: float, figures: dict[str, Any]) -> float:
     """Seconds since ``started`` less the waits for peers' pieces: what the slice cost
     this participant (the re-slicing and the estimate of the master alone read it)."""
     return max(0.0, time.perf_counter() - started - float(figures["peer_wait_s"]))
@@ -57,7 +57,7 @@ def _vector(array: np.ndarray | None, name: str, kernels: int, layer: int) -> np
     return array
 
 
-def _test_delay(shard: ConvShard) -> None:
+def tests_delay(shard: ConvShard) -> None:
     """The tests' slow worker (tests/support/faulty_worker.py ``FaultyShard``); nothing
     otherwise."""
     delay = getattr(shard, "training_delay", None)
@@ -72,51 +72,67 @@ class SampleRunner:
         self._replicas: dict[int, tuple[ConvShard, SampleReplica]] = {}
         self._activation: np.ndarray | None = None  # the last finished layer's output
         self._gradient: np.ndarray | None = None  # the last finished layer's dx
-        self._wire_dtype = np.dtype(np.float32)  # of the activations, as x came
+        self.wire_dtype = np.dtype(np.float32)  # of the activations, as x came
         # the weight reduction among the peers (set by AssignPeers; None: via the master)
         self.exchange: GradientExchange | None = None
+        # the chain's whole-batch batch-norm sums (2, K) per layer, kept for its update
+        self.kept_sums: dict[int, np.ndarray] = {}
 
     def reset(self) -> None:
         """Forget everything (the run ended, or the layers were re-assigned)."""
         self._replicas.clear()
+        self.kept_sums.clear()
         self._activation = self._gradient = None
 
-    def _peers(self) -> GradientExchange:
+    def peers(self) -> GradientExchange:
         if self.exchange is None:
             raise SampleRequestError(ERR_BAD_REQUEST, "a weight reduction among the peers, "
                                      "but no AssignPeers for this run yet")
         return self.exchange
 
-    def _begin_update(self, shards: Mapping[int, ConvShard], request: SampleUpdate
-                      ) -> tuple[int, np.ndarray | None] | None:
-        """First half of a peer-reduced update: reduce this participant's range and
-        share it (None when the request carries its ``dweight`` or no update)."""
+    @staticmethod
+    def update_layers(request: SampleUpdate) -> range:
+        """The layers the request's update covers: [update_layer, update_stop), or the
+        one layer ``update_layer`` (none when it is NO_LAYER)."""
+        if request.update_layer < 0:
+            return range(0)
+        stop = request.update_stop if request.update_stop > request.update_layer \
+            else request.update_layer + 1
+        return range(request.update_layer, stop)
+
+    def begin_update(self, shards: Mapping[int, ConvShard], request: SampleUpdate
+                      ) -> dict[int, np.ndarray | None] | None:
+        """First half of a peer-reduced update: reduce this participant's range of each
+        layer and share it (None when the request carries its ``dweight`` or no update)."""
         if request.update_layer < 0 or request.update_id <= 0:
             return None
-        shape = tuple(self.replica(shards, request.update_layer).shard.state["weight"].shape)
         contributors = [str(c) for c in request.contributors]
         if not contributors or len(set(contributors)) != len(contributors):
             raise SampleRequestError(ERR_BAD_REQUEST, "contributors must name each "
                                      "participant with samples once")
-        own = self._peers().reduce(request.update_id, request.step, request.update_layer,
-                                   contributors, shape)
-        return request.update_layer, own
+        return {layer: self.peers().reduce(
+            request.update_id, request.step, layer, contributors,
+            tuple(self.replica(shards, layer).shard.state["weight"].shape))
+            for layer in self.update_layers(request)}
 
-    def _finish_update(self, shards: Mapping[int, ConvShard], request: SampleUpdate,
-                       begun: tuple[int, np.ndarray | None] | None) -> None:
-        """The update of ``request.update_layer`` (its dW gathered from the peers when
-        reduced among them)."""
-        if request.update_layer < 0:
-            return
-        dweight = request.dweight
-        if begun is not None:
-            layer, own = begun
-            shape = tuple(self.replica(shards, layer).shard.state["weight"].shape)
-            dweight = self._peers().gather(request.update_id, layer, own, shape)
-        self._update(shards, request.update_layer, dweight, request.learning_rate,
-                     request.update_sums)
+    def finish_update(self, shards: Mapping[int, ConvShard], request: SampleUpdate,
+                       begun: dict[int, np.ndarray | None] | None,
+                       layers: Sequence[int] | None = None) -> None:
+        """The update of ``layers`` (default: every layer of the request's), each dW
+        gathered from the peers when reduced among them; the batch-norm sums are the
+        request's ``update_sums``, or those this participant kept from the chain."""
+        for layer in self.update_layers(request) if layers is None else layers:
+            dweight = request.dweight
+            if begun is not None:
+                shape = tuple(self.replica(shards, layer).shard.state["weight"].shape)
+                dweight = self.peers().gather(request.update_id, layer, begun.get(layer),
+                                               shape)
+            sums = request.update_sums
+            if sums is None:
+                sums = self.kept_sums.pop(layer, None)
+            self._update(shards, layer, dweight, request.learning_rate, sums)
 
-    def _peer_figures(self) -> dict[str, Any]:
+    def peer_figures(self) -> dict[str, Any]:
         if self.exchange is None:
             return {"peer_bytes_sent": 0, "peer_bytes_received": 0, "peer_wait_s": 0.0}
         sent, received, waited = self.exchange.take_stats()
@@ -160,12 +176,15 @@ class SampleRunner:
 
     def forward(self, request: SampleForwardRequest, shards: Mapping[int, ConvShard]
                 ) -> SampleForwardReply:
+        if request.sync_id > 0:
+            from hetconv.sample_chain import forward_chain  # it builds on this module
+            return forward_chain(self, request, shards)
         started = time.perf_counter()
-        begun = self._begin_update(shards, request)
+        begun = self.begin_update(shards, request)
         uses_update = request.update_layer in (request.finish_layer, request.start_layer) \
             or not request.train
         if uses_update:
-            self._finish_update(shards, request, begun)
+            self.finish_update(shards, request, begun)
         finished: np.ndarray | None = None
         if request.finish_layer >= 0:
             replica = self.replica(shards, request.finish_layer)
@@ -196,7 +215,7 @@ class SampleRunner:
                 raise SampleRequestError(ERR_BAD_REQUEST, f"layer {request.start_layer}: no "
                                          "input (no x and no layer finished before)")
             if request.x is not None:
-                self._wire_dtype = request.x.dtype
+                self.wire_dtype = request.x.dtype
             if request.total_batch < x.shape[0]:
                 raise SampleRequestError(ERR_BAD_REQUEST, f"total_batch {request.total_batch} "
                                          f"is smaller than this slice's {x.shape[0]} samples")
@@ -211,7 +230,7 @@ class SampleRunner:
                     x = replica.forward_eval(x)
                     finished = self._activation = x
                     continue
-                _test_delay(replica.shard)
+                tests_delay(replica.shard)
                 try:
                     moments = replica.start_forward(x, request.total_batch, True)
                 except ValueError:
@@ -225,26 +244,29 @@ class SampleRunner:
                 if moments is not None:
                     count, total, m2 = moments
         if not uses_update:  # the gather's wait overlapped this round's compute
-            self._finish_update(shards, request, begun)
+            self.finish_update(shards, request, begun)
         y = None
         if request.return_output:
             if finished is None:
                 raise SampleRequestError(ERR_BAD_REQUEST, "return_output without a finished "
                                          "layer")
-            y = to_wire(finished, self._wire_dtype)
-        figures = self._peer_figures()
+            y = to_wire(finished, self.wire_dtype)
+        figures = self.peer_figures()
         return SampleForwardReply(request_id=request.request_id, step=request.step,
                                   attempt=request.attempt,
-                                  compute_s=_compute_s(started, figures), count=int(count),
+                                  compute_s=compute_seconds(started, figures), count=int(count),
                                   total=total, m2=m2, y=y, **figures)
 
     def backward(self, request: SampleBackwardRequest, shards: Mapping[int, ConvShard]
                  ) -> SampleBackwardReply:
+        if request.sync_id > 0:
+            from hetconv.sample_chain import backward_chain  # it builds on this module
+            return backward_chain(self, request, shards)
         started = time.perf_counter()
-        begun = self._begin_update(shards, request)
+        begun = self.begin_update(shards, request)
         uses_update = request.update_layer in (request.finish_layer, request.start_layer)
         if uses_update:
-            self._finish_update(shards, request, begun)
+            self.finish_update(shards, request, begun)
         dweight_out = None
         if request.finish_layer >= 0:
             replica = self.replica(shards, request.finish_layer)
@@ -257,7 +279,7 @@ class SampleRunner:
             except RuntimeError as error:
                 raise SampleRequestError(ERR_BAD_REQUEST, str(error)) from None
             if request.reduce_id > 0 and dweight_out is not None:
-                self._peers().scatter(request.reduce_id, request.step, request.finish_layer,
+                self.peers().scatter(request.reduce_id, request.step, request.finish_layer,
                                       dweight_out)
                 dweight_out = None
         sums: tuple[np.ndarray | None, np.ndarray | None] = (None, None)
@@ -266,16 +288,16 @@ class SampleRunner:
             dy = request.dy if request.dy is not None else self._gradient
             if dy is None:
                 raise SampleRequestError(ERR_BAD_REQUEST, f"layer {request.start_layer}: no dy")
-            _test_delay(replica.shard)
+            tests_delay(replica.shard)
             try:
                 sums = replica.start_backward(dy)
             except (RuntimeError, ValueError) as error:
                 raise SampleRequestError(ERR_BAD_REQUEST, str(error)) from None
         if not uses_update:  # the gather's wait overlapped this round's compute
-            self._finish_update(shards, request, begun)
-        figures = self._peer_figures()
+            self.finish_update(shards, request, begun)
+        figures = self.peer_figures()
         return SampleBackwardReply(request_id=request.request_id, step=request.step,
                                    attempt=request.attempt,
-                                   compute_s=_compute_s(started, figures),
+                                   compute_s=compute_seconds(started, figures),
                                    dweight=dweight_out, dgamma=sums[0], dbeta=sums[1],
                                    **figures)

@@ -41,7 +41,12 @@ from hetconv.protocol import PeerPiece
 
 PHASE_REDUCE = "reduce"
 PHASE_GATHER = "gather"
-REDUCE_PHASES = (PHASE_REDUCE, PHASE_GATHER)
+PHASE_MOMENTS = "moments"
+PHASE_SUMS = "sums"
+SYNC_PHASES = (PHASE_MOMENTS, PHASE_SUMS)
+"""The chain's batch-norm exchanges: every member's (2, K) float32 to every participant
+(moments: the sum and M2 of its slice's conv output; sums: its dgamma_i, dbeta_i)."""
+REDUCE_PHASES = (PHASE_REDUCE, PHASE_GATHER) + SYNC_PHASES
 MAX_HELD_PIECES = 512
 """At most this many pieces wait in a participant's inbox (a run needs at most a few
 layers' worth per peer): beyond it, pieces are dropped as a stranger's would be."""
@@ -178,6 +183,26 @@ class GradientExchange:
             total[owner.start:owner.stop] = part
         return total
 
+    # --- the chain's batch-norm exchanges ---------------------------------------------
+    def _kernels(self, layer: int) -> int:
+        return max((r.stop for r in self._ranges(layer)), default=0)
+
+    def share(self, sync_id: int, step: int, layer: int, phase: str, data: np.ndarray) -> None:
+        """Send this participant's (2, K) ``data`` of ``layer`` (phase ``moments`` or
+        ``sums``) to every other participant of the plan."""
+        kernels = self._kernels(layer)
+        whole = KernelRange(self.participant, 0, kernels)
+        for target in self._ranges(layer):
+            if target.participant != self.participant:
+                self._send(target.participant, sync_id, step, layer, phase, whole, data)
+
+    def collect(self, sync_id: int, layer: int, phase: str, members: Sequence[str]
+                ) -> dict[str, np.ndarray]:
+        """Every other member's (2, K) piece of ``layer`` in exchange ``sync_id``."""
+        shape = (2, self._kernels(layer))
+        return self._wait(sync_id, layer, phase,
+                          {m: shape for m in members if m != self.participant})
+
     # --- moving and keeping pieces ---------------------------------------------------
     def _send(self, target: str, reduce_id: int, step: int, layer: int, phase: str,
               kernels: KernelRange, data: np.ndarray) -> None:
@@ -209,6 +234,8 @@ class GradientExchange:
         sender = next((r for r in ranges if r.participant == piece.sender), None)
         if sender is None:
             return f"a reduction piece from {piece.sender!r}, not a participant"
+        if piece.phase in SYNC_PHASES:  # a whole layer's (2, K) from any participant
+            sender = KernelRange(piece.sender, 0, self._kernels(piece.layer))
         expected = self.own_range(piece.layer) if piece.phase == PHASE_REDUCE else sender
         if expected is None or (piece.kernel_start, piece.kernel_stop) != \
                 (expected.start, expected.stop) or expected.kernels == 0:

@@ -58,23 +58,25 @@ class PendingUpdate:
     """A layer's SGD step still to apply: the whole batch's ``dweight`` (summed by the
     master: ``--data-plane star``), or None when the peers reduce it as reduction
     ``reduce_id`` of the ``contributors``' gradients (hetconv/weight_reduce.py); its
-    batch-norm ``sums`` (2, K) float32."""
+    batch-norm ``sums`` (2, K) float32. After a backward chain (hetconv/sample_chain.py)
+    it covers layers [``layer``, ``stop``) and every participant kept their sums."""
 
     layer: int
     dweight: np.ndarray | None
-    sums: np.ndarray
+    sums: np.ndarray | None  # None: each participant kept them (the chain)
     reduce_id: int = 0
     contributors: tuple[str, ...] = ()
+    stop: int = NO_LAYER  # > layer: layers [layer, stop) of one backward chain
 
 
 def update_fields(update: PendingUpdate | None) -> dict[str, Any]:
     """A round request's fields of the update it carries (none: NO_LAYER)."""
     if update is None:
         return {"update_layer": NO_LAYER, "dweight": None, "update_sums": None,
-                "update_id": 0, "contributors": []}
+                "update_id": 0, "contributors": [], "update_stop": NO_LAYER}
     return {"update_layer": update.layer, "dweight": update.dweight,
             "update_sums": update.sums, "update_id": update.reduce_id,
-            "contributors": list(update.contributors)}
+            "contributors": list(update.contributors), "update_stop": update.stop}
 
 
 def checked_result(participant: str, layer: int, name: str, array: Any,

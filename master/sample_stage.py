@@ -39,6 +39,7 @@ from hetconv.master.plan import Participant
 from hetconv.master.run import (
     RunControl,
 )
+from hetconv.master.sample_chains import ChainedSteps
 from hetconv.master.sample_between import (
     BetweenSteps,
     PendingUpdate,
@@ -68,7 +69,7 @@ NO_OUTPUT = np.empty((0,), dtype=np.float32)
 
 
 
-class SampleConvStage(BetweenSteps):
+class SampleConvStage(ChainedSteps, BetweenSteps):
     """A :class:`hetconv.stage.ConvStage` that splits every conv layer by samples."""
 
     def __init__(self, cluster: Cluster, workers: list[Participant], local: dict[int, ConvShard],
@@ -93,6 +94,7 @@ class SampleConvStage(BetweenSteps):
         self._dweight: PendingUpdate | None = None  # the update still to apply
         self._learning_rate = 0.0  # of the step whose update is pending
         self._eval_output = NO_OUTPUT
+        self._chain_output = NO_OUTPUT  # the forward chain's joined output
         self._timings: dict[int, dict[str, dict[str, Any]]] = {}
         self._comm_s = 0.0
         self._step_compute: dict[str, float] = {}  # participant -> its compute this step
@@ -222,6 +224,12 @@ class SampleConvStage(BetweenSteps):
         return checked_result(participant, layer, name, array, (kernels,))
 
     # --- forward -----------------------------------------------------------------------
+    @property
+    def chained(self) -> bool:
+        """Whether a step is two chains (hetconv/sample_chain.py): the statistics
+        exchanged among the peers; else 2L + 2 rounds through the master (star)."""
+        return self.peers is not None
+
     def forward(self, layer: int, x: np.ndarray, train: bool, step: int) -> np.ndarray:
         if not train:
             return self._evaluate(layer, x)
@@ -235,6 +243,10 @@ class SampleConvStage(BetweenSteps):
             self._x = np.ascontiguousarray(x, dtype=np.float32)
             self.slices = self._slice_batch(x.shape[0])
             update = self._take_update()  # the previous step's last one rides along
+            if self.chained:
+                self._chain_output = self._forward_chain(step, update)
+        if self.chained:
+            return self._chain_output if layer == self.layers - 1 else NO_OUTPUT
         replies = self._forward_round(step, layer - 1, layer, False, update)
         parts = []
         for piece in self.slices:
@@ -274,7 +286,8 @@ class SampleConvStage(BetweenSteps):
         own runner gets it in the round, as the workers do); reduced by the peers, its
         own runner always takes part in the round."""
         update, self._dweight = self._dweight, None
-        if update is not None and update.dweight is not None and not self._master_slice():
+        if update is not None and update.dweight is not None and update.sums is not None \
+                and not self._master_slice():
             self.local_replica(update.layer).apply_update(
                 update.dweight, self._learning_rate, sums=(update.sums[0], update.sums[1]))
         return update
@@ -361,6 +374,10 @@ class SampleConvStage(BetweenSteps):
     def backward(self, layer: int, dy: np.ndarray, need_dx: bool, learning_rate: float,
                  step: int) -> np.ndarray | None:
         last = self.layers - 1
+        if self.chained:
+            if layer == last:
+                self._backward_chain(step, learning_rate, dy)
+            return None
         if layer == last:
             self._backward_round(step, learning_rate, NO_LAYER, layer, dy)
         else:

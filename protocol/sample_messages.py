@@ -9,7 +9,7 @@ with all the others.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
@@ -39,6 +39,20 @@ class SampleForwardRequest(Message):
     ``dweight`` is not in the request but reduced among the peers from the pieces of
     reduction ``update_id`` sent by ``contributors`` (participant ids, in the order
     their gradients are added; hetconv/weight_reduce.py); 0: ``dweight`` is given.
+    ``update_stop`` > ``update_layer``: the update covers layers [update_layer,
+    update_stop), each from reduction ``update_id`` with the batch-norm sums this
+    participant kept from the backward chain (``update_sums`` absent); NO_LAYER: the one
+    layer ``update_layer``.
+
+    The chain (``sync_id`` > 0, training, ``--data-plane peer``): run every layer of
+    [start_layer, stop_layer) in this one request, exchanging each layer's batch-norm
+    moments among the peers as exchange ``sync_id`` (hetconv/weight_reduce.py, phase
+    ``moments``): ``members`` (participant ids, in the order the moments are combined)
+    hold ``member_samples`` samples each, and ``positions`` gives each layer's conv
+    output positions Ho·Wo (a member's moments cover its samples times that); a
+    participant not among them (no samples this step) runs no layer but combines the
+    same moments and follows the running statistics. The reply carries the last layer's
+    output.
     """
 
     TYPE: ClassVar[str] = "sample_forward_request"
@@ -61,6 +75,11 @@ class SampleForwardRequest(Message):
     update_sums: np.ndarray | None
     update_id: int
     contributors: list[Any]
+    update_stop: int = NO_LAYER
+    sync_id: int = 0
+    members: list[Any] = field(default_factory=list)
+    member_samples: list[Any] = field(default_factory=list)
+    positions: list[Any] = field(default_factory=list)
 
 
 @dataclass(frozen=True, eq=False)
@@ -101,7 +120,14 @@ class SampleBackwardRequest(Message):
     (B_i, K, H', W') when given, else on the input gradient just computed.
     ``reduce_id`` > 0: the finished layer's weight gradient is not returned but reduced
     among the peers as reduction ``reduce_id`` (hetconv/weight_reduce.py); 0: it is
-    returned. ``update_id`` and ``contributors``: as in :class:`SampleForwardRequest`.
+    returned. ``update_id``, ``contributors`` and ``update_stop``: as in
+    :class:`SampleForwardRequest`.
+
+    The chain (``sync_id`` > 0): from ``start_layer`` down to layer 0 in this one request,
+    on ``dy``: each layer's batch-norm sums exchanged among the peers as exchange
+    ``sync_id`` (phase ``sums``, added in the order of ``members``) and kept for the
+    update, its weight gradient scattered as reduction ``reduce_id``; a participant
+    not among the ``members`` only adds the sums.
     """
 
     TYPE: ClassVar[str] = "sample_backward_request"
@@ -120,6 +146,9 @@ class SampleBackwardRequest(Message):
     reduce_id: int
     update_id: int
     contributors: list[Any]
+    update_stop: int = NO_LAYER
+    sync_id: int = 0
+    members: list[Any] = field(default_factory=list)
 
 
 @dataclass(frozen=True, eq=False)

@@ -73,12 +73,18 @@ def refusal(message: Message) -> str | None:
             reason = (_ids_refusal(0, message.step, message.attempt, min_step=-1)
                       or _at_least("total_batch", message.total_batch, 1)
                       or _reduction_refusal(0, message.update_id, message.contributors)
+                      or _chain_refusal(message.sync_id, message.members, message.update_layer,
+                                        message.update_stop, message.update_id,
+                                        message.member_samples, message.positions,
+                                        message.stop_layer - message.start_layer)
                       or (None if message.x is None else activation_refusal("x", message.x)))
         case SampleBackwardRequest():
             reason = (_ids_refusal(0, message.step, message.attempt, min_step=0)
                       or _rate_refusal(message.learning_rate)
                       or _reduction_refusal(message.reduce_id, message.update_id,
                                             message.contributors)
+                      or _chain_refusal(message.sync_id, message.members, message.update_layer,
+                                        message.update_stop, message.update_id)
                       or (None if message.dy is None else activation_refusal("dy", message.dy)))
         case AssignPeers():
             reason = assign_peers_refusal(message)
@@ -225,6 +231,32 @@ def _reduction_refusal(reduce_id: int, update_id: int, contributors: list[Any]) 
         return "contributors must be distinct participant ids"
     if update_id > 0 and not contributors:
         return "a reduction among the peers needs its contributors"
+    return None
+
+
+def _chain_refusal(sync_id: int, members: list[Any], update_layer: int, update_stop: int,
+                   update_id: int, samples: list[Any] | None = None,
+                   positions: list[Any] | None = None, layers: int = 0) -> str | None:
+    """The sample split's chain (hetconv/sample_chain.py): ``sync_id`` >= 0; with one,
+    distinct member ids and, forward, one sample count (>= 1) per member and one
+    position count (>= 1) per layer run; an update of several layers is reduced among
+    the peers."""
+    reason = _at_least("sync_id", sync_id, 0)
+    if reason is not None:
+        return reason
+    if update_stop > update_layer + 1 and (update_layer < 0 or update_id <= 0):
+        return "an update of several layers is reduced among the peers (update_id > 0)"
+    if sync_id == 0:
+        return None
+    if not members or not all(isinstance(m, str) and m for m in members) \
+            or len(set(members)) != len(members):
+        return "a chain needs its members, distinct participant ids"
+    if samples is not None and (len(samples) != len(members) or not all(
+            type(n) is int and n >= 1 for n in samples)):
+        return "member_samples must give each member's samples (>= 1)"
+    if positions is not None and (len(positions) != layers or not all(
+            type(n) is int and n >= 1 for n in positions)):
+        return f"positions must give each of the {layers} layers' output positions (>= 1)"
     return None
 
 

@@ -1,0 +1,164 @@
+"""The sample split's chain: a whole forward or backward pass in one request.
+
+With the weight gradients reduced among the peers (``--data-plane peer``, the
+default) the participants need the master for nothing between the layers of a step:
+each layer's batch-norm statistics are exchanged among them directly
+(:meth:`GradientExchange.share` / :meth:`~GradientExchange.collect`, phases
+``moments`` and ``sums``), and every participant combines them itself in the order
+of the ``members``, with the same functions as the master's rounds
+(``moments_to_statistics``, ``add_in_order``), so every replica gets the same bits as
+before. A step is then two requests per worker (one forward chain, one backward
+chain) instead of 2L + 2 rounds through the master: each barrier costs one hop
+between the peers, not a round trip through the master's loop.
+
+forward chain  (x slice; the previous step's updates of every layer ride along)
+    for each layer: the update (its ΣdW gathered), conv on the slice -> moments,
+    shared; every member's moments combined -> finish (normalise, ReLU, pool);
+    -> the last layer's output slice
+backward chain (dy slice)
+    for each layer from the last: batch-norm sums of the slice, shared; every
+    member's added -> kept for the update; finish (dx, dW_i); dW_i scattered to its
+    owners (reduction ``reduce_id``) -> nothing but the figures
+
+A participant without samples in the step (not a member) runs no layer: it combines
+the same moments and sums, follows the running statistics and keeps the sums, so its
+replica stays equal to the others (the master, which always keeps a replica, too).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+
+import numpy as np
+
+from hetconv.protocol import (
+    ERR_BAD_REQUEST,
+    SampleBackwardReply,
+    SampleBackwardRequest,
+    SampleForwardReply,
+    SampleForwardRequest,
+)
+from hetconv.sample_replica import add_in_order, moments_to_statistics
+from hetconv.sample_runner import SampleRequestError, SampleRunner, compute_seconds, tests_delay
+from hetconv.shard import ConvShard
+from hetconv.weight_reduce import PHASE_MOMENTS, PHASE_SUMS
+from hetconv.wire_cast import to_wire
+
+
+def _members(request: SampleForwardRequest | SampleBackwardRequest) -> list[str]:
+    members = [str(m) for m in request.members]
+    if not members or len(set(members)) != len(members):
+        raise SampleRequestError(ERR_BAD_REQUEST, "a chain needs its members, each once")
+    return members
+
+
+def forward_chain(runner: SampleRunner, request: SampleForwardRequest,
+                  shards: Mapping[int, ConvShard]) -> SampleForwardReply:
+    """Every layer of [start_layer, stop_layer) on this participant's slice (see the
+    module doc); the reply carries the last layer's output (members only)."""
+    started = time.perf_counter()
+    exchange = runner.peers()
+    me = exchange.participant
+    members = _members(request)
+    counts = dict(zip(members, (int(n) for n in request.member_samples)))
+    layers = range(request.start_layer, request.stop_layer)
+    if not request.train or len(counts) != len(members) or len(request.positions) != len(layers):
+        raise SampleRequestError(ERR_BAD_REQUEST, "a forward chain trains, with one sample "
+                                 "count per member and one position count per layer")
+    begun = runner.begin_update(shards, request)
+    pending = list(runner.update_layers(request))
+    member = me in counts
+    x = request.x
+    if member:
+        if x is None or x.ndim != 4 or x.shape[0] != counts[me]:
+            raise SampleRequestError(ERR_BAD_REQUEST, f"a member's chain needs its x of "
+                                     f"{counts[me]} samples")
+        runner.wire_dtype = x.dtype
+    for index, layer in enumerate(layers):
+        if layer in pending:
+            pending.remove(layer)
+            runner.finish_update(shards, request, begun, [layer])
+        replica = runner.replica(shards, layer)
+        positions = int(request.positions[index])
+        own = None
+        if member:
+            assert x is not None
+            if x.shape[1] != replica.shard.state["weight"].shape[1]:
+                raise SampleRequestError(ERR_BAD_REQUEST, f"layer {layer}: input of shape "
+                                         f"{tuple(x.shape)} does not match its weights")
+            tests_delay(replica.shard)
+            moments = replica.start_forward(x, request.total_batch, True)
+            if moments is None:  # no batch norm: nothing to agree on
+                x = replica.finish_forward(None, None)
+                continue
+            count, total, m2 = moments
+            if count != counts[me] * positions:
+                raise SampleRequestError(ERR_BAD_REQUEST, f"layer {layer}: moments over {count} "
+                                         f"values, expected {counts[me] * positions}")
+            own = np.stack([total, m2])
+            exchange.share(request.sync_id, request.step, layer, PHASE_MOMENTS, own)
+        elif not replica.shard.settings.batch_norm:
+            continue
+        pieces = exchange.collect(request.sync_id, layer, PHASE_MOMENTS, members)
+        if own is not None:
+            pieces[me] = own
+        mean, var = moments_to_statistics([(counts[m] * positions, pieces[m][0], pieces[m][1])
+                                           for m in members])
+        if member:
+            x = replica.finish_forward(mean, var)
+            hook = getattr(replica.shard, "corrupt_output", None)  # tests' broken worker
+            if hook is not None:
+                x = hook(x)
+        else:
+            replica.follow_statistics(mean, var, request.total_batch * positions)
+    runner.finish_update(shards, request, begun, pending)
+    y = to_wire(x, runner.wire_dtype) if member and request.return_output and x is not None \
+        else None
+    figures = runner.peer_figures()
+    return SampleForwardReply(request_id=request.request_id, step=request.step,
+                              attempt=request.attempt, compute_s=compute_seconds(started, figures),
+                              count=0, total=None, m2=None, y=y, **figures)
+
+
+def backward_chain(runner: SampleRunner, request: SampleBackwardRequest,
+                   shards: Mapping[int, ConvShard]) -> SampleBackwardReply:
+    """From ``start_layer`` down to layer 0 on this participant's dy slice (see the
+    module doc): the sums kept for the update, the weight gradients scattered."""
+    started = time.perf_counter()
+    exchange = runner.peers()
+    me = exchange.participant
+    members = _members(request)
+    member = me in members
+    if request.reduce_id <= 0 or request.start_layer < 0:
+        raise SampleRequestError(ERR_BAD_REQUEST, "a backward chain needs its reduce_id "
+                                 "and its first layer")
+    dy = request.dy
+    if member and dy is None:
+        raise SampleRequestError(ERR_BAD_REQUEST, "a member's backward chain needs its dy")
+    for layer in range(request.start_layer, -1, -1):
+        replica = runner.replica(shards, layer)
+        own = None
+        if member:
+            assert dy is not None
+            tests_delay(replica.shard)
+            try:
+                own = np.stack(replica.start_backward(dy))
+            except (RuntimeError, ValueError) as error:
+                raise SampleRequestError(ERR_BAD_REQUEST, str(error)) from None
+            exchange.share(request.sync_id, request.step, layer, PHASE_SUMS, own)
+        pieces = exchange.collect(request.sync_id, layer, PHASE_SUMS, members)
+        if own is not None:
+            pieces[me] = own
+        dgamma = add_in_order([pieces[m][0] for m in members])
+        dbeta = add_in_order([pieces[m][1] for m in members])
+        runner.kept_sums[layer] = np.stack([dgamma, dbeta])
+        if member:
+            try:
+                dy, dweight = replica.finish_backward(dgamma, dbeta, need_dx=layer > 0)
+            except RuntimeError as error:
+                raise SampleRequestError(ERR_BAD_REQUEST, str(error)) from None
+            exchange.scatter(request.reduce_id, request.step, layer, dweight)
+    figures = runner.peer_figures()
+    return SampleBackwardReply(request_id=request.request_id, step=request.step,
+                               attempt=request.attempt, compute_s=compute_seconds(started, figures),
+                               dweight=None, dgamma=None, dbeta=None, **figures)

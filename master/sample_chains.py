@@ -1,0 +1,104 @@
+"""The sample split's step as two chains, the master's side (``--data-plane peer``).
+
+With the weight gradients reduced among the peers, a training step is one forward
+chain and one backward chain per participant (hetconv/sample_chain.py: the batch-norm
+statistics exchanged among the peers, each participant combining them itself), not
+2L + 2 rounds through the master. Here the master sends each chain's requests, runs
+its own share (it always takes part: its replica is what a snapshot reads), joins the
+output slices, and leaves the update of every layer pending, to ride with the next
+forward chain (or an update-only round before a snapshot or an evaluation).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from hetconv.config import MASTER_PARTICIPANT
+from hetconv.master.cluster import Cluster
+from hetconv.master.sample_between import PendingUpdate, SampleSetup, checked_result
+from hetconv.master.sample_between import update_fields as _update_fields
+from hetconv.master.sample_plan import Slice
+from hetconv.protocol import SampleBackwardRequest, SampleForwardRequest
+from hetconv.protocol.sample_messages import NO_LAYER
+from hetconv.wire_cast import to_wire
+
+
+class ChainedSteps:
+    """The chains of a :class:`~hetconv.master.sample_stage.SampleConvStage`."""
+
+    cluster: Cluster
+    setup: SampleSetup
+    slices: list[Slice]
+    _x: np.ndarray
+    _learning_rate: float
+    _dweight: PendingUpdate | None
+    _round: Callable[..., dict[str, Any]]
+
+    @property
+    def layers(self) -> int:
+        return len(self.setup.shapes)
+
+    def _members(self) -> list[str]:
+        return [p.participant for p in self.slices if p.samples > 0]
+
+    def _forward_chain(self, step: int, update: PendingUpdate | None) -> np.ndarray:
+        """Every layer's forward in one request per participant, the statistics
+        exchanged among the peers (hetconv/sample_chain.py); the output joined."""
+        wire = self.setup.wire_dtype
+        total = self._x.shape[0]
+        members = self._members()
+        sync_id = self.cluster.request_id()  # newer than the update's reduction
+        chain: dict[str, Any] = {
+            "sync_id": sync_id, "members": members,
+            "member_samples": [p.samples for p in self.slices if p.samples > 0],
+            "positions": [s.conv_height * s.conv_width for s in self.setup.shapes]}
+
+        def make(piece: Slice) -> SampleForwardRequest:
+            x = None
+            if piece.samples:
+                x = self._x[piece.start:piece.stop]
+                x = x if piece.participant == MASTER_PARTICIPANT else to_wire(x, wire)
+            return SampleForwardRequest(
+                request_id=self.cluster.request_id(), step=step, attempt=0, train=True,
+                total_batch=total, finish_layer=NO_LAYER, start_layer=0,
+                stop_layer=self.layers, return_output=True,
+                learning_rate=self._learning_rate, total_count=0, mean=None, var=None, x=x,
+                **_update_fields(update), **chain)
+
+        replies = self._round(f"forward chain (step {step})", 0, "forward", make, True, make,
+                              peer_update=True)
+        last = self.setup.shapes[-1]
+        outputs = [checked_result(piece.participant, self.layers - 1, "y",
+                                  replies[piece.participant].y,
+                                  (piece.samples, last.kernels, last.pooled_height,
+                                   last.pooled_width))
+                   for piece in self.slices if piece.samples > 0]
+        return np.concatenate(outputs, axis=0) if len(outputs) > 1 else outputs[0]
+
+    def _backward_chain(self, step: int, learning_rate: float, dy: np.ndarray) -> None:
+        """Every layer's backward in one request per participant (hetconv/sample_chain.py);
+        the update of every layer is left pending, to ride with the next forward chain."""
+        self._learning_rate = learning_rate
+        wire = self.setup.wire_dtype
+        reduce_id = self.cluster.request_id()
+        members = self._members()
+
+        def make(piece: Slice) -> SampleBackwardRequest:
+            part = None
+            if piece.samples:
+                part = dy[piece.start:piece.stop]
+                part = np.ascontiguousarray(part, np.float32) \
+                    if piece.participant == MASTER_PARTICIPANT else to_wire(part, wire)
+            return SampleBackwardRequest(
+                request_id=self.cluster.request_id(), step=step, attempt=0,
+                learning_rate=learning_rate, finish_layer=NO_LAYER,
+                start_layer=self.layers - 1, dgamma=None, dbeta=None, dy=part,
+                reduce_id=reduce_id, sync_id=reduce_id, members=members,
+                **_update_fields(None))
+
+        self._round(f"backward chain (step {step})", self.layers - 1, "backward", make, True,
+                    make, peer_update=True)
+        self._dweight = PendingUpdate(0, None, None, reduce_id, tuple(members), self.layers)
+

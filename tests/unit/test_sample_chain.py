@@ -1,0 +1,167 @@
+"""The sample split's chain (hetconv/sample_chain.py): participants in threads over an
+in-memory port run a forward chain, a backward chain and the next forward chain (which
+applies the update of every layer); the outputs and every replica's weights and running
+statistics have exactly the bits of the master-coordinated rounds (the reference of
+tests/unit/test_sample_replica.py), a participant without samples included."""
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+
+from hetconv.dataplane import PeerLost
+from hetconv.model import conv_layer_shapes
+from hetconv.protocol import PeerPiece, SampleBackwardRequest, SampleForwardRequest
+from hetconv.protocol.sample_messages import NO_LAYER
+from hetconv.sample_replica import SampleReplica
+from hetconv.sample_runner import SampleRequestError, SampleRunner
+from hetconv.weight_reduce import GradientExchange, reduce_plan
+from tests.unit.test_sample_replica import _network, _run_split, _shards
+
+
+class Port:
+    """A thread-safe in-memory port: one queue per participant."""
+
+    def __init__(self, queues: dict[str, queue.Queue[PeerPiece]], me: str):
+        self.queues, self.me = queues, me
+
+    def send(self, participant: str, piece: PeerPiece) -> int:
+        self.queues[participant].put(piece)
+        return int(piece.data.nbytes)
+
+    def receive(self, timeout_s: float) -> PeerPiece | None:
+        try:
+            return self.queues[self.me].get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+
+
+def _in_threads(calls: dict[str, Any]) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+
+    def run(name: str, call: Any) -> None:
+        try:
+            results[name] = call()
+        except BaseException as error:  # checked by the caller
+            results[name] = error
+
+    threads = [threading.Thread(target=run, args=(n, c)) for n, c in calls.items()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    return results
+
+
+def _forward(step: int, sync_id: int, members: list[str], samples: list[int], x: Any,
+             layers: int, positions: list[int], update_id: int = 0,
+             contributors: tuple[str, ...] = ()) -> SampleForwardRequest:
+    return SampleForwardRequest(
+        request_id=sync_id, step=step, attempt=0, train=True, total_batch=sum(samples),
+        finish_layer=NO_LAYER, start_layer=0, stop_layer=layers, return_output=True,
+        update_layer=0 if update_id else NO_LAYER, learning_rate=0.05, total_count=0,
+        mean=None, var=None, x=x, dweight=None, update_sums=None, update_id=update_id,
+        contributors=list(contributors), update_stop=layers if update_id else NO_LAYER,
+        sync_id=sync_id, members=members, member_samples=samples, positions=positions)
+
+
+def _backward(step: int, reduce_id: int, members: list[str], dy: Any, layers: int
+              ) -> SampleBackwardRequest:
+    return SampleBackwardRequest(
+        request_id=reduce_id, step=step, attempt=0, learning_rate=0.05,
+        update_layer=NO_LAYER, finish_layer=NO_LAYER, start_layer=layers - 1, dweight=None,
+        dgamma=None, dbeta=None, dy=dy, update_sums=None, reduce_id=reduce_id, update_id=0,
+        contributors=[], sync_id=reduce_id, members=members)
+
+
+@pytest.mark.parametrize("cuts", [[5, 7], [3, 4, 5]], ids=["2 members", "3 members"])
+def test_chains_reproduce_the_rounds_bit_for_bit(cuts: list[int]) -> None:
+    model, params, settings = _network()
+    shapes = conv_layer_shapes(model)
+    layers = len(shapes)
+    positions = [s.conv_height * s.conv_width for s in shapes]
+    rng = np.random.default_rng(5)
+    batch = sum(cuts)
+    x = rng.standard_normal((batch,) + model.input_shape).astype(np.float32)
+    last = shapes[-1]
+    dy = rng.standard_normal((batch, last.kernels, last.pooled_height,
+                              last.pooled_width)).astype(np.float32)
+    starts = np.cumsum([0] + cuts)
+    slices = list(zip(starts[:-1], starts[1:]))
+    members = [f"p{i}" for i in range(len(cuts))]
+    everyone = members + ["idle"]  # a participant without samples follows
+    # the reference: the master-coordinated rounds (updates applied in the backward)
+    reference = [[SampleReplica(s) for s in _shards(model, params, settings)] for _ in cuts]
+    expected_y = _run_split(reference, x, dy, slices, 0.05)
+
+    plan = reduce_plan([s.kernels for s in shapes], members, everyone)
+    queues: dict[str, queue.Queue[PeerPiece]] = {n: queue.Queue() for n in everyone}
+    runners, shards = {}, {}
+    for name in everyone:
+        runners[name] = SampleRunner()
+        runners[name].exchange = GradientExchange(name, plan, Port(queues, name), 5.0)
+        shards[name] = {s.layer: s for s in _shards(model, params, settings)}
+
+    def slice_of(name: str, array: np.ndarray) -> np.ndarray | None:
+        if name not in members:
+            return None
+        a, b = slices[members.index(name)]
+        return np.ascontiguousarray(array[a:b])
+
+    forward = _in_threads({n: (lambda n=n: runners[n].forward(
+        _forward(0, 10, members, cuts, slice_of(n, x), layers, positions), shards[n]))
+        for n in everyone})
+    assert not [r for r in forward.values() if isinstance(r, BaseException)], forward
+    y = np.concatenate([forward[m].y for m in members])
+    assert forward["idle"].y is None
+    np.testing.assert_array_equal(y, expected_y)
+    backward = _in_threads({n: (lambda n=n: runners[n].backward(
+        _backward(0, 11, members, slice_of(n, dy), layers), shards[n])) for n in everyone})
+    assert not [r for r in backward.values() if isinstance(r, BaseException)], backward
+    # the next forward chain applies every layer's update first
+    second = _in_threads({n: (lambda n=n: runners[n].forward(
+        _forward(1, 12, members, cuts, slice_of(n, x), layers, positions, 11,
+                 tuple(members)), shards[n])) for n in everyone})
+    assert not [r for r in second.values() if isinstance(r, BaseException)], second
+    for name in everyone:
+        for layer in range(layers):
+            held = shards[name][layer].state
+            want = reference[0][layer].shard.state
+            for key in ("weight", "gamma", "beta"):
+                np.testing.assert_array_equal(held[key], want[key], err_msg=f"{name} {key}")
+    # running statistics: after two forward passes, equal on every participant
+    for layer in range(layers):
+        for key in ("running_mean", "running_var"):
+            values = [shards[n][layer].state[key] for n in everyone]
+            for value in values[1:]:
+                np.testing.assert_array_equal(value, values[0])
+
+
+def test_a_member_without_its_slice_is_a_bad_request() -> None:
+    model, params, settings = _network()
+    shapes = conv_layer_shapes(model)
+    plan = reduce_plan([s.kernels for s in shapes], ["a"], ["a"])
+    runner = SampleRunner()
+    runner.exchange = GradientExchange("a", plan, Port({"a": queue.Queue()}, "a"), 0.1)
+    shards = {s.layer: s for s in _shards(model, params, settings)}
+    request = _forward(0, 3, ["a"], [4], None, len(shapes), [1] * len(shapes))
+    with pytest.raises(SampleRequestError, match="needs its x"):
+        runner.forward(request, shards)
+
+
+def test_a_silent_peer_is_named() -> None:
+    model, params, settings = _network()
+    shapes = conv_layer_shapes(model)
+    positions = [s.conv_height * s.conv_width for s in shapes]
+    plan = reduce_plan([s.kernels for s in shapes], ["a", "b"], ["a", "b"])
+    queues: dict[str, queue.Queue[PeerPiece]] = {"a": queue.Queue(), "b": queue.Queue()}
+    runner = SampleRunner()
+    runner.exchange = GradientExchange("a", plan, Port(queues, "a"), 0.2)
+    shards = {s.layer: s for s in _shards(model, params, settings)}
+    x = np.zeros((3,) + model.input_shape, np.float32)
+    with pytest.raises(PeerLost) as lost:
+        runner.forward(_forward(0, 3, ["a", "b"], [3, 3], x, len(shapes), positions), shards)
+    assert lost.value.peers == ["b"]
