@@ -39,7 +39,6 @@ from hetconv.master.plan import Participant
 from hetconv.master.run import (
     RunControl,
 )
-from hetconv.master.sample_chains import ChainedSteps
 from hetconv.master.sample_between import (
     BetweenSteps,
     PendingUpdate,
@@ -48,6 +47,7 @@ from hetconv.master.sample_between import (
     timing_entry,
 )
 from hetconv.master.sample_between import update_fields as _update_fields
+from hetconv.master.sample_chains import ChainedSteps
 from hetconv.master.sample_peers import SamplePeers
 from hetconv.master.sample_plan import SampleBalance, Slice
 from hetconv.master.step_model import InPlaceModel
