@@ -31,6 +31,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from hetconv.dataplane import PeerLost
 from hetconv.protocol import (
     ERR_BAD_REQUEST,
     SampleBackwardReply,
@@ -83,11 +84,20 @@ def forward_chain(runner: SampleRunner, request: SampleForwardRequest,
         own = None
         if member:
             assert x is not None
-            if x.shape[1] != replica.shard.state["weight"].shape[1]:
-                raise SampleRequestError(ERR_BAD_REQUEST, f"layer {layer}: input of shape "
-                                         f"{tuple(x.shape)} does not match its weights")
             tests_delay(replica.shard)
-            moments = replica.start_forward(x, request.total_batch, True)
+            try:
+                if x.shape[1] != replica.shard.state["weight"].shape[1]:
+                    raise ValueError(f"an input of shape {tuple(x.shape)} does not match "
+                                     "its weights")
+                moments = replica.start_forward(x, request.total_batch, True)
+            except ValueError as error:
+                if layer == request.start_layer:  # the master's input: a bad request
+                    raise SampleRequestError(ERR_BAD_REQUEST, f"layer {layer}: {error}") from None
+                # this participant's own output does not fit the next layer: its results
+                # are wrong, and it says so as bad data of its own (the master evicts it)
+                raise PeerLost([me], f"its own output of layer {layer} has the wrong shape "
+                               f"{tuple(x.shape)} for layer {layer + 1}: {error}",
+                               bad_data=True) from None
             if moments is None:  # no batch norm: nothing to agree on
                 x = replica.finish_forward(None, None)
                 continue

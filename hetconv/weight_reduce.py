@@ -20,6 +20,11 @@ participant without a range (the master under ``--no-local``) only gathers. The
 ranges are :func:`reduce_ranges` (even split in participant order); they travel in
 ``AssignPeers.plan`` as a :class:`~hetconv.peer_plan.PeerPlan`.
 
+The same exchange carries the chain's batch-norm statistics (hetconv/sample_chain.py):
+:meth:`GradientExchange.share` sends a participant's (2, K) moments or sums of a layer
+to every other participant of the plan, :meth:`~GradientExchange.collect` waits for
+every member's (phases ``moments`` and ``sums``, keyed by the chain's ``sync_id``).
+
 Pieces are :class:`~hetconv.protocol.PeerPiece` messages keyed by the master's
 ``reduce_id`` (unique in a run), the layer, the phase and the sender;
 ``batch_start``/``batch_stop``/``batch_size`` are 0/1/1. :class:`GradientExchange`
