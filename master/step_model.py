@@ -3,7 +3,7 @@
 The setup's prediction (``predict_sample_step``) knows the calibrated compute, the
 links and one round trip per round; it cannot know what a round costs beyond that on
 the machines at hand: message handling, CPU-quota throttling and the skew between the
-participants at every barrier (2L + 2 a step), nor the master's serial part (the dense
+participants at every barrier (2L a step), nor the master's serial part (the dense
 layers and its turnaround between rounds). On four 0.45-core machines it was 10-35 %
 low (docs/sample-split.md). So after the first steps the master fits three terms to
 what it measured (:func:`fit_step_terms`), over a window of ``MODEL_WINDOW`` steps:
@@ -11,7 +11,8 @@ what it measured (:func:`fit_step_terms`), over a window of ``MODEL_WINDOW`` ste
 - ``b_i``: each participant's compute per sample (median of the window);
 - ``round_s``: per round, the rounds' wall time beyond the slowest participant's
   compute, (Σ_r wall_r − max_i Σ_r c_i,r) / rounds (median): the wire, message
-  handling and the barrier's skew;
+  handling and the barriers' skew (2L + 2 rounds under ``--data-plane star``; 2 chains
+  by default, each holding L barriers among the peers);
 - ``serial_s``: the step beyond its rounds (median): the master's dense layers and
   its work between rounds, while every worker waits.
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from hetconv.master.report.records import StepModelCheck
 from hetconv.master.report.summary import Resilience, RunSummary
 
 MISSING = "-"
@@ -91,13 +92,7 @@ def overview_table(summary: RunSummary) -> Table:
          else f"{ms(summary.predicted_step_s)} ms",
          MISSING if summary.predicted_step_s is None or split is None
          else f"measured / predicted {split.step_s / summary.predicted_step_s:.2f}"),
-        *([] if summary.step_model is None else [(
-            "step model calibrated in place", f"{ms(summary.step_model.predicted_s)} ms",
-            f"measured {ms(summary.step_model.measured_s)} ms over the next "
-            f"{summary.step_model.checked_steps} steps "
-            f"({(summary.step_model.predicted_s - summary.step_model.measured_s) / summary.step_model.measured_s:+.0%}): "
-            f"compute {ms(summary.step_model.compute_s)} + {summary.step_model.rounds} rounds x "
-            f"{ms(summary.step_model.round_s)} + master serial {ms(summary.step_model.serial_s)}")]),
+        *([] if summary.step_model is None else [_step_model_row(summary.step_model)]),
         ("speedup over fastest participant alone (est., cost model)", times(summary.speedup),
          MISSING if summary.fastest_device is None else
          f"{summary.fastest_device}: {ms(summary.single_device_step_s)} ms"),
@@ -267,3 +262,12 @@ def comparison_table(summaries: Sequence[RunSummary]) -> Table:
     ]
     return Table("Comparison", ("figure", *display_names(summaries)),
                  tuple((label, *values) for label, values in figures))
+
+
+def _step_model_row(model: StepModelCheck) -> tuple[str, str, str]:
+    """The sample split's step model calibrated in place: its prediction, and what the
+    next steps measured (its terms in ms)."""
+    error = (model.predicted_s - model.measured_s) / model.measured_s
+    return ("step model: compute + rounds x round + serial", f"{ms(model.predicted_s)} ms",
+            f"measured {ms(model.measured_s)} ms ({error:+.0%}); {ms(model.compute_s)} + "
+            f"{model.rounds} x {ms(model.round_s)} + {ms(model.serial_s)}")
