@@ -212,6 +212,8 @@ class WorkerDaemon:
         count sessions and evictions for /metrics."""
         if joined:
             log.info("%s", self.joined_line)
+        else:  # out of the run: a wait for its peers' pieces (a chain) waits for nobody
+            self.service.cancel_wait.set()
         evicted = (not joined and isinstance(event, MessageReceived)
                    and isinstance(event.message, ErrorReply)
                    and event.message.code == ERR_UNKNOWN_WORKER)
