@@ -20,6 +20,11 @@ commands are carried out here: evict, re-slice over the survivors (every survivo
 the snapshot's layers), fall back to the master alone, stop; joiners are calibrated and
 get the layers at the next snapshot. Re-balancing needs no data to move: only the
 slices change (``SampleBalance``).
+
+With ``--data-plane peer`` (the default) a training step is not rounds but two chains
+(``master/sample_chains.py``, hetconv/sample_chain.py): the statistics go among the
+peers and the master sends one request per worker each way; the rounds above remain
+for ``--data-plane star``, evaluation and update-only rounds.
 """
 from __future__ import annotations
 
