@@ -378,8 +378,11 @@ class Membership:
             if worker.gone:
                 how = "lost its connection" if worker.connection_lost else "left"
                 actions.append(Fail(worker, f"worker {worker.name} {how} during {request.what}"))
-            elif worker.identity in links_down:
-                continue  # wait up to link_retry_s for TCP to deliver after the link heals
+            elif worker.link_down and silent_s <= self.settings.link_retry_s:
+                # seen behind a dead link since last heard: wait up to link_retry_s for TCP
+                # to deliver, also once the master's own segments are acknowledged again
+                # (the worker's side retransmits on its own back-off, up to seconds later)
+                continue
             elif silent_s > self.settings.liveness_timeout_s:
                 worker.gone = True
                 behind = " behind a link that does not acknowledge" if worker.link_down else ""

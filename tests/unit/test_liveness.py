@@ -92,6 +92,17 @@ def test_a_link_that_heals_late_costs_nothing() -> None:
     assert not failed(membership, 8.0, frozenset())  # heard from again: alive
 
 
+def test_a_link_that_heals_before_the_worker_retransmits_costs_nothing() -> None:
+    """CI: a 4 s cut; the master's segments were acknowledged again at 6.2 s (its tables
+    show nothing stalled), the worker's own retransmission came later: not a stopped
+    worker, and still lost past link_retry_s."""
+    membership = waiting_worker("10.0.0.2")
+    assert not failed(membership, 3.0, frozenset({"10.0.0.2"}))  # cut, retransmitting
+    assert not failed(membership, 7.0, frozenset())  # the master's side is acknowledged
+    assert not failed(membership, LINK_RETRY_S - 0.1, frozenset())
+    assert failed(membership, LINK_RETRY_S + 0.1, frozenset())
+
+
 def test_an_unknown_address_keeps_the_five_second_limit() -> None:
     membership = waiting_worker("")
     assert failed(membership, 5.5, frozenset({"10.0.0.2"}))
