@@ -27,6 +27,7 @@ WIRE_DTYPE_FLAGS = WIRE_DTYPES + (WIRE_DTYPE_AUTO,)
 ON_OFF = ("on", "off")  # --rebalance
 ON_WORKER_LOSS = ("continue", "stop")  # --on-worker-loss
 DATA_PLANES = ("peer", "star")  # peer (default): worker to worker; star: all via the master
+BN_STATISTICS = ("batch", "slice")  # batch (default): the whole batch's; slice: per slice
 BENCH_PEERS = ("ddp",)  # hetconv bench scale --peer: what users would run instead
 STEP_OPS = ("fused", "separate")  # hetconv bench step --ops: the conv layer paths timed
 PADDINGS = (0, 1, 2)
@@ -109,6 +110,9 @@ class MasterConfig:
     on_worker_loss: str = ON_WORKER_LOSS[0]  # when the last worker is gone
     split_by: str = SPLIT_BY[0]  # auto (default), kernels (the paper's) or samples
     fall_back: bool = True  # train alone when the plan measures slower than the master alone
+    # batch norm under the sample split: the whole batch's statistics (every layer waits for
+    # every slice's moments) or each slice's own (PyTorch DDP's per-rank semantics)
+    bn_statistics: str = BN_STATISTICS[0]
 
     def __post_init__(self) -> None:
         check_endpoint("--listen", self.listen, bind=True)
@@ -116,6 +120,11 @@ class MasterConfig:
         check_choice("--split", self.split, SPLIT_MODES)
         check_choice("--on-worker-loss", self.on_worker_loss, ON_WORKER_LOSS)
         check_choice("--data-plane", self.data_plane, DATA_PLANES)
+        check_choice("--bn-statistics", self.bn_statistics, BN_STATISTICS)
+        if self.bn_statistics == "slice" and (self.data_plane != "peer"
+                                              or self.split_by == "kernels"):
+            raise UserError("--bn-statistics slice needs the sample split's chains: "
+                            "--data-plane peer and --split-by samples or auto")
         check_choice("--wire-dtype", self.wire_dtype, WIRE_DTYPE_FLAGS)
         if self.min_workers < 0:
             raise UserError("--min-workers must be >= 0")
@@ -190,6 +199,7 @@ class TrainConfig:
             "checkpoint_every": self.checkpoint_every,
             "on_worker_loss": master.on_worker_loss if master else None,
             "fall_back": master.fall_back if master else None,
+            "bn_statistics": master.bn_statistics if master else None,
         }
 
 

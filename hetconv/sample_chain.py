@@ -23,6 +23,14 @@ backward chain (dy slice)
 A participant without samples in the step (not a member) runs no layer: it combines
 the same moments and sums, follows the running statistics and keeps the sums, so its
 replica stays equal to the others (the master, which always keeps a replica, too).
+
+Slice statistics (``slice_statistics``, ``hetconv train --bn-statistics slice``: the
+semantics of PyTorch DDP's per-rank batch norm): each member normalises its slice
+with the slice's own mean and variance, and its backward uses the slice's own sums,
+so no layer waits for a peer. The moments and sums still go to every peer, without a
+wait: each participant collects them after its last layer, for what must stay equal
+on every replica, the running statistics (the whole batch's, as under ``batch``) and
+gamma's and beta's gradients (every slice's added in member order).
 """
 from __future__ import annotations
 
@@ -69,6 +77,8 @@ def forward_chain(runner: SampleRunner, request: SampleForwardRequest,
     begun = runner.begin_update(shards, request)
     pending = list(runner.update_layers(request))
     member = me in counts
+    by_slice = request.slice_statistics
+    later: dict[int, np.ndarray | None] = {}  # by slice: layer -> own moments, combined last
     x = request.x
     if member:
         if x is None or x.ndim != 4 or x.shape[0] != counts[me]:
@@ -89,7 +99,8 @@ def forward_chain(runner: SampleRunner, request: SampleForwardRequest,
                 if x.shape[1] != replica.shard.state["weight"].shape[1]:
                     raise ValueError(f"an input of shape {tuple(x.shape)} does not match "
                                      "its weights")
-                moments = replica.start_forward(x, request.total_batch, True)
+                moments = replica.start_forward(
+                    x, counts[me] if by_slice else request.total_batch, True)
             except ValueError as error:
                 if layer == request.start_layer:  # the master's input: a bad request
                     raise SampleRequestError(ERR_BAD_REQUEST, f"layer {layer}: {error}") from None
@@ -107,7 +118,15 @@ def forward_chain(runner: SampleRunner, request: SampleForwardRequest,
                                          f"values, expected {counts[me] * positions}")
             own = np.stack([total, m2])
             exchange.share(request.sync_id, request.step, layer, PHASE_MOMENTS, own)
+            if by_slice:  # its own statistics now; the whole batch's after the last layer
+                later[layer] = own
+                x = replica.finish_forward(*moments_to_statistics([moments]),
+                                           running=False)
+                continue
         elif not replica.shard.settings.batch_norm:
+            continue
+        elif by_slice:
+            later[layer] = None
             continue
         pieces = exchange.collect(request.sync_id, layer, PHASE_MOMENTS, members)
         if own is not None:
@@ -121,6 +140,15 @@ def forward_chain(runner: SampleRunner, request: SampleForwardRequest,
                 x = hook(x)
         else:
             replica.follow_statistics(mean, var, request.total_batch * positions)
+    for layer, own in later.items():  # by slice: the running statistics, the whole batch's
+        pieces = exchange.collect(request.sync_id, layer, PHASE_MOMENTS, members)
+        if own is not None:
+            pieces[me] = own
+        positions = int(request.positions[layer - request.start_layer])
+        mean, var = moments_to_statistics([(counts[m] * positions, pieces[m][0], pieces[m][1])
+                                           for m in members])
+        runner.replica(shards, layer).follow_statistics(mean, var,
+                                                        request.total_batch * positions)
     runner.finish_update(shards, request, begun, pending)
     y = to_wire(x, runner.wire_dtype) if member and request.return_output and x is not None \
         else None
@@ -145,6 +173,8 @@ def backward_chain(runner: SampleRunner, request: SampleBackwardRequest,
     dy = request.dy
     if member and dy is None:
         raise SampleRequestError(ERR_BAD_REQUEST, "a member's backward chain needs its dy")
+    by_slice = request.slice_statistics
+    later: dict[int, np.ndarray | None] = {}  # by slice: layer -> own sums, added last
     for layer in range(request.start_layer, -1, -1):
         replica = runner.replica(shards, layer)
         own = None
@@ -156,18 +186,30 @@ def backward_chain(runner: SampleRunner, request: SampleBackwardRequest,
             except (RuntimeError, ValueError) as error:
                 raise SampleRequestError(ERR_BAD_REQUEST, str(error)) from None
             exchange.share(request.sync_id, request.step, layer, PHASE_SUMS, own)
-        pieces = exchange.collect(request.sync_id, layer, PHASE_SUMS, members)
-        if own is not None:
-            pieces[me] = own
-        dgamma = add_in_order([pieces[m][0] for m in members])
-        dbeta = add_in_order([pieces[m][1] for m in members])
-        runner.kept_sums[layer] = np.stack([dgamma, dbeta])
+        if by_slice:  # this slice's own sums now; every slice's added after the last layer
+            later[layer] = own
+            if own is None:
+                continue
+            dgamma, dbeta = own[0], own[1]
+        else:
+            pieces = exchange.collect(request.sync_id, layer, PHASE_SUMS, members)
+            if own is not None:
+                pieces[me] = own
+            dgamma = add_in_order([pieces[m][0] for m in members])
+            dbeta = add_in_order([pieces[m][1] for m in members])
+            runner.kept_sums[layer] = np.stack([dgamma, dbeta])
         if member:
             try:
                 dy, dweight = replica.finish_backward(dgamma, dbeta, need_dx=layer > 0)
             except RuntimeError as error:
                 raise SampleRequestError(ERR_BAD_REQUEST, str(error)) from None
             exchange.scatter(request.reduce_id, request.step, layer, dweight)
+    for layer, own in later.items():  # by slice: gamma's and beta's gradients, every slice's
+        pieces = exchange.collect(request.sync_id, layer, PHASE_SUMS, members)
+        if own is not None:
+            pieces[me] = own
+        runner.kept_sums[layer] = np.stack([add_in_order([pieces[m][0] for m in members]),
+                                            add_in_order([pieces[m][1] for m in members])])
     figures = runner.peer_figures()
     return SampleBackwardReply(request_id=request.request_id, step=request.step,
                                attempt=request.attempt, compute_s=compute_seconds(started, figures),

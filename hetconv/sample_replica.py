@@ -124,10 +124,13 @@ class SampleReplica:
                     to_numpy(squares).astype(np.float32)
         return None
 
-    def finish_forward(self, mean: np.ndarray | None, var: np.ndarray | None) -> np.ndarray:
+    def finish_forward(self, mean: np.ndarray | None, var: np.ndarray | None,
+                       running: bool = True) -> np.ndarray:
         """The block output (B_i, K, H', W') float32 of this slice, normalised with the
         whole batch's (mean, var) (K,) (None where :meth:`start_forward` returned None);
-        keeps what the backward pass needs and the new running statistics."""
+        keeps what the backward pass needs and, with ``running``, the new running
+        statistics (without: the slice's own statistics, the running ones to follow from
+        the whole batch's by :meth:`follow_statistics`)."""
         fused, shard = self._pass, self.shard
         if fused is None:
             raise RuntimeError(f"layer {shard.layer}: finish_forward without start_forward")
@@ -140,7 +143,7 @@ class SampleReplica:
             else:
                 y, new_mean, new_var = fused.finish(self._conv_cache.chunks,
                                                     self._conv_cache.threads)
-            if fused.train:
+            if fused.train and running:
                 shard.state["running_mean"], shard.state["running_var"] = new_mean, new_var
             return to_numpy(y)
 

@@ -122,6 +122,7 @@ class SampleSetup:
     rebalancing: bool = True  # re-slice from measured compute (``--rebalance``)
     fall_back: bool = True  # train alone when measured slower than alone (``--fall-back``)
     predicted_s: float | None = None  # the setup's prediction of the conv part (the plan's)
+    slice_statistics: bool = False  # batch norm per slice (``--bn-statistics slice``)
 
 
 class BetweenSteps:

@@ -53,7 +53,8 @@ class ChainedSteps:
         chain: dict[str, Any] = {
             "sync_id": sync_id, "members": members,
             "member_samples": [p.samples for p in self.slices if p.samples > 0],
-            "positions": [s.conv_height * s.conv_width for s in self.setup.shapes]}
+            "positions": [s.conv_height * s.conv_width for s in self.setup.shapes],
+            "slice_statistics": self.setup.slice_statistics}
 
         def make(piece: Slice) -> SampleForwardRequest:
             x = None
@@ -96,7 +97,7 @@ class ChainedSteps:
                 learning_rate=learning_rate, finish_layer=NO_LAYER,
                 start_layer=self.layers - 1, dgamma=None, dbeta=None, dy=part,
                 reduce_id=reduce_id, sync_id=reduce_id, members=members,
-                **_update_fields(None))
+                slice_statistics=self.setup.slice_statistics, **_update_fields(None))
 
         self._round(f"backward chain (step {step})", self.layers - 1, "backward", make, True,
                     make, peer_update=True)

@@ -94,7 +94,9 @@ def open_sample_stage(cluster: Cluster, config: MasterConfig, participants: list
                         "float32" if config.wire_dtype == "auto" else config.wire_dtype,
                         batch, master_computes, local_stage, metrics, report,
                         rebalancing=config.rebalancing and config.split != "equal",
-                        fall_back=config.fall_back, predicted_s=predicted_s)
+                        fall_back=config.fall_back, predicted_s=predicted_s,
+                        slice_statistics=config.bn_statistics == "slice"
+                        and config.data_plane == "peer")
     control = RunControl((p.participant for p in workers),
                          stop_on_worker_loss=config.on_worker_loss == "stop")
 
@@ -130,8 +132,11 @@ def open_sample_stage(cluster: Cluster, config: MasterConfig, participants: list
                                                             cal.cost_models())])
     report("hetconv: split by samples: " + ", ".join(
         f"{s.participant} {s.samples} ({100 * s.samples / batch:.0f}%)" for s in slices)
-        + f" of every batch of {batch}; every participant holds every layer")
+        + f" of every batch of {batch}; every participant holds every layer; batch norm "
+        + ("with each slice's own statistics (--bn-statistics slice)"
+           if setup.slice_statistics else "with the whole batch's statistics"))
     metrics.write("plan", split_by="samples", chosen=[s.participant for s in slices],
+                  bn_statistics="slice" if setup.slice_statistics else "batch",
                   predicted_step_s=predicted_s,
                   samples=[{"participant": s.participant, "samples": s.samples} for s in slices],
                   seconds_per_sample={p.participant: t for p, t in zip(participants, per_sample)},

@@ -52,7 +52,9 @@ class SampleForwardRequest(Message):
     output positions Ho·Wo (a member's moments cover its samples times that); a
     participant not among them (no samples this step) runs no layer but combines the
     same moments and follows the running statistics. The reply carries the last layer's
-    output.
+    output. ``slice_statistics``: each member normalises with its own slice's statistics
+    and combines every member's moments only after its last layer, for the running
+    statistics (``hetconv train --bn-statistics slice``).
     """
 
     TYPE: ClassVar[str] = "sample_forward_request"
@@ -80,6 +82,7 @@ class SampleForwardRequest(Message):
     members: list[Any] = field(default_factory=list)
     member_samples: list[Any] = field(default_factory=list)
     positions: list[Any] = field(default_factory=list)
+    slice_statistics: bool = False
 
 
 @dataclass(frozen=True, eq=False)
@@ -127,7 +130,9 @@ class SampleBackwardRequest(Message):
     on ``dy``: each layer's batch-norm sums exchanged among the peers as exchange
     ``sync_id`` (phase ``sums``, added in the order of ``members``) and kept for the
     update, its weight gradient scattered as reduction ``reduce_id``; a participant
-    not among the ``members`` only adds the sums.
+    not among the ``members`` only adds the sums. ``slice_statistics``: each member's
+    backward uses its own slice's sums, and every member's are added only after layer
+    0, for the update (as in :class:`SampleForwardRequest`).
     """
 
     TYPE: ClassVar[str] = "sample_backward_request"
@@ -149,6 +154,7 @@ class SampleBackwardRequest(Message):
     update_stop: int = NO_LAYER
     sync_id: int = 0
     members: list[Any] = field(default_factory=list)
+    slice_statistics: bool = False
 
 
 @dataclass(frozen=True, eq=False)

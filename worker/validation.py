@@ -77,6 +77,7 @@ def refusal(message: Message) -> str | None:
                                         message.update_stop, message.update_id,
                                         message.member_samples, message.positions,
                                         message.stop_layer - message.start_layer)
+                      or _slice_statistics_refusal(message.slice_statistics, message.sync_id)
                       or (None if message.x is None else activation_refusal("x", message.x)))
         case SampleBackwardRequest():
             reason = (_ids_refusal(0, message.step, message.attempt, min_step=0)
@@ -85,6 +86,7 @@ def refusal(message: Message) -> str | None:
                                             message.contributors)
                       or _chain_refusal(message.sync_id, message.members, message.update_layer,
                                         message.update_stop, message.update_id)
+                      or _slice_statistics_refusal(message.slice_statistics, message.sync_id)
                       or (None if message.dy is None else activation_refusal("dy", message.dy)))
         case AssignPeers():
             reason = assign_peers_refusal(message)
@@ -231,6 +233,13 @@ def _reduction_refusal(reduce_id: int, update_id: int, contributors: list[Any]) 
         return "contributors must be distinct participant ids"
     if update_id > 0 and not contributors:
         return "a reduction among the peers needs its contributors"
+    return None
+
+
+def _slice_statistics_refusal(slice_statistics: bool, sync_id: int) -> str | None:
+    """Slice statistics only in a chain: the rounds combine every layer's statistics."""
+    if slice_statistics and sync_id <= 0:
+        return "slice_statistics needs a chain (sync_id > 0)"
     return None
 
 

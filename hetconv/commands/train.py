@@ -28,6 +28,7 @@ from hetconv.commands.options import (
     positive_int,
 )
 from hetconv.config import (
+    BN_STATISTICS,
     DATA_PLANES,
     DATASETS,
     MASTER_PARTICIPANT,
@@ -70,9 +71,10 @@ RESUME_FLAGS = {
     "epochs": "--epochs", "batch": "--batch", "lr": "--lr", "momentum": "--momentum",
     "weight_decay": "--weight-decay", "schedule": "--schedule", "seed": "--seed",
     "wire_dtype": "--wire-dtype", "image_size": "--image-size", "augment": "--augment",
-    "threads": "--threads", "device": "--device"}
+    "threads": "--threads", "device": "--device", "bn_statistics": "--bn-statistics"}
 """config.json key -> the flag that sets it: what a resumed run must keep (the threads
-and the device too: they change how sums are split, so the float rounding)."""
+and the device too: they change how sums are split, so the float rounding; the
+batch-norm statistics of a distributed run, absent (None) from a local one's)."""
 _parser: argparse.ArgumentParser | None = None  # for the defaults, when resuming
 
 
@@ -109,6 +111,12 @@ def add_parser(sub: Any) -> None:
                    "layer's input and gradients among themselves, so the master's link "
                    "carries only the first input and the last output; 'star' sends them "
                    "all through the master")
+    p.add_argument("--bn-statistics", choices=BN_STATISTICS, default=BN_STATISTICS[0],
+                   help="distributed, split by samples: batch norm normalises with the whole "
+                   "batch's statistics ('batch', default: the local run's result, every layer "
+                   "waits for every slice) or each slice's own ('slice': PyTorch DDP's "
+                   "per-rank semantics, no wait between layers; the running statistics stay "
+                   "the whole batch's)")
     p.add_argument("--rebalance", choices=ON_OFF, default=None,
                    help="distributed: re-split the kernels when the measured step times show "
                    "the calibration was off (default: on for --split model, off for "
@@ -188,6 +196,7 @@ def master_config(args: argparse.Namespace) -> MasterConfig:
                         on_worker_loss=getattr(args, "on_worker_loss", ON_WORKER_LOSS[0]),
                         split_by=getattr(args, "split_by", SPLIT_BY[0]),
                         fall_back=getattr(args, "fall_back", "on") == "on",
+                        bn_statistics=getattr(args, "bn_statistics", BN_STATISTICS[0]),
                         curve_secret=args.curve_secret, curve_allow=args.curve_allow)
 
 
@@ -301,7 +310,7 @@ def _take_saved_flags(args: argparse.Namespace, saved: dict[str, Any]) -> None:
     assert _parser is not None
     for key, flag in RESUME_FLAGS.items():
         dest = flag[2:].replace("-", "_")
-        if key not in saved:
+        if key not in saved or (key == "bn_statistics" and saved[key] is None):
             continue
         value = saved[key]
         if key == "arch":

@@ -102,6 +102,40 @@ def test_workers_slower_than_the_master_alone_are_dropped_and_the_run_stays_exac
 
 
 @pytest.mark.timeout(180)
+def test_slice_statistics_train_with_replicas_kept_equal(
+        endpoint: str, workers: Any, tmp_path: Path, local_reference: Path) -> None:
+    """``--bn-statistics slice`` (PyTorch DDP's per-rank batch norm): no layer waits for
+    a peer's statistics, the replicas stay equal (the result audit at every snapshot
+    would evict one that fell behind: no recovery) and the network learns as the
+    local run does; its loss differs from the first step (other statistics)."""
+    workers("w1", "w2")
+    run_dir = tmp_path / "dist"
+    result = run_hetconv("train", "--listen", endpoint, "--min-workers", "2", "--wait", "30",
+                         "--split-by", "samples", *SMALL_RUN, "--fall-back", "off",
+                         "--bn-statistics", "slice", "--run-dir", str(run_dir))
+    assert result.returncode == 0, result.stderr
+    assert "each slice's own statistics (--bn-statistics slice)" in result.stdout
+    assert [r["bn_statistics"] for r in _records(run_dir, "plan")] == ["slice"]
+    assert not _records(run_dir, "recovery"), result.stdout
+    steps, local_steps = _records(run_dir, "step"), _records(local_reference, "step")
+    assert len(steps) == len(local_steps)
+    assert steps[0]["loss"] != local_steps[0]["loss"]
+    # two chains a step, as under the whole batch's statistics: no extra round
+    assert _records(run_dir, "model")[0]["rounds"] == 2
+    accuracy = _records(run_dir, "epoch")[-1]["test_accuracy"]
+    reference = _records(local_reference, "epoch")[-1]["test_accuracy"]
+    assert abs(accuracy - reference) <= 0.05, (accuracy, reference)
+
+
+def test_slice_statistics_need_the_peer_plane(endpoint: str) -> None:
+    result = run_hetconv("train", "--listen", endpoint, "--bn-statistics", "slice",
+                         "--data-plane", "star", *SMALL_RUN)
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--bn-statistics slice needs" in lines[0], result.stderr
+
+
+@pytest.mark.timeout(180)
 def test_three_workers_without_the_master_reproduce_the_local_run(
         endpoint: str, workers: Any, tmp_path: Path, local_reference: Path) -> None:
     workers("w1", "w2", "w3")

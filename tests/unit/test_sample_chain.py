@@ -16,7 +16,7 @@ from hetconv.dataplane import PeerLost
 from hetconv.model import conv_layer_shapes
 from hetconv.protocol import PeerPiece, SampleBackwardRequest, SampleForwardRequest
 from hetconv.protocol.sample_messages import NO_LAYER
-from hetconv.sample_replica import SampleReplica
+from hetconv.sample_replica import SampleReplica, add_in_order, moments_to_statistics
 from hetconv.sample_runner import SampleRequestError, SampleRunner
 from hetconv.weight_reduce import GradientExchange, reduce_plan
 from tests.unit.test_sample_replica import _network, _run_split, _shards
@@ -58,23 +58,25 @@ def _in_threads(calls: dict[str, Any]) -> dict[str, Any]:
 
 def _forward(step: int, sync_id: int, members: list[str], samples: list[int], x: Any,
              layers: int, positions: list[int], update_id: int = 0,
-             contributors: tuple[str, ...] = ()) -> SampleForwardRequest:
+             contributors: tuple[str, ...] = (), by_slice: bool = False
+             ) -> SampleForwardRequest:
     return SampleForwardRequest(
         request_id=sync_id, step=step, attempt=0, train=True, total_batch=sum(samples),
         finish_layer=NO_LAYER, start_layer=0, stop_layer=layers, return_output=True,
         update_layer=0 if update_id else NO_LAYER, learning_rate=0.05, total_count=0,
         mean=None, var=None, x=x, dweight=None, update_sums=None, update_id=update_id,
         contributors=list(contributors), update_stop=layers if update_id else NO_LAYER,
-        sync_id=sync_id, members=members, member_samples=samples, positions=positions)
+        sync_id=sync_id, members=members, member_samples=samples, positions=positions,
+        slice_statistics=by_slice)
 
 
-def _backward(step: int, reduce_id: int, members: list[str], dy: Any, layers: int
-              ) -> SampleBackwardRequest:
+def _backward(step: int, reduce_id: int, members: list[str], dy: Any, layers: int,
+              by_slice: bool = False) -> SampleBackwardRequest:
     return SampleBackwardRequest(
         request_id=reduce_id, step=step, attempt=0, learning_rate=0.05,
         update_layer=NO_LAYER, finish_layer=NO_LAYER, start_layer=layers - 1, dweight=None,
         dgamma=None, dbeta=None, dy=dy, update_sums=None, reduce_id=reduce_id, update_id=0,
-        contributors=[], sync_id=reduce_id, members=members)
+        contributors=[], sync_id=reduce_id, members=members, slice_statistics=by_slice)
 
 
 @pytest.mark.parametrize("cuts", [[5, 7], [3, 4, 5]], ids=["2 members", "3 members"])
@@ -165,3 +167,107 @@ def test_a_silent_peer_is_named() -> None:
     with pytest.raises(PeerLost) as lost:
         runner.forward(_forward(0, 3, ["a", "b"], [3, 3], x, len(shapes), positions), shards)
     assert lost.value.peers == ["b"]
+
+
+def _one_machine_per_slice(model: Any, params: Any, settings: Any, x: np.ndarray,
+                           dy: np.ndarray, slices: list[tuple[int, int]], lr: float
+                           ) -> tuple[np.ndarray, list[SampleReplica]]:
+    """The reference of ``--bn-statistics slice``: each slice through the layers as one
+    machine's whole batch (its own statistics, its own sums); then one update of fresh
+    replicas with every slice's dW and gamma/beta sums added in slice order, and running
+    statistics that follow the whole batch's (every slice's moments combined).
+    (output (B, ...), the updated replicas)."""
+    per_slice = [[SampleReplica(s) for s in _shards(model, params, settings)] for _ in slices]
+    updated = [SampleReplica(s) for s in _shards(model, params, settings)]
+    total = x.shape[0]
+    acts = [x[a:b] for a, b in slices]
+    for layer, (kept, shape) in enumerate(zip(updated, conv_layer_shapes(model))):
+        parts = [reps[layer].start_forward(a, a.shape[0]) for reps, a in zip(per_slice, acts)]
+        acts = [reps[layer].finish_forward(*moments_to_statistics([part]))
+                for reps, part in zip(per_slice, parts)]
+        kept.follow_statistics(*moments_to_statistics(parts),
+                               total * shape.conv_height * shape.conv_width)
+    out = np.concatenate(acts, axis=0)
+    grads = [dy[a:b] for a, b in slices]
+    for layer in reversed(range(len(updated))):
+        sums = [reps[layer].start_backward(g) for reps, g in zip(per_slice, grads)]
+        results = [reps[layer].finish_backward(own[0], own[1], layer > 0)
+                   for reps, own in zip(per_slice, sums)]
+        updated[layer].apply_update(
+            add_in_order([r[1] for r in results]), lr,
+            (add_in_order([own[0] for own in sums]), add_in_order([own[1] for own in sums])))
+        grads = [r[0] for r in results]
+    return out, updated
+
+
+@pytest.mark.parametrize("cuts", [[5, 7], [3, 4, 5]], ids=["2 members", "3 members"])
+def test_slice_statistics_equal_one_machine_per_slice(cuts: list[int]) -> None:
+    """``--bn-statistics slice``: every member's output is its slice through the layers
+    as one machine's batch; the update adds every slice's gradients; the running
+    statistics are the whole batch's; every replica (an idle one too) ends equal."""
+    model, params, settings = _network()
+    shapes = conv_layer_shapes(model)
+    layers = len(shapes)
+    positions = [s.conv_height * s.conv_width for s in shapes]
+    rng = np.random.default_rng(6)
+    batch = sum(cuts)
+    x = rng.standard_normal((batch,) + model.input_shape).astype(np.float32)
+    last = shapes[-1]
+    dy = rng.standard_normal((batch, last.kernels, last.pooled_height,
+                              last.pooled_width)).astype(np.float32)
+    starts = np.cumsum([0] + cuts)
+    slices = list(zip(starts[:-1], starts[1:]))
+    members = [f"p{i}" for i in range(len(cuts))]
+    everyone = members + ["idle"]
+    expected_y, expected = _one_machine_per_slice(model, params, settings, x, dy, slices, 0.05)
+    # the whole batch's statistics give another output: the test can tell them apart
+    whole = [[SampleReplica(s) for s in _shards(model, params, settings)] for _ in cuts]
+    assert not np.array_equal(_run_split(whole, x, dy, slices, 0.05), expected_y)
+
+    plan = reduce_plan([s.kernels for s in shapes], members, everyone)
+    queues: dict[str, queue.Queue[PeerPiece]] = {n: queue.Queue() for n in everyone}
+    runners, shards = {}, {}
+    for name in everyone:
+        runners[name] = SampleRunner()
+        runners[name].exchange = GradientExchange(name, plan, Port(queues, name), 5.0)
+        shards[name] = {s.layer: s for s in _shards(model, params, settings)}
+
+    def slice_of(name: str, array: np.ndarray) -> np.ndarray | None:
+        if name not in members:
+            return None
+        a, b = slices[members.index(name)]
+        return np.ascontiguousarray(array[a:b])
+
+    forward = _in_threads({n: (lambda n=n: runners[n].forward(
+        _forward(0, 10, members, cuts, slice_of(n, x), layers, positions, by_slice=True),
+        shards[n])) for n in everyone})
+    assert not [r for r in forward.values() if isinstance(r, BaseException)], forward
+    np.testing.assert_array_equal(np.concatenate([forward[m].y for m in members]), expected_y)
+    for name in everyone:  # the running statistics: the whole batch's, on every replica
+        for layer in range(layers):
+            for key in ("running_mean", "running_var"):
+                np.testing.assert_array_equal(shards[name][layer].state[key],
+                                              expected[layer].shard.state[key],
+                                              err_msg=f"{name} layer {layer} {key}")
+    backward = _in_threads({n: (lambda n=n: runners[n].backward(
+        _backward(0, 11, members, slice_of(n, dy), layers, by_slice=True), shards[n]))
+        for n in everyone})
+    assert not [r for r in backward.values() if isinstance(r, BaseException)], backward
+    second = _in_threads({n: (lambda n=n: runners[n].forward(
+        _forward(1, 12, members, cuts, slice_of(n, x), layers, positions, 11,
+                 tuple(members), by_slice=True), shards[n])) for n in everyone})
+    assert not [r for r in second.values() if isinstance(r, BaseException)], second
+    for name in everyone:
+        for layer in range(layers):
+            for key in ("weight", "gamma", "beta", "velocity_weight"):
+                np.testing.assert_array_equal(shards[name][layer].state[key],
+                                              expected[layer].shard.state[key],
+                                              err_msg=f"{name} layer {layer} {key}")
+
+
+def test_slice_statistics_outside_a_chain_are_refused() -> None:
+    from hetconv.worker.validation import refusal
+
+    request = _forward(0, 0, ["a"], [4], np.zeros((4, 2, 16, 16), np.float32), 2, [1, 1],
+                       by_slice=True)
+    assert "slice_statistics needs a chain" in str(refusal(request))
