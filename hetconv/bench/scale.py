@@ -42,7 +42,7 @@ from hetconv.bench.scale_breakdown import (
     step_breakdown,
 )
 from hetconv.bench.signals import terminate_as_interrupt
-from hetconv.config import BENCH_PEERS, SPLIT_MODES, check_choice
+from hetconv.config import BENCH_PEERS, BN_STATISTICS, SPLIT_MODES, check_choice
 from hetconv.errors import UserError
 from hetconv.lab import (
     CFS_PERIOD_US,
@@ -224,7 +224,8 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
                     out: Callable[[str], None] = print, split: str = "model",
                     peer: str | None = None,
                     split_by: tuple[str, ...] = ("kernels",),
-                    cfs_period_ms: float = CFS_PERIOD_US / 1000) -> dict[str, Any]:
+                    cfs_period_ms: float = CFS_PERIOD_US / 1000,
+                    bn_statistics: tuple[str, ...] = ("batch",)) -> dict[str, Any]:
     """Run every machine set with every data plane, and the baselines, ``repeats``
     times, interleaved within each repeat. ``split``: the runs' ``--split``; ``model``
     (the default) lets the link-aware planner choose the machines from its timings,
@@ -232,7 +233,9 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
     ``peer="ddp"``: PyTorch DDP (even and by-speed batch splits) and PyTorch alone on
     the same machines too, interleaved (needs torch: the ``bench`` extra).
     ``cfs_period_ms``: every machine's CPU quota is granted per period of this length
-    (default 10 ms; a real slower CPU is the limit of short periods)."""
+    (default 10 ms; a real slower CPU is the limit of short periods).
+    ``bn_statistics``: the sample split's batch norm in its runs (``batch``, the default,
+    and/or ``slice``: PyTorch DDP's per-rank semantics; labelled ``samples-slice``)."""
     period_us = int(round(cfs_period_ms * 1000))
     refusal = quota_refusal(min(min(fractions) for fractions in machine_sets), period_us)
     if refusal:
@@ -246,8 +249,10 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
     configurations = [(fractions, plane) for fractions in machine_sets
                       for plane in (data_planes if "kernels" in split_by else ())]
     for choice in (SAMPLES, AUTO):
-        if choice in split_by:
-            configurations += [(fractions, choice) for fractions in machine_sets]
+        for norm in (BN_STATISTICS if choice in split_by else ()):
+            if norm in bn_statistics:
+                label_of = choice if norm == "batch" else f"{choice}{SLICE_SUFFIX}"
+                configurations += [(fractions, label_of) for fractions in machine_sets]
     for reason in (netns_unavailable_reason(), cpu_quota_unavailable_reason()):
         if reason:
             raise UserError(f"hetconv bench scale needs root features: {reason}")
@@ -315,8 +320,7 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
                     train = [python, "-m", "hetconv", "train", "--listen",
                              f"tcp://{master.address}:{port}", "--min-workers",
                              str(len(config) - 1), "--wait", "60",
-                             *(("--split-by", plane) if plane in (SAMPLES, AUTO)
-                               else ("--split-by", "kernels", "--data-plane", plane)),
+                             *split_flags(plane),
                              "--split", split, *common, "--run-dir", str(run_dir)]
                     if len(config) == 1:
                         train[train.index("--min-workers") + 1] = "0"
@@ -364,6 +368,20 @@ SAMPLES = "samples"
 AUTO = "auto"
 """The configuration label of a run that lets hetconv choose (``--split-by auto``, the
 default a user gets)."""
+
+
+SLICE_SUFFIX = "-slice"
+"""Appended to ``samples``/``auto``: the runs with ``--bn-statistics slice``."""
+
+
+def split_flags(plane: str) -> tuple[str, ...]:
+    """hetconv train's flags for a configuration's plane label: ``samples``, ``auto``
+    (either with ``-slice``: ``--bn-statistics slice``) or a kernel split's data plane."""
+    base = plane.removesuffix(SLICE_SUFFIX)
+    if base in (SAMPLES, AUTO):
+        return ("--split-by", base) + (
+            ("--bn-statistics", "slice") if plane.endswith(SLICE_SUFFIX) else ())
+    return ("--split-by", "kernels", "--data-plane", plane)
 
 
 def configuration_label(fractions: tuple[float, ...], data_plane: str) -> str:

@@ -20,6 +20,7 @@ from hetconv.checkpoint import save_text
 from hetconv.commands.options import Parser, check_output_path, positive_int
 from hetconv.config import (
     BENCH_PEERS,
+    BN_STATISTICS,
     DATA_PLANES,
     DATASETS,
     SPLIT_BY,
@@ -41,7 +42,7 @@ FLAGS: dict[str, tuple[tuple[str, str], ...]] = {
               ("--arch", "arch"), ("--epochs", "epochs"),
               ("--batch", "batch"), ("--limit", "limit"), ("--repeats", "repeats"),
               ("--work-dir", "work_dir"), ("--split", "split"), ("--peer", "peer"),
-              ("--split-by", "split_by")),
+              ("--split-by", "split_by"), ("--bn-statistics", "bn_statistics")),
     "chaos": (("--minutes", "minutes"), ("--interval-min", "interval_min"),
               ("--interval-max", "interval_max"), ("--faults", "faults"), ("--lab", "lab"),
               ("--rate", "rate"), ("--arch", "arch"), ("--batch", "batch"),
@@ -136,6 +137,12 @@ def add_parser(sub: Any) -> None:
                        help="also run what users would run instead on the same machines: "
                        "PyTorch DDP (gloo; even and by-speed batch splits) and PyTorch alone, "
                        "interleaved (needs the bench extra: pip install '.[bench]')")
+    scale.add_argument("--bn-statistics", action="append", default=None,
+                       choices=BN_STATISTICS,
+                       help="the sample split's batch norm in its runs (repeat the flag for "
+                       "both, interleaved; default batch: the whole batch's statistics, "
+                       "what a user gets; 'slice' is PyTorch DDP's per-rank semantics, "
+                       "labelled samples-slice)")
     scale.add_argument("--cfs-period-ms", type=float, default=10.0,
                        help="the CPU quotas' period in ms (default 10; 1 to 1000, and the smallest "
                        "machine's share of it at least 1 ms): a machine "
@@ -221,7 +228,8 @@ def command_line(args: argparse.Namespace) -> str:
         if dest == "train_flags":  # flags as a value: --train-flags='--augment'
             words.append(f"{flag}={value}")
             continue
-        if isinstance(value, list) and (dest in ("machines", "data_plane")
+        if isinstance(value, list) and (dest in ("machines", "data_plane", "split_by",
+                                                 "bn_statistics")
                                         or args.bench == "step"):  # one flag per value
             if args.bench == "step" and dest in ("threads", "quota"):
                 continue  # written as pairs below
@@ -331,7 +339,8 @@ def run(args: argparse.Namespace) -> int:
                                  work_dir=args.work_dir, data_planes=tuple(args.data_plane),
                                  epochs=args.epochs, split=args.split, peer=args.peer,
                                  split_by=tuple(args.split_by or ("kernels",)),
-                                 cfs_period_ms=args.cfs_period_ms)
+                                 cfs_period_ms=args.cfs_period_ms,
+                                 bn_statistics=tuple(args.bn_statistics or ("batch",)))
         table = result["table"]
     elif args.bench == "chaos":
         from hetconv.bench.chaos import run_chaos_bench

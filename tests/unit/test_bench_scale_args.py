@@ -21,3 +21,29 @@ def test_a_period_the_kernel_refuses_is_one_line(period: str,
 def test_the_quota_refuses_a_share_under_the_kernel_least() -> None:
     with pytest.raises(ValueError, match="at least"):
         CpuQuota(0.45, period_us=int(MIN_QUOTA_US / 0.45) - 1)
+
+
+def test_the_slice_statistics_runs_get_their_flags() -> None:
+    """``--bn-statistics slice`` adds runs labelled ``samples-slice``, trained with
+    ``--split-by samples --bn-statistics slice``; the others keep their flags."""
+    from hetconv.bench.scale import split_flags
+
+    assert split_flags("samples-slice") == ("--split-by", "samples", "--bn-statistics", "slice")
+    assert split_flags("auto-slice") == ("--split-by", "auto", "--bn-statistics", "slice")
+    assert split_flags("samples") == ("--split-by", "samples")
+    assert split_flags("peer") == ("--split-by", "kernels", "--data-plane", "peer")
+
+
+def test_the_figure_files_command_repeats_every_repeatable_flag() -> None:
+    import argparse
+
+    from hetconv.commands.bench import command_line
+
+    args = argparse.Namespace(
+        bench="scale", machines=["0.45,0.45"], data_plane=["peer"], rate="1gbit",
+        arch="32:64", epochs=2, batch=128, limit=None, repeats=3, work_dir=None,
+        split="model", peer="ddp", split_by=["samples", "auto"],
+        bn_statistics=["batch", "slice"], markdown=None)
+    line = command_line(args)
+    assert "--split-by samples --split-by auto" in line
+    assert "--bn-statistics batch --bn-statistics slice" in line
