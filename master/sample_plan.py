@@ -202,13 +202,23 @@ def sample_bytes(shapes: Sequence[ConvLayerShape], wire_itemsize: int) -> tuple[
             last.kernels * last.pooled_height * last.pooled_width * wire_itemsize)
 
 
+def chain_hops(layers: int, slice_statistics: bool = False) -> float:
+    """Round trips of one step as two chains (``--data-plane peer``): one per chain
+    through the master, plus each layer's batch-norm barrier in each chain, a one-way
+    hop between peers (half a round trip); none under ``--bn-statistics slice``, whose
+    pieces are collected once, at each chain's end."""
+    return 2.0 + (0.0 if slice_statistics else 2 * layers * 0.5)
+
+
 def predict_sample_step(slices: Sequence[Slice], seconds_per_sample: dict[str, float],
                         links: dict[str, Link | None], shapes: Sequence[ConvLayerShape],
-                        weights: int, wire_itemsize: int, reduce: str = "master") -> float:
+                        weights: int, wire_itemsize: int, reduce: str = "master",
+                        slice_statistics: bool = False) -> float:
     """Predicted seconds of one step's conv part under the sample split: the slowest
     slice's compute, plus the master's link (each direction at the fastest measured
-    worker link rate: the master's own port), plus one round trip per round at the
-    slowest worker's rtt.
+    worker link rate: the master's own port), plus the round trips at the slowest
+    worker's rtt: ``sample_rounds`` under the rounds (``reduce`` "master"), the two
+    chains' ``chain_hops`` with the weight gradients reduced among the peers.
 
     Bytes per worker with samples on the master's link: its x slice and dy slice down,
     its y slice up. The weight gradients (``weights`` float32 values): with ``reduce``
@@ -231,7 +241,8 @@ def predict_sample_step(slices: Sequence[Slice], seconds_per_sample: dict[str, f
     down_rate = max(link.down_bytes_per_s for link in rates)
     up_rate = max(link.up_bytes_per_s for link in rates)
     rtt = max(link.rtt_s for link in rates)
-    predicted = compute + max(down / down_rate, up / up_rate) + sample_rounds(len(shapes)) * rtt
+    trips = chain_hops(len(shapes), slice_statistics) if not hub else sample_rounds(len(shapes))
+    predicted = compute + max(down / down_rate, up / up_rate) + trips * rtt
     if not hub and workers:
         participants = len(workers) + 1  # and the master, always in the reduction
         per_link = 2 * (participants - 1) / participants * gradient

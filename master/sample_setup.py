@@ -67,7 +67,8 @@ def predict_samples(config: MasterConfig, participants: list[Participant],
                                conv_weights(shapes),
                                np.dtype(config.wire_dtype if config.wire_dtype != "auto"
                                         else "float32").itemsize,
-                               "peer" if config.data_plane == "peer" else "master")
+                               "peer" if config.data_plane == "peer" else "master",
+                               slice_statistics=config.bn_statistics == "slice")
 
 
 def open_sample_stage(cluster: Cluster, config: MasterConfig, participants: list[Participant],

@@ -99,6 +99,7 @@ class MeasuredRun:
     measured_step_s: float | None  # median measured step (first step skipped); None: no steps
     steps_used: int  # how many steps that median is over
     plan_predicted_step_s: float | None  # the planner's own prediction at the run's start
+    slice_statistics: bool = False  # the sample split with ``--bn-statistics slice``
 
     @property
     def arch(self) -> tuple[int, ...]:
@@ -230,7 +231,8 @@ def measured_run(records: RunRecords, links: dict[str, Link]) -> MeasuredRun:
                        data_plane=str(config.get("data_plane") or "star"),
                        dense_s=median(s.dense_s for s in steps) or 0.0,
                        measured_step_s=median(s.step_s for s in steps), steps_used=len(steps),
-                       plan_predicted_step_s=records.plan_predicted_step_s)
+                       plan_predicted_step_s=records.plan_predicted_step_s,
+                       slice_statistics=config.get("bn_statistics") == "slice")
 
 
 # --- scaling the measured costs -------------------------------------------------------------

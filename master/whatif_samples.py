@@ -111,7 +111,8 @@ def predict_sample_scenarios(run: MeasuredRun, seconds_per_sample: dict[str, flo
         links = {m.participant: m.link for m in machines}
         conv = predict_sample_step(slices, per_sample, links, shapes, conv_weights(shapes),
                                    run.wire_itemsize,
-                                   "peer" if run.data_plane == "peer" else "master")
+                                   "peer" if run.data_plane == "peer" else "master",
+                                   slice_statistics=run.slice_statistics)
         dense = scaled_dense_s(run, scenario.arch, scenario.batch)
         single = min(seconds) * scenario.batch
         speeds = [1.0 / t for t in seconds]

@@ -112,8 +112,14 @@ def test_the_predicted_step_adds_the_slowest_slice_the_master_link_and_the_round
     # them on every link at the slowest rate, and one more round trip
     peer = predict_sample_step(slices, {"master": 0.001, "a": 0.002},
                                {"master": None, "a": link}, shapes, 900, 4, reduce="peer")
+    # a step as two chains: a round trip each, and a one-way hop per layer's barrier in
+    # each (2 + 2 x 0.5 x 2 = 4 round trips for L = 2); 2 with slice statistics
     assert peer == pytest.approx(compute + max((down - 900 * 4) / 1e6, (up - 900 * 4) / 2e6)
-                                 + 6 * 0.001 + 900 * 4 / 1e6 + 0.001)
+                                 + 4 * 0.001 + 900 * 4 / 1e6 + 0.001)
+    by_slice = predict_sample_step(slices, {"master": 0.001, "a": 0.002},
+                                   {"master": None, "a": link}, shapes, 900, 4, reduce="peer",
+                                   slice_statistics=True)
+    assert by_slice == pytest.approx(peer - 2 * 0.001)
     # no worker: the compute alone
     assert predict_sample_step([Slice("master", 0, 64)], {"master": 0.001}, {"master": None},
                                shapes, 900, 4) == pytest.approx(0.064)
