@@ -264,6 +264,9 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
                     lambda: LocalConvStage(model, params, settings, device=device), report,
                     predicted, links)
         report(f"hetconv: split by kernels ({why})")
+        if config.bn_statistics == "slice":
+            report("hetconv: --bn-statistics slice does not apply to the kernel split: "
+                   "every participant normalises with the whole batch's statistics")
         if first.plan is not None:  # link-aware: which participants, how many kernels
             report_plan(first.plan, participants, profiles, metrics, report, config.wire_dtype)
         plan = shards_from_counts(participants, first.counts)
