@@ -428,7 +428,8 @@ def summarize(records: RunRecords) -> RunSummary:
         checkpoint_every=_opt_int(config.get("checkpoint_every")),
         step_model=records.step_model,
         split_by="samples" if steps and any(t.by_samples for layer in steps[-1].layers
-                                            for t in layer.devices) else "kernels")
+                                            for t in layer.devices) else "kernels",
+        bn_statistics="slice" if config.get("bn_statistics") == "slice" else "batch")
 
 
 def _opt_int(value: object) -> int | None:

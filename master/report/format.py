@@ -93,6 +93,11 @@ def overview_table(summary: RunSummary) -> Table:
          MISSING if summary.predicted_step_s is None or split is None
          else f"measured / predicted {split.step_s / summary.predicted_step_s:.2f}"),
         *([] if summary.step_model is None else [_step_model_row(summary.step_model)]),
+        *([] if summary.split_by != "samples" else [
+            ("batch-norm statistics (split by samples)",
+             "each slice's" if summary.bn_statistics == "slice" else "whole batch's",
+             "--bn-statistics slice: DDP's per-rank" if summary.bn_statistics == "slice"
+             else "as one machine: the local run's")]),
         ("speedup over fastest participant alone (est., cost model)", times(summary.speedup),
          MISSING if summary.fastest_device is None else
          f"{summary.fastest_device}: {ms(summary.single_device_step_s)} ms"),

@@ -150,3 +150,4 @@ class RunSummary:
     step_model: StepModelCheck | None = None  # the sample split's model calibrated in place
 
     split_by: str = "kernels"  # what the layers were cut into: kernels or samples
+    bn_statistics: str = "batch"  # split by samples: the whole batch's or each slice's own

@@ -4,6 +4,7 @@ own slice, and a worker killed mid-run costs one recovery, not the run."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +126,10 @@ def test_slice_statistics_train_with_replicas_kept_equal(
     accuracy = _records(run_dir, "epoch")[-1]["test_accuracy"]
     reference = _records(local_reference, "epoch")[-1]["test_accuracy"]
     assert abs(accuracy - reference) <= 0.05, (accuracy, reference)
+    report = run_hetconv("report", str(run_dir))
+    assert report.returncode == 0, report.stderr
+    assert re.search(r"batch-norm statistics \(split by samples\)\s+each slice's", report.stdout), \
+        report.stdout
 
 
 def test_slice_statistics_need_the_peer_plane(endpoint: str) -> None:
