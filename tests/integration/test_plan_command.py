@@ -148,5 +148,6 @@ def test_a_run_split_by_samples_is_modelled_as_the_sample_split(sample_run: Path
                for row in document["rows"])
     report = run_hetconv("report", str(sample_run))
     assert report.returncode == 0, report.stderr
+    assert "whole batch's" in report.stdout  # the default batch-norm statistics
     assert "Predicted scaling (model estimate)" in (sample_run / "report.html").read_text(
         encoding="utf-8")
