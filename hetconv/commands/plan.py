@@ -14,6 +14,7 @@ import json
 import shlex
 import textwrap
 from collections.abc import Callable, Sequence
+from dataclasses import asdict
 from datetime import datetime, timezone
 from typing import Any
 
@@ -21,7 +22,7 @@ from hetconv.checkpoint import save_text
 from hetconv.commands.options import check_output_path
 from hetconv.errors import UserError
 from hetconv.lab.network import parse_rate_bits
-from hetconv.master.report.records import parse_run
+from hetconv.master.report.records import StepModelCheck, parse_run
 from hetconv.master.whatif import (
     DEFAULT_MACHINES,
     MAX_MACHINES,
@@ -163,19 +164,30 @@ def describe(run: MeasuredRun) -> str:
             f"{run.data_plane}, batch {run.batch}, arch {_arch(run.arch)}")
 
 
-def measured_lines(run: MeasuredRun, prediction: Prediction | None) -> list[str]:
-    """The estimate for the measured configuration beside the measured median step."""
+def measured_lines(run: MeasuredRun, prediction: Prediction | None,
+                   in_place: StepModelCheck | None = None) -> list[str]:
+    """The estimate for the measured configuration beside the measured median step, and
+    the sample split's step model calibrated in place (its ``model`` record), if any."""
     if prediction is None:
-        return ["No estimate for the measured configuration: the run has no measured links."]
-    lines = [f"Measured configuration ({len(run.profiles)} participants, measured links, "
-             f"batch {run.batch}, arch {_arch(run.arch)}):",
-             f"  model estimate   {prediction.step_s * 1e3:.1f} ms per step"]
-    if run.measured_step_s is None:
-        lines.append("  measured median  (no step recorded)")
+        lines = ["No estimate for the measured configuration: the run has no measured links."]
     else:
-        lines.append(f"  measured median  {run.measured_step_s * 1e3:.1f} ms per step "
-                     f"(over {run.steps_used} steps, the first skipped; measured / estimate "
-                     f"{run.measured_step_s / prediction.step_s:.2f})")
+        lines = [f"Measured configuration ({len(run.profiles)} participants, measured links, "
+                 f"batch {run.batch}, arch {_arch(run.arch)}):",
+                 f"  model estimate   {prediction.step_s * 1e3:.1f} ms per step"]
+        if run.measured_step_s is None:
+            lines.append("  measured median  (no step recorded)")
+        else:
+            lines.append(f"  measured median  {run.measured_step_s * 1e3:.1f} ms per step "
+                         f"(over {run.steps_used} steps, the first skipped; measured / "
+                         f"estimate {run.measured_step_s / prediction.step_s:.2f})")
+    if in_place is not None:
+        error = in_place.predicted_s / in_place.measured_s - 1.0
+        lines.append(f"  in-place model   {in_place.predicted_s * 1e3:.1f} ms per step = "
+                     f"compute {in_place.compute_s * 1e3:.1f} + {in_place.rounds} rounds x "
+                     f"{in_place.round_s * 1e3:.1f} + serial {in_place.serial_s * 1e3:.1f}, "
+                     f"fitted on the run's first steps; measured "
+                     f"{in_place.measured_s * 1e3:.1f} ms over the next "
+                     f"{in_place.checked_steps} ({error:+.1%})")
     return lines
 
 
@@ -193,7 +205,8 @@ def run_plan(args: argparse.Namespace, out: Callable[[str], None] = print) -> in
     for flag, path in (("--markdown", args.markdown), ("--json", args.json)):
         if path:
             check_output_path(flag, path)
-    run = measured_run(parse_run(args.run_dir), read_plan_links(args.run_dir))
+    records = parse_run(args.run_dir)
+    run = measured_run(records, read_plan_links(args.run_dir))
     per_sample = read_sample_plan(args.run_dir)
     note = ESTIMATE_NOTE if per_sample is None else SAMPLE_NOTE
 
@@ -211,7 +224,7 @@ def run_plan(args: argparse.Namespace, out: Callable[[str], None] = print) -> in
     for line in text_table(predictions):
         out(line)
     out("")
-    for line in measured_lines(run, measured):
+    for line in measured_lines(run, measured, records.step_model):
         out(line)
     if args.markdown:
         now = datetime.now(timezone.utc).astimezone().isoformat(timespec="seconds")
@@ -219,7 +232,8 @@ def run_plan(args: argparse.Namespace, out: Callable[[str], None] = print) -> in
                   f"- command: `{command_line(args)}`", f"- date: {now}",
                   f"- {describe(run)}", "", note, ""]
         save_text(args.markdown, "\n".join(header + markdown_table(predictions) + [""]
-                                           + measured_lines(run, measured)) + "\n")
+                                           + measured_lines(run, measured,
+                                                            records.step_model)) + "\n")
         out(f"wrote {args.markdown}")
     if args.json:
         document = {"run_dir": run.run_dir, "data_plane": run.data_plane,
@@ -230,7 +244,9 @@ def run_plan(args: argparse.Namespace, out: Callable[[str], None] = print) -> in
                                  "sample split model (master.sample_plan.predict_sample_step)"),
                     "rows": [p.record() for p in predictions],
                     "measured_configuration": None if measured is None else {
-                        **measured.record(), "steps_used": run.steps_used}}
+                        **measured.record(), "steps_used": run.steps_used},
+                    "step_model": None if records.step_model is None
+                    else asdict(records.step_model)}
         save_text(args.json, json.dumps(document, indent=2) + "\n")
         out(f"wrote {args.json}")
     return 0

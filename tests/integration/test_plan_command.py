@@ -140,6 +140,14 @@ def test_a_run_split_by_samples_is_modelled_as_the_sample_split(sample_run: Path
     assert "split by samples" in result.stdout and "sample split" in result.stdout
     document = json.loads(data.read_text())
     assert document["split_by"] == "samples" and len(document["rows"]) == 6
+    # the step model calibrated in place, as the run checked it (its `model` record)
+    models = [r for r in records if r["type"] == "model"]
+    if models:  # fitted after 10 steps, checked on 9 more: a run long enough has one
+        assert document["step_model"]["predicted_s"] == pytest.approx(
+            models[-1]["predicted_step_s"])  # the last one (a re-plan fits again)
+        assert "in-place model" in result.stdout, result.stdout
+    else:
+        assert document["step_model"] is None
     # the measured configuration: the run's own prediction plus its measured dense part
     measured = document["measured_configuration"]
     assert measured["predicted_step_s"] == pytest.approx(plan["predicted_step_s"] + dense,

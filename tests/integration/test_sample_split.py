@@ -72,6 +72,11 @@ def test_two_workers_and_the_master_reproduce_the_local_run(
     assert model["predicted_step_s"] == pytest.approx(
         model["compute_s"] + model["rounds"] * model["round_s"] + model["serial_s"])
     assert "step model fitted on 9 steps" in result.stdout
+    # `hetconv plan` shows it beside its own estimate for the measured configuration
+    plan = run_hetconv("plan", str(run_dir), "--machines", "3", "--rate", "measured")
+    assert plan.returncode == 0, plan.stderr
+    assert (f"in-place model   {model['predicted_step_s'] * 1e3:.1f} ms per step"
+            in plan.stdout), plan.stdout
 
 
 @pytest.mark.timeout(180)
