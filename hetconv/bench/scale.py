@@ -241,6 +241,11 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
     if refusal:
         raise UserError(f"--cfs-period-ms {cfs_period_ms:g}: {refusal}")
     check_choice("split", split, SPLIT_MODES)
+    for norm in bn_statistics:
+        check_choice("--bn-statistics", norm, BN_STATISTICS)
+    if not {SAMPLES, AUTO} & set(split_by) and bn_statistics != ("batch",):
+        raise UserError("--bn-statistics applies to the sample split's runs: add "
+                        "--split-by samples or --split-by auto")
     if peer is not None:
         check_choice("peer", peer, BENCH_PEERS)
         from hetconv.bench.step_torch import import_torch

@@ -47,3 +47,11 @@ def test_the_figure_files_command_repeats_every_repeatable_flag() -> None:
     line = command_line(args)
     assert "--split-by samples --split-by auto" in line
     assert "--bn-statistics batch --bn-statistics slice" in line
+
+
+def test_slice_statistics_without_a_sample_split_is_one_line(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    status = main(["bench", "scale", "--machines", "0.45,0.45", "--bn-statistics", "slice"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1, err
+    assert "--bn-statistics applies to the sample split's runs" in err[0]
