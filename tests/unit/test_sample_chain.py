@@ -79,6 +79,29 @@ def _backward(step: int, reduce_id: int, members: list[str], dy: Any, layers: in
         contributors=[], sync_id=reduce_id, members=members, slice_statistics=by_slice)
 
 
+def _participants(model: Any, params: Any, settings: Any, members: list[str],
+                  everyone: list[str]) -> tuple[dict[str, SampleRunner], dict[str, Any]]:
+    """A runner (its exchange over one in-memory port) and fresh shards per participant."""
+    shapes = conv_layer_shapes(model)
+    plan = reduce_plan([s.kernels for s in shapes], members, everyone)
+    queues: dict[str, queue.Queue[PeerPiece]] = {n: queue.Queue() for n in everyone}
+    runners, shards = {}, {}
+    for name in everyone:
+        runners[name] = SampleRunner()
+        runners[name].exchange = GradientExchange(name, plan, Port(queues, name), 5.0)
+        shards[name] = {s.layer: s for s in _shards(model, params, settings)}
+    return runners, shards
+
+
+def _slice_of(name: str, array: np.ndarray, members: list[str],
+              slices: list[tuple[int, int]]) -> np.ndarray | None:
+    """A member's slice of ``array`` (contiguous); None for a participant without one."""
+    if name not in members:
+        return None
+    a, b = slices[members.index(name)]
+    return np.ascontiguousarray(array[a:b])
+
+
 @pytest.mark.parametrize("cuts", [[5, 7], [3, 4, 5]], ids=["2 members", "3 members"])
 def test_chains_reproduce_the_rounds_bit_for_bit(cuts: list[int]) -> None:
     model, params, settings = _network()
@@ -99,19 +122,10 @@ def test_chains_reproduce_the_rounds_bit_for_bit(cuts: list[int]) -> None:
     reference = [[SampleReplica(s) for s in _shards(model, params, settings)] for _ in cuts]
     expected_y = _run_split(reference, x, dy, slices, 0.05)
 
-    plan = reduce_plan([s.kernels for s in shapes], members, everyone)
-    queues: dict[str, queue.Queue[PeerPiece]] = {n: queue.Queue() for n in everyone}
-    runners, shards = {}, {}
-    for name in everyone:
-        runners[name] = SampleRunner()
-        runners[name].exchange = GradientExchange(name, plan, Port(queues, name), 5.0)
-        shards[name] = {s.layer: s for s in _shards(model, params, settings)}
+    runners, shards = _participants(model, params, settings, members, everyone)
 
     def slice_of(name: str, array: np.ndarray) -> np.ndarray | None:
-        if name not in members:
-            return None
-        a, b = slices[members.index(name)]
-        return np.ascontiguousarray(array[a:b])
+        return _slice_of(name, array, members, slices)
 
     forward = _in_threads({n: (lambda n=n: runners[n].forward(
         _forward(0, 10, members, cuts, slice_of(n, x), layers, positions), shards[n]))
@@ -224,19 +238,10 @@ def test_slice_statistics_equal_one_machine_per_slice(cuts: list[int]) -> None:
     whole = [[SampleReplica(s) for s in _shards(model, params, settings)] for _ in cuts]
     assert not np.array_equal(_run_split(whole, x, dy, slices, 0.05), expected_y)
 
-    plan = reduce_plan([s.kernels for s in shapes], members, everyone)
-    queues: dict[str, queue.Queue[PeerPiece]] = {n: queue.Queue() for n in everyone}
-    runners, shards = {}, {}
-    for name in everyone:
-        runners[name] = SampleRunner()
-        runners[name].exchange = GradientExchange(name, plan, Port(queues, name), 5.0)
-        shards[name] = {s.layer: s for s in _shards(model, params, settings)}
+    runners, shards = _participants(model, params, settings, members, everyone)
 
     def slice_of(name: str, array: np.ndarray) -> np.ndarray | None:
-        if name not in members:
-            return None
-        a, b = slices[members.index(name)]
-        return np.ascontiguousarray(array[a:b])
+        return _slice_of(name, array, members, slices)
 
     forward = _in_threads({n: (lambda n=n: runners[n].forward(
         _forward(0, 10, members, cuts, slice_of(n, x), layers, positions, by_slice=True),
