@@ -94,7 +94,7 @@ def overview_table(summary: RunSummary) -> Table:
          else f"measured / predicted {split.step_s / summary.predicted_step_s:.2f}"),
         *([] if summary.step_model is None else [_step_model_row(summary.step_model)]),
         *([] if summary.split_by != "samples" else [
-            ("batch-norm statistics (split by samples)",
+            ("batch-norm statistics",
              "each slice's" if summary.bn_statistics == "slice" else "whole batch's",
              "--bn-statistics slice: DDP's per-rank" if summary.bn_statistics == "slice"
              else "as one machine: the local run's")]),

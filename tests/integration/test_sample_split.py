@@ -133,7 +133,7 @@ def test_slice_statistics_train_with_replicas_kept_equal(
     assert abs(accuracy - reference) <= 0.05, (accuracy, reference)
     report = run_hetconv("report", str(run_dir))
     assert report.returncode == 0, report.stderr
-    assert re.search(r"batch-norm statistics \(split by samples\)\s+each slice's", report.stdout), \
+    assert re.search(r"batch-norm statistics\s+each slice's", report.stdout), \
         report.stdout
 
 
