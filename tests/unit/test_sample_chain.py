@@ -79,6 +79,24 @@ def _backward(step: int, reduce_id: int, members: list[str], dy: Any, layers: in
         contributors=[], sync_id=reduce_id, members=members, slice_statistics=by_slice)
 
 
+def _chain_case(cuts: list[int], seed: int) -> tuple[Any, Any, Any, np.ndarray, np.ndarray,
+                                                    list[tuple[int, int]], list[int]]:
+    """The test network, a batch x and an output gradient dy of sum(cuts) samples drawn
+    from ``seed``, the consecutive slices of ``cuts`` and each layer's conv positions."""
+    model, params, settings = _network()
+    shapes = conv_layer_shapes(model)
+    rng = np.random.default_rng(seed)
+    batch = sum(cuts)
+    x = rng.standard_normal((batch,) + model.input_shape).astype(np.float32)
+    last = shapes[-1]
+    dy = rng.standard_normal((batch, last.kernels, last.pooled_height,
+                              last.pooled_width)).astype(np.float32)
+    starts = np.cumsum([0] + cuts)
+    slices = [(int(a), int(b)) for a, b in zip(starts[:-1], starts[1:])]
+    return model, params, settings, x, dy, slices, [s.conv_height * s.conv_width
+                                                    for s in shapes]
+
+
 def _participants(model: Any, params: Any, settings: Any, members: list[str],
                   everyone: list[str]) -> tuple[dict[str, SampleRunner], dict[str, Any]]:
     """A runner (its exchange over one in-memory port) and fresh shards per participant."""
@@ -104,18 +122,8 @@ def _slice_of(name: str, array: np.ndarray, members: list[str],
 
 @pytest.mark.parametrize("cuts", [[5, 7], [3, 4, 5]], ids=["2 members", "3 members"])
 def test_chains_reproduce_the_rounds_bit_for_bit(cuts: list[int]) -> None:
-    model, params, settings = _network()
-    shapes = conv_layer_shapes(model)
-    layers = len(shapes)
-    positions = [s.conv_height * s.conv_width for s in shapes]
-    rng = np.random.default_rng(5)
-    batch = sum(cuts)
-    x = rng.standard_normal((batch,) + model.input_shape).astype(np.float32)
-    last = shapes[-1]
-    dy = rng.standard_normal((batch, last.kernels, last.pooled_height,
-                              last.pooled_width)).astype(np.float32)
-    starts = np.cumsum([0] + cuts)
-    slices = list(zip(starts[:-1], starts[1:]))
+    model, params, settings, x, dy, slices, positions = _chain_case(cuts, 5)
+    layers = len(positions)
     members = [f"p{i}" for i in range(len(cuts))]
     everyone = members + ["idle"]  # a participant without samples follows
     # the reference: the master-coordinated rounds (updates applied in the backward)
@@ -219,18 +227,8 @@ def test_slice_statistics_equal_one_machine_per_slice(cuts: list[int]) -> None:
     """``--bn-statistics slice``: every member's output is its slice through the layers
     as one machine's batch; the update adds every slice's gradients; the running
     statistics are the whole batch's; every replica (an idle one too) ends equal."""
-    model, params, settings = _network()
-    shapes = conv_layer_shapes(model)
-    layers = len(shapes)
-    positions = [s.conv_height * s.conv_width for s in shapes]
-    rng = np.random.default_rng(6)
-    batch = sum(cuts)
-    x = rng.standard_normal((batch,) + model.input_shape).astype(np.float32)
-    last = shapes[-1]
-    dy = rng.standard_normal((batch, last.kernels, last.pooled_height,
-                              last.pooled_width)).astype(np.float32)
-    starts = np.cumsum([0] + cuts)
-    slices = list(zip(starts[:-1], starts[1:]))
+    model, params, settings, x, dy, slices, positions = _chain_case(cuts, 6)
+    layers = len(positions)
     members = [f"p{i}" for i in range(len(cuts))]
     everyone = members + ["idle"]
     expected_y, expected = _one_machine_per_slice(model, params, settings, x, dy, slices, 0.05)
