@@ -111,6 +111,18 @@ def default_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run_dir
 
 
+def cut_link(interface: str, seconds: float) -> float:
+    """Take ``interface`` down for ``seconds``, then up again (also on an error); the
+    Unix time the cut began."""
+    subprocess.run(["ip", "link", "set", interface, "down"], check=True)
+    at = time.time()
+    try:
+        time.sleep(seconds)
+    finally:
+        subprocess.run(["ip", "link", "set", interface, "up"], check=True)
+    return at
+
+
 def cut_holders_in_turn(lan: SwitchedLan, tmp_path: Path, cuts_s: tuple[float, ...],
                         epochs: int) -> tuple[Path, list[Cut]]:
     """Three workers and the master on ``lan``, under the defaults; from step CUT_AT_STEP
@@ -144,13 +156,7 @@ def cut_holders_in_turn(lan: SwitchedLan, tmp_path: Path, cuts_s: tuple[float, .
                     f"everything on the master?), or the run ended: nothing to cut for the "
                     f"{cut_s:.0f} s cut; master exit code {master.poll()}")
                 victim = holders_now(run_dir)[-1]
-                port = names[victim].port
-                subprocess.run(["ip", "link", "set", port, "down"], check=True)
-                cut_at = time.time()
-                try:
-                    time.sleep(cut_s)
-                finally:
-                    subprocess.run(["ip", "link", "set", port, "up"], check=True)
+                cut_at = cut_link(names[victim].port, cut_s)
                 if cuts:
                     cuts[-1] = replace(cuts[-1], until=cut_at)
                 cuts.append(Cut(cut_s, victim, cut_at, time.time()))
@@ -351,15 +357,6 @@ def train_with_cuts(lan: list[LanHost], tmp_path: Path) -> tuple[Path, float, fl
     run_dir = tmp_path / "run"
     link = lan[1].host_if
 
-    def cut(seconds: float) -> float:
-        subprocess.run(["ip", "link", "set", link, "down"], check=True)
-        at = time.time()
-        try:
-            time.sleep(seconds)
-        finally:
-            subprocess.run(["ip", "link", "set", link, "up"], check=True)
-        return at
-
     try:
         master = subprocess.Popen(
             hetconv_command("train", "--listen", f"tcp://*:{port}", "--min-workers", "2",
@@ -367,11 +364,11 @@ def train_with_cuts(lan: list[LanHost], tmp_path: Path) -> tuple[Path, float, fl
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
         assert wait_for(lambda: steps_done(run_dir) >= PINNED_SHORT_AT_STEP, 90), \
             f"the run never reached step {PINNED_SHORT_AT_STEP}: exit code {master.poll()}"
-        short_at = cut(PINNED_SHORT_CUT_S)
+        short_at = cut_link(link, PINNED_SHORT_CUT_S)
         target = steps_done(run_dir) + PINNED_LONG_AFTER_STEPS
         assert wait_for(lambda: steps_done(run_dir) >= target, 90), \
             f"the run never reached step {target} after the short cut: exit code {master.poll()}"
-        long_at = cut(PINNED_LONG_CUT_S)
+        long_at = cut_link(link, PINNED_LONG_CUT_S)
         out, err = master.communicate(timeout=240)
         assert master.returncode == 0, err
         return run_dir, short_at, long_at
