@@ -50,7 +50,7 @@ from hetconv.protocol import (
 from hetconv.sample_replica import add_in_order, moments_to_statistics
 from hetconv.sample_runner import SampleRequestError, SampleRunner, compute_seconds, tests_delay
 from hetconv.shard import ConvShard
-from hetconv.weight_reduce import PHASE_MOMENTS, PHASE_SUMS
+from hetconv.weight_reduce import PHASE_MOMENTS, PHASE_SUMS, GradientExchange
 from hetconv.wire_cast import to_wire
 
 
@@ -59,6 +59,18 @@ def _members(request: SampleForwardRequest | SampleBackwardRequest) -> list[str]
     if not members or len(set(members)) != len(members):
         raise SampleRequestError(ERR_BAD_REQUEST, "a chain needs its members, each once")
     return members
+
+
+def _whole_batch(exchange: GradientExchange, request: SampleForwardRequest, layer: int,
+                 counts: Mapping[str, int], positions: int, own: np.ndarray | None
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """The whole batch's (mean, var) (K,) of ``layer``: every member's moments (this
+    participant's ``own``, the others' collected) combined in member order."""
+    pieces = exchange.collect(request.sync_id, layer, PHASE_MOMENTS, list(counts))
+    if own is not None:
+        pieces[exchange.participant] = own
+    return moments_to_statistics([(counts[m] * positions, pieces[m][0], pieces[m][1])
+                                  for m in counts])
 
 
 def forward_chain(runner: SampleRunner, request: SampleForwardRequest,
@@ -118,35 +130,25 @@ def forward_chain(runner: SampleRunner, request: SampleForwardRequest,
                                          f"values, expected {counts[me] * positions}")
             own = np.stack([total, m2])
             exchange.share(request.sync_id, request.step, layer, PHASE_MOMENTS, own)
-            if by_slice:  # its own statistics now; the whole batch's after the last layer
-                later[layer] = own
-                x = replica.finish_forward(*moments_to_statistics([moments]),
-                                           running=False)
-                continue
         elif not replica.shard.settings.batch_norm:
             continue
-        elif by_slice:
-            later[layer] = None
-            continue
-        pieces = exchange.collect(request.sync_id, layer, PHASE_MOMENTS, members)
-        if own is not None:
-            pieces[me] = own
-        mean, var = moments_to_statistics([(counts[m] * positions, pieces[m][0], pieces[m][1])
-                                           for m in members])
+        if by_slice:  # its own statistics now; the whole batch's after the last layer
+            later[layer] = own
+            if own is None:  # not a member: it follows once every moment is in
+                continue
+            mean, var = moments_to_statistics([(counts[me] * positions, own[0], own[1])])
+        else:
+            mean, var = _whole_batch(exchange, request, layer, counts, positions, own)
         if member:
-            x = replica.finish_forward(mean, var)
+            x = replica.finish_forward(mean, var, running=not by_slice)
             hook = getattr(replica.shard, "corrupt_output", None)  # tests' broken worker
             if hook is not None:
                 x = hook(x)
         else:
             replica.follow_statistics(mean, var, request.total_batch * positions)
     for layer, own in later.items():  # by slice: the running statistics, the whole batch's
-        pieces = exchange.collect(request.sync_id, layer, PHASE_MOMENTS, members)
-        if own is not None:
-            pieces[me] = own
         positions = int(request.positions[layer - request.start_layer])
-        mean, var = moments_to_statistics([(counts[m] * positions, pieces[m][0], pieces[m][1])
-                                           for m in members])
+        mean, var = _whole_batch(exchange, request, layer, counts, positions, own)
         runner.replica(shards, layer).follow_statistics(mean, var,
                                                         request.total_batch * positions)
     runner.finish_update(shards, request, begun, pending)
@@ -156,6 +158,17 @@ def forward_chain(runner: SampleRunner, request: SampleForwardRequest,
     return SampleForwardReply(request_id=request.request_id, step=request.step,
                               attempt=request.attempt, compute_s=compute_seconds(started, figures),
                               count=0, total=None, m2=None, y=y, **figures)
+
+
+def _added_sums(exchange: GradientExchange, request: SampleBackwardRequest, layer: int,
+                members: list[str], own: np.ndarray | None) -> np.ndarray:
+    """The whole batch's batch-norm sums (2, K) of ``layer``: every member's (dgamma_i,
+    dbeta_i) (this participant's ``own``, the others' collected) added in member order."""
+    pieces = exchange.collect(request.sync_id, layer, PHASE_SUMS, members)
+    if own is not None:
+        pieces[exchange.participant] = own
+    return np.stack([add_in_order([pieces[m][0] for m in members]),
+                     add_in_order([pieces[m][1] for m in members])])
 
 
 def backward_chain(runner: SampleRunner, request: SampleBackwardRequest,
@@ -192,12 +205,8 @@ def backward_chain(runner: SampleRunner, request: SampleBackwardRequest,
                 continue
             dgamma, dbeta = own[0], own[1]
         else:
-            pieces = exchange.collect(request.sync_id, layer, PHASE_SUMS, members)
-            if own is not None:
-                pieces[me] = own
-            dgamma = add_in_order([pieces[m][0] for m in members])
-            dbeta = add_in_order([pieces[m][1] for m in members])
-            runner.kept_sums[layer] = np.stack([dgamma, dbeta])
+            runner.kept_sums[layer] = _added_sums(exchange, request, layer, members, own)
+            dgamma, dbeta = runner.kept_sums[layer]
         if member:
             try:
                 dy, dweight = replica.finish_backward(dgamma, dbeta, need_dx=layer > 0)
@@ -205,11 +214,7 @@ def backward_chain(runner: SampleRunner, request: SampleBackwardRequest,
                 raise SampleRequestError(ERR_BAD_REQUEST, str(error)) from None
             exchange.scatter(request.reduce_id, request.step, layer, dweight)
     for layer, own in later.items():  # by slice: gamma's and beta's gradients, every slice's
-        pieces = exchange.collect(request.sync_id, layer, PHASE_SUMS, members)
-        if own is not None:
-            pieces[me] = own
-        runner.kept_sums[layer] = np.stack([add_in_order([pieces[m][0] for m in members]),
-                                            add_in_order([pieces[m][1] for m in members])])
+        runner.kept_sums[layer] = _added_sums(exchange, request, layer, members, own)
     figures = runner.peer_figures()
     return SampleBackwardReply(request_id=request.request_id, step=request.step,
                                attempt=request.attempt, compute_s=compute_seconds(started, figures),
