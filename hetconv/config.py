@@ -28,6 +28,9 @@ ON_OFF = ("on", "off")  # --rebalance
 ON_WORKER_LOSS = ("continue", "stop")  # --on-worker-loss
 DATA_PLANES = ("peer", "star")  # peer (default): worker to worker; star: all via the master
 BN_STATISTICS = ("batch", "slice")  # batch (default): the whole batch's; slice: per slice
+DENSE_PARTS = ("auto", "replicas", "master")
+"""``--dense-part``: auto (default) replicates the dense part on the participants where the
+sample split's chains run (docs/dense-replica.md), else it stays on the master."""
 BENCH_PEERS = ("ddp",)  # hetconv bench scale --peer: what users would run instead
 STEP_OPS = ("fused", "separate")  # hetconv bench step --ops: the conv layer paths timed
 PADDINGS = (0, 1, 2)
@@ -113,6 +116,7 @@ class MasterConfig:
     # batch norm under the sample split: the whole batch's statistics (every layer waits for
     # every slice's moments) or each slice's own (PyTorch DDP's per-rank semantics)
     bn_statistics: str = BN_STATISTICS[0]
+    dense_part: str = DENSE_PARTS[0]  # where the dense part runs under the sample split
 
     def __post_init__(self) -> None:
         check_endpoint("--listen", self.listen, bind=True)
@@ -124,6 +128,11 @@ class MasterConfig:
         if self.bn_statistics == "slice" and (self.data_plane != "peer"
                                               or self.split_by == "kernels"):
             raise UserError("--bn-statistics slice needs the sample split's chains: "
+                            "--data-plane peer and --split-by samples or auto")
+        check_choice("--dense-part", self.dense_part, DENSE_PARTS)
+        if self.dense_part == "replicas" and (self.data_plane != "peer"
+                                              or self.split_by == "kernels"):
+            raise UserError("--dense-part replicas needs the sample split's chains: "
                             "--data-plane peer and --split-by samples or auto")
         check_choice("--wire-dtype", self.wire_dtype, WIRE_DTYPE_FLAGS)
         if self.min_workers < 0:
@@ -200,6 +209,7 @@ class TrainConfig:
             "on_worker_loss": master.on_worker_loss if master else None,
             "fall_back": master.fall_back if master else None,
             "bn_statistics": master.bn_statistics if master else None,
+            "dense_part": master.dense_part if master else None,
         }
 
 

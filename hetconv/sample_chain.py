@@ -40,6 +40,8 @@ from collections.abc import Mapping
 import numpy as np
 
 from hetconv.dataplane import PeerLost
+from hetconv.dense_part import Rows
+from hetconv.dense_replica import as_labels
 from hetconv.protocol import (
     ERR_BAD_REQUEST,
     SampleBackwardReply,
@@ -152,6 +154,8 @@ def forward_chain(runner: SampleRunner, request: SampleForwardRequest,
         runner.replica(shards, layer).follow_statistics(mean, var,
                                                         request.total_batch * positions)
     runner.finish_update(shards, request, begun, pending)
+    if request.step_chain:
+        return _dense_and_backward(runner, request, shards, x, counts, started)
     y = to_wire(x, runner.wire_dtype) if member and request.return_output and x is not None \
         else None
     figures = runner.peer_figures()
@@ -160,11 +164,53 @@ def forward_chain(runner: SampleRunner, request: SampleForwardRequest,
                               count=0, total=None, m2=None, y=y, **figures)
 
 
-def _added_sums(exchange: GradientExchange, request: SampleBackwardRequest, layer: int,
+def _dense_and_backward(runner: SampleRunner, request: SampleForwardRequest,
+                        shards: Mapping[int, ConvShard], features: np.ndarray | None,
+                        counts: Mapping[str, int], started: float) -> SampleForwardReply:
+    """The rest of a step chain after the conv layers' forward: a member runs the dense
+    part on its rows of the batch and scatters its gradient (layer ``stop_layer`` of
+    reduction ``sync_id``), then every participant runs the backward chain."""
+    dense = runner.dense
+    if dense is None or dense.layer != request.stop_layer:
+        raise SampleRequestError(ERR_BAD_REQUEST, "a step chain needs the dense part "
+                                 "(AssignDense) at the layer after the conv layers")
+    exchange = runner.peers()
+    me = exchange.participant
+    members = list(counts)
+    dy = None
+    loss_sum, correct, dense_s = 0.0, 0, 0.0
+    if me in counts:
+        assert features is not None
+        labels = as_labels(request.labels, counts[me], dense.classes())
+        if labels is None:
+            raise SampleRequestError(ERR_BAD_REQUEST, f"a member's step chain needs its "
+                                     f"{counts[me]} labels, class ids below {dense.classes()}")
+        start = sum(counts[m] for m in members[:members.index(me)])
+        dense_started = time.perf_counter()
+        try:
+            done, vector = dense.train_slice(
+                features.reshape(features.shape[0], -1).astype(np.float32, copy=False),
+                labels, request.step, Rows(start, start + counts[me], request.total_batch))
+        except ValueError as error:  # the features do not fit the dense part
+            raise SampleRequestError(ERR_BAD_REQUEST, f"the dense part: {error}") from None
+        exchange.scatter(request.sync_id, request.step, dense.layer, vector)
+        dense_s = time.perf_counter() - dense_started
+        loss_sum, correct = done.loss_sum, done.correct
+        dy = done.dflat.reshape(features.shape)
+    _backward_layers(runner, shards, request.step, request.stop_layer - 1, request.sync_id,
+                     request.sync_id, members, request.slice_statistics, dy)
+    figures = runner.peer_figures()
+    return SampleForwardReply(request_id=request.request_id, step=request.step,
+                              attempt=request.attempt, compute_s=compute_seconds(started, figures),
+                              count=0, total=None, m2=None, y=None, loss_sum=loss_sum,
+                              correct=correct, dense_s=dense_s, **figures)
+
+
+def _added_sums(exchange: GradientExchange, sync_id: int, layer: int,
                 members: list[str], own: np.ndarray | None) -> np.ndarray:
     """The whole batch's batch-norm sums (2, K) of ``layer``: every member's (dgamma_i,
     dbeta_i) (this participant's ``own``, the others' collected) added in member order."""
-    pieces = exchange.collect(request.sync_id, layer, PHASE_SUMS, members)
+    pieces = exchange.collect(sync_id, layer, PHASE_SUMS, members)
     if own is not None:
         pieces[exchange.participant] = own
     return np.stack([add_in_order([pieces[m][0] for m in members]),
@@ -176,19 +222,30 @@ def backward_chain(runner: SampleRunner, request: SampleBackwardRequest,
     """From ``start_layer`` down to layer 0 on this participant's dy slice (see the
     module doc): the sums kept for the update, the weight gradients scattered."""
     started = time.perf_counter()
-    exchange = runner.peers()
-    me = exchange.participant
     members = _members(request)
-    member = me in members
     if request.reduce_id <= 0 or request.start_layer < 0:
         raise SampleRequestError(ERR_BAD_REQUEST, "a backward chain needs its reduce_id "
                                  "and its first layer")
-    dy = request.dy
-    if member and dy is None:
+    if runner.peers().participant in members and request.dy is None:
         raise SampleRequestError(ERR_BAD_REQUEST, "a member's backward chain needs its dy")
-    by_slice = request.slice_statistics
+    _backward_layers(runner, shards, request.step, request.start_layer, request.sync_id,
+                     request.reduce_id, members, request.slice_statistics, request.dy)
+    figures = runner.peer_figures()
+    return SampleBackwardReply(request_id=request.request_id, step=request.step,
+                               attempt=request.attempt, compute_s=compute_seconds(started, figures),
+                               dweight=None, dgamma=None, dbeta=None, **figures)
+
+
+def _backward_layers(runner: SampleRunner, shards: Mapping[int, ConvShard], step: int,
+                     start_layer: int, sync_id: int, reduce_id: int, members: list[str],
+                     by_slice: bool, dy: np.ndarray | None) -> None:
+    """The backward chain from ``start_layer`` down to layer 0: each layer's sums
+    exchanged as ``sync_id`` (and kept for the update), its weight gradient scattered as
+    reduction ``reduce_id``; ``dy`` None for a participant that is not a member."""
+    exchange = runner.peers()
+    member = exchange.participant in members
     later: dict[int, np.ndarray | None] = {}  # by slice: layer -> own sums, added last
-    for layer in range(request.start_layer, -1, -1):
+    for layer in range(start_layer, -1, -1):
         replica = runner.replica(shards, layer)
         own = None
         if member:
@@ -198,24 +255,20 @@ def backward_chain(runner: SampleRunner, request: SampleBackwardRequest,
                 own = np.stack(replica.start_backward(dy))
             except (RuntimeError, ValueError) as error:
                 raise SampleRequestError(ERR_BAD_REQUEST, str(error)) from None
-            exchange.share(request.sync_id, request.step, layer, PHASE_SUMS, own)
+            exchange.share(sync_id, step, layer, PHASE_SUMS, own)
         if by_slice:  # this slice's own sums now; every slice's added after the last layer
             later[layer] = own
             if own is None:
                 continue
             dgamma, dbeta = own[0], own[1]
         else:
-            runner.kept_sums[layer] = _added_sums(exchange, request, layer, members, own)
+            runner.kept_sums[layer] = _added_sums(exchange, sync_id, layer, members, own)
             dgamma, dbeta = runner.kept_sums[layer]
         if member:
             try:
                 dy, dweight = replica.finish_backward(dgamma, dbeta, need_dx=layer > 0)
             except RuntimeError as error:
                 raise SampleRequestError(ERR_BAD_REQUEST, str(error)) from None
-            exchange.scatter(request.reduce_id, request.step, layer, dweight)
+            exchange.scatter(reduce_id, step, layer, dweight)
     for layer, own in later.items():  # by slice: gamma's and beta's gradients, every slice's
-        runner.kept_sums[layer] = _added_sums(exchange, request, layer, members, own)
-    figures = runner.peer_figures()
-    return SampleBackwardReply(request_id=request.request_id, step=request.step,
-                               attempt=request.attempt, compute_s=compute_seconds(started, figures),
-                               dweight=None, dgamma=None, dbeta=None, **figures)
+        runner.kept_sums[layer] = _added_sums(exchange, sync_id, layer, members, own)

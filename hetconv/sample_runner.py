@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from hetconv.dense_replica import DenseReplica
 from hetconv.protocol import (
     ERR_BAD_REQUEST,
     ERR_UNKNOWN_LAYER,
@@ -77,12 +78,22 @@ class SampleRunner:
         self.exchange: GradientExchange | None = None
         # the chain's whole-batch batch-norm sums (2, K) per layer, kept for its update
         self.kept_sums: dict[int, np.ndarray] = {}
+        # the dense part replicated (AssignDense; the master's: its trainer's arrays)
+        self.dense: DenseReplica | None = None
 
     def reset(self) -> None:
         """Forget everything (the run ended, or the layers were re-assigned)."""
         self._replicas.clear()
         self.kept_sums.clear()
         self._activation = self._gradient = None
+        self.dense = None
+
+    def update_shape(self, shards: Mapping[int, ConvShard], layer: int) -> tuple[int, ...]:
+        """The shape of ``layer``'s weight gradient: a conv layer's (K, C, k, k), or the
+        dense part's (N,) (its index in the plan: the conv layers' count)."""
+        if self.dense is not None and layer == self.dense.layer:
+            return (self.dense.part.size(),)
+        return tuple(self.replica(shards, layer).shard.state["weight"].shape)
 
     def peers(self) -> GradientExchange:
         if self.exchange is None:
@@ -112,7 +123,7 @@ class SampleRunner:
                                      "participant with samples once")
         return {layer: self.peers().reduce(
             request.update_id, request.step, layer, contributors,
-            tuple(self.replica(shards, layer).shard.state["weight"].shape))
+            self.update_shape(shards, layer))
             for layer in self.update_layers(request)}
 
     def finish_update(self, shards: Mapping[int, ConvShard], request: SampleUpdate,
@@ -124,9 +135,14 @@ class SampleRunner:
         for layer in self.update_layers(request) if layers is None else layers:
             dweight = request.dweight
             if begun is not None:
-                shape = tuple(self.replica(shards, layer).shard.state["weight"].shape)
                 dweight = self.peers().gather(request.update_id, layer, begun.get(layer),
-                                               shape)
+                                               self.update_shape(shards, layer))
+            if self.dense is not None and layer == self.dense.layer:
+                if dweight is None:
+                    raise SampleRequestError(ERR_BAD_REQUEST, "the dense part's update is "
+                                             "reduced among the peers")
+                self.dense.apply(dweight, request.learning_rate)
+                continue
             sums = request.update_sums
             if sums is None:
                 sums = self.kept_sums.pop(layer, None)

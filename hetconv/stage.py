@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -35,6 +35,27 @@ class StageFault(UserError):
         self.participant = participant
         self.gone = gone
         self.evict = evict  # its results were wrong: evict it even though it is alive
+
+
+@runtime_checkable
+class WholeStepStage(Protocol):
+    """A stage that can run the dense part too, replicated on its participants (the
+    sample split's step chain: docs/dense-replica.md). While ``replicates_dense``, the
+    trainer hands it whole steps instead of the conv calls."""
+
+    @property
+    def replicates_dense(self) -> bool: ...
+
+    def attach_dense(self, part: Any, optimizer: Any) -> None:
+        """The trainer's :class:`~hetconv.dense_part.DensePart` (its arrays: the
+        master's replica) and optimizer settings, once, before the first step."""
+        ...
+
+    def train_step(self, x: np.ndarray, labels: np.ndarray, step: int,
+                   learning_rate: float) -> dict[str, Any]:
+        """One SGD step; the trainer's step record (loss, correct, images, step_s,
+        conv_s, dense_s)."""
+        ...
 
 
 class ConvStage(Protocol):

@@ -20,17 +20,14 @@ from tqdm import tqdm
 from hetconv.batches import Augmentation, BatchSource, augment_padding
 from hetconv.checkpoint import save_weights
 from hetconv.data import Dataset
+from hetconv.dense_part import DensePart
 from hetconv.errors import UserError
 from hetconv.logs import progress_bar
 from hetconv.metrics import MetricsWriter
 from hetconv.model import ModelConfig, conv_layer_shapes, dense_parameter_names
-from hetconv.names import hidden_prefix
-from hetconv.ops.activation import relu, relu_backward
-from hetconv.ops.dropout import dropout_backward, dropout_forward, dropout_mask
-from hetconv.ops.linear import linear, linear_backward
-from hetconv.ops.loss import softmax_cross_entropy, softmax_cross_entropy_backward
-from hetconv.optim import OptimizerConfig, learning_rate_at, sgd_update
-from hetconv.stage import ConvStage, StageFault, split_snapshot
+from hetconv.ops.loss import softmax_cross_entropy
+from hetconv.optim import OptimizerConfig, learning_rate_at
+from hetconv.stage import ConvStage, StageFault, WholeStepStage, split_snapshot
 from hetconv.train_state import CHECKPOINT_NAME, TrainingState, check_finite
 
 MAX_FAULTS_WITHOUT_PROGRESS = 8
@@ -72,9 +69,13 @@ class Trainer:
         self.model = model
         self.layers = conv_layer_shapes(model)
         # every dense array (hidden layers' dense{j}.*, then the classifier's fc.*)
-        self.dense = {name: params[name].copy() for name in dense_parameter_names(model)}
-        self.velocity = {name: np.zeros_like(value) for name, value in self.dense.items()}
+        dense = {name: params[name].copy() for name in dense_parameter_names(model)}
+        self.part = DensePart(model.dense, dense,
+                              {name: np.zeros_like(value) for name, value in dense.items()},
+                              loop.seed)
         self.stage = stage
+        if isinstance(stage, WholeStepStage):  # the dense part replicated on its participants
+            stage.attach_dense(self.part, loop.optimizer)
         self.loop = loop
         self.metrics = metrics
         self.run_dir = run_dir
@@ -88,66 +89,52 @@ class Trainer:
             x = self.stage.forward(layer, x, train, step)
         return x
 
+    # the dense arrays live in ``self.part`` (shared with a stage that replicates them)
+    @property
+    def dense(self) -> dict[str, np.ndarray]:
+        return self.part.arrays
+
+    @dense.setter
+    def dense(self, arrays: dict[str, np.ndarray]) -> None:
+        self.part.arrays = arrays
+
+    @property
+    def velocity(self) -> dict[str, np.ndarray]:
+        return self.part.velocity
+
+    @velocity.setter
+    def velocity(self, arrays: dict[str, np.ndarray]) -> None:
+        self.part.velocity = arrays
+
     def _dense_forward(self, flat: np.ndarray, train: bool, step: int
                        ) -> tuple[np.ndarray, list[tuple[str, str, np.ndarray, np.ndarray]]]:
-        """flat (B, D) through the hidden dense layers (fc + ReLU; dropout when
-        training, its mask drawn from (seed, step, layer)) -> (the classifier's input
-        (B, D'), the tape ``_dense_backward`` needs). Without hidden layers: (flat, [])."""
-        tape: list[tuple[str, str, np.ndarray, np.ndarray]] = []
-        h, hidden = flat, 0
-        for index, spec in enumerate(self.model.dense):
-            if spec.kind == "fc":
-                prefix = hidden_prefix(hidden)
-                hidden += 1
-                out = relu(linear(h, self.dense[f"{prefix}.weight"], self.dense[f"{prefix}.bias"]))
-                tape.append(("fc", prefix, h, out))
-                h = out
-            elif train and spec.rate > 0.0:
-                mask = dropout_mask(h.shape, spec.rate, self.loop.seed, step, index)
-                tape.append(("dropout", "", mask, mask))
-                h = dropout_forward(h, mask)
-        return h, tape
+        """flat (B, D) through the hidden dense layers (hetconv/dense_part.py)."""
+        return self.part.forward(flat, train, step)
 
     def _dense_backward(self, tape: list[tuple[str, str, np.ndarray, np.ndarray]],
                         grad: np.ndarray, grads: dict[str, np.ndarray]) -> np.ndarray:
-        """Back through the hidden dense layers: adds their weight and bias gradients
-        to ``grads`` and returns the gradient of the flattened conv output (B, D)."""
-        for kind, prefix, first, second in reversed(tape):
-            if kind == "fc":
-                dz = relu_backward(second, grad)
-                grad, dweight, dbias = linear_backward(first, self.dense[f"{prefix}.weight"], dz)
-                grads[f"{prefix}.weight"], grads[f"{prefix}.bias"] = dweight, dbias
-            else:
-                grad = dropout_backward(first, grad)
-        return grad
+        """Back through the hidden dense layers (hetconv/dense_part.py)."""
+        return self.part.backward(tape, grad, grads)
 
     def train_step(self, x: np.ndarray, labels: np.ndarray, step: int,
                    learning_rate: float) -> dict[str, Any]:
         """One SGD step on a batch x (B, C, H, W), labels (B,); returns the step record."""
+        if isinstance(self.stage, WholeStepStage) and self.stage.replicates_dense:
+            return self.stage.train_step(x, labels, step, learning_rate)  # on the replicas
         start = time.perf_counter()
         features = self._conv_forward(x, True, step)
         conv_forward_done = time.perf_counter()
         flat = features.reshape(features.shape[0], -1)
-        hidden, tape = self._dense_forward(flat, True, step)
-        logits = linear(hidden, self.dense["fc.weight"], self.dense["fc.bias"])
-        loss, probs = softmax_cross_entropy(logits, labels)
-        dlogits = softmax_cross_entropy_backward(probs, labels)
-        dhidden, dweight, dbias = linear_backward(hidden, self.dense["fc.weight"], dlogits)
-        grads = {"fc.weight": dweight, "fc.bias": dbias}
-        dflat = self._dense_backward(tape, dhidden, grads)
+        dense = self.part.train_pass(flat, labels, step)
         opt = self.loop.optimizer
-        for name, grad in grads.items():
-            decay = opt.weight_decay if name.endswith("weight") else 0.0
-            sgd_update(self.dense[name], grad, self.velocity[name], learning_rate,
-                       opt.momentum, decay)
+        self.part.apply(dense.grads, learning_rate, opt.momentum, opt.weight_decay)
         dense_done = time.perf_counter()
-        grad = dflat.reshape(features.shape)
+        grad: Any = dense.dflat.reshape(features.shape)
         for layer in reversed(range(len(self.layers))):
             grad = self.stage.backward(layer, grad, layer > 0, learning_rate, step)
         end = time.perf_counter()
-        correct = int((probs.argmax(axis=1) == labels).sum())
         conv_s = (conv_forward_done - start) + (end - dense_done)
-        return {"loss": float(loss), "correct": correct, "images": int(x.shape[0]),
+        return {"loss": dense.loss, "correct": dense.correct, "images": int(x.shape[0]),
                 "step_s": end - start, "conv_s": conv_s, "dense_s": dense_done - conv_forward_done}
 
     def evaluate(self, images: np.ndarray, labels: np.ndarray) -> tuple[float, float]:
@@ -158,7 +145,7 @@ class Trainer:
             y = labels[begin:begin + self.loop.eval_batch]
             features = self._conv_forward(x, False, -1)
             hidden, _ = self._dense_forward(features.reshape(len(x), -1), False, -1)
-            logits = linear(hidden, self.dense["fc.weight"], self.dense["fc.bias"])
+            logits = self.part.logits(hidden)
             loss, probs = softmax_cross_entropy(logits, y)
             total_loss += loss * len(x)
             correct += int((probs.argmax(axis=1) == y).sum())
@@ -189,9 +176,12 @@ class Trainer:
 
     def restore(self, state: TrainingState) -> None:
         """Put the dense layer and every conv shard back to ``state``."""
+        self._restore_dense(state)
+        self.stage.restore(state.conv)
+
+    def _restore_dense(self, state: TrainingState) -> None:
         self.dense = {k: v.copy() for k, v in state.dense.items()}
         self.velocity = {k: v.copy() for k, v in state.velocity.items()}
-        self.stage.restore(state.conv)
 
     def _checkpoint(self, state: TrainingState, started: float) -> None:
         """Keep ``state`` as the one to restore, write it to the run directory, and let
@@ -216,6 +206,7 @@ class Trainer:
             raise UserError(f"step {step} failed {self._faults_without_progress} times in a "
                             f"row; giving up: {fault}")
         started = time.perf_counter()
+        self._restore_dense(state)  # first: a stage replicating it hands it out
         self.stage = self.stage.recover(fault, state.conv)
         self.restore(state)
         seconds = time.perf_counter() - started

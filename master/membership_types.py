@@ -14,6 +14,7 @@ import numpy as np
 
 from hetconv.protocol import (
     Ack,
+    AssignDense,
     AssignPeers,
     AssignShard,
     BackwardReply,
@@ -150,7 +151,7 @@ def expected_reply(request: Message) -> type[Message] | None:
             return SampleForwardReply
         case SampleBackwardRequest():
             return SampleBackwardReply
-        case AssignShard() | AssignPeers() | EndRun():
+        case AssignShard() | AssignPeers() | AssignDense() | EndRun():
             return Ack
     return None
 

@@ -21,10 +21,11 @@ from typing import Any, cast
 import numpy as np
 
 from hetconv.config import MASTER_PARTICIPANT
-from hetconv.master.assign import assign
+from hetconv.dense_replica import DenseReplica
+from hetconv.master.assign import assign, exchange
 from hetconv.master.audit import audit_input, audit_workers
 from hetconv.master.calibration import calibrate_samples
-from hetconv.master.cluster import Cluster, WorkerLost
+from hetconv.master.cluster import Cluster, WorkerHandle, WorkerLost
 from hetconv.master.commands import carry_out
 from hetconv.master.fall_back import ALONE_WINDOW, AloneCheck, GoBack, StayAlone, TryAlone
 from hetconv.master.plan import Participant, Shard
@@ -123,6 +124,7 @@ class SampleSetup:
     fall_back: bool = True  # train alone when measured slower than alone (``--fall-back``)
     predicted_s: float | None = None  # the setup's prediction of the conv part (the plan's)
     slice_statistics: bool = False  # batch norm per slice (``--bn-statistics slice``)
+    dense_replicas: bool = False  # the dense part on every participant (``--dense-part``)
 
 
 class BetweenSteps:
@@ -143,6 +145,7 @@ class BetweenSteps:
     _sums: dict[int, tuple[np.ndarray, np.ndarray]]
     _dweight: PendingUpdate | None
     peers: SamplePeers | None  # the weight reduction among the peers; None: via the master
+    dense: DenseReplica | None  # the master's replica of the dense part, when replicated
     alone_check: AloneCheck  # never slower than the master alone (``--fall-back``)
     slices: list[Slice]
     _timings: dict[int, dict[str, dict[str, Any]]]
@@ -208,19 +211,36 @@ class BetweenSteps:
                                              device=self.setup.device)
                       for shape in self.setup.shapes}
         self.runner.reset()
+        self.runner.dense = self.dense
         self._sums.clear()
         self._dweight = None
+        self.assign_dense()
         self.assign_peers()
+
+    def _run_workers(self) -> dict[str, WorkerHandle]:
+        return {name: member.worker for name, member in self.workers.items()
+                if name in self.balance.seconds and member.worker is not None}
+
+    def assign_dense(self) -> None:
+        """Hand every worker in the run the dense part (the master's replica: the
+        trainer's arrays), when it is replicated."""
+        if self.dense is None:
+            return
+        replica = self.dense
+        exchange(self.cluster, [(worker, replica.message(self.cluster.request_id()))
+                                for worker in self._run_workers().values() if not worker.gone],
+                 "dense part assignment")
 
     def assign_peers(self) -> None:
         """Hand every worker in the run its peers and the reduction plan (the master's
-        own exchange is its runner's); nothing under ``--data-plane star``."""
+        own exchange is its runner's); nothing under ``--data-plane star``. With the
+        dense part replicated, the plan's last layer is the dense part's (N,) vector."""
         if self.peers is None:
             return
-        workers = {name: member.worker for name, member in self.workers.items()
-                   if name in self.balance.seconds and member.worker is not None}
-        self.runner.exchange = self.peers.assign(
-            workers, self._names(), [shape.kernels for shape in self.setup.shapes])
+        kernels = [shape.kernels for shape in self.setup.shapes]
+        if self.dense is not None:
+            kernels.append(self.dense.part.size())
+        self.runner.exchange = self.peers.assign(self._run_workers(), self._names(), kernels)
 
     def recover(self, fault: StageFault, state: dict[str, np.ndarray]) -> ConvStage:
         return self._carry_out(self.control.handle(self.fault_event(fault)), state)

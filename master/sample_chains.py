@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from hetconv.config import MASTER_PARTICIPANT
-from hetconv.master.cluster import Cluster
+from hetconv.master.cluster import Cluster, WorkerLost
 from hetconv.master.sample_between import PendingUpdate, SampleSetup, checked_result
 from hetconv.master.sample_between import update_fields as _update_fields
 from hetconv.master.sample_plan import Slice
@@ -77,6 +77,63 @@ class ChainedSteps:
                                    last.pooled_width))
                    for piece in self.slices if piece.samples > 0]
         return np.concatenate(outputs, axis=0) if len(outputs) > 1 else outputs[0]
+
+    def _step_chain(self, step: int, learning_rate: float, labels: np.ndarray,
+                    update: PendingUpdate | None) -> tuple[float, int, float]:
+        """The whole training step in one request per participant (the dense part
+        replicated: docs/dense-replica.md): the conv layers' forward, the dense part on
+        each slice, the backward chain; every update (the conv layers' and the dense
+        part's, layer L of the reduction) left pending, to ride with the next step.
+        Returns (the loss summed over the batch, in member order; correct answers; the
+        slowest member's seconds of the dense part)."""
+        wire = self.setup.wire_dtype
+        total = self._x.shape[0]
+        members = self._members()
+        sync_id = self.cluster.request_id()  # newer than the update's reduction
+        chain: dict[str, Any] = {
+            "sync_id": sync_id, "members": members,
+            "member_samples": [p.samples for p in self.slices if p.samples > 0],
+            "positions": [s.conv_height * s.conv_width for s in self.setup.shapes],
+            "slice_statistics": self.setup.slice_statistics, "step_chain": True}
+
+        def make(piece: Slice) -> SampleForwardRequest:
+            x = part_labels = None
+            if piece.samples:
+                x = self._x[piece.start:piece.stop]
+                part_labels = labels[piece.start:piece.stop]
+                if piece.participant != MASTER_PARTICIPANT:
+                    x = to_wire(x, wire)
+                    part_labels = part_labels.astype(np.int32)
+            return SampleForwardRequest(
+                request_id=self.cluster.request_id(), step=step, attempt=0, train=True,
+                total_batch=total, finish_layer=NO_LAYER, start_layer=0,
+                stop_layer=self.layers, return_output=False,
+                learning_rate=self._learning_rate, total_count=0, mean=None, var=None, x=x,
+                labels=part_labels, **_update_fields(update), **chain)
+
+        replies = self._round(f"step chain (step {step})", 0, "forward", make, True, make,
+                              peer_update=True)
+        self._learning_rate = learning_rate
+        self._dweight = PendingUpdate(0, None, None, sync_id, tuple(members), self.layers + 1)
+        active = [p for p in self.slices if p.samples > 0]
+        values = {p.participant: float(replies[p.participant].loss_sum) for p in active}
+        finite = [n for n, v in values.items() if np.isfinite(v)]
+        loss_sum, correct, dense_s = 0.0, 0, 0.0
+        for piece in active:
+            reply = replies[piece.participant]
+            value, right = values[piece.participant], int(reply.correct)
+            # a diverged model's loss is not finite anywhere (the trainer stops the run);
+            # alone among finite ones, or negative, or more right than samples: wrong
+            lone = not np.isfinite(value) and len(finite) == len(active) - 1 and finite
+            if piece.participant != MASTER_PARTICIPANT and (
+                    lone or value < 0 or not 0 <= right <= piece.samples):
+                raise WorkerLost(f"worker {piece.participant} sent a loss of {value} and "
+                                 f"{right} correct answers for {piece.samples} samples; "
+                                 "evicting it", piece.participant, evict=True)
+            loss_sum += value
+            correct += right
+            dense_s = max(dense_s, float(reply.dense_s))
+        return loss_sum, correct, dense_s
 
     def _backward_chain(self, step: int, learning_rate: float, dy: np.ndarray) -> None:
         """Every layer's backward in one request per participant (hetconv/sample_chain.py);

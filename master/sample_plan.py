@@ -202,18 +202,19 @@ def sample_bytes(shapes: Sequence[ConvLayerShape], wire_itemsize: int) -> tuple[
             last.kernels * last.pooled_height * last.pooled_width * wire_itemsize)
 
 
-def chain_hops(layers: int, slice_statistics: bool = False) -> float:
+def chain_hops(layers: int, slice_statistics: bool = False, step_chain: bool = False) -> float:
     """Round trips of one step as two chains (``--data-plane peer``): one per chain
     through the master, plus each layer's batch-norm barrier in each chain, a one-way
     hop between peers (half a round trip); none under ``--bn-statistics slice``, whose
-    pieces are collected once, at each chain's end."""
-    return 2.0 + (0.0 if slice_statistics else 2 * layers * 0.5)
+    pieces are collected once, at each chain's end. ``step_chain`` (the dense part
+    replicated): one request a step, so one round trip through the master."""
+    return (1.0 if step_chain else 2.0) + (0.0 if slice_statistics else 2 * layers * 0.5)
 
 
 def predict_sample_step(slices: Sequence[Slice], seconds_per_sample: dict[str, float],
                         links: dict[str, Link | None], shapes: Sequence[ConvLayerShape],
                         weights: int, wire_itemsize: int, reduce: str = "master",
-                        slice_statistics: bool = False) -> float:
+                        slice_statistics: bool = False, dense_values: int = 0) -> float:
     """Predicted seconds of one step's conv part under the sample split: the slowest
     slice's compute, plus the master's link (each direction at the fastest measured
     worker link rate: the master's own port), plus the round trips at the slowest
@@ -225,11 +226,18 @@ def predict_sample_step(slices: Sequence[Slice], seconds_per_sample: dict[str, f
     "master" (``--data-plane star``) each worker's goes up and the sum comes down to
     every worker, on the master's link; with "peer" (hetconv/weight_reduce.py) every
     participant's link carries 2·(P-1)/P of them each way, at the slowest link's rate,
-    plus one more round trip (the reduce-scatter, then the all-gather)."""
+    plus one more round trip (the reduce-scatter, then the all-gather).
+
+    ``dense_values`` > 0 (the dense part replicated, its N values; peer reduction
+    only): one step chain, no y or dy slice on the master's link, and the dense part's
+    gradients reduced with the conv layers' (docs/dense-replica.md)."""
     compute = max((seconds_per_sample[s.participant] * s.samples for s in slices), default=0.0)
     x_bytes, y_bytes = sample_bytes(shapes, wire_itemsize)
-    gradient = 4 * weights
     hub = reduce != "peer"
+    replicated = dense_values > 0 and not hub
+    gradient = 4 * (weights + (dense_values if replicated else 0))
+    if replicated:
+        y_bytes = 0
     down = up = 0.0
     workers = [s for s in slices if links.get(s.participant) is not None]
     for piece in workers:
@@ -241,7 +249,8 @@ def predict_sample_step(slices: Sequence[Slice], seconds_per_sample: dict[str, f
     down_rate = max(link.down_bytes_per_s for link in rates)
     up_rate = max(link.up_bytes_per_s for link in rates)
     rtt = max(link.rtt_s for link in rates)
-    trips = chain_hops(len(shapes), slice_statistics) if not hub else sample_rounds(len(shapes))
+    trips = chain_hops(len(shapes), slice_statistics, replicated) if not hub \
+        else sample_rounds(len(shapes))
     predicted = compute + max(down / down_rate, up / up_rate) + trips * rtt
     if not hub and workers:
         participants = len(workers) + 1  # and the master, always in the reduction

@@ -55,7 +55,7 @@ def _seconds(config: MasterConfig, per_sample: list[float]) -> list[float]:
 
 def predict_samples(config: MasterConfig, participants: list[Participant],
                     per_sample: list[float], shapes: list[ConvLayerShape], batch: int,
-                    links: dict[str, Link | None]) -> float:
+                    links: dict[str, Link | None], dense_values: int = 0) -> float:
     """The predicted conv + transfer seconds of a step split by samples
     (``predict_sample_step`` over the slices of ``per_sample``, each participant's
     seconds per sample timed in place (``calibrate_samples``), and the probed links)."""
@@ -68,7 +68,8 @@ def predict_samples(config: MasterConfig, participants: list[Participant],
                                np.dtype(config.wire_dtype if config.wire_dtype != "auto"
                                         else "float32").itemsize,
                                "peer" if config.data_plane == "peer" else "master",
-                               slice_statistics=config.bn_statistics == "slice")
+                               slice_statistics=config.bn_statistics == "slice",
+                               dense_values=dense_values if config.dense_part != "master" else 0)
 
 
 def open_sample_stage(cluster: Cluster, config: MasterConfig, participants: list[Participant],
@@ -97,6 +98,8 @@ def open_sample_stage(cluster: Cluster, config: MasterConfig, participants: list
                         rebalancing=config.rebalancing and config.split != "equal",
                         fall_back=config.fall_back, predicted_s=predicted_s,
                         slice_statistics=config.bn_statistics == "slice"
+                        and config.data_plane == "peer",
+                        dense_replicas=config.dense_part != "master"
                         and config.data_plane == "peer")
     control = RunControl((p.participant for p in workers),
                          stop_on_worker_loss=config.on_worker_loss == "stop")
@@ -135,9 +138,12 @@ def open_sample_stage(cluster: Cluster, config: MasterConfig, participants: list
         f"{s.participant} {s.samples} ({100 * s.samples / batch:.0f}%)" for s in slices)
         + f" of every batch of {batch}; every participant holds every layer; batch norm "
         + ("with each slice's own statistics (--bn-statistics slice)"
-           if setup.slice_statistics else "with the whole batch's statistics"))
+           if setup.slice_statistics else "with the whole batch's statistics")
+        + ("; the dense part on every participant's slice (--dense-part)"
+           if setup.dense_replicas else "; the dense part on the master"))
     metrics.write("plan", split_by="samples", chosen=[s.participant for s in slices],
                   bn_statistics="slice" if setup.slice_statistics else "batch",
+                  dense_part="replicas" if setup.dense_replicas else "master",
                   predicted_step_s=predicted_s,
                   samples=[{"participant": s.participant, "samples": s.samples} for s in slices],
                   seconds_per_sample={p.participant: t for p, t in zip(participants, per_sample)},

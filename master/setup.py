@@ -40,7 +40,7 @@ from hetconv.master.sample_setup import open_sample_stage, predict_samples, spli
 from hetconv.master.split import SplitRule, layer_traffic
 from hetconv.master.stage import DistributedConvStage, StageSetup
 from hetconv.metrics import MetricsWriter
-from hetconv.model import ConvLayerShape, ModelConfig, conv_layer_shapes
+from hetconv.model import ConvLayerShape, ModelConfig, conv_layer_shapes, dense_parameter_names
 from hetconv.perf_model import LayerTraffic
 from hetconv.shard import ConvShard, LayerSettings
 from hetconv.stage import ConvStage, LocalConvStage
@@ -248,7 +248,8 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
             links = {p.participant: profile.link for p, profile in zip(participants, profiles)}
             per_sample = calibrate_samples(cluster, participants, shapes, batch, report=report)
             predicted = predict_samples(sample_config, participants, per_sample, shapes, batch,
-                                        links)
+                                        links, sum(int(params[name].size) for name in
+                                                   dense_parameter_names(model)))
             if config.split_by == "auto" and first.plan is not None \
                     and predicted > first.plan.predicted_step_s:
                 split_by, why = "kernels", (

@@ -29,6 +29,7 @@ from .peer_messages import PeerBackwardRequest as PeerBackwardRequest  # re-expo
 from .peer_messages import PeerForwardReply as PeerForwardReply  # re-exported
 from .peer_messages import PeerForwardRequest as PeerForwardRequest  # re-exported
 from .peer_messages import PeerPiece as PeerPiece  # re-exported
+from .sample_messages import AssignDense as AssignDense  # re-exported
 from .sample_messages import SampleBackwardReply as SampleBackwardReply  # re-exported
 from .sample_messages import SampleBackwardRequest as SampleBackwardRequest  # re-exported
 from .sample_messages import SampleForwardReply as SampleForwardReply  # re-exported
@@ -315,7 +316,7 @@ AnyMessage = (
     | ForwardRequest | ForwardReply | BackwardRequest | BackwardReply | PeerForwardRequest
     | PeerForwardReply | PeerBackwardRequest | PeerBackwardReply | SnapshotRequest
     | SnapshotReply | EndRun | ErrorReply | PeerPiece | SampleForwardRequest
-    | SampleForwardReply | SampleBackwardRequest | SampleBackwardReply
+    | SampleForwardReply | SampleBackwardRequest | SampleBackwardReply | AssignDense
 )
 """Union of all message classes, for exhaustive ``match`` statements."""
 

@@ -55,6 +55,15 @@ class SampleForwardRequest(Message):
     output. ``slice_statistics``: each member normalises with its own slice's statistics
     and combines every member's moments only after its last layer, for the running
     statistics (``hetconv train --bn-statistics slice``).
+
+    The step chain (``step_chain``; a member gets its ``labels``, int32 (B_i,) class
+    ids, with its x): after the last conv layer, the dense part assigned by ``AssignDense`` runs on the slice (its rows
+    of the whole batch, hetconv/dense_part.py), its gradient is scattered as layer
+    ``stop_layer`` of reduction ``sync_id``, and the backward chain of
+    :class:`SampleBackwardRequest` follows in the same request (sums exchanged as
+    exchange ``sync_id``, weight gradients scattered as reduction ``sync_id``). The
+    reply carries no output but the slice's ``loss_sum`` and ``correct``
+    (docs/dense-replica.md).
     """
 
     TYPE: ClassVar[str] = "sample_forward_request"
@@ -83,6 +92,8 @@ class SampleForwardRequest(Message):
     member_samples: list[Any] = field(default_factory=list)
     positions: list[Any] = field(default_factory=list)
     slice_statistics: bool = False
+    step_chain: bool = False
+    labels: np.ndarray | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -93,7 +104,9 @@ class SampleForwardReply(Message):
     the layer needs no statistics) and, when asked, ``y`` (B_i, K, H', W').
     ``peer_bytes_sent``/``peer_bytes_received``/``peer_wait_s``: the weight reduction's
     array bytes with the peers and seconds waited for them in this round (not counted
-    in ``compute_s``)."""
+    in ``compute_s``). A step chain's reply: the slice's cross-entropy summed over its
+    samples ``loss_sum``, how many it classified right ``correct``, and the seconds of
+    its dense part ``dense_s`` (within ``compute_s``)."""
 
     TYPE: ClassVar[str] = "sample_forward_reply"
     request_id: int
@@ -107,6 +120,9 @@ class SampleForwardReply(Message):
     peer_bytes_sent: int
     peer_bytes_received: int
     peer_wait_s: float
+    loss_sum: float = 0.0
+    correct: int = 0
+    dense_s: float = 0.0
 
 
 @dataclass(frozen=True, eq=False)
@@ -176,3 +192,30 @@ class SampleBackwardReply(Message):
     peer_bytes_sent: int
     peer_bytes_received: int
     peer_wait_s: float
+
+
+@dataclass(frozen=True, eq=False)
+class AssignDense(Message):
+    """master → worker (sample split, the dense part replicated: docs/dense-replica.md):
+    the network's dense part, for the step chain.
+
+    ``names``: the dense arrays' keys in order (``dense{j}.weight``, ``dense{j}.bias``,
+    ..., ``fc.weight``, ``fc.bias``), ``shapes`` each one's shape (weights (O, D),
+    biases (O,)); ``values`` and ``velocity`` (N,) float32: every array raveled one
+    after the other in that order. ``layers``: the dense layers before the classifier
+    as ``[kind, units, rate]`` (``fc`` with its units, ``dropout`` with its rate);
+    ``seed``: the run's (dropout masks); ``momentum`` and ``weight_decay`` of its SGD;
+    ``layer``: the dense part's index in the reduction plan (the conv layers' count).
+    """
+
+    TYPE: ClassVar[str] = "assign_dense"
+    request_id: int
+    layer: int
+    names: list[Any]
+    shapes: list[Any]
+    layers: list[Any]
+    seed: int
+    momentum: float
+    weight_decay: float
+    values: np.ndarray
+    velocity: np.ndarray

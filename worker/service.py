@@ -24,6 +24,7 @@ from hetconv.calibration import time_block
 from hetconv.config import MASTER_PARTICIPANT
 from hetconv.config import WIRE_DTYPES as WIRE_DTYPE_CHOICES
 from hetconv.dataplane import PeerLost, PeerParticipant, PiecePort
+from hetconv.dense_replica import dense_refusal, replica_from
 from hetconv.names import STATE_NAMES
 from hetconv.ops.conv_layer import POOLS
 from hetconv.peer_plan import PeerPlan
@@ -34,6 +35,7 @@ from hetconv.protocol import (
     ERR_PEER_LOST,
     ERR_UNKNOWN_LAYER,
     Ack,
+    AssignDense,
     AssignPeers,
     AssignShard,
     BackwardReply,
@@ -79,7 +81,7 @@ class FaultInjector(Protocol):
     def at_step(self, step: int, shards: Mapping[int, ConvShard]) -> None: ...
 
 
-ENDS_EXCHANGES = (AssignShard, AssignPeers, SnapshotRequest, EndRun)
+ENDS_EXCHANGES = (AssignShard, AssignPeers, AssignDense, SnapshotRequest, EndRun)
 """Requests after which no piece of an earlier exchange is worth waiting for."""
 
 
@@ -164,6 +166,12 @@ class WorkerService:
                 return self._snapshot(message)
             case AssignPeers():
                 return self._assign_peers(message)
+            case AssignDense():
+                reason = dense_refusal(message)
+                if reason is not None:
+                    raise RequestError(ERR_BAD_REQUEST, reason)
+                self.sample.dense = replica_from(message)
+                return Ack(request_id=message.request_id)
             case PeerForwardRequest():
                 return self._peer_forward(message)
             case PeerBackwardRequest():
@@ -308,7 +316,10 @@ class WorkerService:
         plan = PeerPlan.from_wire(request.plan)
         peers = {str(k): str(v) for k, v in request.peers.items()}
         keys = {str(k): str(v) for k, v in request.peer_keys.items()}
+        dense = self.sample.dense
         for layer in range(plan.last_layer + 1):
+            if dense is not None and layer == dense.layer:
+                continue
             if plan.holds(layer, request.participant) and layer not in self.shards:
                 raise RequestError(ERR_UNKNOWN_LAYER, f"the plan gives this worker kernels of "
                                    f"layer {layer}, but no shard was assigned")

@@ -18,8 +18,10 @@ from typing import Any
 import numpy as np
 
 from hetconv.config import WIRE_DTYPES
+from hetconv.dense_replica import dense_refusal
 from hetconv.ops.conv_layer import POOLS
 from hetconv.protocol import (
+    AssignDense,
     AssignPeers,
     AssignShard,
     BackwardRequest,
@@ -78,6 +80,7 @@ def refusal(message: Message) -> str | None:
                                         message.member_samples, message.positions,
                                         message.stop_layer - message.start_layer)
                       or _slice_statistics_refusal(message.slice_statistics, message.sync_id)
+                      or _step_chain_refusal(message)
                       or (None if message.x is None else activation_refusal("x", message.x)))
         case SampleBackwardRequest():
             reason = (_ids_refusal(0, message.step, message.attempt, min_step=0)
@@ -90,6 +93,8 @@ def refusal(message: Message) -> str | None:
                       or (None if message.dy is None else activation_refusal("dy", message.dy)))
         case AssignPeers():
             reason = assign_peers_refusal(message)
+        case AssignDense():
+            reason = dense_refusal(message)
         case _:
             reason = None
     return None if reason is None else f"{message.TYPE}: {reason}"
@@ -240,6 +245,22 @@ def _slice_statistics_refusal(slice_statistics: bool, sync_id: int) -> str | Non
     """Slice statistics only in a chain: the rounds combine every layer's statistics."""
     if slice_statistics and sync_id <= 0:
         return "slice_statistics needs a chain (sync_id > 0)"
+    return None
+
+
+def _step_chain_refusal(message: SampleForwardRequest) -> str | None:
+    """A step chain is a training chain with the conv layers from 0 (the dense part
+    follows them); labels come only in it, with the x of a member's slice."""
+    if message.step_chain and (message.sync_id <= 0 or not message.train
+                               or message.start_layer != 0):
+        return "a step chain is a training chain (sync_id > 0) from layer 0"
+    labels = message.labels
+    if labels is None:
+        return None
+    if not message.step_chain or message.x is None:
+        return "labels come only with a member's x in a step chain"
+    if labels.dtype.kind not in "iu" or labels.shape != (message.x.shape[0],):
+        return f"labels must be integer class ids, one per sample of x ({message.x.shape[0]})"
     return None
 
 

@@ -31,6 +31,7 @@ from hetconv.config import (
     BN_STATISTICS,
     DATA_PLANES,
     DATASETS,
+    DENSE_PARTS,
     MASTER_PARTICIPANT,
     ON_OFF,
     ON_WORKER_LOSS,
@@ -71,7 +72,8 @@ RESUME_FLAGS = {
     "epochs": "--epochs", "batch": "--batch", "lr": "--lr", "momentum": "--momentum",
     "weight_decay": "--weight-decay", "schedule": "--schedule", "seed": "--seed",
     "wire_dtype": "--wire-dtype", "image_size": "--image-size", "augment": "--augment",
-    "threads": "--threads", "device": "--device", "bn_statistics": "--bn-statistics"}
+    "threads": "--threads", "device": "--device", "bn_statistics": "--bn-statistics",
+    "dense_part": "--dense-part"}
 """config.json key -> the flag that sets it: what a resumed run must keep (the threads
 and the device too: they change how sums are split, so the float rounding; the
 batch-norm statistics of a distributed run, absent (None) from a local one's)."""
@@ -117,6 +119,13 @@ def add_parser(sub: Any) -> None:
                    "waits for every slice) or each slice's own ('slice': PyTorch DDP's "
                    "per-rank semantics, no wait between layers; the running statistics stay "
                    "the whole batch's)")
+    p.add_argument("--dense-part", choices=DENSE_PARTS, default=DENSE_PARTS[0],
+                   help="distributed, split by samples: where the dense layers and the loss "
+                   "run: on every participant's slice ('replicas': one request per worker "
+                   "per step, only weight gradients travel between the participants), or on "
+                   "the master for the whole batch ('master': the last conv output and its "
+                   "gradient cross the master's link); 'auto' (default) replicates them "
+                   "where the sample split's chains run (docs/dense-replica.md)")
     p.add_argument("--rebalance", choices=ON_OFF, default=None,
                    help="distributed: re-split the kernels when the measured step times show "
                    "the calibration was off (default: on for --split model, off for "
@@ -197,6 +206,7 @@ def master_config(args: argparse.Namespace) -> MasterConfig:
                         split_by=getattr(args, "split_by", SPLIT_BY[0]),
                         fall_back=getattr(args, "fall_back", "on") == "on",
                         bn_statistics=getattr(args, "bn_statistics", BN_STATISTICS[0]),
+                        dense_part=getattr(args, "dense_part", DENSE_PARTS[0]),
                         curve_secret=args.curve_secret, curve_allow=args.curve_allow)
 
 
@@ -310,7 +320,7 @@ def _take_saved_flags(args: argparse.Namespace, saved: dict[str, Any]) -> None:
     assert _parser is not None
     for key, flag in RESUME_FLAGS.items():
         dest = flag[2:].replace("-", "_")
-        if key not in saved or (key == "bn_statistics" and saved[key] is None):
+        if key not in saved or (key in ("bn_statistics", "dense_part") and saved[key] is None):
             continue
         value = saved[key]
         if key == "arch":

@@ -24,11 +24,13 @@ def _check_labels(labels: Array, batch: int, classes: int) -> None:
                          f"{int(labels.max())}")
 
 
-def softmax_cross_entropy(logits: Array, labels: Array) -> tuple[float, Array]:
+def softmax_cross_entropy(logits: Array, labels: Array,
+                          divide_by: int | None = None) -> tuple[float, Array]:
     """Mean cross-entropy of softmax(logits) against integer labels.
 
     logits: (B, O) floats, labels: (B,) integers in [0, O).
-    Returns (loss as a Python float, probs (B, O) in logits' dtype).
+    Returns (loss as a Python float, probs (B, O) in logits' dtype). ``divide_by``:
+    the sum is divided by it instead of B (1: the sum, a slice's part of a batch's).
     """
     if logits.ndim != 2:
         raise ValueError(f"logits must be (B, O), got shape {logits.shape}")
@@ -43,16 +45,18 @@ def softmax_cross_entropy(logits: Array, labels: Array) -> tuple[float, Array]:
         sum_exp = exp.sum(axis=1, keepdims=True)
         rows = xp.arange(batch)
         log_likelihood = shifted[rows, labels] - xp.log(sum_exp[:, 0])
-        loss = -float(log_likelihood.sum()) / batch
+        loss = -float(log_likelihood.sum()) / (batch if divide_by is None else divide_by)
         probs = exp
         probs /= sum_exp
     return loss, probs
 
 
-def softmax_cross_entropy_backward(probs: Array, labels: Array) -> Array:
+def softmax_cross_entropy_backward(probs: Array, labels: Array,
+                                   divide_by: int | None = None) -> Array:
     """dLoss/dlogits = (probs - onehot(labels)) / B for the mean loss.
 
-    probs: (B, O) from the forward pass, labels: (B,). Returns (B, O).
+    probs: (B, O) from the forward pass, labels: (B,). Returns (B, O). ``divide_by``:
+    instead of B (the whole batch's samples, for rows of it: the mean over the batch).
     """
     batch = probs.shape[0]
     if labels.shape != (batch,):
@@ -61,5 +65,5 @@ def softmax_cross_entropy_backward(probs: Array, labels: Array) -> Array:
     with timed("loss"):
         dlogits = probs.copy()
         dlogits[xp.arange(batch), labels] -= 1
-        dlogits /= batch
+        dlogits /= batch if divide_by is None else divide_by
     return dlogits

@@ -26,7 +26,8 @@ def _records(run_dir: Path, kind: str) -> list[dict[str, Any]]:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("plane", [(), ("--data-plane", "star")], ids=["default", "star"])
+@pytest.mark.parametrize("plane", [(), ("--data-plane", "star"), ("--dense-part", "master")],
+                         ids=["default", "star", "dense-on-master"])
 def test_two_workers_and_the_master_reproduce_the_local_run(
         endpoint: str, workers: Any, tmp_path: Path, local_reference: Path,
         plane: tuple[str, ...]) -> None:
@@ -58,7 +59,8 @@ def test_two_workers_and_the_master_reproduce_the_local_run(
     peer_bytes = {name: sum(d.get("peer_bytes_sent", 0) for step in steps
                             for layer in step["layers"] for d in layer["devices"]
                             if d["participant"] == name) for name in ("w1", "w2")}
-    if plane:
+    star = "star" in plane
+    if star:
         assert peer_bytes == {"w1": 0, "w2": 0}
     else:
         assert min(peer_bytes.values()) > 0, peer_bytes
@@ -67,8 +69,11 @@ def test_two_workers_and_the_master_reproduce_the_local_run(
     assert len(models) == 1, models
     model = models[0]
     assert model["predicted_step_s"] > 0 and model["measured_step_s"] > 0
-    # by default a step is two chains; under star 2L + 2 rounds (SMALL_RUN: two conv layers)
-    assert model["rounds"] == (2 * 2 + 2 if plane else 2)
+    # by default a step is one step chain (the dense part on every participant); two
+    # chains with the dense part on the master; under star 2L + 2 rounds (SMALL_RUN: two
+    # conv layers)
+    assert model["rounds"] == (2 * 2 + 2 if star else 2 if plane else 1)
+    assert ("the dense part on every participant's slice" in result.stdout) == (not plane)
     assert model["predicted_step_s"] == pytest.approx(
         model["compute_s"] + model["rounds"] * model["round_s"] + model["serial_s"])
     assert "step model fitted on 9 steps" in result.stdout
@@ -126,8 +131,8 @@ def test_slice_statistics_train_with_replicas_kept_equal(
     steps, local_steps = _records(run_dir, "step"), _records(local_reference, "step")
     assert len(steps) == len(local_steps)
     assert steps[0]["loss"] != local_steps[0]["loss"]
-    # two chains a step, as under the whole batch's statistics: no extra round
-    assert _records(run_dir, "model")[0]["rounds"] == 2
+    # one step chain a step, as under the whole batch's statistics: no extra round
+    assert _records(run_dir, "model")[0]["rounds"] == 1
     accuracy = _records(run_dir, "epoch")[-1]["test_accuracy"]
     reference = _records(local_reference, "epoch")[-1]["test_accuracy"]
     assert abs(accuracy - reference) <= 0.05, (accuracy, reference)

@@ -1,0 +1,223 @@
+"""The step chain (docs/dense-replica.md): the dense part replicated on the sample
+split's participants. Participants in threads over an in-memory port run two step
+chains and an update-only round; the losses, every conv layer's state and every dense
+array and velocity equal the local trainer's two steps (the float sums are cut at the
+slices: rtol 1e-5), and every replica holds the same bits, a participant without
+samples included. The dense part's validation and its dropout rows are checked too."""
+from __future__ import annotations
+
+import queue
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from hetconv.dense_part import DensePart, Rows
+from hetconv.dense_replica import DenseReplica, dense_refusal, replica_from
+from hetconv.metrics import MetricsWriter
+from hetconv.model import (
+    conv_layer_shapes,
+    dense_parameter_names,
+    init_parameters,
+    model_config,
+    parse_network,
+)
+from hetconv.names import layer_key
+from hetconv.optim import OptimizerConfig
+from hetconv.protocol import PeerPiece, SampleBackwardRequest, SampleForwardRequest
+from hetconv.protocol.sample_messages import NO_LAYER
+from hetconv.sample_runner import SampleRequestError, SampleRunner
+from hetconv.shard import ConvShard
+from hetconv.stage import LocalConvStage, layer_settings
+from hetconv.training import LoopConfig, Trainer
+from hetconv.weight_reduce import GradientExchange, reduce_plan
+from tests.unit.test_sample_chain import Port, _in_threads
+
+SPEC = "c4k3p1,pool,c6k3p1,pool,fc12,drop0.5"
+LR = (0.05, 0.04)  # the two steps' learning rates
+OPT = OptimizerConfig(momentum=0.9, weight_decay=5e-4)
+
+
+def _model() -> tuple[Any, dict[str, np.ndarray], Any]:
+    model = model_config(parse_network(SPEC), (2, 12, 12), classes=5)
+    return model, init_parameters(model, 3), layer_settings(model, OPT.momentum,
+                                                             OPT.weight_decay)
+
+
+def _local_steps(tmp_path: Path, x: np.ndarray, labels: np.ndarray) -> tuple[list[float], Trainer]:
+    model, params, settings = _model()
+    writer = MetricsWriter(tmp_path / "local.jsonl")
+    trainer = Trainer(model, params, LocalConvStage(model, params, settings),
+                      LoopConfig(epochs=1, batch=x.shape[0], seed=7, optimizer=OPT,
+                                 progress=False), writer, tmp_path, out=lambda line: None)
+    losses = [trainer.train_step(x, labels, step, LR[step])["loss"] for step in (0, 1)]
+    writer.close()
+    return losses, trainer
+
+
+def _runners(model: Any, params: dict[str, np.ndarray], settings: Any, members: list[str],
+             everyone: list[str]) -> tuple[dict[str, SampleRunner], dict[str, Any]]:
+    shapes = conv_layer_shapes(model)
+    names = dense_parameter_names(model)
+    size = sum(int(params[n].size) for n in names)
+    plan = reduce_plan([s.kernels for s in shapes] + [size], members, everyone)
+    queues: dict[str, queue.Queue[PeerPiece]] = {n: queue.Queue() for n in everyone}
+    runners, shards = {}, {}
+    for name in everyone:
+        runner = SampleRunner()
+        runner.exchange = GradientExchange(name, plan, Port(queues, name), 5.0)
+        part = DensePart(model.dense, {n: params[n].copy() for n in names},
+                         {n: np.zeros_like(params[n]) for n in names}, seed=7)
+        # each worker's replica as AssignDense carries it (the codec's check included)
+        message = DenseReplica(part, len(shapes), OPT.momentum, OPT.weight_decay).message(1)
+        assert dense_refusal(message) is None
+        runner.dense = replica_from(message)
+        runners[name] = runner
+        shards[name] = {s.index: ConvShard(s.index, 0, s.kernels, settings,
+                                           {k: params[layer_key(s.index, k)].copy()
+                                            for k in ("weight", "gamma", "beta",
+                                                      "running_mean", "running_var")})
+                        for s in shapes}
+    return runners, shards
+
+
+def _step(step: int, sync_id: int, members: list[str], cuts: list[int], x: Any, labels: Any,
+          layers: int, positions: list[int], update_id: int) -> SampleForwardRequest:
+    return SampleForwardRequest(
+        request_id=sync_id, step=step, attempt=0, train=True, total_batch=sum(cuts),
+        finish_layer=NO_LAYER, start_layer=0, stop_layer=layers, return_output=False,
+        update_layer=0 if update_id else NO_LAYER, learning_rate=LR[0] if update_id else 0.0,
+        total_count=0, mean=None, var=None, x=x, dweight=None, update_sums=None,
+        update_id=update_id, contributors=list(members) if update_id else [],
+        update_stop=layers + 1 if update_id else NO_LAYER, sync_id=sync_id,
+        members=members, member_samples=cuts, positions=positions, step_chain=True,
+        labels=labels)
+
+
+@pytest.mark.parametrize("cuts", [[5, 7], [3, 4, 5]], ids=["2 members", "3 members"])
+def test_step_chains_equal_the_local_trainer(cuts: list[int], tmp_path: Path) -> None:
+    model, params, settings = _model()
+    shapes = conv_layer_shapes(model)
+    layers = len(shapes)
+    positions = [s.conv_height * s.conv_width for s in shapes]
+    rng = np.random.default_rng(11)
+    batch = sum(cuts)
+    x = rng.standard_normal((batch,) + model.input_shape).astype(np.float32)
+    labels = rng.integers(0, 5, batch).astype(np.int64)
+    local_losses, trainer = _local_steps(tmp_path, x, labels)
+
+    members = [f"p{i}" for i in range(len(cuts))]
+    everyone = members + ["idle"]
+    runners, shards = _runners(model, params, settings, members, everyone)
+    starts = np.cumsum([0] + cuts)
+
+    def part(name: str, array: np.ndarray) -> np.ndarray | None:
+        if name not in members:
+            return None
+        index = members.index(name)
+        return np.ascontiguousarray(array[starts[index]:starts[index + 1]])
+
+    def labels_of(name: str) -> np.ndarray | None:
+        mine = part(name, labels)
+        return None if mine is None else mine.astype(np.int32)
+
+    losses = []
+    for step, sync_id, update_id in ((0, 10, 0), (1, 20, 10)):
+        requests = {n: _step(step, sync_id, members, cuts, part(n, x), labels_of(n), layers,
+                             positions, update_id) for n in everyone}
+        replies = _in_threads({n: (lambda n=n, r=requests[n]: runners[n].forward(r, shards[n]))
+                               for n in everyone})
+        for name, reply in replies.items():
+            assert not isinstance(reply, BaseException), (name, reply)
+        losses.append(sum(replies[m].loss_sum for m in members) / batch)
+        correct = sum(replies[m].correct for m in members)
+        assert 0 <= correct <= batch
+    # the second step's update: an update-only round (as before a snapshot)
+    flush = _in_threads({n: (lambda n=n: runners[n].backward(SampleBackwardRequest(
+        request_id=30, step=1, attempt=0, learning_rate=LR[1], update_layer=0,
+        finish_layer=NO_LAYER, start_layer=NO_LAYER, dweight=None, dgamma=None, dbeta=None,
+        dy=None, update_sums=None, reduce_id=0, update_id=20, contributors=list(members),
+        update_stop=layers + 1), shards[n])) for n in everyone})
+    for name, reply in flush.items():
+        assert not isinstance(reply, BaseException), (name, reply)
+
+    np.testing.assert_allclose(losses, local_losses, rtol=1e-5)
+    local_conv = trainer.stage.snapshot()
+    first = everyone[0]
+    for name in everyone:  # every replica the same bits, the idle one included
+        dense = runners[name].dense
+        assert dense is not None
+        for key in dense.part.arrays:
+            np.testing.assert_array_equal(dense.part.arrays[key],
+                                          runners[first].dense.part.arrays[key])  # type: ignore[union-attr]
+            np.testing.assert_array_equal(dense.part.velocity[key],
+                                          runners[first].dense.part.velocity[key])  # type: ignore[union-attr]
+            np.testing.assert_allclose(dense.part.arrays[key], trainer.dense[key],
+                                       rtol=1e-5, atol=1e-7)
+            np.testing.assert_allclose(dense.part.velocity[key], trainer.velocity[key],
+                                       rtol=1e-4, atol=1e-7)
+        for layer, shard in shards[name].items():
+            for key, value in shard.snapshot().items():
+                np.testing.assert_array_equal(value, shards[first][layer].snapshot()[key])
+                np.testing.assert_allclose(value, local_conv[layer_key(layer, key)],
+                                           rtol=1e-4, atol=1e-6)
+
+
+def test_dropout_rows_are_the_whole_batch_mask_rows() -> None:
+    model, params, _ = _model()
+    names = dense_parameter_names(model)
+    part = DensePart(model.dense, {n: params[n] for n in names},
+                     {n: np.zeros_like(params[n]) for n in names}, seed=7)
+    features = int(params[names[0]].shape[1])
+    flat = np.random.default_rng(1).standard_normal((10, features)).astype(np.float32)
+    whole, _ = part.forward(flat, True, 4)
+    rows, _ = part.forward(flat[3:8], True, 4, Rows(3, 8, 10))
+    np.testing.assert_array_equal(rows, whole[3:8])
+
+
+def _message() -> Any:
+    model, params, _ = _model()
+    names = dense_parameter_names(model)
+    part = DensePart(model.dense, {n: params[n] for n in names},
+                     {n: np.zeros_like(params[n]) for n in names}, seed=7)
+    return DenseReplica(part, 2, 0.9, 5e-4).message(1)
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"names": ["fc.weight", "fc.bias"]}, "names must be"),
+    ({"layers": [["fc", 0, 0.0], ["dropout", 0, 0.5]]}, "units >= 1"),
+    ({"layers": [["conv", 12, 0.0], ["dropout", 0, 0.5]]}, "kind fc or dropout"),
+    ({"shapes": [[12, 99], [12], [5, 12], [5]]}, None),  # values no longer fit
+    ({"shapes": [[12, 96], [12], [5, 13], [5]]}, "chain from the layer before"),
+    ({"momentum": 2.0}, "momentum"),
+    ({"layer": -1}, "layer must be"),
+    ({"values": np.zeros(3, np.float32)}, "values must be float32"),
+    ({"velocity": np.full(1233, np.nan, np.float32)}, None),
+])
+def test_a_bad_assign_dense_is_refused_in_one_line(change: dict[str, Any],
+                                                   words: str | None) -> None:
+    from dataclasses import replace
+
+    message = _message()
+    bad = replace(message, **change)
+    reason = dense_refusal(bad)
+    assert reason is not None and "\n" not in reason
+    if words is not None:
+        assert words in reason, reason
+
+
+def test_a_step_chain_without_the_dense_part_or_with_bad_labels_is_a_bad_request() -> None:
+    model, params, settings = _model()
+    shapes = conv_layer_shapes(model)
+    positions = [s.conv_height * s.conv_width for s in shapes]
+    runners, shards = _runners(model, params, settings, ["p0"], ["p0"])
+    x = np.zeros((3,) + model.input_shape, np.float32)
+    out_of_range = np.array([0, 1, 5], np.int32)  # 5 classes: ids 0..4
+    with pytest.raises(SampleRequestError, match="labels"):
+        runners["p0"].forward(_step(0, 10, ["p0"], [3], x, out_of_range, len(shapes),
+                                    positions, 0), shards["p0"])
+    runners["p0"].dense = None
+    with pytest.raises(SampleRequestError, match="AssignDense"):
+        runners["p0"].forward(_step(0, 20, ["p0"], [3], x, np.zeros(3, np.int32),
+                                    len(shapes), positions, 0), shards["p0"])
