@@ -42,7 +42,7 @@ from hetconv.bench.scale_breakdown import (
     step_breakdown,
 )
 from hetconv.bench.signals import terminate_as_interrupt
-from hetconv.config import BENCH_PEERS, BN_STATISTICS, SPLIT_MODES, check_choice
+from hetconv.config import BENCH_PEERS, BN_STATISTICS, DENSE_PARTS, SPLIT_MODES, check_choice
 from hetconv.errors import UserError
 from hetconv.lab import (
     CFS_PERIOD_US,
@@ -225,7 +225,8 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
                     peer: str | None = None,
                     split_by: tuple[str, ...] = ("kernels",),
                     cfs_period_ms: float = CFS_PERIOD_US / 1000,
-                    bn_statistics: tuple[str, ...] = ("batch",)) -> dict[str, Any]:
+                    bn_statistics: tuple[str, ...] = ("batch",),
+                    dense_parts: tuple[str, ...] = ("auto",)) -> dict[str, Any]:
     """Run every machine set with every data plane, and the baselines, ``repeats``
     times, interleaved within each repeat. ``split``: the runs' ``--split``; ``model``
     (the default) lets the link-aware planner choose the machines from its timings,
@@ -235,7 +236,9 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
     ``cfs_period_ms``: every machine's CPU quota is granted per period of this length
     (default 10 ms; a real slower CPU is the limit of short periods).
     ``bn_statistics``: the sample split's batch norm in its runs (``batch``, the default,
-    and/or ``slice``: PyTorch DDP's per-rank semantics; labelled ``samples-slice``)."""
+    and/or ``slice``: PyTorch DDP's per-rank semantics; labelled ``samples-slice``).
+    ``dense_parts``: where the sample split's runs put the dense part (``auto``, the
+    default a user gets, and/or ``master``: labelled with ``-dense-master``)."""
     period_us = int(round(cfs_period_ms * 1000))
     refusal = quota_refusal(min(min(fractions) for fractions in machine_sets), period_us)
     if refusal:
@@ -246,6 +249,11 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
     if not {SAMPLES, AUTO} & set(split_by) and bn_statistics != ("batch",):
         raise UserError("--bn-statistics applies to the sample split's runs: add "
                         "--split-by samples or --split-by auto")
+    for part in dense_parts:
+        check_choice("--dense-part", part, DENSE_PARTS)
+    if not {SAMPLES, AUTO} & set(split_by) and dense_parts != ("auto",):
+        raise UserError("--dense-part applies to the sample split's runs: add "
+                        "--split-by samples or --split-by auto")
     if peer is not None:
         check_choice("peer", peer, BENCH_PEERS)
         from hetconv.bench.step_torch import import_torch
@@ -255,8 +263,11 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
                       for plane in (data_planes if "kernels" in split_by else ())]
     for choice in (SAMPLES, AUTO):
         for norm in (BN_STATISTICS if choice in split_by else ()):
-            if norm in bn_statistics:
-                label_of = choice if norm == "batch" else f"{choice}{SLICE_SUFFIX}"
+            if norm not in bn_statistics:
+                continue
+            for part in dense_parts:
+                label_of = (choice + ("" if norm == "batch" else SLICE_SUFFIX)
+                            + (DENSE_MASTER_SUFFIX if part == "master" else ""))
                 configurations += [(fractions, label_of) for fractions in machine_sets]
     for reason in (netns_unavailable_reason(), cpu_quota_unavailable_reason()):
         if reason:
@@ -377,15 +388,21 @@ default a user gets)."""
 
 SLICE_SUFFIX = "-slice"
 """Appended to ``samples``/``auto``: the runs with ``--bn-statistics slice``."""
+DENSE_MASTER_SUFFIX = "-dense-master"
+"""Appended last: the runs with ``--dense-part master`` (the dense part on the master)."""
 
 
 def split_flags(plane: str) -> tuple[str, ...]:
     """hetconv train's flags for a configuration's plane label: ``samples``, ``auto``
-    (either with ``-slice``: ``--bn-statistics slice``) or a kernel split's data plane."""
-    base = plane.removesuffix(SLICE_SUFFIX)
+    (either with ``-slice``: ``--bn-statistics slice``, then ``-dense-master``:
+    ``--dense-part master``) or a kernel split's data plane."""
+    dense = plane.endswith(DENSE_MASTER_SUFFIX)
+    rest = plane.removesuffix(DENSE_MASTER_SUFFIX)
+    base = rest.removesuffix(SLICE_SUFFIX)
     if base in (SAMPLES, AUTO):
         return ("--split-by", base) + (
-            ("--bn-statistics", "slice") if plane.endswith(SLICE_SUFFIX) else ())
+            ("--bn-statistics", "slice") if rest.endswith(SLICE_SUFFIX) else ()) + (
+            ("--dense-part", "master") if dense else ())
     return ("--split-by", "kernels", "--data-plane", plane)
 
 

@@ -42,7 +42,8 @@ FLAGS: dict[str, tuple[tuple[str, str], ...]] = {
               ("--arch", "arch"), ("--epochs", "epochs"),
               ("--batch", "batch"), ("--limit", "limit"), ("--repeats", "repeats"),
               ("--work-dir", "work_dir"), ("--split", "split"), ("--peer", "peer"),
-              ("--split-by", "split_by"), ("--bn-statistics", "bn_statistics")),
+              ("--split-by", "split_by"), ("--bn-statistics", "bn_statistics"),
+              ("--dense-part", "dense_parts")),
     "chaos": (("--minutes", "minutes"), ("--interval-min", "interval_min"),
               ("--interval-max", "interval_max"), ("--faults", "faults"), ("--lab", "lab"),
               ("--rate", "rate"), ("--arch", "arch"), ("--batch", "batch"),
@@ -143,6 +144,11 @@ def add_parser(sub: Any) -> None:
                        "both, interleaved; default batch: the whole batch's statistics, "
                        "what a user gets; 'slice' is PyTorch DDP's per-rank semantics, "
                        "labelled samples-slice)")
+    scale.add_argument("--dense-part", dest="dense_parts", action="append", default=None,
+                       choices=("auto", "master"),
+                       help="where the sample split's runs put the dense part (repeat the "
+                       "flag for both, interleaved; default auto: on every participant's "
+                       "slice, what a user gets; 'master' is labelled -dense-master)")
     scale.add_argument("--cfs-period-ms", type=float, default=10.0,
                        help="the CPU quotas' period in ms (default 10; 1 to 1000, and the smallest "
                        "machine's share of it at least 1 ms): a machine "
@@ -229,7 +235,7 @@ def command_line(args: argparse.Namespace) -> str:
             words.append(f"{flag}={value}")
             continue
         if isinstance(value, list) and (dest in ("machines", "data_plane", "split_by",
-                                                 "bn_statistics")
+                                                 "bn_statistics", "dense_parts")
                                         or args.bench == "step"):  # one flag per value
             if args.bench == "step" and dest in ("threads", "quota"):
                 continue  # written as pairs below
@@ -340,7 +346,8 @@ def run(args: argparse.Namespace) -> int:
                                  epochs=args.epochs, split=args.split, peer=args.peer,
                                  split_by=tuple(args.split_by or ("kernels",)),
                                  cfs_period_ms=args.cfs_period_ms,
-                                 bn_statistics=tuple(args.bn_statistics or ("batch",)))
+                                 bn_statistics=tuple(args.bn_statistics or ("batch",)),
+                                 dense_parts=tuple(args.dense_parts or ("auto",)))
         table = result["table"]
     elif args.bench == "chaos":
         from hetconv.bench.chaos import run_chaos_bench

@@ -429,7 +429,8 @@ def summarize(records: RunRecords) -> RunSummary:
         step_model=records.step_model,
         split_by="samples" if steps and any(t.by_samples for layer in steps[-1].layers
                                             for t in layer.devices) else "kernels",
-        bn_statistics="slice" if config.get("bn_statistics") == "slice" else "batch")
+        bn_statistics="slice" if config.get("bn_statistics") == "slice" else "batch",
+        dense_part=records.dense_part)
 
 
 def _opt_int(value: object) -> int | None:

@@ -174,6 +174,7 @@ class RunRecords:
     warnings: tuple[str, ...]
     plan_predicted_step_s: float | None = None  # the planner's conv + transfer prediction
     step_model: StepModelCheck | None = None  # the last ``model`` record (sample split)
+    dense_part: str = "master"  # the last ``plan`` record's: "replicas" or "master"
     events: tuple[MembershipEvent, ...] = ()  # joins, losses, re-plans, ... in time order
     checkpoints: tuple[CheckpointRecord, ...] = ()  # every training snapshot taken
     replayed_steps: int = 0  # step records left out: an earlier record of a replayed step
@@ -391,7 +392,16 @@ def parse_run(run_dir: str | Path) -> RunRecords:
                       plan_predicted_step_s=predicted, step_model=step_model,
                       events=events, checkpoints=checkpoints,
                       replayed_steps=step_records - len(ordered),
-                      start_time=_first_time(raw_records))
+                      start_time=_first_time(raw_records), dense_part=_dense_part(raw_records))
+
+
+def _dense_part(records: list[dict[str, Any]]) -> str:
+    """Where the last plan ran the dense part (docs/dense-replica.md): the plan record's
+    ``dense_part`` when it says "replicas", else "master" (older runs, the kernel split)."""
+    for record in reversed(records):
+        if record.get("type") == "plan":
+            return "replicas" if record.get("dense_part") == "replicas" else "master"
+    return "master"
 
 
 def _first_time(records: list[dict[str, Any]]) -> float | None:

@@ -140,6 +140,15 @@ def test_slice_statistics_train_with_replicas_kept_equal(
     assert report.returncode == 0, report.stderr
     assert re.search(r"batch-norm statistics\s+each slice's", report.stdout), \
         report.stdout
+    assert re.search(r"dense part\s+every participant's slice", report.stdout), report.stdout
+
+
+def test_replicated_dense_part_needs_the_sample_split_chains(endpoint: str) -> None:
+    result = run_hetconv("train", "--listen", endpoint, "--dense-part", "replicas",
+                         "--split-by", "kernels", *SMALL_RUN)
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "--dense-part replicas needs" in lines[0], result.stderr
 
 
 def test_slice_statistics_need_the_peer_plane(endpoint: str) -> None:

@@ -31,6 +31,10 @@ def test_the_slice_statistics_runs_get_their_flags() -> None:
     assert split_flags("samples-slice") == ("--split-by", "samples", "--bn-statistics", "slice")
     assert split_flags("auto-slice") == ("--split-by", "auto", "--bn-statistics", "slice")
     assert split_flags("samples") == ("--split-by", "samples")
+    assert split_flags("samples-dense-master") == ("--split-by", "samples", "--dense-part",
+                                                   "master")
+    assert split_flags("auto-slice-dense-master") == (
+        "--split-by", "auto", "--bn-statistics", "slice", "--dense-part", "master")
     assert split_flags("peer") == ("--split-by", "kernels", "--data-plane", "peer")
 
 
@@ -43,10 +47,11 @@ def test_the_figure_files_command_repeats_every_repeatable_flag() -> None:
         bench="scale", machines=["0.45,0.45"], data_plane=["peer"], rate="1gbit",
         arch="32:64", epochs=2, batch=128, limit=None, repeats=3, work_dir=None,
         split="model", peer="ddp", split_by=["samples", "auto"],
-        bn_statistics=["batch", "slice"], markdown=None)
+        bn_statistics=["batch", "slice"], dense_parts=["auto", "master"], markdown=None)
     line = command_line(args)
     assert "--split-by samples --split-by auto" in line
     assert "--bn-statistics batch --bn-statistics slice" in line
+    assert "--dense-part auto --dense-part master" in line
 
 
 def test_slice_statistics_without_a_sample_split_is_one_line(
