@@ -100,6 +100,7 @@ class MeasuredRun:
     steps_used: int  # how many steps that median is over
     plan_predicted_step_s: float | None  # the planner's own prediction at the run's start
     slice_statistics: bool = False  # the sample split with ``--bn-statistics slice``
+    dense_replicas: bool = False  # the dense part on every participant (docs/dense-replica.md)
 
     @property
     def arch(self) -> tuple[int, ...]:
@@ -232,7 +233,8 @@ def measured_run(records: RunRecords, links: dict[str, Link]) -> MeasuredRun:
                        dense_s=median(s.dense_s for s in steps) or 0.0,
                        measured_step_s=median(s.step_s for s in steps), steps_used=len(steps),
                        plan_predicted_step_s=records.plan_predicted_step_s,
-                       slice_statistics=config.get("bn_statistics") == "slice")
+                       slice_statistics=config.get("bn_statistics") == "slice",
+                       dense_replicas=records.dense_part == "replicas")
 
 
 # --- scaling the measured costs -------------------------------------------------------------

@@ -14,7 +14,10 @@ Approximations (units: seconds, bytes):
 - **Network** (``arch``): seconds per sample scale with the conv forward flop per
   sample of the whole chain over the measured one's; the dense part as in the kernel
   what-if.
-- The master's dense part is the measured median, scaled the same way.
+- The master's dense part is the measured median, scaled the same way. Replicated on
+  the participants (``dense_part`` "replicas", docs/dense-replica.md): the measured
+  median is the slowest member's, on its slice; it scales with the largest slice, and
+  the dense part's values join the weight reduction (``predict_sample_step``).
 - Slices follow speed (equation 1 applied to samples), also for a run that was split
   ``--split equal``.
 
@@ -44,7 +47,7 @@ from hetconv.master.whatif import (
     scaled_dense_s,
 )
 from hetconv.metrics import iter_metrics
-from hetconv.model import ConvLayerShape, conv_layer_shapes
+from hetconv.model import ConvLayerShape, ModelConfig, conv_layer_shapes, dense_shapes
 
 
 def read_sample_plan(run_dir: str | Path) -> dict[str, float] | None:
@@ -72,12 +75,15 @@ def _chain_flops(shapes: Sequence[ConvLayerShape]) -> float:
 
 def _master_link_bytes(slices: Sequence[tuple[str, int]], remote: dict[str, bool],
                        shapes: Sequence[ConvLayerShape], itemsize: int, data_plane: str,
-                       weights: int) -> float:
+                       weights: int, replicated: bool = False) -> float:
     """Bytes per step on the master's link, both directions: every worker's x and dy
     slices down and y slice up; with the star plane its weight gradient up and the sum
     down too (the peer plane reduces them worker to worker, but the master takes part:
-    2·(P-1)/P of them each way)."""
+    2·(P-1)/P of them each way). ``replicated`` (the dense part on every participant):
+    only the x slices, and ``weights`` counts the dense part's values too."""
     x_bytes, y_bytes = sample_bytes(shapes, itemsize)
+    if replicated:
+        y_bytes = 0
     workers = [(name, n) for name, n in slices if remote.get(name)]
     total = sum(n * (x_bytes + 2 * y_bytes) for _, n in workers)
     if not workers:
@@ -96,6 +102,10 @@ def predict_sample_scenarios(run: MeasuredRun, seconds_per_sample: dict[str, flo
     if missing:
         raise UserError(f"{run.run_dir}: the sample split's plan record has no seconds per "
                         f"sample for {', '.join(missing)}")
+    replicated = run.dense_replicas and run.data_plane == "peer"
+    measured = sample_slices([p.participant for p in run.profiles],
+                             [seconds_per_sample[p.participant] for p in run.profiles], run.batch)
+    measured_largest = max((s.samples for s in measured), default=run.batch) or run.batch
     out = []
     for scenario in scenarios:
         if not 1 <= scenario.machines <= MAX_MACHINES:
@@ -109,23 +119,33 @@ def predict_sample_scenarios(run: MeasuredRun, seconds_per_sample: dict[str, flo
         slices = sample_slices(names, seconds, scenario.batch)
         per_sample = dict(zip(names, seconds))
         links = {m.participant: m.link for m in machines}
+        values = dense_values(model_with_arch(run, scenario.arch)) if replicated else 0
         conv = predict_sample_step(slices, per_sample, links, shapes, conv_weights(shapes),
                                    run.wire_itemsize,
                                    "peer" if run.data_plane == "peer" else "master",
-                                   slice_statistics=run.slice_statistics)
-        dense = scaled_dense_s(run, scenario.arch, scenario.batch)
+                                   slice_statistics=run.slice_statistics, dense_values=values)
+        dense = alone_dense = scaled_dense_s(run, scenario.arch, scenario.batch)
+        if replicated:  # measured on the largest slice; runs on the scenario's largest
+            per_sample_dense = dense / scenario.batch * run.batch / measured_largest
+            alone_dense = per_sample_dense * scenario.batch
+            dense = per_sample_dense * max(s.samples for s in slices)
         single = min(seconds) * scenario.batch
         speeds = [1.0 / t for t in seconds]
         out.append(Prediction(
-            scenario=scenario, step_s=conv + dense, single_step_s=single + dense,
+            scenario=scenario, step_s=conv + dense, single_step_s=single + alone_dense,
             ideal_speedup=sum(speeds) / max(speeds),
             chosen=sum(1 for s in slices if s.samples > 0),
             master_link_bytes=_master_link_bytes(
                 [(s.participant, s.samples) for s in slices],
                 {m.participant: m.link is not None for m in machines}, shapes,
-                run.wire_itemsize, run.data_plane, conv_weights(shapes)),
+                run.wire_itemsize, run.data_plane, conv_weights(shapes) + values, replicated),
             measured_step_s=run.measured_step_s if is_measured(run, scenario) else None))
     return out
+
+
+def dense_values(model: ModelConfig) -> int:
+    """Values in the dense part's arrays (N: every weight and bias)."""
+    return sum(out * (features + 1) for _, features, out in dense_shapes(model))
 
 
 def _sources(run: MeasuredRun, scenario: Scenario) -> list[str]:
