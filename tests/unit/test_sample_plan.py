@@ -120,6 +120,13 @@ def test_the_predicted_step_adds_the_slowest_slice_the_master_link_and_the_round
                                    {"master": None, "a": link}, shapes, 900, 4, reduce="peer",
                                    slice_statistics=True)
     assert by_slice == pytest.approx(peer - 2 * 0.001)
+    # the dense part replicated (its 1290 values): one step chain (1 + 2 x 0.5 x 2 = 3
+    # round trips), only the x slices on the master's link, the dense values reduced too
+    step_chain = predict_sample_step(slices, {"master": 0.001, "a": 0.002},
+                                     {"master": None, "a": link}, shapes, 900, 4,
+                                     reduce="peer", dense_values=1290)
+    assert step_chain == pytest.approx(compute + 24 * 28 * 28 * 4 / 1e6 + 3 * 0.001
+                                       + (900 + 1290) * 4 / 1e6 + 0.001)
     # no worker: the compute alone
     assert predict_sample_step([Slice("master", 0, 64)], {"master": 0.001}, {"master": None},
                                shapes, 900, 4) == pytest.approx(0.064)
