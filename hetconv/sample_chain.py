@@ -56,6 +56,27 @@ from hetconv.weight_reduce import PHASE_MOMENTS, PHASE_SUMS, GradientExchange
 from hetconv.wire_cast import to_wire
 
 
+class LayerClock:
+    """Each layer's seconds in a chain, less the waits for peers' pieces (the figures
+    of a step chain's reply): :meth:`start` at each layer, :meth:`stop` after the last."""
+
+    def __init__(self, exchange: GradientExchange):
+        self.exchange = exchange
+        self.seconds: dict[int, float] = {}
+        self._open: tuple[int, float, float] | None = None
+
+    def start(self, layer: int) -> None:
+        self.stop()
+        self._open = (layer, time.perf_counter(), self.exchange.wait_s)
+
+    def stop(self) -> None:
+        if self._open is not None:
+            layer, began, waited = self._open
+            spent = time.perf_counter() - began - (self.exchange.wait_s - waited)
+            self.seconds[layer] = self.seconds.get(layer, 0.0) + max(0.0, spent)
+            self._open = None
+
+
 def _members(request: SampleForwardRequest | SampleBackwardRequest) -> list[str]:
     members = [str(m) for m in request.members]
     if not members or len(set(members)) != len(members):
@@ -99,7 +120,9 @@ def forward_chain(runner: SampleRunner, request: SampleForwardRequest,
             raise SampleRequestError(ERR_BAD_REQUEST, f"a member's chain needs its x of "
                                      f"{counts[me]} samples")
         runner.wire_dtype = x.dtype
+    clock = LayerClock(exchange)
     for index, layer in enumerate(layers):
+        clock.start(layer)
         if layer in pending:
             pending.remove(layer)
             runner.finish_update(shards, request, begun, [layer])
@@ -148,6 +171,7 @@ def forward_chain(runner: SampleRunner, request: SampleForwardRequest,
                 x = hook(x)
         else:
             replica.follow_statistics(mean, var, request.total_batch * positions)
+    clock.stop()
     for layer, own in later.items():  # by slice: the running statistics, the whole batch's
         positions = int(request.positions[layer - request.start_layer])
         mean, var = _whole_batch(exchange, request, layer, counts, positions, own)
@@ -155,7 +179,7 @@ def forward_chain(runner: SampleRunner, request: SampleForwardRequest,
                                                         request.total_batch * positions)
     runner.finish_update(shards, request, begun, pending)
     if request.step_chain:
-        return _dense_and_backward(runner, request, shards, x, counts, started)
+        return _dense_and_backward(runner, request, shards, x, counts, started, clock)
     y = to_wire(x, runner.wire_dtype) if member and request.return_output and x is not None \
         else None
     figures = runner.peer_figures()
@@ -166,7 +190,8 @@ def forward_chain(runner: SampleRunner, request: SampleForwardRequest,
 
 def _dense_and_backward(runner: SampleRunner, request: SampleForwardRequest,
                         shards: Mapping[int, ConvShard], features: np.ndarray | None,
-                        counts: Mapping[str, int], started: float) -> SampleForwardReply:
+                        counts: Mapping[str, int], started: float,
+                        forward: LayerClock) -> SampleForwardReply:
     """The rest of a step chain after the conv layers' forward: a member runs the dense
     part on its rows of the batch and scatters its gradient (layer ``stop_layer`` of
     reduction ``sync_id``), then every participant runs the backward chain."""
@@ -197,13 +222,17 @@ def _dense_and_backward(runner: SampleRunner, request: SampleForwardRequest,
         dense_s = time.perf_counter() - dense_started
         loss_sum, correct = done.loss_sum, done.correct
         dy = done.dflat.reshape(features.shape)
-    _backward_layers(runner, shards, request.step, request.stop_layer - 1, request.sync_id,
-                     request.sync_id, members, request.slice_statistics, dy)
+    backward = _backward_layers(runner, shards, request.step, request.stop_layer - 1,
+                                request.sync_id, request.sync_id, members,
+                                request.slice_statistics, dy)
     figures = runner.peer_figures()
+    layer_seconds = [[forward.seconds.get(layer, 0.0), backward.seconds.get(layer, 0.0)]
+                     for layer in range(request.start_layer, request.stop_layer)]
     return SampleForwardReply(request_id=request.request_id, step=request.step,
                               attempt=request.attempt, compute_s=compute_seconds(started, figures),
                               count=0, total=None, m2=None, y=None, loss_sum=loss_sum,
-                              correct=correct, dense_s=dense_s, **figures)
+                              correct=correct, dense_s=dense_s, layer_seconds=layer_seconds,
+                              **figures)
 
 
 def _added_sums(exchange: GradientExchange, sync_id: int, layer: int,
@@ -238,14 +267,17 @@ def backward_chain(runner: SampleRunner, request: SampleBackwardRequest,
 
 def _backward_layers(runner: SampleRunner, shards: Mapping[int, ConvShard], step: int,
                      start_layer: int, sync_id: int, reduce_id: int, members: list[str],
-                     by_slice: bool, dy: np.ndarray | None) -> None:
+                     by_slice: bool, dy: np.ndarray | None) -> LayerClock:
     """The backward chain from ``start_layer`` down to layer 0: each layer's sums
     exchanged as ``sync_id`` (and kept for the update), its weight gradient scattered as
-    reduction ``reduce_id``; ``dy`` None for a participant that is not a member."""
+    reduction ``reduce_id``; ``dy`` None for a participant that is not a member.
+    Returns each layer's seconds."""
     exchange = runner.peers()
     member = exchange.participant in members
     later: dict[int, np.ndarray | None] = {}  # by slice: layer -> own sums, added last
+    clock = LayerClock(exchange)
     for layer in range(start_layer, -1, -1):
+        clock.start(layer)
         replica = runner.replica(shards, layer)
         own = None
         if member:
@@ -270,5 +302,7 @@ def _backward_layers(runner: SampleRunner, shards: Mapping[int, ConvShard], step
             except RuntimeError as error:
                 raise SampleRequestError(ERR_BAD_REQUEST, str(error)) from None
             exchange.scatter(reduce_id, step, layer, dweight)
+    clock.stop()
     for layer, own in later.items():  # by slice: gamma's and beta's gradients, every slice's
         runner.kept_sums[layer] = _added_sums(exchange, sync_id, layer, members, own)
+    return clock

@@ -35,6 +35,7 @@ class ChainedSteps:
     _learning_rate: float
     _dweight: PendingUpdate | None
     _round: Callable[..., dict[str, Any]]
+    _entry: Callable[[int, Slice], dict[str, Any]]
 
     @property
     def layers(self) -> int:
@@ -133,7 +134,26 @@ class ChainedSteps:
             loss_sum += value
             correct += right
             dense_s = max(dense_s, float(reply.dense_s))
+            self._spread_over_layers(piece, reply)
         return loss_sum, correct, dense_s
+
+    def _spread_over_layers(self, piece: Slice, reply: Any) -> None:
+        """The step record's per-layer figures of a step chain: the round recorded the
+        whole chain's compute under layer 0; the reply's ``layer_seconds`` (per layer
+        [forward_s, backward_s]) replace it where they are well formed (figures only:
+        a malformed list leaves the chain's total under layer 0)."""
+        seconds = reply.layer_seconds
+        if not isinstance(seconds, list) or len(seconds) != self.layers or not all(
+                isinstance(pair, list) and len(pair) == 2
+                and all(isinstance(v, (int, float)) and 0 <= v < 1e6 for v in pair)
+                for pair in seconds):
+            return
+        first = self._entry(0, piece)
+        first["forward_s"] = max(0.0, first["forward_s"] - float(reply.compute_s))
+        for layer, (forward, backward) in enumerate(seconds):
+            entry = self._entry(layer, piece)
+            entry["forward_s"] += float(forward)
+            entry["backward_s"] += float(backward)
 
     def _backward_chain(self, step: int, learning_rate: float, dy: np.ndarray) -> None:
         """Every layer's backward in one request per participant (hetconv/sample_chain.py);

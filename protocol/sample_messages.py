@@ -105,8 +105,9 @@ class SampleForwardReply(Message):
     ``peer_bytes_sent``/``peer_bytes_received``/``peer_wait_s``: the weight reduction's
     array bytes with the peers and seconds waited for them in this round (not counted
     in ``compute_s``). A step chain's reply: the slice's cross-entropy summed over its
-    samples ``loss_sum``, how many it classified right ``correct``, and the seconds of
-    its dense part ``dense_s`` (within ``compute_s``)."""
+    samples ``loss_sum``, how many it classified right ``correct``, the seconds of
+    its dense part ``dense_s`` and, per conv layer, ``[forward_s, backward_s]`` in
+    ``layer_seconds`` (all within ``compute_s``; waits for peers excluded)."""
 
     TYPE: ClassVar[str] = "sample_forward_reply"
     request_id: int
@@ -123,6 +124,7 @@ class SampleForwardReply(Message):
     loss_sum: float = 0.0
     correct: int = 0
     dense_s: float = 0.0
+    layer_seconds: list[Any] = field(default_factory=list)
 
 
 @dataclass(frozen=True, eq=False)

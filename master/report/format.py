@@ -100,15 +100,14 @@ def overview_table(summary: RunSummary) -> Table:
              else "as one machine: the local run's"),
             ("dense part",
              "every participant's slice" if summary.dense_part == "replicas" else "the master",
-             "one step chain a step; weight gradients only between the participants"
-             if summary.dense_part == "replicas" else "the last conv output crosses its link")]),
+             "--dense-part: one step chain" if summary.dense_part == "replicas"
+             else "conv output via its link")]),
         ("speedup over fastest participant alone (est., cost model)", times(summary.speedup),
          MISSING if summary.fastest_device is None else
          f"{summary.fastest_device}: {ms(summary.single_device_step_s)} ms"),
         ("Amdahl bound of the dense part",
          times(summary.amdahl_bound) if summary.dense_part != "replicas" else MISSING,
-         "conv, comm = 0" if summary.dense_part != "replicas"
-         else "none: the dense part runs on every slice"),
+         "conv, comm = 0" if summary.dense_part != "replicas" else "dense part on every slice"),
     ]
     what_if = summary.what_if
     if what_if is not None:

@@ -133,6 +133,10 @@ def test_step_chains_equal_the_local_trainer(cuts: list[int], tmp_path: Path) ->
         losses.append(sum(replies[m].loss_sum for m in members) / batch)
         correct = sum(replies[m].correct for m in members)
         assert 0 <= correct <= batch
+        for member in members:  # the report's per-layer figures: [forward_s, backward_s]
+            seconds = replies[member].layer_seconds
+            assert len(seconds) == layers and all(f > 0 and b > 0 for f, b in seconds)
+            assert sum(f + b for f, b in seconds) <= replies[member].compute_s
     # the second step's update: an update-only round (as before a snapshot)
     flush = _in_threads({n: (lambda n=n: runners[n].backward(SampleBackwardRequest(
         request_id=30, step=1, attempt=0, learning_rate=LR[1], update_layer=0,
