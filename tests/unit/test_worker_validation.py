@@ -15,6 +15,7 @@ from hetconv.protocol import (
     ERR_BAD_MESSAGE,
     ERR_BAD_REQUEST,
     PROTOCOL_VERSION,
+    AssignDense,
     AssignPeers,
     AssignShard,
     BackwardRequest,
@@ -26,6 +27,7 @@ from hetconv.protocol import (
     PeerForwardRequest,
     ProtocolError,
     SampleBackwardRequest,
+    SampleForwardRequest,
     Welcome,
     limits,
 )
@@ -113,6 +115,27 @@ def sample_backward(**changes: Any) -> SampleBackwardRequest:
     return dataclasses.replace(message, **changes)
 
 
+def step_chain(**changes: Any) -> SampleForwardRequest:
+    """A member's step chain (docs/dense-replica.md): x and its labels."""
+    message = SampleForwardRequest(
+        request_id=9, step=0, attempt=0, train=True, total_batch=4, finish_layer=-1,
+        start_layer=0, stop_layer=2, return_output=False, update_layer=-1,
+        learning_rate=0.05, total_count=0, mean=None, var=None, x=activation(),
+        dweight=None, update_sums=None, update_id=0, contributors=[], sync_id=10,
+        members=["w1"], member_samples=[2], positions=[256, 64], step_chain=True,
+        labels=np.array([1, 3], np.int32))
+    return dataclasses.replace(message, **changes)
+
+
+def assign_dense(**changes: Any) -> AssignDense:
+    """The dense part of a network with only the classifier: fc (2, 3) and (2,)."""
+    message = AssignDense(request_id=11, layer=2, names=["fc.weight", "fc.bias"],
+                          shapes=[[2, 3], [2]], layers=[], seed=0, momentum=0.9,
+                          weight_decay=5e-4, values=np.zeros(8, np.float32),
+                          velocity=np.zeros(8, np.float32))
+    return dataclasses.replace(message, **changes)
+
+
 def assign_peers(**changes: Any) -> AssignPeers:
     message = AssignPeers(request_id=7, participant="w1", wire_dtype="float32",
                           timeout_s=30.0, peers={}, peer_keys={}, plan=[])
@@ -131,6 +154,8 @@ def assign_peers(**changes: Any) -> AssignPeers:
     backward(), backward(learning_rate=0.0), peer_forward(), peer_forward(x=activation()),
     peer_backward(), peer_backward(dy=activation(dtype=np.float16)), assign_peers(),
     sample_backward(), sample_backward(reduce_id=0, update_id=0, contributors=[]),
+    step_chain(), step_chain(x=None, labels=None),  # a member's, a participant's without samples
+    assign_dense(),
 ], ids=lambda message: message.TYPE)
 def test_valid_requests_pass(message: Message) -> None:
     assert refusal(message) is None
@@ -216,6 +241,17 @@ REFUSED: list[tuple[Message, str]] = [
     (sample_backward(contributors=["w1", "w1"]), "contributors must be distinct"),
     (sample_backward(contributors=["w1", 3]), "contributors must be distinct"),
     (sample_backward(contributors=[]), "needs its contributors"),
+    # the step chain: labels only with a member's x in it, one class id per sample
+    (step_chain(labels=np.array([1, 3, 0], np.int32)), "one per sample of x (2)"),
+    (step_chain(labels=np.array([1.0, 3.0], np.float32)), "labels must be integer"),
+    (step_chain(x=None), "labels come only with a member's x"),
+    (step_chain(step_chain=False), "labels come only with a member's x in a step chain"),
+    (step_chain(sync_id=0, members=[], member_samples=[], positions=[]),
+     "a step chain is a training chain"),
+    (step_chain(start_layer=1, stop_layer=2, positions=[64]), "from layer 0"),
+    (assign_dense(values=np.full(8, np.nan, np.float32)), "values holds NaN or Inf"),
+    (assign_dense(shapes=[[2, 3], [3]]), "must chain from the layer before"),
+    (assign_dense(names=["fc.bias", "fc.weight"]), "names must be"),
 ]
 
 
