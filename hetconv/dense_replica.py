@@ -45,6 +45,13 @@ class DenseReplica:
         done = self.part.train_pass(flat, labels, step, rows)
         return done, flatten(done.grads, self.part.names())
 
+    def evaluate(self, features: np.ndarray) -> np.ndarray:
+        """Evaluation-mode logits (B, classes) of features (B, ...) flattened (the
+        result audit's request at layer ``layer``)."""
+        flat = np.ascontiguousarray(features, np.float32).reshape(features.shape[0], -1)
+        hidden, _ = self.part.forward(flat, False, -1)
+        return self.part.logits(hidden)
+
     def apply(self, vector: np.ndarray, learning_rate: float) -> None:
         """The SGD step with the whole batch's gradient (N,) (flattened in key order)."""
         names = self.part.names()

@@ -13,7 +13,11 @@ the trainer restores the previous snapshot, which passed its audit: corrupted
 updates never survive a recovery.
 
 What it catches: a worker whose forward computation is wrong now (scaled, shifted,
-garbage) for the kernels it holds. What it cannot: a worker whose stored weights
+garbage) for the kernels it holds. With the dense part replicated (the sample split's
+step chain), the same request at layer L (the conv layers' count) asks each worker for
+its dense part's evaluation-mode logits of seeded features (:func:`dense_audit_input`),
+compared with the master's own dense part: a replica whose dense arrays diverged is
+caught too. What it cannot: a worker whose stored weights
 went wrong while it computes consistently with them (the snapshot carries the
 same wrong weights), errors only in the backward pass or in the batch-statistics
 path of training mode, errors below :data:`AUDIT_TOLERANCE` of the output's
@@ -45,6 +49,14 @@ def audit_input(shape: ConvLayerShape, step: int, layer: int) -> np.ndarray:
     """Seeded standard-normal input of the layer, (AUDIT_SAMPLES, C, H, W) float32."""
     rng = np.random.default_rng([step % 2**32, layer, 0xA0D17])
     return rng.standard_normal(shape.input_shape(AUDIT_SAMPLES)).astype(np.float32)
+
+
+def dense_audit_input(last: ConvLayerShape, step: int, layer: int) -> np.ndarray:
+    """Seeded input of the replicated dense part (docs/dense-replica.md): what the last
+    conv layer outputs, (AUDIT_SAMPLES, K, H', W') float32, non-negative as after a ReLU."""
+    rng = np.random.default_rng([step % 2**32, layer, 0xA0D17])
+    shape = (AUDIT_SAMPLES, last.kernels, last.pooled_height, last.pooled_width)
+    return np.abs(rng.standard_normal(shape)).astype(np.float32)
 
 
 def audit_mismatch(answered: np.ndarray, reference: np.ndarray) -> str | None:

@@ -23,7 +23,7 @@ import numpy as np
 from hetconv.config import MASTER_PARTICIPANT
 from hetconv.dense_replica import DenseReplica
 from hetconv.master.assign import assign, exchange
-from hetconv.master.audit import audit_input, audit_workers
+from hetconv.master.audit import audit_input, audit_workers, dense_audit_input
 from hetconv.master.calibration import calibrate_samples
 from hetconv.master.cluster import Cluster, WorkerHandle, WorkerLost
 from hetconv.master.commands import carry_out
@@ -192,8 +192,20 @@ class BetweenSteps:
             asked += [(Shard(name, member.worker, 0, shape.kernels), layer, x)
                       for name, member in self.workers.items()
                       if name in self.balance.seconds and member.worker is not None]
+        dense = self.dense
+        if dense is not None:  # the dense part too: the master's arrays are the reference
+            x = dense_audit_input(self.setup.shapes[-1], self.step, dense.layer)
+            asked += [(Shard(name, member.worker, 0, dense.classes()), dense.layer, x)
+                      for name, member in self.workers.items()
+                      if name in self.balance.seconds and member.worker is not None]
+
+        def reference(_shard: Shard, layer: int, x: np.ndarray) -> np.ndarray:
+            if dense is not None and layer == dense.layer:
+                return dense.evaluate(x)
+            return self.local[layer].forward_host(x, False)
+
         audit_workers(self.cluster, self.step, asked, self.control.request_deadline_s(),
-                      lambda _shard, layer, x: self.local[layer].forward_host(x, False))
+                      reference)
 
     def restore(self, state: dict[str, np.ndarray]) -> None:
         """Every participant's layers back to ``state``, between steps."""

@@ -24,7 +24,7 @@ from hetconv.calibration import time_block
 from hetconv.config import MASTER_PARTICIPANT
 from hetconv.config import WIRE_DTYPES as WIRE_DTYPE_CHOICES
 from hetconv.dataplane import PeerLost, PeerParticipant, PiecePort
-from hetconv.dense_replica import dense_refusal, replica_from
+from hetconv.dense_replica import DenseReplica, dense_refusal, replica_from
 from hetconv.names import STATE_NAMES
 from hetconv.ops.conv_layer import POOLS
 from hetconv.peer_plan import PeerPlan
@@ -265,6 +265,9 @@ class WorkerService:
 
     def _forward(self, request: ForwardRequest) -> ForwardReply:
         self._at_step(request.step)
+        dense = self.sample.dense
+        if dense is not None and request.layer == dense.layer and not request.train:
+            return self._dense_audit(request, dense)
         shard = self._shard(request.layer)
         x = request.x
         _check_wire_dtype(x, "x")
@@ -278,6 +281,21 @@ class WorkerService:
         return ForwardReply(request_id=request.request_id, step=request.step,
                             layer=request.layer, attempt=request.attempt, compute_s=compute_s,
                             y=to_wire(y, x.dtype))
+
+    @staticmethod
+    def _dense_audit(request: ForwardRequest, dense: DenseReplica) -> ForwardReply:
+        """The replicated dense part's evaluation-mode logits (the result audit)."""
+        _check_wire_dtype(request.x, "x")
+        features = dense.part.arrays[dense.part.names()[0]].shape[1]
+        if request.x.ndim < 2 or int(np.prod(request.x.shape[1:])) != features:
+            raise RequestError(ERR_BAD_REQUEST, f"the dense part takes {features} features "
+                               f"a sample, got x of shape {tuple(request.x.shape)}")
+        start = time.perf_counter()
+        logits = dense.evaluate(request.x)
+        return ForwardReply(request_id=request.request_id, step=request.step,
+                            layer=request.layer, attempt=request.attempt,
+                            compute_s=time.perf_counter() - start,
+                            y=to_wire(logits, request.x.dtype))
 
     def _backward(self, request: BackwardRequest) -> BackwardReply:
         shard = self._shard(request.layer)

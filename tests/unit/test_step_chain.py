@@ -225,3 +225,35 @@ def test_a_step_chain_without_the_dense_part_or_with_bad_labels_is_a_bad_request
     with pytest.raises(SampleRequestError, match="AssignDense"):
         runners["p0"].forward(_step(0, 20, ["p0"], [3], x, np.zeros(3, np.int32),
                                     len(shapes), positions, 0), shards["p0"])
+
+
+def test_the_result_audit_asks_the_dense_part_and_catches_a_diverged_replica() -> None:
+    """The snapshot audit's request at layer L: a worker answers its dense part's
+    evaluation-mode logits of the seeded features; the master compares them with its
+    own dense part's (master/audit.py): equal replicas pass, a diverged one does not."""
+    from hetconv.master.audit import audit_mismatch, dense_audit_input
+    from hetconv.protocol import ErrorReply, ForwardReply, ForwardRequest
+    from hetconv.worker.service import WorkerService
+
+    model, params, _ = _model()
+    names = dense_parameter_names(model)
+    layers = len(conv_layer_shapes(model))
+    master = DenseReplica(DensePart(model.dense, {n: params[n].copy() for n in names},
+                                    {n: np.zeros_like(params[n]) for n in names}, seed=7),
+                          layers, OPT.momentum, OPT.weight_decay)
+    service = WorkerService("cpu")
+    assert not isinstance(service.handle(master.message(1)), ErrorReply)
+    x = dense_audit_input(conv_layer_shapes(model)[-1], 40, layers)
+    request = ForwardRequest(request_id=2, step=40, layer=layers, attempt=0, train=False, x=x)
+    reply = service.handle(request)
+    assert isinstance(reply, ForwardReply), reply
+    assert audit_mismatch(np.asarray(reply.y), master.evaluate(x)) is None
+    assert service.sample.dense is not None
+    service.sample.dense.part.arrays["fc.weight"] *= 1.5  # its replica diverged
+    reply = service.handle(request)
+    assert isinstance(reply, ForwardReply)
+    assert audit_mismatch(np.asarray(reply.y), master.evaluate(x)) is not None
+    wrong = ForwardRequest(request_id=3, step=40, layer=layers, attempt=0, train=False,
+                           x=np.zeros((4, 3, 2, 2), np.float32))
+    refused = service.handle(wrong)
+    assert isinstance(refused, ErrorReply) and "features" in refused.message
