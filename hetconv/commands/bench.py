@@ -19,6 +19,7 @@ from typing import Any
 from hetconv.checkpoint import save_text
 from hetconv.commands.options import Parser, check_output_path, positive_int
 from hetconv.config import (
+    BENCH_DENSE_PARTS,
     BENCH_PEERS,
     BN_STATISTICS,
     DATA_PLANES,
@@ -145,7 +146,7 @@ def add_parser(sub: Any) -> None:
                        "what a user gets; 'slice' is PyTorch DDP's per-rank semantics, "
                        "labelled samples-slice)")
     scale.add_argument("--dense-part", dest="dense_parts", action="append", default=None,
-                       choices=("auto", "master"),
+                       choices=BENCH_DENSE_PARTS,
                        help="where the sample split's runs put the dense part (repeat the "
                        "flag for both, interleaved; default auto: on every participant's "
                        "slice, what a user gets; 'master' is labelled -dense-master)")
