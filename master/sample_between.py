@@ -153,6 +153,7 @@ class BetweenSteps:
     _step_compute: dict[str, float]
     _step_latency: dict[str, float]
     _step_wall: float
+    _step_dense: dict[str, float]  # participant -> its dense part's seconds (step chain)
 
     @property
     def layers(self) -> int:
@@ -338,9 +339,14 @@ class BetweenSteps:
         samples = {p.participant: p.samples for p in self.slices}
         own = samples.get(MASTER_PARTICIPANT, 0)
         if own > 0 and MASTER_PARTICIPANT in self._step_compute:
+            # the conv part on both sides (the trial of the master alone times its conv
+            # calls only): a step chain's dense part taken out of its wall and compute
+            dense = self._step_dense
             self.alone_check.distributed_step(
-                self._step_wall, self._step_compute[MASTER_PARTICIPANT] / own
-                * sum(samples.values()))
+                max(0.0, self._step_wall - max(dense.values(), default=0.0)),
+                max(0.0, self._step_compute[MASTER_PARTICIPANT]
+                    - dense.get(MASTER_PARTICIPANT, 0.0)) / own * sum(samples.values()))
+        self._step_dense = {}
         self._check_step_model(samples)
         if self.setup.rebalancing and self.balance.observe(self._step_compute,
                                                            self._step_latency, samples):

@@ -36,6 +36,7 @@ class ChainedSteps:
     _dweight: PendingUpdate | None
     _round: Callable[..., dict[str, Any]]
     _entry: Callable[[int, Slice], dict[str, Any]]
+    _step_dense: dict[str, float]
 
     @property
     def layers(self) -> int:
@@ -134,6 +135,8 @@ class ChainedSteps:
             loss_sum += value
             correct += right
             dense_s = max(dense_s, float(reply.dense_s))
+            self._step_dense[piece.participant] = min(float(reply.dense_s),
+                                                      float(reply.compute_s))
             self._spread_over_layers(piece, reply)
         return loss_sum, correct, dense_s
 

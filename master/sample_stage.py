@@ -108,6 +108,7 @@ class SampleConvStage(ChainedSteps, BetweenSteps):
         self._step_compute: dict[str, float] = {}  # participant -> its compute this step
         self._step_latency: dict[str, float] = {}  # participant -> its rounds this step
         self._step_wall = 0.0  # the step's rounds, first request sent to last reply
+        self._step_dense: dict[str, float] = {}  # participant -> its dense part (step chain)
         self._step_rounds = 0  # rounds recorded this step
         self._step_started: float | None = None  # its first round's start (monotonic s)
         self.dense: DenseReplica | None = None  # the master's replica (attach_dense)
