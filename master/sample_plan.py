@@ -259,3 +259,17 @@ def predict_sample_step(slices: Sequence[Slice], seconds_per_sample: dict[str, f
         predicted += per_link / slowest + rtt
     return predicted
 
+
+
+def choose_dense_part(flag: str, on_master_s: float, replicated_s: float,
+                      dense_batch_s: float, dense_slice_s: float) -> tuple[bool, float]:
+    """Whether to replicate the dense part on the participants (``--dense-part``;
+    docs/dense-replica.md) and the predicted conv + transfer seconds of the choice, as
+    the kernel split's are counted (the dense part on the master for the whole batch
+    left out, so the two compare): ``on_master_s`` and ``replicated_s`` are
+    ``predict_sample_step`` without and with the dense part's values, ``dense_batch_s``
+    and ``dense_slice_s`` the dense part timed on the whole batch and on the largest
+    slice. ``auto`` replicates when the whole step is predicted shorter that way."""
+    replicated = replicated_s + dense_slice_s - dense_batch_s
+    replicate = flag == "replicas" or (flag == "auto" and replicated < on_master_s)
+    return replicate, (replicated if replicate else on_master_s)

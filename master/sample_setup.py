@@ -7,6 +7,7 @@ hands every participant every whole layer (the seeded initial weights) and build
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -30,7 +31,7 @@ from hetconv.master.sample_plan import (
 )
 from hetconv.master.sample_stage import SampleConvStage
 from hetconv.metrics import MetricsWriter
-from hetconv.model import ConvLayerShape, ModelConfig, layer_parameters
+from hetconv.model import ConvLayerShape, ModelConfig, dense_parameter_names, layer_parameters
 from hetconv.perf_model import Link
 from hetconv.shard import ConvShard, LayerSettings
 from hetconv.stage import ConvStage
@@ -70,6 +71,37 @@ def predict_samples(config: MasterConfig, participants: list[Participant],
                                "peer" if config.data_plane == "peer" else "master",
                                slice_statistics=config.bn_statistics == "slice",
                                dense_values=dense_values if config.dense_part != "master" else 0)
+
+
+def largest_slice(config: MasterConfig, participants: list[Participant],
+                  per_sample: list[float], batch: int) -> int:
+    """Samples of the largest slice the run starts with."""
+    slices = sample_slices([p.participant for p in participants],
+                           _seconds(config, per_sample), batch)
+    return max((s.samples for s in slices), default=batch) or batch
+
+
+def time_dense_part(model: ModelConfig, params: dict[str, np.ndarray], samples: int,
+                    repeats: int = 3) -> float:
+    """Seconds of the dense part's forward, backward and update on ``samples`` samples
+    on this machine (the best of ``repeats``; seeded random features and labels, a copy
+    of the arrays: the run's are not touched)."""
+    from hetconv.dense_part import DensePart
+    from hetconv.model import dense_features
+
+    names = dense_parameter_names(model)
+    part = DensePart(model.dense, {n: params[n].copy() for n in names},
+                     {n: np.zeros_like(params[n]) for n in names}, seed=0)
+    rng = np.random.default_rng(0)
+    flat = np.abs(rng.standard_normal((samples, dense_features(model)))).astype(np.float32)
+    labels = rng.integers(0, model.classes, samples)
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        done = part.train_pass(flat, labels, 0)
+        part.apply(done.grads, 0.0, 0.9, 0.0)
+        best = min(best, time.perf_counter() - started)
+    return best
 
 
 def open_sample_stage(cluster: Cluster, config: MasterConfig, participants: list[Participant],

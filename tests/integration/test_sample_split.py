@@ -69,11 +69,17 @@ def test_two_workers_and_the_master_reproduce_the_local_run(
     assert len(models) == 1, models
     model = models[0]
     assert model["predicted_step_s"] > 0 and model["measured_step_s"] > 0
-    # by default a step is one step chain (the dense part on every participant); two
-    # chains with the dense part on the master; under star 2L + 2 rounds (SMALL_RUN: two
-    # conv layers)
-    assert model["rounds"] == (2 * 2 + 2 if star else 2 if plane else 1)
-    assert ("the dense part on every participant's slice" in result.stdout) == (not plane)
+    # by default the model chooses where the dense part runs (--dense-part auto): on every
+    # participant, a step is one step chain; on the master, two chains; under star 2L + 2
+    # rounds (SMALL_RUN: two conv layers)
+    replicated = "the dense part on every participant's slice" in result.stdout
+    if not plane:
+        assert re.search(r"the dense part on (every participant|the master) \(--dense-part "
+                         r"auto: predicted [0-9.]+ ms a step replicated, [0-9.]+ ms on the "
+                         r"master", result.stdout), result.stdout
+    else:
+        assert not replicated
+    assert model["rounds"] == (2 * 2 + 2 if star else 1 if replicated else 2)
     assert model["predicted_step_s"] == pytest.approx(
         model["compute_s"] + model["rounds"] * model["round_s"] + model["serial_s"])
     assert "step model fitted on 9 steps" in result.stdout
@@ -118,14 +124,17 @@ def test_slice_statistics_train_with_replicas_kept_equal(
     """``--bn-statistics slice`` (PyTorch DDP's per-rank batch norm): no layer waits for
     a peer's statistics, the replicas stay equal (the result audit at every snapshot
     would evict one that fell behind: no recovery) and the network learns as the
-    local run does; its loss differs from the first step (other statistics)."""
+    local run does; its loss differs from the first step (other statistics). The dense
+    part replicated (asked for: the default lets the model choose) keeps them equal too."""
     workers("w1", "w2")
     run_dir = tmp_path / "dist"
     result = run_hetconv("train", "--listen", endpoint, "--min-workers", "2", "--wait", "30",
                          "--split-by", "samples", *SMALL_RUN, "--fall-back", "off",
-                         "--bn-statistics", "slice", "--run-dir", str(run_dir))
+                         "--bn-statistics", "slice", "--dense-part", "replicas",
+                         "--run-dir", str(run_dir))
     assert result.returncode == 0, result.stderr
     assert "each slice's own statistics (--bn-statistics slice)" in result.stdout
+    assert "the dense part on every participant's slice" in result.stdout
     assert [r["bn_statistics"] for r in _records(run_dir, "plan")] == ["slice"]
     assert not _records(run_dir, "recovery"), result.stdout
     steps, local_steps = _records(run_dir, "step"), _records(local_reference, "step")

@@ -130,3 +130,16 @@ def test_the_predicted_step_adds_the_slowest_slice_the_master_link_and_the_round
     # no worker: the compute alone
     assert predict_sample_step([Slice("master", 0, 64)], {"master": 0.001}, {"master": None},
                                shapes, 900, 4) == pytest.approx(0.064)
+
+
+def test_the_dense_part_is_replicated_where_the_whole_step_is_predicted_shorter() -> None:
+    from hetconv.master.sample_plan import choose_dense_part
+
+    # a slow link: the output and gradient slices on the master's link cost 96 ms, the
+    # dense part's values 15 ms more on every link; its time 4 ms for the batch, 1 for a slice
+    assert choose_dense_part("auto", 0.190, 0.109, 0.004, 0.001) == (True, 0.109 + 0.001 - 0.004)
+    # a wide dense part at 1 Gbit: its gradients cost more than the slices and its time saves
+    assert choose_dense_part("auto", 0.100, 0.140, 0.012, 0.003) == (False, 0.100)
+    # the flag wins either way
+    assert choose_dense_part("replicas", 0.100, 0.140, 0.012, 0.003)[0]
+    assert not choose_dense_part("master", 0.190, 0.109, 0.004, 0.001)[0]
