@@ -31,7 +31,7 @@ BN_STATISTICS = ("batch", "slice")  # batch (default): the whole batch's; slice:
 DENSE_PARTS = ("auto", "replicas", "master")
 """``--dense-part``: auto (default) replicates the dense part on the participants where the
 sample split's chains run (docs/dense-replica.md), else it stays on the master."""
-BENCH_DENSE_PARTS = ("auto", "master")  # hetconv bench scale --dense-part: what it compares
+BENCH_DENSE_PARTS = DENSE_PARTS  # hetconv bench scale --dense-part: what it compares
 BENCH_PEERS = ("ddp",)  # hetconv bench scale --peer: what users would run instead
 STEP_OPS = ("fused", "separate")  # hetconv bench step --ops: the conv layer paths timed
 PADDINGS = (0, 1, 2)

@@ -267,7 +267,7 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
                 continue
             for part in dense_parts:
                 label_of = (choice + ("" if norm == "batch" else SLICE_SUFFIX)
-                            + (DENSE_MASTER_SUFFIX if part == "master" else ""))
+                            + DENSE_SUFFIXES.get(part, ""))
                 configurations += [(fractions, label_of) for fractions in machine_sets]
     for reason in (netns_unavailable_reason(), cpu_quota_unavailable_reason()):
         if reason:
@@ -388,21 +388,22 @@ default a user gets)."""
 
 SLICE_SUFFIX = "-slice"
 """Appended to ``samples``/``auto``: the runs with ``--bn-statistics slice``."""
-DENSE_MASTER_SUFFIX = "-dense-master"
-"""Appended last: the runs with ``--dense-part master`` (the dense part on the master)."""
+DENSE_SUFFIXES = {"master": "-dense-master", "replicas": "-dense-replicas"}
+"""Appended last: the runs with ``--dense-part master`` or ``replicas`` (none: ``auto``)."""
 
 
 def split_flags(plane: str) -> tuple[str, ...]:
     """hetconv train's flags for a configuration's plane label: ``samples``, ``auto``
-    (either with ``-slice``: ``--bn-statistics slice``, then ``-dense-master``:
-    ``--dense-part master``) or a kernel split's data plane."""
-    dense = plane.endswith(DENSE_MASTER_SUFFIX)
-    rest = plane.removesuffix(DENSE_MASTER_SUFFIX)
+    (either with ``-slice``: ``--bn-statistics slice``, then ``-dense-master`` or
+    ``-dense-replicas``: ``--dense-part``) or a kernel split's data plane."""
+    dense = next((part for part, suffix in DENSE_SUFFIXES.items() if plane.endswith(suffix)),
+                 None)
+    rest = plane.removesuffix(DENSE_SUFFIXES[dense]) if dense else plane
     base = rest.removesuffix(SLICE_SUFFIX)
     if base in (SAMPLES, AUTO):
         return ("--split-by", base) + (
             ("--bn-statistics", "slice") if rest.endswith(SLICE_SUFFIX) else ()) + (
-            ("--dense-part", "master") if dense else ())
+            ("--dense-part", dense) if dense else ())
     return ("--split-by", "kernels", "--data-plane", plane)
 
 

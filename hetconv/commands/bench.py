@@ -148,8 +148,9 @@ def add_parser(sub: Any) -> None:
     scale.add_argument("--dense-part", dest="dense_parts", action="append", default=None,
                        choices=BENCH_DENSE_PARTS,
                        help="where the sample split's runs put the dense part (repeat the "
-                       "flag for both, interleaved; default auto: on every participant's "
-                       "slice, what a user gets; 'master' is labelled -dense-master)")
+                       "flag for several, interleaved; default auto: the model chooses, what "
+                       "a user gets; 'replicas' and 'master' are labelled -dense-replicas "
+                       "and -dense-master)")
     scale.add_argument("--cfs-period-ms", type=float, default=10.0,
                        help="the CPU quotas' period in ms (default 10; 1 to 1000, and the smallest "
                        "machine's share of it at least 1 ms): a machine "

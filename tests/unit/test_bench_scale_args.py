@@ -33,6 +33,8 @@ def test_the_slice_statistics_runs_get_their_flags() -> None:
     assert split_flags("samples") == ("--split-by", "samples")
     assert split_flags("samples-dense-master") == ("--split-by", "samples", "--dense-part",
                                                    "master")
+    assert split_flags("samples-dense-replicas") == ("--split-by", "samples", "--dense-part",
+                                                     "replicas")
     assert split_flags("auto-slice-dense-master") == (
         "--split-by", "auto", "--bn-statistics", "slice", "--dense-part", "master")
     assert split_flags("peer") == ("--split-by", "kernels", "--data-plane", "peer")
