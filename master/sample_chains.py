@@ -45,18 +45,20 @@ class ChainedSteps:
     def _members(self) -> list[str]:
         return [p.participant for p in self.slices if p.samples > 0]
 
+    def _chain_fields(self, step_chain: bool = False) -> dict[str, Any]:
+        """A forward chain's fields: a new ``sync_id`` (newer than the update's
+        reduction), the members and their samples, each layer's output positions."""
+        return {"sync_id": self.cluster.request_id(), "members": self._members(),
+                "member_samples": [p.samples for p in self.slices if p.samples > 0],
+                "positions": [s.conv_height * s.conv_width for s in self.setup.shapes],
+                "slice_statistics": self.setup.slice_statistics, "step_chain": step_chain}
+
     def _forward_chain(self, step: int, update: PendingUpdate | None) -> np.ndarray:
         """Every layer's forward in one request per participant, the statistics
         exchanged among the peers (hetconv/sample_chain.py); the output joined."""
         wire = self.setup.wire_dtype
         total = self._x.shape[0]
-        members = self._members()
-        sync_id = self.cluster.request_id()  # newer than the update's reduction
-        chain: dict[str, Any] = {
-            "sync_id": sync_id, "members": members,
-            "member_samples": [p.samples for p in self.slices if p.samples > 0],
-            "positions": [s.conv_height * s.conv_width for s in self.setup.shapes],
-            "slice_statistics": self.setup.slice_statistics}
+        chain = self._chain_fields()
 
         def make(piece: Slice) -> SampleForwardRequest:
             x = None
@@ -90,13 +92,8 @@ class ChainedSteps:
         slowest member's seconds of the dense part)."""
         wire = self.setup.wire_dtype
         total = self._x.shape[0]
-        members = self._members()
-        sync_id = self.cluster.request_id()  # newer than the update's reduction
-        chain: dict[str, Any] = {
-            "sync_id": sync_id, "members": members,
-            "member_samples": [p.samples for p in self.slices if p.samples > 0],
-            "positions": [s.conv_height * s.conv_width for s in self.setup.shapes],
-            "slice_statistics": self.setup.slice_statistics, "step_chain": True}
+        chain = self._chain_fields(step_chain=True)
+        members, sync_id = chain["members"], chain["sync_id"]
 
         def make(piece: Slice) -> SampleForwardRequest:
             x = part_labels = None
