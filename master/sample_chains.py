@@ -7,21 +7,31 @@ statistics exchanged among the peers, each participant combining them itself), n
 its own share (it always takes part: its replica is what a snapshot reads), joins the
 output slices, and leaves the update of every layer pending, to ride with the next
 forward chain (or an update-only round before a snapshot or an evaluation).
+
+With the dense part replicated (docs/dense-replica.md) the two chains are one step
+chain: the trainer hands the stage whole steps (``train_step``), each one request per
+participant, and the master's replica of the dense part is the trainer's own
+(``attach_dense``).
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from hetconv.config import MASTER_PARTICIPANT
+from hetconv.dense_part import DensePart
+from hetconv.dense_replica import DenseReplica
 from hetconv.master.cluster import Cluster, WorkerLost
 from hetconv.master.sample_between import PendingUpdate, SampleSetup, checked_result
 from hetconv.master.sample_between import update_fields as _update_fields
 from hetconv.master.sample_plan import Slice
+from hetconv.optim import OptimizerConfig
 from hetconv.protocol import SampleBackwardRequest, SampleForwardRequest
 from hetconv.protocol.sample_messages import NO_LAYER
+from hetconv.sample_runner import SampleRunner
 from hetconv.wire_cast import to_wire
 
 
@@ -37,13 +47,59 @@ class ChainedSteps:
     _round: Callable[..., dict[str, Any]]
     _entry: Callable[[int, Slice], dict[str, Any]]
     _step_dense: dict[str, float]
+    dense: DenseReplica | None
+    runner: SampleRunner
+    pending_fault: WorkerLost | None
+    flush: Callable[[], None]
+    assign_dense: Callable[[], None]
+    assign_peers: Callable[[], None]
+    _begin_step: Callable[[np.ndarray, int], PendingUpdate | None]
 
     @property
     def layers(self) -> int:
         return len(self.setup.shapes)
 
+    @property
+    def chained(self) -> bool:
+        """Whether steps are chains (the subclass's: the peers reduce the gradients)."""
+        raise NotImplementedError
+
     def _members(self) -> list[str]:
         return [p.participant for p in self.slices if p.samples > 0]
+
+    # --- the dense part replicated (docs/dense-replica.md) -----------------------------
+    @property
+    def replicates_dense(self) -> bool:
+        """Whether a training step is one step chain (the dense part on every
+        participant's slice) rather than the trainer's conv calls."""
+        return self.chained and self.dense is not None
+
+    def attach_dense(self, part: DensePart, optimizer: OptimizerConfig) -> None:
+        """Replicate the trainer's dense part (``--dense-part replicas``, chains only):
+        the master's replica is ``part`` itself; every worker gets it now and at every
+        hand-out of the layers. Between steps only."""
+        if not self.chained or not self.setup.dense_replicas:
+            return
+        self.dense = DenseReplica(part, self.layers, optimizer.momentum,
+                                  optimizer.weight_decay)
+        self.flush()
+        self.runner.dense = self.dense
+        self.assign_dense()
+        self.assign_peers()
+
+    def train_step(self, x: np.ndarray, labels: np.ndarray, step: int,
+                   learning_rate: float) -> dict[str, Any]:
+        """One SGD step as one step chain per participant (the trainer's step record:
+        the loss is the members' sums added in member order over the batch)."""
+        started = time.perf_counter()
+        if self.pending_fault is not None:
+            fault, self.pending_fault = self.pending_fault, None
+            raise fault  # the trainer's recovery: a re-plan that checks again
+        update = self._begin_step(x, step)
+        loss_sum, correct, dense_s = self._step_chain(step, learning_rate, labels, update)
+        step_s = time.perf_counter() - started
+        return {"loss": loss_sum / x.shape[0], "correct": correct, "images": int(x.shape[0]),
+                "step_s": step_s, "conv_s": max(0.0, step_s - dense_s), "dense_s": dense_s}
 
     def _chain_fields(self, step_chain: bool = False) -> dict[str, Any]:
         """A forward chain's fields: a new ``sync_id`` (newer than the update's

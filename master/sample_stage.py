@@ -37,7 +37,6 @@ import numpy as np
 
 from hetconv.config import MASTER_PARTICIPANT
 from hetconv.dataplane import PeerLost
-from hetconv.dense_part import DensePart
 from hetconv.dense_replica import DenseReplica
 from hetconv.master.cluster import Cluster, WorkerHandle, WorkerLost
 from hetconv.master.fall_back import AloneCheck
@@ -58,7 +57,6 @@ from hetconv.master.sample_chains import ChainedSteps
 from hetconv.master.sample_peers import SamplePeers
 from hetconv.master.sample_plan import SampleBalance, Slice
 from hetconv.master.step_model import InPlaceModel
-from hetconv.optim import OptimizerConfig
 from hetconv.protocol import (
     SampleBackwardRequest,
     SampleForwardRequest,
@@ -294,40 +292,6 @@ class SampleConvStage(ChainedSteps, BetweenSteps):
         self._x = np.ascontiguousarray(x, dtype=np.float32)
         self.slices = self._slice_batch(x.shape[0])
         return self._take_update()
-
-    # --- the dense part replicated (docs/dense-replica.md) -----------------------------
-    @property
-    def replicates_dense(self) -> bool:
-        """Whether a training step is one step chain (the dense part on every
-        participant's slice) rather than the trainer's conv calls."""
-        return self.chained and self.dense is not None
-
-    def attach_dense(self, part: DensePart, optimizer: OptimizerConfig) -> None:
-        """Replicate the trainer's dense part (``--dense-part replicas``, chains only):
-        the master's replica is ``part`` itself; every worker gets it now and at every
-        hand-out of the layers. Between steps only."""
-        if not self.chained or not self.setup.dense_replicas:
-            return
-        self.dense = DenseReplica(part, self.layers, optimizer.momentum,
-                                  optimizer.weight_decay)
-        self.flush()
-        self.runner.dense = self.dense
-        self.assign_dense()
-        self.assign_peers()
-
-    def train_step(self, x: np.ndarray, labels: np.ndarray, step: int,
-                   learning_rate: float) -> dict[str, Any]:
-        """One SGD step as one step chain per participant (the trainer's step record:
-        the loss is the members' sums added in member order over the batch)."""
-        started = time.perf_counter()
-        if self.pending_fault is not None:
-            fault, self.pending_fault = self.pending_fault, None
-            raise fault  # the trainer's recovery: a re-plan that checks again
-        update = self._begin_step(x, step)
-        loss_sum, correct, dense_s = self._step_chain(step, learning_rate, labels, update)
-        step_s = time.perf_counter() - started
-        return {"loss": loss_sum / x.shape[0], "correct": correct, "images": int(x.shape[0]),
-                "step_s": step_s, "conv_s": max(0.0, step_s - dense_s), "dense_s": dense_s}
 
     def _take_update(self) -> PendingUpdate | None:
         """The pending update, taken to travel with the next round. Summed by the master,
