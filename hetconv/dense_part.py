@@ -159,13 +159,15 @@ def flatten(arrays: dict[str, np.ndarray], names: Sequence[str]) -> np.ndarray:
 
 
 def unflatten(vector: np.ndarray, names: Sequence[str],
-              shapes: Sequence[tuple[int, ...]]) -> dict[str, np.ndarray]:
-    """The inverse of :func:`flatten`: writable float32 copies of ``shapes``."""
+              shapes: Sequence[tuple[int, ...]], copy: bool = True) -> dict[str, np.ndarray]:
+    """The inverse of :func:`flatten`: writable float32 copies of ``shapes`` (views of
+    ``vector`` with ``copy`` false: a gradient read once, on the step's hot path)."""
     out: dict[str, np.ndarray] = {}
     position = 0
     for name, shape in zip(names, shapes):
         size = int(np.prod(shape)) if shape else 1
-        out[name] = np.array(vector[position:position + size], np.float32).reshape(shape)
+        part = vector[position:position + size].reshape(shape)
+        out[name] = np.array(part, np.float32) if copy else part
         position += size
     if position != vector.size:
         raise ValueError(f"{vector.size} values for arrays of {position}")

@@ -55,7 +55,7 @@ class DenseReplica:
     def apply(self, vector: np.ndarray, learning_rate: float) -> None:
         """The SGD step with the whole batch's gradient (N,) (flattened in key order)."""
         names = self.part.names()
-        self.part.apply(unflatten(vector, names, self.shapes()), learning_rate,
+        self.part.apply(unflatten(vector, names, self.shapes(), copy=False), learning_rate,
                         self.momentum, self.weight_decay)
 
     def message(self, request_id: int) -> AssignDense:
