@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -23,6 +24,7 @@ from hetconv.master.sample_between import SampleSetup
 from hetconv.master.sample_peers import SamplePeers
 from hetconv.master.sample_plan import (
     SampleBalance,
+    choose_dense_part,
     choose_split_by,
     conv_weights,
     predict_sample_step,
@@ -102,6 +104,36 @@ def time_dense_part(model: ModelConfig, params: dict[str, np.ndarray], samples: 
         part.apply(done.grads, 0.0, 0.9, 0.0)
         best = min(best, time.perf_counter() - started)
     return best
+
+
+def dense_part_for(config: MasterConfig, participants: list[Participant],
+                   per_sample: list[float], shapes: list[ConvLayerShape], batch: int,
+                   links: dict[str, Link | None], model: ModelConfig,
+                   params: dict[str, np.ndarray], report: Callable[[str], None] = print
+                   ) -> tuple[float, float, MasterConfig]:
+    """Where the sample split's dense part runs (``--dense-part``, docs/dense-replica.md):
+    the choice's predicted seconds as the kernel split's compare (``choose_dense_part``),
+    its conv + transfer seconds (``predict_sample_step``: the ``plan`` record's), and the
+    config with ``dense_part`` settled to ``replicas`` or ``master``."""
+    values = sum(int(params[name].size) for name in dense_parameter_names(model))
+    on_master = predict_samples(replace(config, dense_part="master"), participants,
+                                per_sample, shapes, batch, links, values)
+    if config.data_plane != "peer" or config.dense_part == "master":
+        return on_master, on_master, replace(config, dense_part="master")
+    replicated = predict_samples(config, participants, per_sample, shapes, batch, links,
+                                 values)
+    whole_s = time_dense_part(model, params, batch)
+    slice_s = time_dense_part(model, params,
+                              largest_slice(config, participants, per_sample, batch))
+    replicate, compared = choose_dense_part(config.dense_part, on_master, replicated,
+                                            whole_s, slice_s)
+    if config.dense_part == "auto":
+        report(f"hetconv: the dense part {'on every participant' if replicate else 'on the master'}"
+               f" (--dense-part auto: predicted {(replicated + slice_s) * 1e3:.1f} ms a step "
+               f"replicated, {(on_master + whole_s) * 1e3:.1f} ms on the master, conv + "
+               "transfer + dense part)")
+    return compared, (replicated if replicate else on_master), \
+        replace(config, dense_part="replicas" if replicate else "master")
 
 
 def open_sample_stage(cluster: Cluster, config: MasterConfig, participants: list[Participant],

@@ -36,19 +36,12 @@ from hetconv.master.planes import DataPlane, StarPlane
 from hetconv.master.planner import ParticipantProfile, Plan, choose_plan
 from hetconv.master.rebalance import RebalanceDecision, Rebalancer, measured_compute
 from hetconv.master.run import RunControl
-from hetconv.master.sample_plan import choose_dense_part
-from hetconv.master.sample_setup import (
-    largest_slice,
-    open_sample_stage,
-    predict_samples,
-    split_by_for,
-    time_dense_part,
-)
+from hetconv.master.sample_setup import dense_part_for, open_sample_stage, split_by_for
 from hetconv.master.split import SplitRule, layer_traffic
 from hetconv.master.stage import DistributedConvStage, StageSetup
 from hetconv.metrics import MetricsWriter
-from hetconv.model import ConvLayerShape, ModelConfig, conv_layer_shapes, dense_parameter_names
-from hetconv.perf_model import LayerTraffic, Link
+from hetconv.model import ConvLayerShape, ModelConfig, conv_layer_shapes
+from hetconv.perf_model import LayerTraffic
 from hetconv.shard import ConvShard, LayerSettings
 from hetconv.stage import ConvStage, LocalConvStage
 
@@ -212,36 +205,6 @@ def master_alone(plan: list[list[Shard]]) -> bool:
     return all(shard.worker is None or shard.kernels == 0 for row in plan for shard in row)
 
 
-def dense_part_for(config: MasterConfig, participants: list[Participant],
-                   per_sample: list[float], shapes: list[ConvLayerShape], batch: int,
-                   links: dict[str, Link | None], model: ModelConfig,
-                   params: dict[str, np.ndarray], report: Callable[[str], None] = print
-                   ) -> tuple[float, float, MasterConfig]:
-    """Where the sample split's dense part runs (``--dense-part``, docs/dense-replica.md):
-    the choice's predicted seconds as the kernel split's compare (``choose_dense_part``),
-    its conv + transfer seconds (``predict_sample_step``: the ``plan`` record's), and the
-    config with ``dense_part`` settled to ``replicas`` or ``master``."""
-    values = sum(int(params[name].size) for name in dense_parameter_names(model))
-    on_master = predict_samples(replace(config, dense_part="master"), participants,
-                                per_sample, shapes, batch, links, values)
-    if config.data_plane != "peer" or config.dense_part == "master":
-        return on_master, on_master, replace(config, dense_part="master")
-    replicated = predict_samples(config, participants, per_sample, shapes, batch, links,
-                                 values)
-    whole_s = time_dense_part(model, params, batch)
-    slice_s = time_dense_part(model, params,
-                              largest_slice(config, participants, per_sample, batch))
-    replicate, compared = choose_dense_part(config.dense_part, on_master, replicated,
-                                            whole_s, slice_s)
-    if config.dense_part == "auto":
-        report(f"hetconv: the dense part {'on every participant' if replicate else 'on the master'}"
-               f" (--dense-part auto: predicted {(replicated + slice_s) * 1e3:.1f} ms a step "
-               f"replicated, {(on_master + whole_s) * 1e3:.1f} ms on the master, conv + "
-               "transfer + dense part)")
-    return compared, (replicated if replicate else on_master), \
-        replace(config, dense_part="replicas" if replicate else "master")
-
-
 def open_distributed_stage(config: MasterConfig, model: ModelConfig,
                            params: dict[str, np.ndarray], settings: LayerSettings,
                            metrics: MetricsWriter, batch: int, device: str = "cpu",
@@ -290,7 +253,7 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
             if config.split_by == "auto" and first.plan is not None \
                     and compared > first.plan.predicted_step_s:
                 split_by, why = "kernels", (
-                    f"predicted {predicted * 1e3:.1f} ms per step split by samples, "
+                    f"predicted {compared * 1e3:.1f} ms per step split by samples, "
                     f"{first.plan.predicted_step_s * 1e3:.1f} ms by kernels")
             else:
                 report(f"hetconv: split by samples ({why}; predicted conv + transfer "
