@@ -29,11 +29,28 @@ def netns_unavailable_reason() -> str | None:
     return None
 
 
+def forwarding_unavailable_reason() -> str | None:
+    """Why this host cannot route between :class:`LanHost` namespaces, or None: it must
+    forward IPv4 (turned on here when it is off and /proc/sys lets root write it)."""
+    path = "/proc/sys/net/ipv4/ip_forward"
+    try:
+        with open(path) as current:
+            if current.read().strip() == "1":
+                return None
+        with open(path, "w") as switch:
+            switch.write("1\n")
+        return None
+    except OSError as error:
+        return f"the host does not forward IPv4 between namespaces ({path}: {error.strerror})"
+
+
 class LanHost:
     """A network namespace reached from the host over a veth pair at ``rate``.
 
-    The host side gets ``10.77.<index>.1``, the namespace ``10.77.<index>.2``; both
-    directions are capped with ``tc tbf`` when ``rate`` (e.g. ``"200mbit"``) is given.
+    The host side gets ``10.77.<index>.1``, the namespace ``10.77.<index>.2`` with its
+    default route through the host, so namespaces reach each other when the host
+    forwards IPv4 (:func:`forwarding_unavailable_reason`); both directions are capped
+    with ``tc tbf`` when ``rate`` (e.g. ``"200mbit"``) is given.
     """
 
     def __init__(self, index: int, rate: str | None = None):
@@ -52,6 +69,10 @@ class LanHost:
              "dev", self.peer_if],
             ["ip", "netns", "exec", self.netns, "ip", "link", "set", self.peer_if, "up"],
             ["ip", "netns", "exec", self.netns, "ip", "link", "set", "lo", "up"],
+            # the host routes between its namespaces (a routed LAN): worker-to-worker
+            # traffic (the peer data plane) crosses both capped links
+            ["ip", "netns", "exec", self.netns, "ip", "route", "add", "default", "via",
+             self.host_address],
         ]
         if rate:
             tbf = ["root", "tbf", "rate", rate, "burst", "256kb", "latency", "100ms"]

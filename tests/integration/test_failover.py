@@ -2,7 +2,6 @@
 nothing but a few replayed steps (docs/resilience.md), with real worker processes."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -15,6 +14,7 @@ import numpy as np
 import pytest
 
 from hetconv.lab import wait_for
+from hetconv.metrics import read_metrics
 from tests.conftest import SMALL_RUN, child_env, epoch_records, hetconv_command
 from tests.support.faulty_worker import WorkerFaults
 
@@ -24,7 +24,8 @@ SLOW = WorkerFaults(delay_per_kernel_s=0.003)  # steps long enough to kill one m
 
 
 def records(run_dir: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    """The run's records so far; a live run's last line may be half written (skipped)."""
+    return read_metrics(run_dir / "metrics.jsonl")
 
 
 def final_losses(run_dir: Path) -> list[float]:

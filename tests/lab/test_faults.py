@@ -310,9 +310,9 @@ RUN = ["--data", "synthetic", "--limit", "3200", "--test-limit", "128", "--arch"
        "--epochs", "4", "--batch", "64", "--threads", "1", "--no-progress", "--seed", "7",
        "--checkpoint-every", "10", "--wire-dtype", "float32", "--split", "equal",
        "--data-plane", "star", "--split-by", "kernels"]
-# LanHost namespaces reach the master's host, not each other: the star plane here (the
-# peer plane over a switched LAN is what `hetconv bench scale` and tests/lab/
-# test_bench_scale.py run)
+# the star plane pinned here, a second case (the default peer plane over capped links is
+# tests/lab/test_lan.py's; over a switched LAN, `hetconv bench scale` and tests/lab/
+# test_bench_scale.py's)
 SLOW = WorkerFaults(delay_per_kernel_s=0.008)
 
 
