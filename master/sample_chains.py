@@ -84,8 +84,11 @@ class ChainedSteps:
                                   optimizer.weight_decay)
         self.flush()
         self.runner.dense = self.dense
-        self.assign_dense()
-        self.assign_peers()
+        try:
+            self.assign_dense()
+            self.assign_peers()
+        except WorkerLost as fault:  # as at setup: the first step raises it (a recovery)
+            self.pending_fault = self.pending_fault or fault
 
     def train_step(self, x: np.ndarray, labels: np.ndarray, step: int,
                    learning_rate: float) -> dict[str, Any]:

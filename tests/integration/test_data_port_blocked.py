@@ -140,6 +140,31 @@ def test_a_blocked_data_port_is_one_line_on_both_sides_and_the_run_goes_on(
 
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(REASON is not None, reason=f"cannot block a data port here: {REASON}")
+def test_under_the_sample_split_a_blocked_data_port_evicts_that_worker_and_the_run_goes_on(
+        netns: str, workers: Any, endpoint: str, tmp_path: Path) -> None:
+    """The sample split pinned (a second case): its dense part is handed out again when
+    the trainer starts, and a port found blocked then is a recovery too, not the end."""
+    firewall(netns, "--dport", str(BLOCKED_PORT))
+    started = {w.name: w for w in [
+        *workers("a", netns=netns, extra_args=("--data-port", str(BLOCKED_PORT))),
+        *workers("b", "c", netns=netns)]}
+    run_dir = tmp_path / "run"
+    status, out, err, _ = train(netns, endpoint, run_dir, "--kernel-size", "5",
+                                "--split-by", "samples")
+    assert status == 0, err[-3000:]
+    assert "hetconv: split by samples" in out, out[-3000:]
+    line = re.compile(rf"cannot reach worker a's data port tcp://127\.0\.0\.1:{BLOCKED_PORT} ")
+    assert line.search(err), err[-3000:]
+    assert re.search(r"run over: evicted: .*" + line.pattern, started["a"].output()), \
+        started["a"].output()
+    events = records(run_dir)
+    assert events[-1]["type"] == "run_end" and events[-1]["status"] == "completed", events[-1]
+    recoveries = [r for r in events if r["type"] == "recovery"]
+    assert recoveries and all(r["participant"] == "a" for r in recoveries), recoveries
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(REASON is not None, reason=f"cannot block a data port here: {REASON}")
 def test_workers_that_cannot_reach_the_masters_data_port_stop_the_run_with_that_line(
         netns: str, workers: Any, endpoint: str, tmp_path: Path) -> None:
     """The master's own data port (a free port, new every run) blocked: it cannot be
