@@ -57,12 +57,14 @@ from hetconv.wire_cast import to_wire
 
 
 class LayerClock:
-    """Each layer's seconds in a chain, less the waits for peers' pieces (the figures
-    of a step chain's reply): :meth:`start` at each layer, :meth:`stop` after the last."""
+    """Each layer's seconds in a chain, less the waits for peers' pieces, and those
+    waits apart (the figures of a step chain's reply): :meth:`start` at each layer,
+    :meth:`stop` after the last."""
 
     def __init__(self, exchange: GradientExchange):
         self.exchange = exchange
         self.seconds: dict[int, float] = {}
+        self.waits: dict[int, float] = {}
         self._open: tuple[int, float, float] | None = None
 
     def start(self, layer: int) -> None:
@@ -72,8 +74,10 @@ class LayerClock:
     def stop(self) -> None:
         if self._open is not None:
             layer, began, waited = self._open
-            spent = time.perf_counter() - began - (self.exchange.wait_s - waited)
+            wait = max(0.0, self.exchange.wait_s - waited)
+            spent = time.perf_counter() - began - wait
             self.seconds[layer] = self.seconds.get(layer, 0.0) + max(0.0, spent)
+            self.waits[layer] = self.waits.get(layer, 0.0) + wait
             self._open = None
 
 
@@ -226,7 +230,8 @@ def _dense_and_backward(runner: SampleRunner, request: SampleForwardRequest,
                                 request.sync_id, request.sync_id, members,
                                 request.slice_statistics, dy)
     figures = runner.peer_figures()
-    layer_seconds = [[forward.seconds.get(layer, 0.0), backward.seconds.get(layer, 0.0)]
+    layer_seconds = [[forward.seconds.get(layer, 0.0), backward.seconds.get(layer, 0.0),
+                      forward.waits.get(layer, 0.0), backward.waits.get(layer, 0.0)]
                      for layer in range(request.start_layer, request.stop_layer)]
     return SampleForwardReply(request_id=request.request_id, step=request.step,
                               attempt=request.attempt, compute_s=compute_seconds(started, figures),

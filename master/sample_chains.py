@@ -198,21 +198,29 @@ class ChainedSteps:
 
     def _spread_over_layers(self, piece: Slice, reply: Any) -> None:
         """The step record's per-layer figures of a step chain: the round recorded the
-        whole chain's compute under layer 0; the reply's ``layer_seconds`` (per layer
-        [forward_s, backward_s]) replace it where they are well formed (figures only:
-        a malformed list leaves the chain's total under layer 0)."""
+        whole chain's compute and peer wait under layer 0; the reply's ``layer_seconds``
+        (per layer [forward_s, backward_s, forward_wait_s, backward_wait_s]) move each
+        layer's share to its layer where they are well formed (figures only: a malformed
+        list leaves the totals under layer 0; what no layer waited, the update's
+        reduction at the chain's start and the dense part's, stays there)."""
         seconds = reply.layer_seconds
         if not isinstance(seconds, list) or len(seconds) != self.layers or not all(
-                isinstance(pair, list) and len(pair) == 2
-                and all(isinstance(v, (int, float)) and 0 <= v < 1e6 for v in pair)
-                for pair in seconds):
+                isinstance(row, list) and len(row) == 4
+                and all(isinstance(v, (int, float)) and 0 <= v < 1e6 for v in row)
+                for row in seconds):
             return
         first = self._entry(0, piece)
         first["forward_s"] = max(0.0, first["forward_s"] - float(reply.compute_s))
-        for layer, (forward, backward) in enumerate(seconds):
+        waited = sum(float(row[2]) + float(row[3]) for row in seconds)
+        if "peer_wait_s" in first and waited <= first["peer_wait_s"] + 1e-6:
+            first["peer_wait_s"] = max(0.0, first["peer_wait_s"] - waited)
+            for layer, row in enumerate(seconds):
+                entry = self._entry(layer, piece)
+                entry["peer_wait_s"] += float(row[2]) + float(row[3])
+        for layer, row in enumerate(seconds):
             entry = self._entry(layer, piece)
-            entry["forward_s"] += float(forward)
-            entry["backward_s"] += float(backward)
+            entry["forward_s"] += float(row[0])
+            entry["backward_s"] += float(row[1])
 
     def _backward_chain(self, step: int, learning_rate: float, dy: np.ndarray) -> None:
         """Every layer's backward in one request per participant (hetconv/sample_chain.py);

@@ -106,8 +106,9 @@ class SampleForwardReply(Message):
     array bytes with the peers and seconds waited for them in this round (not counted
     in ``compute_s``). A step chain's reply: the slice's cross-entropy summed over its
     samples ``loss_sum``, how many it classified right ``correct``, the seconds of
-    its dense part ``dense_s`` and, per conv layer, ``[forward_s, backward_s]`` in
-    ``layer_seconds`` (all within ``compute_s``; waits for peers excluded)."""
+    its dense part ``dense_s`` and, per conv layer, ``[forward_s, backward_s,
+    forward_wait_s, backward_wait_s]`` in ``layer_seconds`` (the first two within
+    ``compute_s``, waits for peers excluded; the last two within ``peer_wait_s``)."""
 
     TYPE: ClassVar[str] = "sample_forward_reply"
     request_id: int

@@ -80,6 +80,9 @@ def test_two_workers_and_the_master_reproduce_the_local_run(
     else:
         assert not replicated
     assert model["rounds"] == (2 * 2 + 2 if star else 1 if replicated else 2)
+    if replicated:  # a step chain's peer waits on the layers that waited, not on layer 0
+        assert any(d["peer_wait_s"] > 0 for step in steps for d in step["layers"][1]["devices"]
+                   if d["participant"] in ("w1", "w2")), steps[-1]
     assert model["predicted_step_s"] == pytest.approx(
         model["compute_s"] + model["rounds"] * model["round_s"] + model["serial_s"])
     assert "step model fitted on 9 steps" in result.stdout

@@ -133,10 +133,13 @@ def test_step_chains_equal_the_local_trainer(cuts: list[int], tmp_path: Path) ->
         losses.append(sum(replies[m].loss_sum for m in members) / batch)
         correct = sum(replies[m].correct for m in members)
         assert 0 <= correct <= batch
-        for member in members:  # the report's per-layer figures: [forward_s, backward_s]
-            seconds = replies[member].layer_seconds
-            assert len(seconds) == layers and all(f > 0 and b > 0 for f, b in seconds)
-            assert sum(f + b for f, b in seconds) <= replies[member].compute_s
+        for member in members:  # the report's per-layer figures: [forward_s, backward_s,
+            seconds = replies[member].layer_seconds  # forward_wait_s, backward_wait_s]
+            assert len(seconds) == layers and all(f > 0 and b > 0 and fw >= 0 and bw >= 0
+                                                  for f, b, fw, bw in seconds)
+            assert sum(f + b for f, b, _, _ in seconds) <= replies[member].compute_s
+            assert sum(fw + bw for _, _, fw, bw in seconds) \
+                <= replies[member].peer_wait_s + 1e-9
     # the second step's update: an update-only round (as before a snapshot)
     flush = _in_threads({n: (lambda n=n: runners[n].backward(SampleBackwardRequest(
         request_id=30, step=1, attempt=0, learning_rate=LR[1], update_layer=0,
