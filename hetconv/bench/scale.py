@@ -38,6 +38,9 @@ from hetconv.bench.ddp import SPLITS, batch_shares, rank_command
 from hetconv.bench.scale_breakdown import (
     comm_share,
     format_breakdown,
+    format_layer_breakdown,
+    layer_breakdown,
+    merge_layer_repeats,
     merge_repeats,
     step_breakdown,
 )
@@ -86,6 +89,7 @@ class RunFigures:
     busiest_worker_link_bytes: float
     predicted_step_s: float | None
     breakdown: dict[str, dict[str, float]] = field(default_factory=dict)  # scale_breakdown
+    layers: dict[int, dict[str, dict[str, float]]] = field(default_factory=dict)
     comm_share: float = 0.0  # median comm_s over step_s
 
 
@@ -155,6 +159,7 @@ def run_figures(run_dir: Path, link_bytes_per_s: float | None) -> RunFigures:
                       dense_s=dense_s, master_link_bytes=statistics.median(master_bytes),
                       busiest_worker_link_bytes=statistics.median(busiest),
                       predicted_step_s=predicted, breakdown=step_breakdown(steps),
+                      layers=layer_breakdown(steps),
                       comm_share=comm_share(steps))
 
 
@@ -370,6 +375,7 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
         add_peer_figures(summary, configurations, peer_results)
         table += format_peer_table(summary, rate)
     table += format_breakdown(summary)
+    table += format_layer_breakdown(summary)
     for line in table:
         out(line)
     (root / "scale.json").write_text(json.dumps(
@@ -433,6 +439,7 @@ def summarize(configurations: list[tuple[tuple[float, ...], str]],
                 r.busiest_worker_link_bytes for r in runs),
             "predicted_step_s": statistics.median(predictions) if predictions else None,
             "breakdown": merge_repeats([r.breakdown for r in runs]),
+            "layers": merge_layer_repeats([r.layers for r in runs]),
             "comm_share": statistics.median(r.comm_share for r in runs),
         })
     return rows

@@ -10,6 +10,12 @@ table): from the ``step`` records a run wrote, the medians over its measured ste
 - ``samples`` (sample split) or ``kernels`` (kernel split) of the last layer it held;
 
 and per run the exposed communication: ``comm_s`` over the step (docs/metrics.md).
+
+Per layer (the fourth table), each participant's median compute and peer wait in that
+layer: where the step's waiting is, barrier by barrier. Under the sample split's step
+chain every layer's waits are its own (its batch-norm barriers, forward and backward);
+layer 0 also holds what no layer waited (the update's reduction at the chain's start,
+the dense part's). Under the other planes the figures stay where the records put them.
 Pure: records in, numbers and table lines out."""
 from __future__ import annotations
 
@@ -45,6 +51,57 @@ def step_breakdown(steps: Sequence[dict[str, Any]]) -> dict[str, dict[str, float
                 per.setdefault(name, {}).setdefault(field, []).append(value)
     return {name: {field: statistics.median(values) for field, values in fields.items()}
             for name, fields in per.items()}
+
+
+def layer_breakdown(steps: Sequence[dict[str, Any]]
+                    ) -> dict[int, dict[str, dict[str, float]]]:
+    """Layer -> participant -> the medians over the steps of its ``compute_s`` (forward
+    + backward) and ``peer_wait_s`` in that layer."""
+    per: dict[int, dict[str, dict[str, list[float]]]] = {}
+    for step in steps:
+        for layer in step.get("layers", []):
+            for timing in layer.get("devices", []):
+                entry = per.setdefault(int(layer.get("layer", 0)), {}).setdefault(
+                    participant_of(timing), {"compute_s": [], "peer_wait_s": []})
+                entry["compute_s"].append(float(timing.get("forward_s", 0.0))
+                                          + float(timing.get("backward_s", 0.0)))
+                entry["peer_wait_s"].append(float(timing.get("peer_wait_s", 0.0)))
+    return {layer: {name: {field: statistics.median(values) for field, values in
+                           fields.items()} for name, fields in names.items()}
+            for layer, names in sorted(per.items())}
+
+
+def merge_layer_repeats(breakdowns: Sequence[dict[int, dict[str, dict[str, float]]]]
+                        ) -> dict[int, dict[str, dict[str, float]]]:
+    """The median over repeats of each layer's participants' medians."""
+    layers = sorted({layer for b in breakdowns for layer in b})
+    return {layer: merge_repeats([b[layer] for b in breakdowns if layer in b])
+            for layer in layers}
+
+
+def format_layer_breakdown(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Markdown lines: per configuration and layer, the participants' compute and peer
+    wait (ms, the lowest to the highest participant; ``rows``: the summary rows with
+    ``layers``, the output of :func:`merge_layer_repeats`)."""
+    lines = ["", "Per layer, medians per step (then over the repeats), from the lowest to "
+             "the highest participant: compute (forward + backward) and waiting for peers' "
+             "pieces in that layer. Under the sample split's step chain each layer's wait is "
+             "its batch-norm barriers'; layer 1 also holds what no layer waited (the "
+             "update's reduction, the dense part's).", "",
+             "| machines (core each) | layer | compute ms | peer wait ms | participants |",
+             "|---|---|---|---|---|"]
+
+    def span(values: list[float]) -> str:
+        low, high = min(values) * 1e3, max(values) * 1e3
+        return f"{low:.1f}" if f"{low:.1f}" == f"{high:.1f}" else f"{low:.1f}-{high:.1f}"
+
+    for row in rows:
+        for index, (layer, names) in enumerate((row.get("layers") or {}).items()):
+            lines.append(f"| {row['machines'] if index == 0 else ''} | {int(layer) + 1} | "
+                         f"{span([n['compute_s'] for n in names.values()])} | "
+                         f"{span([n['peer_wait_s'] for n in names.values()])} | "
+                         f"{len(names)} |")
+    return lines
 
 
 def comm_share(steps: Sequence[dict[str, Any]]) -> float:

@@ -83,6 +83,10 @@ def test_bench_scale_small_configuration(tmp_path: Path) -> None:
     assert row["master_link_bytes"] > 0 and row["predicted_step_s"] is not None
     assert peer["busiest_worker_link_bytes"] > 0
     assert any(line.startswith("| 3x[0.5,0.5,0.5] star | 1gbit |") for line in lines)
+    # the per-layer table: both conv layers of each run, three participants each
+    layer_rows = [line for line in lines if line.endswith("| 3 |")]
+    assert len(layer_rows) == 4 and layer_rows[0].startswith("| 3x[0.5,0.5,0.5] star | 1 |"), \
+        lines[-12:]
     for plane in ("star", "peer"):
         run_dir = tmp_path / f"3x[0.5,0.5,0.5]-{plane}" / "repeat0"
         records = read_metrics(run_dir / "metrics.jsonl")

@@ -6,6 +6,9 @@ import pytest
 from hetconv.bench.scale_breakdown import (
     comm_share,
     format_breakdown,
+    format_layer_breakdown,
+    layer_breakdown,
+    merge_layer_repeats,
     merge_repeats,
     step_breakdown,
 )
@@ -43,3 +46,28 @@ def test_repeats_merge_by_median_and_the_table_names_every_participant() -> None
     rows = [line for line in lines if line.startswith("| ") and "participant" not in line]
     assert rows[0].startswith("| 2x[0.45,0.45] samples | master | 96 |")
     assert rows[0].endswith("| 20% |") and rows[1].startswith("|  | m1 | 32 | 40.0 | 80.0 |")
+
+
+def test_each_layer_keeps_its_own_compute_and_waits() -> None:
+    """The fourth table: per layer, the participants' medians (where the waits are)."""
+    def step(wait_1: float) -> dict[str, object]:
+        return {"step_s": 0.05, "layers": [
+            {"layer": 0, "devices": [
+                {"participant": "master", "forward_s": 0.001, "backward_s": 0.002,
+                 "peer_wait_s": 0.004},
+                {"participant": "m1", "forward_s": 0.002, "backward_s": 0.002,
+                 "peer_wait_s": 0.003}]},
+            {"layer": 1, "devices": [
+                {"participant": "master", "forward_s": 0.010, "backward_s": 0.020,
+                 "peer_wait_s": wait_1},
+                {"participant": "m1", "forward_s": 0.011, "backward_s": 0.021,
+                 "peer_wait_s": 2 * wait_1}]}]}
+    runs = [layer_breakdown([step(w), step(w), step(9.0)]) for w in (0.001, 0.002, 0.004)]
+    assert runs[0][1]["m1"]["peer_wait_s"] == pytest.approx(0.002)  # the median step
+    assert runs[0][0]["master"]["compute_s"] == pytest.approx(0.003)
+    merged = merge_layer_repeats(runs)
+    assert merged[1]["master"]["peer_wait_s"] == pytest.approx(0.002)  # the median repeat
+    lines = format_layer_breakdown([{"machines": "2x[0.45,0.45] samples", "layers": merged}])
+    rows = [line for line in lines if line.startswith("| ") and "participants" not in line]
+    assert rows == ["| 2x[0.45,0.45] samples | 1 | 3.0-4.0 | 3.0-4.0 | 2 |",
+                    "|  | 2 | 30.0-32.0 | 2.0-4.0 | 2 |"]
