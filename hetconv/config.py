@@ -23,6 +23,8 @@ SPLIT_BY = ("auto", "kernels", "samples")
 default."""
 WIRE_DTYPES = ("float32", "float16")
 WIRE_DTYPE_AUTO = "auto"  # --wire-dtype auto: the planner picks per run (docs/scale-out.md)
+WIRE_FLOAT16_GAIN = 0.03
+"""--wire-dtype auto takes float16 only for a predicted step this much shorter."""
 WIRE_DTYPE_FLAGS = WIRE_DTYPES + (WIRE_DTYPE_AUTO,)
 ON_OFF = ("on", "off")  # --rebalance
 ON_WORKER_LOSS = ("continue", "stop")  # --on-worker-loss

@@ -12,6 +12,10 @@ Pure functions and one small sans-IO class; the socket side is
 - :func:`sample_slices`: consecutive samples per participant, in proportion to its
   speed (equation 1 of the paper applied to samples: n_i ∝ 1/t_i), whole samples by
   largest remainder.
+- :func:`choose_sample_wire`: ``--wire-dtype auto`` under the sample split: float16
+  for what the master sends and receives per sample (x, and y and dy with the dense
+  part on the master) when the model predicts a step at least WIRE_FLOAT16_GAIN
+  shorter with it; the weight gradients are reduced in float32 either way.
 - :class:`SampleBalance`: per-sample seconds per participant from the calibration,
   corrected from the measured rounds of recent steps (median of the last few; a
   participant's round is from the round's start to its reply: compute, wire, message
@@ -25,7 +29,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hetconv.config import MASTER_PARTICIPANT
+from hetconv.config import MASTER_PARTICIPANT, WIRE_FLOAT16_GAIN
 from hetconv.model import ConvLayerShape
 from hetconv.partition import balanced_counts
 from hetconv.perf_model import Link
@@ -273,3 +277,11 @@ def choose_dense_part(flag: str, on_master_s: float, replicated_s: float,
     replicated = replicated_s + dense_slice_s - dense_batch_s
     replicate = flag == "replicas" or (flag == "auto" and replicated < on_master_s)
     return replicate, (replicated if replicate else on_master_s)
+
+
+def choose_sample_wire(float32_s: float, float16_s: float) -> str:
+    """``--wire-dtype auto`` under the sample split, from ``predict_sample_step`` with a
+    4-byte and a 2-byte wire: ``"float16"`` when that step is at least
+    WIRE_FLOAT16_GAIN shorter (a slow link to the master), else ``"float32"`` (the
+    default on a fast link: what travels per sample is then a small part of the step)."""
+    return "float16" if float16_s < float32_s * (1 - WIRE_FLOAT16_GAIN) else "float32"

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from hetconv.config import MASTER_PARTICIPANT, MasterConfig
+from hetconv.config import MASTER_PARTICIPANT, WIRE_DTYPE_AUTO, WIRE_DTYPES, MasterConfig
 from hetconv.master.assign import assign
 from hetconv.master.cluster import Cluster
 from hetconv.master.peer_plane import DataPortUnreachable
@@ -25,6 +25,7 @@ from hetconv.master.sample_peers import SamplePeers
 from hetconv.master.sample_plan import (
     SampleBalance,
     choose_dense_part,
+    choose_sample_wire,
     choose_split_by,
     conv_weights,
     predict_sample_step,
@@ -134,6 +135,30 @@ def dense_part_for(config: MasterConfig, participants: list[Participant],
                "transfer + dense part)")
     return compared, (replicated if replicate else on_master), \
         replace(config, dense_part="replicas" if replicate else "master")
+
+
+def sample_wire_for(config: MasterConfig, participants: list[Participant],
+                    per_sample: list[float], shapes: list[ConvLayerShape], batch: int,
+                    links: dict[str, Link | None], model: ModelConfig,
+                    params: dict[str, np.ndarray], report: Callable[[str], None] = print
+                    ) -> tuple[MasterConfig, float]:
+    """``--wire-dtype auto`` settled for the sample split (``choose_sample_wire``): the
+    step predicted with float32 and with float16 for what crosses the master's link per
+    sample, for the dense placement ``config`` has settled; the config with the chosen
+    dtype and the seconds it saves on the prediction (0 with float32 or a given dtype)."""
+    if config.wire_dtype != WIRE_DTYPE_AUTO:
+        return config, 0.0
+    values = sum(int(params[name].size) for name in dense_parameter_names(model))
+    predicted = {dtype: predict_samples(replace(config, wire_dtype=dtype), participants,
+                                        per_sample, shapes, batch, links, values)
+                 for dtype in WIRE_DTYPES}
+    chosen = choose_sample_wire(predicted["float32"], predicted["float16"])
+    report(f"hetconv: wire dtype {chosen} for the samples' inputs"
+           + ("" if config.dense_part == "replicas" else " and the dense part's features")
+           + f" (--wire-dtype auto: predicted {predicted['float32'] * 1e3:.1f} ms a step "
+           f"with float32, {predicted['float16'] * 1e3:.1f} ms with float16; the weight "
+           "gradients are reduced in float32)")
+    return replace(config, wire_dtype=chosen), predicted["float32"] - predicted[chosen]
 
 
 def open_sample_stage(cluster: Cluster, config: MasterConfig, participants: list[Participant],

@@ -16,7 +16,13 @@ from typing import Any
 
 import numpy as np
 
-from hetconv.config import MASTER_PARTICIPANT, WIRE_DTYPE_AUTO, WIRE_DTYPES, MasterConfig
+from hetconv.config import (
+    MASTER_PARTICIPANT,
+    WIRE_DTYPE_AUTO,
+    WIRE_DTYPES,
+    WIRE_FLOAT16_GAIN,
+    MasterConfig,
+)
 from hetconv.device_info import describe_device
 from hetconv.errors import UserError
 from hetconv.keys import server_keys
@@ -36,7 +42,12 @@ from hetconv.master.planes import DataPlane, StarPlane
 from hetconv.master.planner import ParticipantProfile, Plan, choose_plan
 from hetconv.master.rebalance import RebalanceDecision, Rebalancer, measured_compute
 from hetconv.master.run import RunControl
-from hetconv.master.sample_setup import dense_part_for, open_sample_stage, split_by_for
+from hetconv.master.sample_setup import (
+    dense_part_for,
+    open_sample_stage,
+    sample_wire_for,
+    split_by_for,
+)
 from hetconv.master.split import SplitRule, layer_traffic
 from hetconv.master.stage import DistributedConvStage, StageSetup
 from hetconv.metrics import MetricsWriter
@@ -77,10 +88,6 @@ def choose_wire_dtype(profiles: list[ParticipantProfile], shapes: list[ConvLayer
                  for dtype in WIRE_DTYPES}
     use16 = predicted["float16"] < predicted["float32"] * (1 - WIRE_FLOAT16_GAIN)
     return ("float16" if use16 else "float32"), predicted["float32"], predicted["float16"]
-
-
-WIRE_FLOAT16_GAIN = 0.03
-"""--wire-dtype auto takes float16 only for a predicted step this much shorter."""
 
 
 def planner_inputs(cluster: Cluster, participants: list[Participant],
@@ -222,9 +229,10 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
             split_by, why = split_by_for(config, model, shapes, batch)
         except ValueError as error:
             raise UserError(str(error)) from None
-        # the sample split's activations are few bytes: float32 unless asked otherwise
+        # the sample split chooses its own wire from its own model (sample_wire_for);
+        # without a link model (--split equal): float32 unless asked otherwise
         sample_config = replace(config, wire_dtype="float32") \
-            if config.wire_dtype == WIRE_DTYPE_AUTO else config
+            if config.wire_dtype == WIRE_DTYPE_AUTO and config.split != "model" else config
         profiles: list[ParticipantProfile] = []
         traffic: list[LayerTraffic] = []
         if config.wire_dtype == WIRE_DTYPE_AUTO and config.split != "model":
@@ -250,6 +258,10 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
             compared, predicted, sample_config = dense_part_for(
                 sample_config, participants, per_sample, shapes, batch, links, model, params,
                 report)
+            sample_config, gained = sample_wire_for(sample_config, participants, per_sample,
+                                                    shapes, batch, links, model, params,
+                                                    report)
+            compared, predicted = compared - gained, predicted - gained
             if config.split_by == "auto" and first.plan is not None \
                     and compared > first.plan.predicted_step_s:
                 split_by, why = "kernels", (
