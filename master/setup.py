@@ -244,9 +244,10 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
             if config.wire_dtype == WIRE_DTYPE_AUTO:
                 chosen, step32, step16 = choose_wire_dtype(profiles, shapes, batch,
                                                            config.data_plane)
-                report(f"hetconv: wire dtype {chosen} (--wire-dtype auto: predicted step "
-                       f"{step32 * 1e3:.1f} ms with float32, {step16 * 1e3:.1f} ms with "
-                       "float16)")
+                report(f"hetconv: wire dtype {chosen}"
+                       + (" if split by kernels" if split_by == "samples" else "")
+                       + f" (--wire-dtype auto: predicted step {step32 * 1e3:.1f} ms with "
+                       f"float32, {step16 * 1e3:.1f} ms with float16)")
                 config = replace(config, wire_dtype=chosen)
                 traffic = layer_traffic(shapes, batch, np.dtype(chosen).itemsize)
         rule = SplitRule(config.split, config.data_plane,
