@@ -70,7 +70,13 @@ def assert_completed(run_dir: Path, victim: str) -> list[dict[str, Any]]:
     events = records(run_dir)
     assert events[-1]["type"] == "run_end" and events[-1]["status"] == "completed", events[-1]
     recoveries = [r for r in events if r["type"] == "recovery"]
-    assert 1 <= len(recoveries) <= MAX_RECOVERIES, json.dumps(recoveries, indent=1)
+    victim_log = run_dir.parent / f"{victim}.log"  # the workers fixture's log_dir
+    assert 1 <= len(recoveries) <= MAX_RECOVERIES, (
+        json.dumps(recoveries, indent=1) + "\n" + "\n".join(
+            json.dumps({k: v for k, v in r.items() if k not in ("layers", "counts")})
+            for r in events if r["type"] not in ("step", "calibration"))[-4000:]
+        + f"\n{victim}'s log:\n"
+        + (victim_log.read_text(errors="replace")[-4000:] if victim_log.exists() else "none"))
     assert recoveries[0]["participant"] == victim, recoveries
     epochs = [r for r in events if r["type"] == "epoch"]
     assert epochs and epochs[-1]["test_accuracy"] >= 0.9, epochs

@@ -107,8 +107,13 @@ class WorkerFaults:
             return
         corrupt = (os.path.exists(self.corrupt_file) if self.corrupt_file
                    else step >= self.corrupt_from_step)
-        for shard in shards.values():
+        for layer, shard in shards.items():
             if isinstance(shard, FaultyShard):
+                if shard.corrupt != corrupt:  # the evidence a failing test prints
+                    print(f"faulty worker: layer {layer + 1} kernels [{shard.kernel_start}, "
+                          f"{shard.kernel_stop}) {'corrupt' if corrupt else 'correct'} "
+                          f"({self.corrupt_mode}) from step {step}", file=sys.stderr,
+                          flush=True)
                 shard.corrupt = corrupt
 
     # --- starting one --------------------------------------------------------------------
