@@ -151,6 +151,7 @@ class SampleRunner:
     def peer_figures(self) -> dict[str, Any]:
         if self.exchange is None:
             return {"peer_bytes_sent": 0, "peer_bytes_received": 0, "peer_wait_s": 0.0}
+        self.exchange.flush()  # the request's end: no bulk piece stays queued
         sent, received, waited = self.exchange.take_stats()
         return {"peer_bytes_sent": sent, "peer_bytes_received": received,
                 "peer_wait_s": waited}

@@ -95,8 +95,17 @@ def _step(step: int, sync_id: int, members: list[str], cuts: list[int], x: Any, 
         labels=labels)
 
 
+@pytest.mark.parametrize("bulk_bytes", [None, 0], ids=["default", "every piece queued"])
 @pytest.mark.parametrize("cuts", [[5, 7], [3, 4, 5]], ids=["2 members", "3 members"])
-def test_step_chains_equal_the_local_trainer(cuts: list[int], tmp_path: Path) -> None:
+def test_step_chains_equal_the_local_trainer(cuts: list[int], tmp_path: Path,
+                                             bulk_bytes: int | None,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bulk_bytes`` 0: every reduction piece waits for its sender's next barrier
+    message or wait (hetconv/weight_reduce.py), as the large ones do: same results, no
+    deadlock."""
+    if bulk_bytes is not None:
+        import hetconv.weight_reduce
+        monkeypatch.setattr(hetconv.weight_reduce, "BULK_BYTES", bulk_bytes)
     model, params, settings = _model()
     shapes = conv_layer_shapes(model)
     layers = len(shapes)

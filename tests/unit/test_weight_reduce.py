@@ -183,3 +183,31 @@ def test_pieces_of_an_older_reduction_are_stale() -> None:
     w1.reduce(5, 0, 0, everyone, SHAPE)
     assert "stale" in (w1.offer(_piece("master", PHASE_REDUCE, 5, 10, chunk, reduce_id=4))
                        or "")
+
+
+def test_a_bulk_piece_goes_out_after_the_next_barrier_message(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reduction piece of at least BULK_BYTES waits in its sender's queue and goes out
+    right after that sender's next batch-norm message, not ahead of it in the link's
+    one queue; a wait for reduction pieces sends what a peer may wait for first."""
+    import hetconv.weight_reduce
+    from hetconv.weight_reduce import PHASE_MOMENTS
+
+    monkeypatch.setattr(hetconv.weight_reduce, "BULK_BYTES", SHAPE[1] * 9 * 4 * 3)
+    network = Network()
+    everyone = ["master", "w1"]
+    plan = reduce_plan([SHAPE[0]], everyone, everyone)
+    master, w1 = (GradientExchange(n, plan, network.port(n), 0.2) for n in everyone)
+    grads = _gradients(everyone)
+    master.scatter(7, 3, 0, grads["master"])  # w1's range: 5 kernels, 540 bytes: queued
+    assert not network.queues["w1"]
+    master.share(9, 4, 0, PHASE_MOMENTS, np.ones((2, SHAPE[0]), np.float32))
+    assert [p.phase for p in network.queues["w1"]] == [PHASE_MOMENTS, PHASE_REDUCE]
+    w1.scatter(7, 3, 0, grads["w1"])  # queued on w1's side until its reduce's wait
+    own = {"w1": w1.reduce(7, 3, 0, everyone, SHAPE)}  # sends its queued piece, then waits
+    own["master"] = master.reduce(7, 3, 0, everyone, SHAPE)  # the gather piece: queued
+    master.flush()  # the request's end
+    totals = {n: e.gather(7, 0, own[n], SHAPE) for n, e in (("w1", w1), ("master", master))}
+    expected = add_in_order([grads[n] for n in everyone])
+    for total in totals.values():
+        assert np.array_equal(total.view(np.uint32), expected.view(np.uint32))
