@@ -107,6 +107,11 @@ def time_dense_part(model: ModelConfig, params: dict[str, np.ndarray], samples: 
     return best
 
 
+def dense_values(model: ModelConfig, params: dict[str, np.ndarray]) -> int:
+    """The dense part's parameter values (what its replicas reduce every step)."""
+    return sum(int(params[name].size) for name in dense_parameter_names(model))
+
+
 def dense_part_for(config: MasterConfig, participants: list[Participant],
                    per_sample: list[float], shapes: list[ConvLayerShape], batch: int,
                    links: dict[str, Link | None], model: ModelConfig,
@@ -116,7 +121,7 @@ def dense_part_for(config: MasterConfig, participants: list[Participant],
     the choice's predicted seconds as the kernel split's compare (``choose_dense_part``),
     its conv + transfer seconds (``predict_sample_step``: the ``plan`` record's), and the
     config with ``dense_part`` settled to ``replicas`` or ``master``."""
-    values = sum(int(params[name].size) for name in dense_parameter_names(model))
+    values = dense_values(model, params)
     on_master = predict_samples(replace(config, dense_part="master"), participants,
                                 per_sample, shapes, batch, links, values)
     if config.data_plane != "peer" or config.dense_part == "master":
@@ -148,7 +153,7 @@ def sample_wire_for(config: MasterConfig, participants: list[Participant],
     dtype and the seconds it saves on the prediction (0 with float32 or a given dtype)."""
     if config.wire_dtype != WIRE_DTYPE_AUTO:
         return config, 0.0
-    values = sum(int(params[name].size) for name in dense_parameter_names(model))
+    values = dense_values(model, params)
     predicted = {dtype: predict_samples(replace(config, wire_dtype=dtype), participants,
                                         per_sample, shapes, batch, links, values)
                  for dtype in WIRE_DTYPES}
