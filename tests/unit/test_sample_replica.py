@@ -101,3 +101,43 @@ def test_an_odd_map_before_a_pool_is_refused():
     replica = SampleReplica(_shards(model, params, settings)[0])
     with pytest.raises(ValueError, match="cannot be split by samples"):
         replica.start_forward(np.zeros((2, 1, 11, 11), np.float32), 4)
+
+
+@pytest.mark.parametrize("variant", [("max", True), ("avg", True), ("none", False)])
+def test_dx_first_then_the_weight_gradient_equals_one_finish(variant):
+    """The step chain's split backward (dx, then dW while the next layer's sums come):
+    the same dx and weight gradient as one finish_backward, and the replicas then
+    train on equally."""
+    model, params, settings = _network(*variant)
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((6, 2, 16, 16)).astype(np.float32)
+    once, split = (_shards(model, params, settings) for _ in range(2))
+    outputs = []
+    for shards in (once, split):
+        h = x
+        for shard in shards:
+            replica = SampleReplica(shard)
+            moments = replica.start_forward(h, 6)
+            stats = (None, None) if moments is None else moments_to_statistics([moments])
+            h = replica.finish_forward(*stats)
+            outputs.append(replica)
+    first, second = outputs[:2], outputs[2:]
+    dy = rng.standard_normal(h.shape).astype(np.float32)
+    g_once, g_split = dy, dy
+    for layer in (1, 0):
+        a, b = first[layer], second[layer]
+        sums_a, sums_b = a.start_backward(g_once), b.start_backward(g_split)
+        np.testing.assert_array_equal(sums_a[0], sums_b[0])
+        g_once, dw_once = a.finish_backward(*sums_a, need_dx=layer > 0)
+        g_split = b.finish_backward_dx(*sums_b, need_dx=layer > 0)
+        assert b.started  # the weight gradient still to come
+        dw = b.weight_gradient()
+        assert not b.started
+        if g_once is None:
+            assert g_split is None
+        else:
+            np.testing.assert_array_equal(g_split, g_once)
+        np.testing.assert_allclose(dw, dw_once, rtol=1e-5, atol=1e-6 * float(
+            np.abs(dw_once).max()))
+    with pytest.raises(RuntimeError, match="weight gradient before its backward"):
+        second[0].weight_gradient()
