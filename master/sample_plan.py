@@ -118,23 +118,28 @@ class SampleBalance:
     slices minimise the slowest participant's o_i + b_i·n_i (``balanced_counts``: a
     machine whose fixed part alone is too slow gets few samples or none). ``observe``
     returns True when the measured model's slices would finish at least
-    ``REBALANCE_GAIN`` sooner than the current ones, and adopts them."""
+    ``REBALANCE_GAIN`` sooner than the current ones, and adopts them. A re-slice that
+    would move samples back the way the last one moved them meets the last estimates
+    halfway (damped: under CPU quotas the measured speeds swing with the slices)."""
 
     def __init__(self, seconds_per_sample: dict[str, float]):
         self.seconds = dict(seconds_per_sample)  # b_i
         self.overhead: dict[str, float] = {}  # o_i (0 until measured)
         self._measured: dict[str, deque[tuple[float, float]]] = {}
+        self._last_moves: dict[str, int] = {}  # the last re-slice: samples gained (< 0 lost)
 
     def restrict(self, names: Sequence[str]) -> None:
         """Forget participants not in ``names`` (evicted)."""
         self.seconds = {n: t for n, t in self.seconds.items() if n in names}
         self.overhead = {n: t for n, t in self.overhead.items() if n in names}
         self._measured = {n: d for n, d in self._measured.items() if n in names}
+        self._last_moves = {}
 
     def add(self, name: str, seconds_per_sample: float) -> None:
         self.seconds[name] = seconds_per_sample
         self.overhead.pop(name, None)
         self._measured.pop(name, None)
+        self._last_moves = {}
 
     def slices(self, names: Sequence[str], batch: int) -> list[Slice]:
         """Consecutive slices of ``batch`` in the order of ``names`` (empty ones kept)."""
@@ -176,13 +181,33 @@ class SampleBalance:
 
         now = finish(samples)
         before = (self.seconds, self.overhead)
+        batch = sum(samples.values())
         self.seconds, self.overhead = per_sample, overhead
-        proposed = {s.participant: s.samples for s in self.slices(names, sum(samples.values()))}
+        proposed = {s.participant: s.samples for s in self.slices(names, batch)}
+        if reverses(self._last_moves, samples, proposed):
+            # back towards where the last re-slice came from: the estimates swing with
+            # the slices (a quota-throttled machine with the smaller slice idles at
+            # the barriers and computes in bursts, faster per sample), so meet halfway
+            self.seconds = {n: (before[0].get(n, per_sample[n]) + per_sample[n]) / 2
+                            for n in names}
+            self.overhead = {n: (before[1].get(n, overhead[n]) + overhead[n]) / 2
+                             for n in names}
+            proposed = {s.participant: s.samples for s in self.slices(names, batch)}
         self._measured.clear()
         if finish(proposed) > now * (1 - REBALANCE_GAIN):
             self.seconds, self.overhead = before  # not worth a change: keep the slices
             return False
+        self._last_moves = {n: proposed.get(n, 0) - samples.get(n, 0) for n in names}
         return True
+
+
+def reverses(last_moves: dict[str, int], current: dict[str, int],
+             proposed: dict[str, int]) -> bool:
+    """Whether ``proposed`` moves samples back the way the last re-slice
+    (``last_moves``: participant -> samples it gained, negative lost) moved them: some
+    participant that gained loses now, or one that lost gains."""
+    return any(moved * (proposed.get(n, 0) - current.get(n, 0)) < 0
+               for n, moved in last_moves.items())
 
 
 def sample_rounds(layers: int) -> int:
