@@ -21,12 +21,16 @@ import argparse
 import datetime
 import json
 import os
+import signal
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+
+from hetconv.lab.quota import CpuQuota
 
 DDP_STEPS = 40
 """Timed steps per DDP run (after DDP_WARMUP_STEPS): the median is the figure."""
@@ -54,16 +58,32 @@ def batch_shares(fractions: Sequence[float], batch: int, split: str) -> list[int
 
 
 def rank_command(python: str, rank: int, world: int, address: str, port: int, arch: str,
-                 samples: int, interface: str | None, out: Path | None) -> list[str]:
-    """The command line of one rank (``out``: where rank 0 writes its step times)."""
+                 samples: int, interface: str | None, out: Path | None,
+                 stop_after_import: bool = False) -> list[str]:
+    """The command line of one rank (``out``: where rank 0 writes its step times;
+    ``stop_after_import``: the rank stops itself (SIGSTOP) once PyTorch is imported, for
+    its starter to put it into the machine's CPU quota and let it go on)."""
     command = [python, "-m", "hetconv.bench.ddp", "--rank", str(rank), "--world", str(world),
                "--address", address, "--port", str(port), "--arch", arch,
                "--samples", str(samples)]
     if interface:
         command += ["--interface", interface]
+    if stop_after_import:
+        command += ["--stop-after-import"]
     if out is not None:
         command += ["--out", str(out)]
     return command
+
+
+def quota_after_import(process: subprocess.Popen[bytes], quota: CpuQuota) -> None:
+    """Put a rank started with ``--stop-after-import`` into ``quota`` once it stopped
+    itself, then continue it; a rank that ended before that keeps its status."""
+    _, status = os.waitpid(process.pid, os.WUNTRACED)
+    if os.WIFSTOPPED(status):
+        quota.add(process.pid)
+        os.kill(process.pid, signal.SIGCONT)
+    else:  # it ended (reaped here: its status goes where Popen looks for it)
+        process.returncode = os.waitstatus_to_exitcode(status)
 
 
 def _arguments(argv: Sequence[str]) -> argparse.Namespace:
@@ -77,6 +97,10 @@ def _arguments(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--samples", type=int, required=True, help="this rank's share")
     parser.add_argument("--interface", default=None, help="GLOO_SOCKET_IFNAME")
     parser.add_argument("--steps", type=int, default=DDP_STEPS)
+    parser.add_argument("--stop-after-import", action="store_true",
+                        help="SIGSTOP this rank once PyTorch is imported (its starter puts "
+                        "it into the machine's CPU quota, then continues it: the seconds "
+                        "of the import are not what is measured)")
     parser.add_argument("--out", default=None)
     return parser.parse_args(argv)
 
@@ -93,6 +117,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch = import_torch()
     torch.set_num_threads(1)
     import torch.distributed as dist
+
+    if args.stop_after_import:  # continued in the machine's quota
+        os.kill(os.getpid(), signal.SIGSTOP)
 
     distributed = args.world > 1
     if distributed:
@@ -117,8 +144,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         dist.barrier()
         dist.destroy_process_group()
     if args.out and args.rank == 0:
-        Path(args.out).write_text(json.dumps({"step_s": seconds, "samples": args.samples,
-                                              "world": args.world}))
+        Path(args.out).write_text(json.dumps({
+            "step_s": seconds, "samples": args.samples, "world": args.world,
+            "cgroups": Path("/proc/self/cgroup").read_text().split()}))  # its quota's
     return 0
 
 

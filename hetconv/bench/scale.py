@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hetconv.bench.ddp import SPLITS, batch_shares, rank_command
+from hetconv.bench.ddp import SPLITS, batch_shares, quota_after_import, rank_command
 from hetconv.bench.scale_breakdown import (
     comm_share,
     format_breakdown,
@@ -196,12 +196,13 @@ def _run_ddp(lan: SwitchedLan, fractions: tuple[float, ...], arch: str, batch: i
             machine = lan.machines[rank]
             command = machine.command(rank_command(
                 sys.executable, rank, len(fractions), lan.machines[0].address, port, arch,
-                samples, machine.interface, result if rank == 0 else None))
+                samples, machine.interface, result if rank == 0 else None, True))
             log = open(run_dir / f"rank{rank}.log", "wb")
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
             quota = CpuQuota(fraction, period_us)
             running.append((process, quota, log))
-            quota.add(process.pid)
+        for process, quota, _ in running:  # PyTorch's import is not the machine's work
+            quota_after_import(process, quota)
         for process, _, _ in running:
             statuses.append(process.wait(RUN_TIMEOUT_S))
     finally:

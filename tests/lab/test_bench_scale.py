@@ -1,6 +1,7 @@
 """``hetconv bench scale`` on a small switched LAN: caps hold, every machine computes."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -144,6 +145,9 @@ def test_bench_scale_runs_pytorch_ddp_beside_hetconv(tmp_path: Path) -> None:
                for line in result["table"])
     log = (tmp_path / "ddp-speed-2x[0.6,0.3]" / "repeat0" / "rank1.log")
     assert log.exists()
+    # rank 0 ran in its machine's quota (it joined after importing PyTorch)
+    ranks = json.loads((tmp_path / "ddp-speed-2x[0.6,0.3]" / "repeat0" / "ddp.json").read_text())
+    assert any(":cpu" in line and "/hetconv-" in line for line in ranks["cgroups"]), ranks
     assert not [line for line in subprocess.run(["ip", "netns"], capture_output=True,
                                                 text=True).stdout.splitlines()
                 if line.startswith(f"hcm{os.getpid() % 10000}")]  # ours torn down
