@@ -16,11 +16,9 @@ forward chain  (x slice; the previous step's updates of every layer ride along)
     shared; every member's moments combined -> finish (normalise, ReLU, pool);
     -> the last layer's output slice
 backward chain (dy slice)
-    for each layer from the last: batch-norm sums of the slice, shared; the layer
-    above's dW_i computed and scattered to its owners (reduction ``reduce_id``) while
-    the peers' sums come; every member's sums added -> kept for the update; finish
-    this layer's dx (its dW_i waits for the next layer's barrier; layer 0's follows
-    at once) -> nothing but the figures
+    for each layer from the last: batch-norm sums of the slice, shared; every
+    member's added -> kept for the update; finish (dx, dW_i); dW_i scattered to its
+    owners (reduction ``reduce_id``) -> nothing but the figures
 
 A participant without samples in the step (not a member) runs no layer: it combines
 the same moments and sums, follows the running statistics and keeps the sums, so its
@@ -51,7 +49,7 @@ from hetconv.protocol import (
     SampleForwardReply,
     SampleForwardRequest,
 )
-from hetconv.sample_replica import SampleReplica, add_in_order, moments_to_statistics
+from hetconv.sample_replica import add_in_order, moments_to_statistics
 from hetconv.sample_runner import SampleRequestError, SampleRunner, compute_seconds, tests_delay
 from hetconv.shard import ConvShard
 from hetconv.weight_reduce import PHASE_MOMENTS, PHASE_SUMS, GradientExchange
@@ -283,17 +281,6 @@ def _backward_layers(runner: SampleRunner, shards: Mapping[int, ConvShard], step
     member = exchange.participant in members
     later: dict[int, np.ndarray | None] = {}  # by slice: layer -> own sums, added last
     clock = LayerClock(exchange)
-    deferred: SampleReplica | None = None  # the layer above, its weight gradient to come
-
-    def scatter_deferred() -> None:
-        """The layer above's weight gradient, computed and scattered (its own seconds)."""
-        nonlocal deferred
-        if deferred is not None:
-            above, deferred = deferred, None
-            clock.start(above.layer)
-            exchange.scatter(reduce_id, step, above.layer, above.weight_gradient())
-            exchange.release()  # this layer's sums went out first
-
     for layer in range(start_layer, -1, -1):
         clock.start(layer)
         replica = runner.replica(shards, layer)
@@ -306,10 +293,6 @@ def _backward_layers(runner: SampleRunner, shards: Mapping[int, ConvShard], step
             except (RuntimeError, ValueError) as error:
                 raise SampleRequestError(ERR_BAD_REQUEST, str(error)) from None
             exchange.share(sync_id, step, layer, PHASE_SUMS, own)
-            # while the peers' sums come: the layer above's weight gradient (its dx
-            # went first: it is what this layer's sums needed)
-            scatter_deferred()
-            clock.start(layer)
         if by_slice:  # this slice's own sums now; every slice's added after the last layer
             later[layer] = own
             if own is None:
@@ -320,14 +303,10 @@ def _backward_layers(runner: SampleRunner, shards: Mapping[int, ConvShard], step
             dgamma, dbeta = runner.kept_sums[layer]
         if member:
             try:
-                dy = replica.finish_backward_dx(dgamma, dbeta, need_dx=layer > 0)
-                if layer > 0:
-                    deferred = replica
-                else:
-                    exchange.scatter(reduce_id, step, layer, replica.weight_gradient())
+                dy, dweight = replica.finish_backward(dgamma, dbeta, need_dx=layer > 0)
             except RuntimeError as error:
                 raise SampleRequestError(ERR_BAD_REQUEST, str(error)) from None
-    scatter_deferred()  # a chain that ended above layer 0 (none today)
+            exchange.scatter(reduce_id, step, layer, dweight)
     clock.stop()
     for layer, own in later.items():  # by slice: gamma's and beta's gradients, every slice's
         runner.kept_sums[layer] = _added_sums(exchange, sync_id, layer, members, own)

@@ -70,17 +70,6 @@ def moments_to_statistics(parts: list[tuple[int, np.ndarray, np.ndarray]]
         (squares / np.float32(count)).astype(np.float32)
 
 
-class _KeptRows:
-    """A chunk source giving the dy rows a block pass already computed (its
-    ``gradient_rows`` overwrites its kept conv output in place, so it runs once)."""
-
-    def __init__(self, fused: block_fast.BlockPass):
-        self.fused = fused
-
-    def gradient_rows(self, index: int, start: int, stop: int) -> Any:
-        return self.fused.rows_of[index]
-
-
 class SampleReplica:
     """One participant's copy of a whole conv layer under the sample split (see the
     module doc). Host arrays in and out; the shard's device computes."""
@@ -93,7 +82,6 @@ class SampleReplica:
         self._conv_cache: Any = None
         self._input_shape: tuple[int, ...] = ()
         self._sums: tuple[Any, Any] | None = None  # the whole batch's (dgamma, dbeta)
-        self._rows_ready = False  # the pass's dy rows computed (dx done, dw to come)
 
     @property
     def layer(self) -> int:
@@ -174,15 +162,6 @@ class SampleReplica:
                         ) -> tuple[np.ndarray | None, np.ndarray]:
         """With the whole batch's sums (K,): (dx (B_i, C, H, W) float32 or None, this
         slice's weight gradient (K, C, k, k) float32). The sums are kept for the update."""
-        dx = self.finish_backward_dx(dgamma, dbeta, need_dx)
-        return dx, self.weight_gradient()
-
-    def finish_backward_dx(self, dgamma: np.ndarray, dbeta: np.ndarray, need_dx: bool
-                           ) -> np.ndarray | None:
-        """:meth:`finish_backward`'s dx (B_i, C, H, W) float32 (None without ``need_dx``)
-        alone: the weight gradient follows from :meth:`weight_gradient`, which may come
-        later (while the chain waits for the next layer's sums), before this replica's
-        next forward pass."""
         fused, shard = self._pass, self.shard
         if fused is None:
             raise RuntimeError(f"layer {shard.layer}: backward without a training forward")
@@ -191,27 +170,12 @@ class SampleReplica:
             sums = (to_module(np.asarray(dgamma, np.float32), xp),
                     to_module(np.asarray(dbeta, np.float32), xp))
             fused.set_sums(*sums)
+            dx, dweight, _ = conv2d_backward_cached(self._conv_cache, None, need_dx=need_dx,
+                                                    need_db=False, source=fused)
             self._sums = sums
-            if not need_dx:
-                return None
-            dx, _, _ = conv2d_backward_cached(self._conv_cache, None, need_dx=True,
-                                              need_db=False, source=fused, need_dw=False)
-            self._rows_ready = True
-            return to_numpy(dx) if dx is not None else None
-
-    def weight_gradient(self) -> np.ndarray:
-        """This slice's weight gradient (K, C, k, k) float32, after
-        :meth:`finish_backward_dx` (its dy rows, already computed then, are read
-        again); ends the layer's backward pass."""
-        fused, shard = self._pass, self.shard
-        if fused is None or self._sums is None:
-            raise RuntimeError(f"layer {shard.layer}: a weight gradient before its backward")
-        with on_device(shard.device):
-            source = _KeptRows(fused) if self._rows_ready else fused
-            _, dweight, _ = conv2d_backward_cached(self._conv_cache, None, need_dx=False,
-                                                   need_db=False, source=source)
-            self._pass, self._conv_cache, self._rows_ready = None, None, False
-            return to_numpy(dweight).astype(np.float32)
+            self._pass, self._conv_cache = None, None
+            return (to_numpy(dx) if need_dx and dx is not None else None), \
+                to_numpy(dweight).astype(np.float32)
 
     def apply_update(self, dweight: np.ndarray, learning_rate: float,
                      sums: tuple[np.ndarray, np.ndarray] | None = None) -> None:

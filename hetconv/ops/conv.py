@@ -295,18 +295,14 @@ def conv2d_forward_cached(x: Any, w: Any, b: Any | None = None, stride: int = 1,
 
 def conv2d_backward_cached(cache: ConvCache, dy: Any, need_dx: bool = True,
                            dx_rows: Callable[[Any, int, int], None] | None = None,
-                           need_db: bool = True, source: ChunkSource | None = None,
-                           need_dw: bool = True) -> tuple[Any | None, Any, Any]:
+                           need_db: bool = True, source: ChunkSource | None = None
+                           ) -> tuple[Any | None, Any, Any]:
     """Gradients from the cache of ``conv2d_forward_cached`` and dy (B, K, Ho, Wo), or,
     with a ``source`` (dy None), each chunk's dy from the source.
 
-    Returns (dx (B, C, H, W) or None when need_dx is False, dw (K, C, kh, kw) or None
-    when need_dw is False, db (K,); zeros when need_db is False), all in the forward's
-    dtype. With 0 kernels dx is zeros. The pass may be split in two, dx first
-    (``need_dw=False``) and dw later (``need_dx=False``, the same dy or a source giving
-    the same rows again; the sample split computes a layer's dw while it waits for the
-    next layer's batch-norm sums): the same bits as one pass, but for shifted taps at
-    stride 1, whose dw alone takes one GEMM per tap (equal within float rounding).
+    Returns (dx (B, C, H, W) or None when need_dx is False, dw (K, C, kh, kw),
+    db (K,); zeros when need_db is False), all in the forward's dtype. With 0 kernels
+    dx is zeros.
 
     dx_rows (streaming, for sending dx while the rest is computed): called on the
     calling thread as ``dx_rows(dx, start, stop)`` each time samples [start, stop) of dx
@@ -348,28 +344,28 @@ def conv2d_backward_cached(cache: ConvCache, dy: Any, need_dx: bool = True,
                     g.kernels, g.out_h, g.out_w, stop - start) if source is not None
                     else dy[start:stop].transpose(1, 2, 3, 0))
                 return shifted_backward(xp, g, cache.weights_by_tap if need_dx else None,
-                                        padded, dy_t, dx_chunk, need_db, need_dw)
+                                        padded, dy_t, dx_chunk, need_db)
             if cache.layout == WINOGRAD:
                 rows = source.gradient_rows(index, start, stop) if source is not None \
                     else rows_of(xp, g, dy[start:stop])
                 return conv_winograd.chunk_backward(
                     xp, g, cache.transformed, padded, rows, dx_chunk, need_db,
-                    kept_part(index, cache.transformed.shape) if need_dw else None, need_dw)
-            columns = unfold(xp, g, cache.layout, padded) if need_dw else None
+                    kept_part(index, cache.transformed.shape))
             if cache.layout == SAMPLE_MAJOR:
-                return backward_sample_major(xp, g, offset_weights, columns, dy[start:stop],
-                                             dx_chunk, need_db)
+                return backward_sample_major(xp, g, offset_weights,
+                                             unfold(xp, g, cache.layout, padded),
+                                             dy[start:stop], dx_chunk, need_db)
             rows = source.gradient_rows(index, start, stop) if source is not None else rows_of(
                 xp, g, dy[start:stop])
-            return backward_rows(xp, g, offset_weights, columns, rows, dx_chunk, need_db,
-                                 kept_part(index, (g.taps, g.kernels)) if need_dw else None)
+            return backward_rows(xp, g, offset_weights, unfold(xp, g, cache.layout, padded),
+                                 rows, dx_chunk, need_db,
+                                 kept_part(index, (g.taps, g.kernels)))
 
         after = None if dx_rows is None or dx is None else (
             lambda start, stop: dx_rows(dx, start, stop))
         parts = run_chunks(task, cache.chunks, cache.threads, after=after)
-        if need_dw:
-            dw = sum_in_order(xp, [chunk_dw for chunk_dw, _ in parts], cache.threads)
-        if need_dw and cache.layout == WINOGRAD:
+        dw = sum_in_order(xp, [chunk_dw for chunk_dw, _ in parts], cache.threads)
+        if cache.layout == WINOGRAD:
             d_transformed, tile = dw, conv_winograd.tile_of(g)
             dw = xp.empty((g.kernels, g.channels, g.kernel_h, g.kernel_w), dtype)
             by_kernels(xp, g.kernels, cache.threads, lambda k: dw.__setitem__(
@@ -380,12 +376,10 @@ def conv2d_backward_cached(cache: ConvCache, dy: Any, need_dx: bool = True,
                 db += part_db
     elif dx_rows is not None and dx is not None:
         dx_rows(dx, 0, g.batch)
-    if db is None:
-        db = xp.zeros((g.kernels,), dtype)
-    if not need_dw:
-        return dx, None, db
     if dw is None:
         dw = xp.zeros((g.kernels, g.taps), dtype)
+    if db is None:
+        db = xp.zeros((g.kernels,), dtype)
     # a new array (the parts may be the workspace's)
     dw = xp.array(dw, dtype=dtype, order="C") if cache.keep is not None and cache.layout != \
         WINOGRAD else xp.ascontiguousarray(dw)

@@ -162,19 +162,17 @@ def col2im_add(g: Any, dcol: Any, dx_padded: Any, batch_last: bool) -> None:
                 dx_padded[:, :, rows, cols] += dcol[:, i, j]
 
 
-def backward_rows(xp: Any, g: Any, offset_weights: Any | None, columns: Any | None,
-                  dy_rows: Any, dx_chunk: Any | None, need_db: bool, dw_t: Any = None
-                  ) -> tuple[Any, Any]:
-    """Batch-inner backward of one chunk: (dw (K, Q), or None when ``columns`` is None
-    (dx only), db (K,) or None) from dy rows (K, Ho*Wo*nb) and the chunk's columns
-    (Q, Ho*Wo*nb); writes dx_chunk (nb, C, H, W) when given (offset_weights:
-    (K, kh*kw*C), the weights with taps ordered (i, j, c), so that the rows of dcol for
-    one kernel offset are contiguous)."""
+def backward_rows(xp: Any, g: Any, offset_weights: Any | None, columns: Any, dy_rows: Any,
+                  dx_chunk: Any | None, need_db: bool, dw_t: Any = None) -> tuple[Any, Any]:
+    """Batch-inner backward of one chunk: (dw (K, Q), db (K,) or None) from dy rows
+    (K, Ho*Wo*nb) and the chunk's columns (Q, Ho*Wo*nb); writes dx_chunk (nb, C, H, W)
+    when given (offset_weights: (K, kh*kw*C), the weights with taps ordered (i, j, c),
+    so that the rows of dcol for one kernel offset are contiguous)."""
     kh, kw, ho, wo, pad = g.kernel_h, g.kernel_w, g.out_h, g.out_w, g.padding
     hp, wp = g.height + 2 * pad, g.width + 2 * pad
     db = dy_rows.sum(axis=1) if need_db else None
     # as dw^T: OpenBLAS's AVX-512 kernels run this shape faster
-    dw = None if columns is None else xp.matmul(columns, dy_rows.T, out=dw_t).T
+    dw = xp.matmul(columns, dy_rows.T, out=dw_t).T
     if dx_chunk is not None and offset_weights is not None:
         nb = dx_chunk.shape[0]
         dcol = _empty(xp, "dcol", (g.taps, dy_rows.shape[1]), dy_rows.dtype)
@@ -186,23 +184,21 @@ def backward_rows(xp: Any, g: Any, offset_weights: Any | None, columns: Any | No
     return dw, db
 
 
-def backward_sample_major(xp: Any, g: Any, offset_weights: Any | None, columns: Any | None,
+def backward_sample_major(xp: Any, g: Any, offset_weights: Any | None, columns: Any,
                           dy_chunk: Any, dx_chunk: Any | None, need_db: bool
                           ) -> tuple[Any, Any]:
-    """Sample-major backward of one chunk: (dw (K, Q), or None when ``columns`` is None
-    (dx only), db (K,) or None) from canonical dy_chunk (nb, K, Ho, Wo) and columns
-    (nb, Q, P); writes dx_chunk when given."""
+    """Sample-major backward of one chunk: (dw (K, Q), db (K,) or None) from canonical
+    dy_chunk (nb, K, Ho, Wo) and columns (nb, Q, P); writes dx_chunk when given."""
     nb, kernels, positions = dy_chunk.shape[0], g.kernels, g.positions
     kh, kw, ho, wo, pad = g.kernel_h, g.kernel_w, g.out_h, g.out_w, g.padding
     hp, wp = g.height + 2 * pad, g.width + 2 * pad
     dy3 = dy_chunk.reshape(nb, kernels, positions)
     db = dy3.sum(axis=(0, 2)) if need_db else None
-    dw = None if columns is None else xp.zeros((kernels, g.taps), dy_chunk.dtype)
+    dw = xp.zeros((kernels, g.taps), dy_chunk.dtype)
     for start in range(0, nb, SAMPLE_BLOCK):
         stop = min(nb, start + SAMPLE_BLOCK)
         dy_block = dy3[start:stop]
-        if columns is not None:
-            dw += xp.matmul(dy_block, columns[start:stop].transpose(0, 2, 1)).sum(axis=0)
+        dw += xp.matmul(dy_block, columns[start:stop].transpose(0, 2, 1)).sum(axis=0)
         if dx_chunk is not None and offset_weights is not None:
             dcol = xp.matmul(offset_weights.T, dy_block)
             dcol = dcol.reshape(stop - start, kh, kw, g.channels, ho, wo)

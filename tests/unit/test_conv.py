@@ -254,24 +254,3 @@ def test_cache_sized_chunks_match_one_chunk(monkeypatch: pytest.MonkeyPatch) -> 
     for layout in fast.LAYOUTS:
         for got, want in zip(results[1, layout], results[1 << 30, layout], strict=True):
             np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
-
-
-@pytest.mark.parametrize("shape", GRID)
-@pytest.mark.parametrize("layout", fast.LAYOUTS)
-def test_dx_first_then_dw_equals_one_backward_pass(shape: tuple[int, ...], layout: str) -> None:
-    """The sample split's split backward (dx, then dw while waiting for the next
-    layer's sums): the same dx bits and the same dw bits, but for shifted taps at
-    stride 1, whose dw alone sums its taps in another order."""
-    x, w, b, dy = _inputs(shape, np.float32)
-    _, cache = conv2d_forward_cached(x, w, b, shape[7], shape[8], layout=layout)
-    dx_once, dw_once, db_once = conv2d_backward_cached(cache, dy)
-    dx, no_dw, db = conv2d_backward_cached(cache, dy, need_dw=False)
-    no_dx, dw, _ = conv2d_backward_cached(cache, dy, need_dx=False)
-    assert no_dw is None and no_dx is None
-    np.testing.assert_array_equal(dx, dx_once)
-    np.testing.assert_array_equal(db, db_once)
-    if layout == fast.SHIFTED_TAPS and shape[7] == 1 and shape[4] > 0:
-        np.testing.assert_allclose(dw, dw_once, rtol=1e-5, atol=1e-5 * float(
-            np.abs(dw_once).max()))
-    else:
-        np.testing.assert_array_equal(dw, dw_once)
