@@ -3,7 +3,8 @@
 What a user would otherwise run on the same machines: the same network
 (:func:`hetconv.bench.step.torch_network`, hetconv's initial weights), plain PyTorch
 DistributedDataParallel over gloo, one process per machine in that machine's
-namespace and CPU quota, one thread each, SGD with momentum 0.9. The batch is split
+namespace and CPU quota (joined once PyTorch is imported: ``--stop-after-import``),
+one thread each, SGD with momentum 0.9. The batch is split
 over the ranks either evenly (what DDP's users get from ``DistributedSampler``) or in
 proportion to the machines' core fractions (``by speed``: what a careful user could
 do by hand). Batch-norm statistics are per rank (PyTorch's SyncBatchNorm refuses CPU
