@@ -28,10 +28,12 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hetconv.lab.quota import CpuQuota
+if TYPE_CHECKING:  # the ranks themselves never need the lab
+    from hetconv.lab.quota import CpuQuota
 
 DDP_STEPS = 40
 """Timed steps per DDP run (after DDP_WARMUP_STEPS): the median is the figure."""
@@ -76,10 +78,25 @@ def rank_command(python: str, rank: int, world: int, address: str, port: int, ar
     return command
 
 
-def quota_after_import(process: subprocess.Popen[bytes], quota: CpuQuota) -> None:
+IMPORT_TIMEOUT_S = 120.0
+"""How long a rank may take to import PyTorch and stop itself."""
+
+
+def quota_after_import(process: subprocess.Popen[bytes], quota: CpuQuota,
+                       timeout_s: float = IMPORT_TIMEOUT_S) -> None:
     """Put a rank started with ``--stop-after-import`` into ``quota`` once it stopped
-    itself, then continue it; a rank that ended before that keeps its status."""
-    _, status = os.waitpid(process.pid, os.WUNTRACED)
+    itself, then continue it; a rank that ended before that keeps its status; one that
+    did neither within ``timeout_s`` is killed (RuntimeError, one line)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pid, status = os.waitpid(process.pid, os.WUNTRACED | os.WNOHANG)
+        if pid:
+            break
+        if time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"a PyTorch DDP rank did not finish importing PyTorch within "
+                               f"{timeout_s:.0f} s")
+        time.sleep(0.02)
     if os.WIFSTOPPED(status):
         quota.add(process.pid)
         os.kill(process.pid, signal.SIGCONT)

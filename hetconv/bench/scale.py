@@ -202,7 +202,10 @@ def _run_ddp(lan: SwitchedLan, fractions: tuple[float, ...], arch: str, batch: i
             quota = CpuQuota(fraction, period_us)
             running.append((process, quota, log))
         for process, quota, _ in running:  # PyTorch's import is not the machine's work
-            quota_after_import(process, quota)
+            try:
+                quota_after_import(process, quota)
+            except RuntimeError as error:
+                raise UserError(f"{error}; see {run_dir}/rank*.log") from None
         for process, _, _ in running:
             statuses.append(process.wait(RUN_TIMEOUT_S))
     finally:

@@ -53,3 +53,36 @@ def test_the_peer_table_puts_both_steps_and_their_ratio_side_by_side() -> None:
     assert table[-2] == ("| 2x[0.6,0.3] peer | 1gbit | 60.0 (1.50x) | 82.0 (1.10x) | 60.0 | "
                          "0.73 | 1.00 |")
     assert table[-1].endswith("| 1.25 | 1.25 |")
+
+
+class _Quota:
+    """Records the processes a quota would take (no cgroup needed)."""
+
+    def __init__(self) -> None:
+        self.pids: list[int] = []
+
+    def add(self, pid: int) -> None:
+        self.pids.append(pid)
+
+
+def test_a_rank_joins_its_quota_after_stopping_itself_and_goes_on() -> None:
+    import subprocess
+    import sys
+
+    from hetconv.bench.ddp import quota_after_import
+
+    stops = "import os, signal; os.kill(os.getpid(), signal.SIGSTOP); print('went on')"
+    quota = _Quota()
+    rank = subprocess.Popen([sys.executable, "-c", stops], stdout=subprocess.PIPE, text=True)
+    quota_after_import(rank, quota)  # type: ignore[arg-type]
+    assert quota.pids == [rank.pid]
+    assert rank.communicate(timeout=30) == ("went on\n", None) and rank.returncode == 0
+    # a rank that fails before it stops keeps its status
+    failed = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    quota_after_import(failed, _Quota())  # type: ignore[arg-type]
+    assert failed.wait(timeout=5) == 3
+    # one that neither stops nor ends is killed, with one line
+    stuck = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    with pytest.raises(RuntimeError, match="did not finish importing PyTorch within 0 s"):
+        quota_after_import(stuck, _Quota(), timeout_s=0.3)  # type: ignore[arg-type]
+    assert stuck.wait(timeout=5) != 0
