@@ -2,7 +2,8 @@
 
 :class:`MetricsWriter` appends one JSON object per line and flushes it, so a
 reader (``hetconv report``) can follow a run that is still in progress.
-:func:`read_metrics` parses a file, skipping a cut-off last line with a warning.
+:func:`read_metrics` parses a file, skipping a cut-off last line with a warning;
+:class:`MetricsTail` follows a live run's file, reading only what was appended.
 :func:`participant_of` reads the participant id of a per-participant entry, in files
 written before the key was ``participant`` (it was ``device``) as well.
 """
@@ -116,3 +117,47 @@ def iter_metrics(path: str | Path) -> Iterator[dict[str, Any]]:
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return list(iter_metrics(path))
+
+
+class MetricsTail:
+    """Follows a metrics file that a live run is appending to: each :meth:`records`
+    reads only the bytes written since the last call (polling a 1300-step run's 3.6 MB
+    file ten times a second costs a core when re-parsed whole). A line not yet ended by
+    a newline waits for the next call; a file that shrank or was replaced (a run dir
+    reused) is read again from its start. Lines that are not records are skipped, as
+    :func:`iter_metrics` does."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._reset((0, 0))
+
+    def _reset(self, identity: tuple[int, int]) -> None:
+        self._records: list[dict[str, Any]] = []
+        self._offset, self._identity, self._pending = 0, identity, b""
+        self.steps = 0  # ``step`` records so far
+
+    def records(self) -> list[dict[str, Any]]:
+        """Every complete record so far, in order (a new list each call)."""
+        try:
+            with open(self.path, "rb") as handle:
+                stat = os.fstat(handle.fileno())
+                identity = (stat.st_dev, stat.st_ino)
+                if identity != self._identity or stat.st_size < self._offset:
+                    self._reset(identity)
+                handle.seek(self._offset)
+                new = handle.read()
+        except FileNotFoundError:
+            self._reset((0, 0))
+            return []
+        self._offset += len(new)
+        *lines, self._pending = (self._pending + new).split(b"\n")
+        for line in lines:
+            try:
+                record = json.loads(line) if line.strip() else None
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                log.warning("%s: a line that is not JSON; skipped", self.path)
+                continue
+            if isinstance(record, dict) and isinstance(record.get("type"), str):
+                self._records.append(record)
+                self.steps += record["type"] == "step"
+        return list(self._records)

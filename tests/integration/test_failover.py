@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from hetconv.lab import wait_for
-from hetconv.metrics import read_metrics
+from hetconv.metrics import MetricsTail
 from tests.conftest import SMALL_RUN, child_env, epoch_records, hetconv_command
 from tests.support.faulty_worker import WorkerFaults
 
@@ -23,9 +23,19 @@ pytestmark = [pytest.mark.integration]
 SLOW = WorkerFaults(delay_per_kernel_s=0.003)  # steps long enough to kill one mid-run
 
 
+_TAILS: dict[Path, MetricsTail] = {}
+
+
+def _tail(run_dir: Path) -> MetricsTail:
+    """One follower per metrics file: the tests poll it ten times a second, and parsing
+    a long run's whole file each time took CPU from the run under test."""
+    path = run_dir / "metrics.jsonl"
+    return _TAILS.setdefault(path, MetricsTail(path))
+
+
 def records(run_dir: Path) -> list[dict[str, Any]]:
-    """The run's records so far; a live run's last line may be half written (skipped)."""
-    return read_metrics(run_dir / "metrics.jsonl")
+    """The run's records so far; a live run's last line may be half written (it waits)."""
+    return _tail(run_dir).records()
 
 
 def final_losses(run_dir: Path) -> list[float]:
@@ -38,10 +48,9 @@ def final_losses(run_dir: Path) -> list[float]:
 
 
 def steps_done(run_dir: Path) -> int:
-    metrics = run_dir / "metrics.jsonl"
-    if not metrics.exists():
-        return 0
-    return sum(1 for line in metrics.read_text().splitlines() if '"type":"step"' in line)
+    tail = _tail(run_dir)
+    tail.records()
+    return tail.steps
 
 
 def start_master(endpoint: str, run_dir: Path, workers: int, *extra: str) -> Any:
