@@ -13,7 +13,9 @@ machine (``world 1``), the fastest machine's quota.
 
 Run as ``python -m hetconv.bench.ddp --rank R --world N ...`` (one process per
 machine, started by :mod:`hetconv.bench.scale`); rank 0 writes the wall time of every
-step after the warm-up to ``--out`` as JSON. PyTorch is needed only here (the
+step after the warm-up to ``--out`` as JSON, and every rank's median compute-only step
+(``compute_s``: DDP_COMPUTE_STEPS more steps under ``no_sync()``, no all-reduce), so
+that the step beyond the slowest rank's compute is DDP's communication and waiting. PyTorch is needed only here (the
 optional ``bench`` extra).
 """
 from __future__ import annotations
@@ -38,6 +40,9 @@ if TYPE_CHECKING:  # the ranks themselves never need the lab
 DDP_STEPS = 40
 """Timed steps per DDP run (after DDP_WARMUP_STEPS): the median is the figure."""
 DDP_WARMUP_STEPS = 5
+DDP_COMPUTE_STEPS = 10
+"""Steps after the timed ones under DDP's ``no_sync()`` (no gradient all-reduce), every
+rank at once: each rank's compute alone, for the breakdown of DDP's step."""
 DDP_TIMEOUT_S = 180.0
 """How long the ranks may take to meet (gloo's rendezvous) before the run fails."""
 SPLITS = ("even", "speed")
@@ -158,12 +163,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         step()
         if index >= DDP_WARMUP_STEPS:
             seconds.append(time.perf_counter() - started)
+    compute: list[float] = []
+    for _ in range(DDP_COMPUTE_STEPS if distributed else 0):
+        started = time.perf_counter()
+        with network.no_sync():  # the same step without the gradients' all-reduce
+            step()
+        compute.append(time.perf_counter() - started)
+    compute_s = [float(np.median(compute))] if compute else []
     if distributed:
+        by_rank: list[object] = [None] * args.world
+        dist.all_gather_object(by_rank, compute_s[0])
+        compute_s = [float(str(value)) for value in by_rank]
         dist.barrier()
         dist.destroy_process_group()
     if args.out and args.rank == 0:
         Path(args.out).write_text(json.dumps({
-            "step_s": seconds, "samples": args.samples, "world": args.world,
+            "step_s": seconds, "compute_s": compute_s, "samples": args.samples,
+            "world": args.world,
             "cgroups": Path("/proc/self/cgroup").read_text().split()}))  # its quota's
     return 0
 

@@ -181,9 +181,11 @@ def _run_in_quota(command: list[str], fraction: float, log_path: Path,
 
 
 def _run_ddp(lan: SwitchedLan, fractions: tuple[float, ...], arch: str, batch: int,
-             split: str, run_dir: Path, period_us: int = CFS_PERIOD_US) -> float:
+             split: str, run_dir: Path, period_us: int = CFS_PERIOD_US
+             ) -> tuple[float, list[float]]:
     """One PyTorch DDP run over the first ``len(fractions)`` machines of ``lan`` (rank i
-    on machine i, in its quota); the median step time rank 0 measured, seconds."""
+    on machine i, in its quota): the median step time rank 0 measured and each rank's
+    median compute-only step (``no_sync()``; none alone), seconds."""
     run_dir.mkdir(parents=True, exist_ok=True)
     shares = batch_shares(fractions, batch, split)
     result = run_dir / "ddp.json"
@@ -218,7 +220,9 @@ def _run_ddp(lan: SwitchedLan, fractions: tuple[float, ...], arch: str, batch: i
     if any(status != 0 for status in statuses) or not result.exists():
         raise UserError(f"the PyTorch DDP run failed (status {statuses}); see "
                         f"{run_dir}/rank*.log")
-    return float(statistics.median(json.loads(result.read_text())["step_s"]))
+    figures = json.loads(result.read_text())
+    return (float(statistics.median(figures["step_s"])),
+            [float(value) for value in figures.get("compute_s", [])])
 
 
 def ddp_label(fractions: tuple[float, ...], split: str) -> str:
@@ -296,6 +300,7 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
     baselines = sorted({max(fractions) for fractions in machine_sets})
     results: dict[str, list[RunFigures]] = {}
     peer_results: dict[str, list[float]] = {}  # ddp_label -> step seconds per repeat
+    peer_compute: dict[str, list[list[float]]] = {}  # ddp_label -> per repeat, per rank
 
     def label(configuration: tuple[tuple[float, ...], str]) -> str:
         return configuration_label(*configuration)
@@ -365,19 +370,22 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
                     name = ddp_label(fractions, batch_split)
                     where = root / name.replace(" ", "-") / f"repeat{repeat}"
                     try:
-                        step_s = _run_ddp(lan, fractions, arch, batch, batch_split, where,
-                                          period_us)
+                        step_s, compute = _run_ddp(lan, fractions, arch, batch,
+                                                   batch_split, where, period_us)
                     except UserError as error:  # gloo's teardown aborts now and then
                         out(f"  repeat {repeat + 1}: {name}: {error}; measuring it again")
-                        step_s = _run_ddp(lan, fractions, arch, batch, batch_split,
-                                          where.with_name(where.name + "-again"), period_us)
+                        step_s, compute = _run_ddp(
+                            lan, fractions, arch, batch, batch_split,
+                            where.with_name(where.name + "-again"), period_us)
                     peer_results.setdefault(name, []).append(step_s)
+                    peer_compute.setdefault(name, []).append(compute)
                     out(f"  repeat {repeat + 1}: {name}: median step {step_s * 1e3:.1f} ms")
     summary = summarize(configurations, results, label)
     table = format_table(summary, rate)
     if peer is not None:
-        add_peer_figures(summary, configurations, peer_results)
+        add_peer_figures(summary, configurations, peer_results, peer_compute)
         table += format_peer_table(summary, rate)
+        table += format_peer_breakdown(summary)
     table += format_breakdown(summary)
     table += format_layer_breakdown(summary)
     for line in table:
@@ -385,7 +393,7 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
     (root / "scale.json").write_text(json.dumps(
         {"rate": rate, "arch": arch, "batch": batch, "repeats": repeats, "rows": summary,
          "runs": {k: [asdict(f) for f in v] for k, v in results.items()},
-         "peer_runs": peer_results}, indent=1))
+         "peer_runs": peer_results, "peer_compute": peer_compute}, indent=1))
     return {"rows": summary, "work_dir": str(root), "table": table}
 
 
@@ -466,11 +474,18 @@ def format_table(rows: list[dict[str, Any]], rate: str) -> list[str]:
 
 def add_peer_figures(rows: list[dict[str, Any]],
                      configurations: list[tuple[tuple[float, ...], str]],
-                     peer_results: dict[str, list[float]]) -> None:
+                     peer_results: dict[str, list[float]],
+                     peer_compute: dict[str, list[list[float]]] | None = None) -> None:
     """Add the peer's medians to every row: DDP with the even and the by-speed batch
     split (the same run where the machines are equal), PyTorch alone on the fastest
-    machine, and hetconv's step over each."""
+    machine, and hetconv's step over each; with ``peer_compute`` (per repeat, each rank's
+    compute-only step of the even split) also ``ddp_even_compute_s``, each rank's median
+    over the repeats."""
     for row, (fractions, _) in zip(rows, configurations):
+        repeats = [r for r in (peer_compute or {}).get(ddp_label(fractions, "even"), []) if r]
+        if repeats:
+            row["ddp_even_compute_s"] = [statistics.median(r[rank] for r in repeats)
+                                         for rank in range(min(map(len, repeats)))]
         even = statistics.median(peer_results[ddp_label(fractions, "even")])
         speed_runs = peer_results.get(ddp_label(fractions, "speed"))
         speed = statistics.median(speed_runs) if speed_runs else even
@@ -494,4 +509,39 @@ def format_peer_table(rows: list[dict[str, Any]], rate: str) -> list[str]:
             f"({row['torch_alone_step_s'] / row['ddp_even_step_s']:.2f}x) | "
             f"{row['ddp_speed_step_s'] * 1e3:.1f} | {row['hetconv_over_ddp_even']:.2f} | "
             f"{row['hetconv_over_ddp_speed']:.2f} |")
+    return lines
+
+
+def format_peer_breakdown(rows: list[dict[str, Any]]) -> list[str]:
+    """Markdown lines: where DDP's step (even split) and hetconv's go, side by side.
+    DDP's compute is each rank's step under ``no_sync()`` (forward, backward and update,
+    no all-reduce; all ranks at once, in their quotas); the rest of its step, over the
+    slowest rank's compute, is its gradients' all-reduce and waiting. hetconv's compute
+    is each participant's conv layers' forward and backward, its peer wait the time it
+    waited for peers' pieces (the breakdown table below)."""
+    with_ranks = [row for row in rows if row.get("ddp_even_compute_s")]
+    if not with_ranks:
+        return []
+    lines = ["", "Where each step goes, medians (then over the repeats), lowest-highest rank "
+             "or participant: DDP's compute is a rank's step under `no_sync()` (forward, "
+             "backward, update; no all-reduce), the rest of DDP's step over its slowest "
+             "rank's compute is the all-reduce and waiting; hetconv's compute is a "
+             "participant's conv layers, its peer wait the waiting for peers' pieces.", "",
+             "| machines (core each) | DDP step ms | DDP rank compute ms | DDP step beyond "
+             "the slowest rank's compute ms | hetconv step ms | hetconv participant compute "
+             "ms | hetconv peer wait ms |",
+             "|---|---|---|---|---|---|---|"]
+
+    def span(values: list[float]) -> str:
+        low, high = min(values) * 1e3, max(values) * 1e3
+        return f"{low:.1f}" if abs(high - low) < 0.05 else f"{low:.1f}-{high:.1f}"
+
+    for row in with_ranks:
+        ranks = row["ddp_even_compute_s"]
+        people = list(row.get("breakdown", {}).values())
+        compute = span([p["compute_s"] for p in people]) if people else "-"
+        waits = span([p["peer_wait_s"] for p in people]) if people else "-"
+        lines.append(f"| {row['machines']} | {row['ddp_even_step_s'] * 1e3:.1f} | "
+                     f"{span(ranks)} | {(row['ddp_even_step_s'] - max(ranks)) * 1e3:.1f} | "
+                     f"{row['step_s'] * 1e3:.1f} | {compute} | {waits} |")
     return lines

@@ -148,6 +148,13 @@ def test_bench_scale_runs_pytorch_ddp_beside_hetconv(tmp_path: Path) -> None:
     # rank 0 ran in its machine's quota (it joined after importing PyTorch)
     ranks = json.loads((tmp_path / "ddp-speed-2x[0.6,0.3]" / "repeat0" / "ddp.json").read_text())
     assert any(":cpu" in line and "/hetconv-" in line for line in ranks["cgroups"]), ranks
+    # every rank's compute-only step (no_sync), and DDP's step broken down beside hetconv's
+    even = json.loads((tmp_path / "ddp-even-2x[0.6,0.3]" / "repeat0" / "ddp.json").read_text())
+    assert len(even["compute_s"]) == 2 and all(0 < s < 10 for s in even["compute_s"]), even
+    assert row["ddp_even_compute_s"] == pytest.approx(even["compute_s"])
+    header = next(i for i, line in enumerate(result["table"]) if "DDP rank compute ms" in line)
+    assert result["table"][header + 2].startswith("| 2x[0.6,0.3] peer | "), result["table"]
+    assert result["table"][header + 2].count("|") == 8, result["table"]
     assert not [line for line in subprocess.run(["ip", "netns"], capture_output=True,
                                                 text=True).stdout.splitlines()
                 if line.startswith(f"hcm{os.getpid() % 10000}")]  # ours torn down

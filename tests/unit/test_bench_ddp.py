@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 
 from hetconv.bench.ddp import _arguments, batch_shares, rank_command
-from hetconv.bench.scale import add_peer_figures, ddp_label, format_peer_table
+from hetconv.bench.scale import (
+    add_peer_figures,
+    ddp_label,
+    format_peer_breakdown,
+    format_peer_table,
+)
 
 
 @pytest.mark.parametrize("fractions,batch,split,expected", [
@@ -53,6 +58,23 @@ def test_the_peer_table_puts_both_steps_and_their_ratio_side_by_side() -> None:
     assert table[-2] == ("| 2x[0.6,0.3] peer | 1gbit | 60.0 (1.50x) | 82.0 (1.10x) | 60.0 | "
                          "0.73 | 1.00 |")
     assert table[-1].endswith("| 1.25 | 1.25 |")
+
+
+def test_the_breakdown_puts_ddp_s_compute_and_the_rest_beside_hetconv_s() -> None:
+    equal = (0.5, 0.5)
+    rows = [{"machines": "2x[0.5,0.5] samples", "step_s": 0.050, "speedup": 1.6,
+             "breakdown": {"master": {"compute_s": 0.030, "peer_wait_s": 0.012},
+                           "m1": {"compute_s": 0.034, "peer_wait_s": 0.008}}}]
+    peer = {ddp_label(equal, "even"): [0.040, 0.044, 0.042], ddp_label((0.5,), "even"): [0.07]}
+    compute = {ddp_label(equal, "even"): [[0.030, 0.033], [0.031, 0.035], [], [0.029, 0.034]]}
+    add_peer_figures(rows, [(equal, "samples")], peer, compute)
+    # each rank's median over the repeats that measured it (a run without: skipped)
+    assert rows[0]["ddp_even_compute_s"] == pytest.approx([0.030, 0.034])
+    table = format_peer_breakdown(rows)
+    assert table[-1] == ("| 2x[0.5,0.5] samples | 42.0 | 30.0-34.0 | 8.0 | 50.0 | "
+                         "30.0-34.0 | 8.0-12.0 |")
+    rows[0].pop("ddp_even_compute_s")
+    assert format_peer_breakdown(rows) == []  # runs from before the ranks measured it
 
 
 class _Quota:
