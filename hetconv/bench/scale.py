@@ -516,17 +516,20 @@ def format_peer_breakdown(rows: list[dict[str, Any]]) -> list[str]:
     """Markdown lines: where DDP's step (even split) and hetconv's go, side by side.
     DDP's compute is each rank's step under ``no_sync()`` (forward, backward and update,
     no all-reduce; all ranks at once, in their quotas); the rest of its step, over the
-    slowest rank's compute, is its gradients' all-reduce and waiting. hetconv's compute
-    is each participant's conv layers' forward and backward, its peer wait the time it
-    waited for peers' pieces (the breakdown table below)."""
+    slowest rank's compute, is what its gradients' all-reduce costs, CPU and waiting.
+    hetconv's compute is each participant's conv layers' forward and backward timed in
+    the real step (its exchanges' I/O thread shares the quota), its peer wait the time
+    it waited for peers' pieces (the breakdown table below)."""
     with_ranks = [row for row in rows if row.get("ddp_even_compute_s")]
     if not with_ranks:
         return []
     lines = ["", "Where each step goes, medians (then over the repeats), lowest-highest rank "
              "or participant: DDP's compute is a rank's step under `no_sync()` (forward, "
-             "backward, update; no all-reduce), the rest of DDP's step over its slowest "
-             "rank's compute is the all-reduce and waiting; hetconv's compute is a "
-             "participant's conv layers, its peer wait the waiting for peers' pieces.", "",
+             "backward, update, with no all-reduce running: neither its CPU nor its waits), "
+             "the rest of DDP's step over its slowest rank's compute is what the all-reduce "
+             "costs, CPU and waiting; hetconv's compute is a participant's conv layers, "
+             "timed in the real step (its exchanges' I/O thread shares the machine's "
+             "quota), its peer wait the waiting for peers' pieces.", "",
              "| machines (core each) | DDP step ms | DDP rank compute ms | DDP step beyond "
              "the slowest rank's compute ms | hetconv step ms | hetconv participant compute "
              "ms | hetconv peer wait ms |",
