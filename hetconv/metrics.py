@@ -102,17 +102,27 @@ def iter_metrics(path: str | Path) -> Iterator[dict[str, Any]]:
     """Records of a metrics file in order; bad lines are skipped with a warning."""
     with open(path, encoding="utf-8") as handle:
         for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
             try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                log.warning("%s line %d is cut off or not JSON; skipped", path, number)
+                record = parse_record(line)
+            except ValueError as error:
+                log.warning("%s line %d %s; skipped", path, number, error)
                 continue
-            if isinstance(record, dict) and isinstance(record.get("type"), str):
+            if record is not None:
                 yield record
-            else:
-                log.warning("%s line %d is not a metrics record; skipped", path, number)
+
+
+def parse_record(line: str | bytes) -> dict[str, Any] | None:
+    """One line's record (None for a blank line); ValueError saying why when the line is
+    not one (cut off, not JSON, or JSON without a ``type``)."""
+    if not line.strip():
+        return None
+    try:
+        record = json.loads(line)
+    except ValueError:  # json.JSONDecodeError, UnicodeDecodeError
+        raise ValueError("is cut off or not JSON") from None
+    if not (isinstance(record, dict) and isinstance(record.get("type"), str)):
+        raise ValueError("is not a metrics record")
+    return record
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
@@ -153,11 +163,11 @@ class MetricsTail:
         *lines, self._pending = (self._pending + new).split(b"\n")
         for line in lines:
             try:
-                record = json.loads(line) if line.strip() else None
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                log.warning("%s: a line that is not JSON; skipped", self.path)
+                record = parse_record(line)
+            except ValueError as error:
+                log.warning("%s: a line %s; skipped", self.path, error)
                 continue
-            if isinstance(record, dict) and isinstance(record.get("type"), str):
+            if record is not None:
                 self._records.append(record)
                 self.steps += record["type"] == "step"
         return list(self._records)

@@ -15,8 +15,8 @@ Run as ``python -m hetconv.bench.ddp --rank R --world N ...`` (one process per
 machine, started by :mod:`hetconv.bench.scale`); rank 0 writes the wall time of every
 step after the warm-up to ``--out`` as JSON, and every rank's median compute-only step
 (``compute_s``: DDP_COMPUTE_STEPS more steps under ``no_sync()``, no all-reduce), so
-that the step beyond the slowest rank's compute is DDP's communication and waiting. PyTorch is needed only here (the
-optional ``bench`` extra).
+that the step beyond the slowest rank's compute is DDP's communication and waiting.
+PyTorch is needed only here (the optional ``bench`` extra).
 """
 from __future__ import annotations
 
@@ -171,9 +171,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         compute.append(time.perf_counter() - started)
     compute_s = [float(np.median(compute))] if compute else []
     if distributed:
-        by_rank: list[object] = [None] * args.world
-        dist.all_gather_object(by_rank, compute_s[0])
-        compute_s = [float(str(value)) for value in by_rank]
+        by_rank: list[float] = [0.0] * args.world
+        dist.all_gather_object(by_rank, compute_s[0])  # every rank's, in rank order
+        compute_s = by_rank
         dist.barrier()
         dist.destroy_process_group()
     if args.out and args.rank == 0:

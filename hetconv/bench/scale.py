@@ -19,7 +19,8 @@ Ctrl-C or SIGTERM.
 With ``peer="ddp"`` (``--peer ddp``) every repeat also runs what a user would run instead
 on the same machines (:mod:`hetconv.bench.ddp`): PyTorch DDP over gloo with the batch
 split evenly and split by speed, and PyTorch alone on the fastest machine, interleaved
-with hetconv's runs; a second table gives both step times and their ratio.
+with hetconv's runs; a second table gives both step times and their ratio, a third
+where each side's step goes (:mod:`hetconv.bench.scale_peer`).
 """
 from __future__ import annotations
 
@@ -43,6 +44,12 @@ from hetconv.bench.scale_breakdown import (
     merge_layer_repeats,
     merge_repeats,
     step_breakdown,
+)
+from hetconv.bench.scale_peer import (
+    add_peer_figures,
+    ddp_label,
+    format_peer_breakdown,
+    format_peer_table,
 )
 from hetconv.bench.signals import terminate_as_interrupt
 from hetconv.config import BENCH_PEERS, BN_STATISTICS, DENSE_PARTS, SPLIT_MODES, check_choice
@@ -223,11 +230,6 @@ def _run_ddp(lan: SwitchedLan, fractions: tuple[float, ...], arch: str, batch: i
     figures = json.loads(result.read_text())
     return (float(statistics.median(figures["step_s"])),
             [float(value) for value in figures.get("compute_s", [])])
-
-
-def ddp_label(fractions: tuple[float, ...], split: str) -> str:
-    """``ddp-even 4x[0.45,...]``: the peer's run of a machine set with a batch split."""
-    return f"ddp-{split} {len(fractions)}x[{','.join(f'{f:g}' for f in fractions)}]"
 
 
 def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
@@ -469,82 +471,4 @@ def format_table(rows: list[dict[str, Any]], rate: str) -> list[str]:
             f"{row['baseline_step_s'] * 1e3:.1f} | {row['speedup']:.2f}x | "
             f"{100 * row['of_ideal']:.0f}% | {row['master_link_bytes'] / 1e6:.2f} | "
             f"{row['busiest_worker_link_bytes'] / 1e6:.2f} |")
-    return lines
-
-
-def add_peer_figures(rows: list[dict[str, Any]],
-                     configurations: list[tuple[tuple[float, ...], str]],
-                     peer_results: dict[str, list[float]],
-                     peer_compute: dict[str, list[list[float]]] | None = None) -> None:
-    """Add the peer's medians to every row: DDP with the even and the by-speed batch
-    split (the same run where the machines are equal), PyTorch alone on the fastest
-    machine, and hetconv's step over each; with ``peer_compute`` (per repeat, each rank's
-    compute-only step of the even split) also ``ddp_even_compute_s``, each rank's median
-    over the repeats."""
-    for row, (fractions, _) in zip(rows, configurations):
-        repeats = [r for r in (peer_compute or {}).get(ddp_label(fractions, "even"), []) if r]
-        if repeats:
-            row["ddp_even_compute_s"] = [statistics.median(r[rank] for r in repeats)
-                                         for rank in range(min(map(len, repeats)))]
-        even = statistics.median(peer_results[ddp_label(fractions, "even")])
-        speed_runs = peer_results.get(ddp_label(fractions, "speed"))
-        speed = statistics.median(speed_runs) if speed_runs else even
-        alone = statistics.median(peer_results[ddp_label((max(fractions),), "even")])
-        row.update({"ddp_even_step_s": even, "ddp_speed_step_s": speed,
-                    "torch_alone_step_s": alone,
-                    "hetconv_over_ddp_even": row["step_s"] / even,
-                    "hetconv_over_ddp_speed": row["step_s"] / speed})
-
-
-def format_peer_table(rows: list[dict[str, Any]], rate: str) -> list[str]:
-    """hetconv against PyTorch DDP on the same machines (ratio < 1: hetconv is faster)."""
-    lines = ["", "| machines (core each) | link | hetconv ms (x over hetconv alone) | "
-             "DDP even split ms (x over torch alone) | DDP split by speed ms | "
-             "hetconv / DDP even | hetconv / DDP by speed |",
-             "|---|---|---|---|---|---|---|"]
-    for row in rows:
-        lines.append(
-            f"| {row['machines']} | {rate} | {row['step_s'] * 1e3:.1f} "
-            f"({row['speedup']:.2f}x) | {row['ddp_even_step_s'] * 1e3:.1f} "
-            f"({row['torch_alone_step_s'] / row['ddp_even_step_s']:.2f}x) | "
-            f"{row['ddp_speed_step_s'] * 1e3:.1f} | {row['hetconv_over_ddp_even']:.2f} | "
-            f"{row['hetconv_over_ddp_speed']:.2f} |")
-    return lines
-
-
-def format_peer_breakdown(rows: list[dict[str, Any]]) -> list[str]:
-    """Markdown lines: where DDP's step (even split) and hetconv's go, side by side.
-    DDP's compute is each rank's step under ``no_sync()`` (forward, backward and update,
-    no all-reduce; all ranks at once, in their quotas); the rest of its step, over the
-    slowest rank's compute, is what its gradients' all-reduce costs, CPU and waiting.
-    hetconv's compute is each participant's conv layers' forward and backward timed in
-    the real step (its exchanges' I/O thread shares the quota), its peer wait the time
-    it waited for peers' pieces (the breakdown table below)."""
-    with_ranks = [row for row in rows if row.get("ddp_even_compute_s")]
-    if not with_ranks:
-        return []
-    lines = ["", "Where each step goes, medians (then over the repeats), lowest-highest rank "
-             "or participant: DDP's compute is a rank's step under `no_sync()` (forward, "
-             "backward, update, with no all-reduce running: neither its CPU nor its waits), "
-             "the rest of DDP's step over its slowest rank's compute is what the all-reduce "
-             "costs, CPU and waiting; hetconv's compute is a participant's conv layers, "
-             "timed in the real step (its exchanges' I/O thread shares the machine's "
-             "quota), its peer wait the waiting for peers' pieces.", "",
-             "| machines (core each) | DDP step ms | DDP rank compute ms | DDP step beyond "
-             "the slowest rank's compute ms | hetconv step ms | hetconv participant compute "
-             "ms | hetconv peer wait ms |",
-             "|---|---|---|---|---|---|---|"]
-
-    def span(values: list[float]) -> str:
-        low, high = min(values) * 1e3, max(values) * 1e3
-        return f"{low:.1f}" if abs(high - low) < 0.05 else f"{low:.1f}-{high:.1f}"
-
-    for row in with_ranks:
-        ranks = row["ddp_even_compute_s"]
-        people = list(row.get("breakdown", {}).values())
-        compute = span([p["compute_s"] for p in people]) if people else "-"
-        waits = span([p["peer_wait_s"] for p in people]) if people else "-"
-        lines.append(f"| {row['machines']} | {row['ddp_even_step_s'] * 1e3:.1f} | "
-                     f"{span(ranks)} | {(row['ddp_even_step_s'] - max(ranks)) * 1e3:.1f} | "
-                     f"{row['step_s'] * 1e3:.1f} | {compute} | {waits} |")
     return lines

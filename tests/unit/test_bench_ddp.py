@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hetconv.bench.ddp import _arguments, batch_shares, rank_command
-from hetconv.bench.scale import (
+from hetconv.bench.scale_peer import (
     add_peer_figures,
     ddp_label,
     format_peer_breakdown,

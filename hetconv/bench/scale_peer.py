@@ -1,0 +1,97 @@
+"""The peer's figures beside hetconv's in ``hetconv bench scale --peer ddp`` (pure: rows
+in, rows or Markdown lines out; the runs themselves are :mod:`hetconv.bench.scale`'s).
+
+A row is one hetconv configuration's summary (``step_s``, ``speedup``, ``machines``, its
+per-participant ``breakdown``); :func:`add_peer_figures` adds PyTorch DDP's medians for
+the same machines (``ddp_even_step_s``, ``ddp_speed_step_s``, ``torch_alone_step_s``,
+the ratios, and each rank's compute-only step ``ddp_even_compute_s``), keyed by
+:func:`ddp_label`. Times are seconds; the tables print milliseconds.
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+
+def ddp_label(fractions: tuple[float, ...], split: str) -> str:
+    """``ddp-even 4x[0.45,...]``: the peer's run of a machine set with a batch split."""
+    return f"ddp-{split} {len(fractions)}x[{','.join(f'{f:g}' for f in fractions)}]"
+
+
+
+def add_peer_figures(rows: list[dict[str, Any]],
+                     configurations: list[tuple[tuple[float, ...], str]],
+                     peer_results: dict[str, list[float]],
+                     peer_compute: dict[str, list[list[float]]] | None = None) -> None:
+    """Add the peer's medians to every row: DDP with the even and the by-speed batch
+    split (the same run where the machines are equal), PyTorch alone on the fastest
+    machine, and hetconv's step over each; with ``peer_compute`` (per repeat, each rank's
+    compute-only step of the even split) also ``ddp_even_compute_s``, each rank's median
+    over the repeats."""
+    for row, (fractions, _) in zip(rows, configurations):
+        repeats = [r for r in (peer_compute or {}).get(ddp_label(fractions, "even"), []) if r]
+        if repeats:
+            row["ddp_even_compute_s"] = [statistics.median(r[rank] for r in repeats)
+                                         for rank in range(min(map(len, repeats)))]
+        even = statistics.median(peer_results[ddp_label(fractions, "even")])
+        speed_runs = peer_results.get(ddp_label(fractions, "speed"))
+        speed = statistics.median(speed_runs) if speed_runs else even
+        alone = statistics.median(peer_results[ddp_label((max(fractions),), "even")])
+        row.update({"ddp_even_step_s": even, "ddp_speed_step_s": speed,
+                    "torch_alone_step_s": alone,
+                    "hetconv_over_ddp_even": row["step_s"] / even,
+                    "hetconv_over_ddp_speed": row["step_s"] / speed})
+
+
+def format_peer_table(rows: list[dict[str, Any]], rate: str) -> list[str]:
+    """hetconv against PyTorch DDP on the same machines (ratio < 1: hetconv is faster)."""
+    lines = ["", "| machines (core each) | link | hetconv ms (x over hetconv alone) | "
+             "DDP even split ms (x over torch alone) | DDP split by speed ms | "
+             "hetconv / DDP even | hetconv / DDP by speed |",
+             "|---|---|---|---|---|---|---|"]
+    for row in rows:
+        lines.append(
+            f"| {row['machines']} | {rate} | {row['step_s'] * 1e3:.1f} "
+            f"({row['speedup']:.2f}x) | {row['ddp_even_step_s'] * 1e3:.1f} "
+            f"({row['torch_alone_step_s'] / row['ddp_even_step_s']:.2f}x) | "
+            f"{row['ddp_speed_step_s'] * 1e3:.1f} | {row['hetconv_over_ddp_even']:.2f} | "
+            f"{row['hetconv_over_ddp_speed']:.2f} |")
+    return lines
+
+
+def format_peer_breakdown(rows: list[dict[str, Any]]) -> list[str]:
+    """Markdown lines: where DDP's step (even split) and hetconv's go, side by side.
+    DDP's compute is each rank's step under ``no_sync()`` (forward, backward and update,
+    no all-reduce; all ranks at once, in their quotas); the rest of its step, over the
+    slowest rank's compute, is what its gradients' all-reduce costs, CPU and waiting.
+    hetconv's compute is each participant's conv layers' forward and backward timed in
+    the real step (its exchanges' I/O thread shares the quota), its peer wait the time
+    it waited for peers' pieces (the breakdown table below)."""
+    with_ranks = [row for row in rows if row.get("ddp_even_compute_s")]
+    if not with_ranks:
+        return []
+    lines = ["", "Where each step goes, medians (then over the repeats), lowest-highest rank "
+             "or participant: DDP's compute is a rank's step under `no_sync()` (forward, "
+             "backward, update, with no all-reduce running: neither its CPU nor its waits), "
+             "the rest of DDP's step over its slowest rank's compute is what the all-reduce "
+             "costs, CPU and waiting; hetconv's compute is a participant's conv layers, "
+             "timed in the real step (its exchanges' I/O thread shares the machine's "
+             "quota), its peer wait the waiting for peers' pieces.", "",
+             "| machines (core each) | DDP step ms | DDP rank compute ms | DDP step beyond "
+             "the slowest rank's compute ms | hetconv step ms | hetconv participant compute "
+             "ms | hetconv peer wait ms |",
+             "|---|---|---|---|---|---|---|"]
+
+    def span(values: list[float]) -> str:
+        low, high = min(values) * 1e3, max(values) * 1e3
+        return f"{low:.1f}" if abs(high - low) < 0.05 else f"{low:.1f}-{high:.1f}"
+
+    for row in with_ranks:
+        ranks = row["ddp_even_compute_s"]
+        people = list(row.get("breakdown", {}).values())
+        compute = span([p["compute_s"] for p in people]) if people else "-"
+        waits = span([p["peer_wait_s"] for p in people]) if people else "-"
+        lines.append(f"| {row['machines']} | {row['ddp_even_step_s'] * 1e3:.1f} | "
+                     f"{span(ranks)} | {(row['ddp_even_step_s'] - max(ranks)) * 1e3:.1f} | "
+                     f"{row['step_s'] * 1e3:.1f} | {compute} | {waits} |")
+    return lines
