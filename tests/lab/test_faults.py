@@ -48,8 +48,8 @@ QUOTA_REASON = cpu_quota_unavailable_reason()
 DEFAULT_RUN = ["--data", "synthetic", "--limit", "3200", "--test-limit", "256", "--arch",
                "8:16", "--batch", "64", "--threads", "1", "--no-progress", "--seed", "7",
                "--fall-back", "off"]
-LONG_EPOCHS = 26  # 1300 steps: the join after the 20 s cut came at step 639-739 (about
-# 60 s in, at 24 ms a step between the cuts), so about 13-16 s of steps are left after it
+LONG_EPOCHS = 22  # 1100 steps: the join after the 20 s cut came at step 639-739 (about
+# 60 s in, at 24 ms a step between the cuts), so about 9-11 s of steps are left after it
 MACHINE_CORES = 0.5
 CUT_AT_STEP = 60
 STEPS_BETWEEN_CUTS = 40
