@@ -45,6 +45,12 @@ from hetconv.bench.scale_breakdown import (
     merge_repeats,
     step_breakdown,
 )
+from hetconv.bench.scale_dilate import (
+    check_dilations,
+    dilated_fractions,
+    dilated_rate,
+    format_dilation_table,
+)
 from hetconv.bench.scale_peer import (
     add_peer_figures,
     ddp_label,
@@ -241,7 +247,8 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
                     split_by: tuple[str, ...] = ("kernels",),
                     cfs_period_ms: float = CFS_PERIOD_US / 1000,
                     bn_statistics: tuple[str, ...] = ("batch",),
-                    dense_parts: tuple[str, ...] = ("auto",)) -> dict[str, Any]:
+                    dense_parts: tuple[str, ...] = ("auto",),
+                    dilations: tuple[float, ...] = (1.0,)) -> dict[str, Any]:
     """Run every machine set with every data plane, and the baselines, ``repeats``
     times, interleaved within each repeat. ``split``: the runs' ``--split``; ``model``
     (the default) lets the link-aware planner choose the machines from its timings,
@@ -253,11 +260,18 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
     ``bn_statistics``: the sample split's batch norm in its runs (``batch``, the default,
     and/or ``slice``: PyTorch DDP's per-rank semantics; labelled ``samples-slice``).
     ``dense_parts``: where the sample split's runs put the dense part (``auto``, the
-    default a user gets, and/or ``master``: labelled with ``-dense-master``)."""
+    default a user gets, and/or ``master``: labelled with ``-dense-master``).
+    ``dilations``: run everything on each of these labs, every machine's quota and every
+    link's rate times the factor (1: the plain lab; :mod:`hetconv.bench.scale_dilate`),
+    interleaved within every repeat; the dilated rows are labelled with their quotas."""
     period_us = int(round(cfs_period_ms * 1000))
-    refusal = quota_refusal(min(min(fractions) for fractions in machine_sets), period_us)
+    factors = check_dilations(dilations)
+    refusal = quota_refusal(min(min(fractions) for fractions in machine_sets) * min(factors),
+                            period_us)
     if refusal:
-        raise UserError(f"--cfs-period-ms {cfs_period_ms:g}: {refusal}")
+        raise UserError(f"--cfs-period-ms {cfs_period_ms:g}"
+                        + (f" with --dilate {min(factors):g}" if min(factors) < 1 else "")
+                        + f": {refusal}")
     check_choice("split", split, SPLIT_MODES)
     for norm in bn_statistics:
         check_choice("--bn-statistics", norm, BN_STATISTICS)
@@ -284,13 +298,25 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
                 label_of = (choice + ("" if norm == "batch" else SLICE_SUFFIX)
                             + DENSE_SUFFIXES.get(part, ""))
                 configurations += [(fractions, label_of) for fractions in machine_sets]
+    try:
+        parse_rate_bits(rate)
+    except ValueError as error:
+        raise UserError(f"--rate: {error}") from None
+    rates = {factor: dilated_rate(rate, factor) for factor in factors}
+    sets_of = {factor: [dilated_fractions(fractions, factor) for fractions in machine_sets]
+               for factor in factors}
+    all_sets = [fractions for factor in factors for fractions in sets_of[factor]]
+    if len(set(all_sets)) != len(set(machine_sets)) * len(factors):
+        raise UserError("--dilate: a dilated machine set equals another one of this "
+                        "invocation (e.g. --machines 0.9 at 0.5 and 0.45 plain); run them apart")
+    by_factor = {factor: [(dilated_fractions(fractions, factor), plane)
+                          for fractions, plane in configurations] for factor in factors}
+    factor_rows = [(factor, fractions, plane) for factor in factors
+                   for fractions, plane in configurations]
+    configurations = [configuration for factor in factors for configuration in by_factor[factor]]
     for reason in (netns_unavailable_reason(), cpu_quota_unavailable_reason()):
         if reason:
             raise UserError(f"hetconv bench scale needs root features: {reason}")
-    try:
-        link_bytes_per_s = parse_rate_bits(rate) / 8
-    except ValueError as error:
-        raise UserError(f"--rate: {error}") from None
     root = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="hetconv-scale-"))
     root.mkdir(parents=True, exist_ok=True)
     python = sys.executable
@@ -299,7 +325,6 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
               "--threads", "1", "--no-progress", "--overwrite"]
     if limit:
         common += ["--limit", str(limit)]
-    baselines = sorted({max(fractions) for fractions in machine_sets})
     results: dict[str, list[RunFigures]] = {}
     peer_results: dict[str, list[float]] = {}  # ddp_label -> step seconds per repeat
     peer_compute: dict[str, list[list[float]]] = {}  # ddp_label -> per repeat, per rank
@@ -317,72 +342,87 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
         out(f"  repeat {repeat + 1}: {name}: median step "
             f"{results[name][-1].step_s * 1e3:.1f} ms")
 
-    out(f"hetconv bench scale: rate {rate}, arch {arch}, batch {batch}, {repeats} repeat(s), "
-        f"runs in {root}")
-    size = max(len(fractions) for fractions in machine_sets)
-    with terminate_as_interrupt(), SwitchedLan(size, rate) as lan:
+    def run_repeat(repeat: int, lan: SwitchedLan, link_rate: str,
+                   lab_sets: list[tuple[float, ...]],
+                   lab_configurations: list[tuple[tuple[float, ...], str]]) -> None:
+        """One repeat on one lab (``lan``, its links at ``link_rate``): the baselines,
+        every configuration, then the peer."""
         master = lan.machines[0]
-        for repeat in range(repeats):
-            for fraction in baselines:
-                name = f"baseline-{fraction:g}"
-                run_dir = root / name / f"repeat{repeat}"
-                run_dir.mkdir(parents=True, exist_ok=True)
-                status = _run_in_quota(master.command([python, "-m", "hetconv", "train",
-                                                       "--local", *common, "--run-dir",
-                                                       str(run_dir)]),
-                                       fraction, run_dir.parent / f"repeat{repeat}.log",
-                                       period_us)
-                keep("baseline run", name, status, run_dir, repeat, None)
-            for configuration in configurations:
-                config, plane = configuration
-                name = label(configuration)
-                run_dir = root / name.replace(" ", "-") / f"repeat{repeat}"
-                run_dir.mkdir(parents=True, exist_ok=True)
-                port = free_port()
-                endpoint = f"tcp://{master.address}:{port}"
-                workers = []
+        link_bytes_per_s = parse_rate_bits(link_rate) / 8
+        baselines = sorted({max(fractions) for fractions in lab_sets})
+        for fraction in baselines:
+            name = f"baseline-{fraction:g}"
+            run_dir = root / name / f"repeat{repeat}"
+            run_dir.mkdir(parents=True, exist_ok=True)
+            status = _run_in_quota(master.command([python, "-m", "hetconv", "train",
+                                                   "--local", *common, "--run-dir",
+                                                   str(run_dir)]),
+                                   fraction, run_dir.parent / f"repeat{repeat}.log",
+                                   period_us)
+            keep("baseline run", name, status, run_dir, repeat, None)
+        for configuration in lab_configurations:
+            config, plane = configuration
+            name = label(configuration)
+            run_dir = root / name.replace(" ", "-") / f"repeat{repeat}"
+            run_dir.mkdir(parents=True, exist_ok=True)
+            port = free_port()
+            endpoint = f"tcp://{master.address}:{port}"
+            workers = []
+            try:
+                for index, fraction in enumerate(config[1:], start=1):
+                    machine = lan.machines[index]
+                    workers.append(LocalWorker(
+                        endpoint, f"m{index}", threads=1, cpu_fraction=fraction,
+                        log_path=run_dir.parent / f"repeat{repeat}-m{index}.log",
+                        netns=machine.netns, extra_args=("--once",),
+                        cpu_period_us=period_us))
+                train = [python, "-m", "hetconv", "train", "--listen",
+                         f"tcp://{master.address}:{port}", "--min-workers",
+                         str(len(config) - 1), "--wait", "60",
+                         *split_flags(plane),
+                         "--split", split, *common, "--run-dir", str(run_dir)]
+                if len(config) == 1:
+                    train[train.index("--min-workers") + 1] = "0"
+                status = _run_in_quota(master.command(train), config[0],
+                                       run_dir.parent / f"repeat{repeat}.log", period_us)
+            finally:
+                for worker in workers:
+                    worker.stop()
+            keep(f"run {name}", name, status, run_dir, repeat, link_bytes_per_s)
+            time.sleep(0.2)
+        if peer is not None:
+            runs = [((fraction,), "even") for fraction in baselines] + [
+                (fractions, batch_split) for fractions in dict.fromkeys(lab_sets)
+                for batch_split in SPLITS
+                if batch_split == "even" or len(set(fractions)) > 1]
+            for fractions, batch_split in runs:
+                name = ddp_label(fractions, batch_split)
+                where = root / name.replace(" ", "-") / f"repeat{repeat}"
                 try:
-                    for index, fraction in enumerate(config[1:], start=1):
-                        machine = lan.machines[index]
-                        workers.append(LocalWorker(
-                            endpoint, f"m{index}", threads=1, cpu_fraction=fraction,
-                            log_path=run_dir.parent / f"repeat{repeat}-m{index}.log",
-                            netns=machine.netns, extra_args=("--once",),
-                            cpu_period_us=period_us))
-                    train = [python, "-m", "hetconv", "train", "--listen",
-                             f"tcp://{master.address}:{port}", "--min-workers",
-                             str(len(config) - 1), "--wait", "60",
-                             *split_flags(plane),
-                             "--split", split, *common, "--run-dir", str(run_dir)]
-                    if len(config) == 1:
-                        train[train.index("--min-workers") + 1] = "0"
-                    status = _run_in_quota(master.command(train), config[0],
-                                           run_dir.parent / f"repeat{repeat}.log", period_us)
-                finally:
-                    for worker in workers:
-                        worker.stop()
-                keep(f"run {name}", name, status, run_dir, repeat, link_bytes_per_s)
-                time.sleep(0.2)
-            if peer is not None:
-                runs = [((fraction,), "even") for fraction in baselines] + [
-                    (fractions, batch_split) for fractions in dict.fromkeys(machine_sets)
-                    for batch_split in SPLITS
-                    if batch_split == "even" or len(set(fractions)) > 1]
-                for fractions, batch_split in runs:
-                    name = ddp_label(fractions, batch_split)
-                    where = root / name.replace(" ", "-") / f"repeat{repeat}"
-                    try:
-                        step_s, compute = _run_ddp(lan, fractions, arch, batch,
-                                                   batch_split, where, period_us)
-                    except UserError as error:  # gloo's teardown aborts now and then
-                        out(f"  repeat {repeat + 1}: {name}: {error}; measuring it again")
-                        step_s, compute = _run_ddp(
-                            lan, fractions, arch, batch, batch_split,
-                            where.with_name(where.name + "-again"), period_us)
-                    peer_results.setdefault(name, []).append(step_s)
-                    peer_compute.setdefault(name, []).append(compute)
-                    out(f"  repeat {repeat + 1}: {name}: median step {step_s * 1e3:.1f} ms")
+                    step_s, compute = _run_ddp(lan, fractions, arch, batch,
+                                               batch_split, where, period_us)
+                except UserError as error:  # gloo's teardown aborts now and then
+                    out(f"  repeat {repeat + 1}: {name}: {error}; measuring it again")
+                    step_s, compute = _run_ddp(
+                        lan, fractions, arch, batch, batch_split,
+                        where.with_name(where.name + "-again"), period_us)
+                peer_results.setdefault(name, []).append(step_s)
+                peer_compute.setdefault(name, []).append(compute)
+                out(f"  repeat {repeat + 1}: {name}: median step {step_s * 1e3:.1f} ms")
+
+    out(f"hetconv bench scale: rate {rate}, arch {arch}, batch {batch}, {repeats} repeat(s), "
+        + (f"dilated by {', '.join(f'{f:g}' for f in factors)}, " if factors != (1.0,) else "")
+        + f"runs in {root}")
+    size = max(len(fractions) for fractions in machine_sets)
+    with terminate_as_interrupt():
+        for repeat, factor in ((r, f) for r in range(repeats) for f in factors):
+            with SwitchedLan(size, rates[factor]) as lan:
+                run_repeat(repeat, lan, rates[factor], sets_of[factor], by_factor[factor])
     summary = summarize(configurations, results, label)
+    for row, (factor, fractions, plane) in zip(summary, factor_rows):
+        row.update({"dilation": factor, "rate": rates[factor]})
+        if factor != 1.0 and 1.0 in factors:
+            row["plain_machines"] = label((fractions, plane))
     table = format_table(summary, rate)
     if peer is not None:
         add_peer_figures(summary, configurations, peer_results, peer_compute)
@@ -390,10 +430,12 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
         table += format_peer_breakdown(summary)
     table += format_breakdown(summary)
     table += format_layer_breakdown(summary)
+    table += format_dilation_table(summary)
     for line in table:
         out(line)
     (root / "scale.json").write_text(json.dumps(
-        {"rate": rate, "arch": arch, "batch": batch, "repeats": repeats, "rows": summary,
+        {"rate": rate, "arch": arch, "batch": batch, "repeats": repeats,
+         "dilations": list(factors), "rows": summary,
          "runs": {k: [asdict(f) for f in v] for k, v in results.items()},
          "peer_runs": peer_results, "peer_compute": peer_compute}, indent=1))
     return {"rows": summary, "work_dir": str(root), "table": table}
@@ -467,7 +509,8 @@ def format_table(rows: list[dict[str, Any]], rate: str) -> list[str]:
         predicted = ("-" if row["predicted_step_s"] is None
                      else f"{row['predicted_step_s'] * 1e3:.1f}")
         lines.append(
-            f"| {row['machines']} | {rate} | {row['step_s'] * 1e3:.1f} | {predicted} | "
+            f"| {row['machines']} | {row.get('rate', rate)} | {row['step_s'] * 1e3:.1f} | "
+            f"{predicted} | "
             f"{row['baseline_step_s'] * 1e3:.1f} | {row['speedup']:.2f}x | "
             f"{100 * row['of_ideal']:.0f}% | {row['master_link_bytes'] / 1e6:.2f} | "
             f"{row['busiest_worker_link_bytes'] / 1e6:.2f} |")

@@ -51,7 +51,7 @@ def format_peer_table(rows: list[dict[str, Any]], rate: str) -> list[str]:
              "|---|---|---|---|---|---|---|"]
     for row in rows:
         lines.append(
-            f"| {row['machines']} | {rate} | {row['step_s'] * 1e3:.1f} "
+            f"| {row['machines']} | {row.get('rate', rate)} | {row['step_s'] * 1e3:.1f} "
             f"({row['speedup']:.2f}x) | {row['ddp_even_step_s'] * 1e3:.1f} "
             f"({row['torch_alone_step_s'] / row['ddp_even_step_s']:.2f}x) | "
             f"{row['ddp_speed_step_s'] * 1e3:.1f} | {row['hetconv_over_ddp_even']:.2f} | "

@@ -157,6 +157,13 @@ def add_parser(sub: Any) -> None:
                        "that used its share of a period waits for the next one, so a "
                        "protocol with many synchronisation points pays up to (1 - share) x "
                        "period at each; shorter is closer to a really slower CPU")
+    scale.add_argument("--dilate", dest="dilations", action="append", type=float,
+                       default=None, metavar="F",
+                       help="run everything on a lab with every machine's CPU quota and every "
+                       "link's rate times F (0 < F <= 1; repeat the flag for several, "
+                       "interleaved, e.g. --dilate 1 --dilate 0.5): the same work on "
+                       "machines F times as fast, so the host's cores are less shared; a "
+                       "table gives each dilated step times F beside the plain run")
     chaos = bench.add_parser("chaos", help="a master and 4 workers under a seeded random fault "
                              "every 20-40 s (SIGKILL, SIGSTOP, restart; with --lab also CPU "
                              "quota and link faults) against a fault-free run of the same seed")
@@ -349,7 +356,8 @@ def run(args: argparse.Namespace) -> int:
                                  split_by=tuple(args.split_by or ("kernels",)),
                                  cfs_period_ms=args.cfs_period_ms,
                                  bn_statistics=tuple(args.bn_statistics or ("batch",)),
-                                 dense_parts=tuple(args.dense_parts or ("auto",)))
+                                 dense_parts=tuple(args.dense_parts or ("auto",)),
+                                 dilations=tuple(args.dilations or (1.0,)))
         table = result["table"]
     elif args.bench == "chaos":
         from hetconv.bench.chaos import run_chaos_bench

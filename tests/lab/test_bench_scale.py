@@ -158,3 +158,31 @@ def test_bench_scale_runs_pytorch_ddp_beside_hetconv(tmp_path: Path) -> None:
     assert not [line for line in subprocess.run(["ip", "netns"], capture_output=True,
                                                 text=True).stdout.splitlines()
                 if line.startswith(f"hcm{os.getpid() % 10000}")]  # ours torn down
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(REASON is not None, reason=f"cannot emulate a LAN here: {REASON}")
+def test_dilated_runs_get_every_quota_and_link_times_f(tmp_path: Path) -> None:
+    """``--dilate 1 --dilate 0.5``: the same configuration on the plain lab and on one with
+    half the quotas and half the link rate, interleaved; the dilated table puts the step
+    times F beside the plain run's."""
+    lines: list[str] = []
+    result = run_scale_bench([(0.5, 0.5)], rate="200mbit", arch="8:16", batch=64, limit=256,
+                             repeats=1, work_dir=str(tmp_path), epochs=1, out=lines.append,
+                             split="equal", dilations=(1.0, 0.5))
+    plain, dilated = result["rows"]
+    assert (plain["machines"], plain["rate"], plain["dilation"]) == (
+        "2x[0.5,0.5] peer", "200mbit", 1.0)
+    assert (dilated["machines"], dilated["rate"], dilated["dilation"]) == (
+        "2x[0.25,0.25] peer", "100mbit", 0.5)
+    assert dilated["plain_machines"] == "2x[0.5,0.5] peer"
+    assert dilated["baseline_step_s"] > 0  # its own one-machine run, at 0.25 core
+    for row, cap in ((plain, 200), (dilated, 100)):  # each run's probe saw its cap (Mbit/s)
+        log = (tmp_path / row["machines"].replace(" ", "-") / "repeat0.log").read_text()
+        probed = re.findall(r"link to m1: (\d+) Mbit/s down, (\d+) Mbit/s up", log)
+        assert probed, log[-2000:]
+        assert all(0.3 * cap < int(rate) < 1.3 * cap for rate in probed[0]), (row, probed)
+    assert any(line.startswith("| 2x[0.25,0.25] peer | 100mbit |") for line in lines)
+    row = next(line for line in lines if line.startswith("| 2x[0.25,0.25] peer | 0.5 | 100mbit |"))
+    assert row.split(" | ")[5] == f"{plain['step_s'] * 1e3:.1f}"  # the plain run beside it
+    assert json.loads((tmp_path / "scale.json").read_text())["dilations"] == [1.0, 0.5]
