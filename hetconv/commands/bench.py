@@ -44,7 +44,8 @@ FLAGS: dict[str, tuple[tuple[str, str], ...]] = {
               ("--batch", "batch"), ("--limit", "limit"), ("--repeats", "repeats"),
               ("--work-dir", "work_dir"), ("--split", "split"), ("--peer", "peer"),
               ("--split-by", "split_by"), ("--bn-statistics", "bn_statistics"),
-              ("--dense-part", "dense_parts")),
+              ("--dense-part", "dense_parts"), ("--cfs-period-ms", "cfs_period_ms"),
+              ("--dilate", "dilations")),
     "chaos": (("--minutes", "minutes"), ("--interval-min", "interval_min"),
               ("--interval-max", "interval_max"), ("--faults", "faults"), ("--lab", "lab"),
               ("--rate", "rate"), ("--arch", "arch"), ("--batch", "batch"),
@@ -244,12 +245,13 @@ def command_line(args: argparse.Namespace) -> str:
             words.append(f"{flag}={value}")
             continue
         if isinstance(value, list) and (dest in ("machines", "data_plane", "split_by",
-                                                 "bn_statistics", "dense_parts")
+                                                 "bn_statistics", "dense_parts", "dilations")
                                         or args.bench == "step"):  # one flag per value
             if args.bench == "step" and dest in ("threads", "quota"):
                 continue  # written as pairs below
             for configuration in value:
-                words += [flag, configuration]
+                words += [flag, f"{configuration:g}" if isinstance(configuration, float)
+                          else str(configuration)]
             continue
         words += [flag, *(f"{v:g}" if isinstance(v, float) else str(v)
                           for v in (value if isinstance(value, list) else [value]))]

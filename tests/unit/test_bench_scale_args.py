@@ -49,11 +49,29 @@ def test_the_figure_files_command_repeats_every_repeatable_flag() -> None:
         bench="scale", machines=["0.45,0.45"], data_plane=["peer"], rate="1gbit",
         arch="32:64", epochs=2, batch=128, limit=None, repeats=3, work_dir=None,
         split="model", peer="ddp", split_by=["samples", "auto"],
-        bn_statistics=["batch", "slice"], dense_parts=["auto", "master"], markdown=None)
+        bn_statistics=["batch", "slice"], dense_parts=["auto", "master"], cfs_period_ms=2.5,
+        dilations=[1.0, 0.5], markdown=None)
     line = command_line(args)
     assert "--split-by samples --split-by auto" in line
     assert "--bn-statistics batch --bn-statistics slice" in line
     assert "--dense-part auto --dense-part master" in line
+    assert "--cfs-period-ms 2.5 --dilate 1 --dilate 0.5" in line
+
+
+def test_the_figure_files_command_parses_back_to_the_same_scale_options() -> None:
+    """What the file's command line says is what ran: parsed again it gives every option
+    the run was given (the period and the dilations included)."""
+    import shlex
+
+    from hetconv.commands.bench import command_line
+    from hetconv.commands.cli import build_parser
+
+    argv = ["bench", "scale", "--machines", "0.45,0.45", "--rate", "100mbit",
+            "--cfs-period-ms", "2.5", "--dilate", "1", "--dilate", "0.5", "--peer", "ddp",
+            "--split-by", "auto", "--markdown", "out.md"]
+    args = build_parser().parse_args(argv)
+    again = build_parser().parse_args(shlex.split(command_line(args))[1:])
+    assert vars(again) == vars(args)
 
 
 def test_slice_statistics_without_a_sample_split_is_one_line(
@@ -62,3 +80,21 @@ def test_slice_statistics_without_a_sample_split_is_one_line(
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 2 and len(err) == 1, err
     assert "--bn-statistics applies to the sample split's runs" in err[0]
+
+
+def test_every_bench_option_is_spelled_out_in_the_figure_files_command() -> None:
+    """A new option that command_line does not write would make every figure file that
+    uses it name a command that measures something else (--cfs-period-ms once was)."""
+    import argparse
+
+    from hetconv.commands.bench import FLAGS
+    from hetconv.commands.cli import build_parser
+
+    def subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+        action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        return dict(action.choices)
+
+    for name, parser in subparsers(subparsers(build_parser())["bench"]).items():
+        options = {action.dest for action in parser._actions
+                   if action.option_strings and action.dest not in ("help", "markdown")}
+        assert options <= {dest for _, dest in FLAGS[name]}, (name, options)
