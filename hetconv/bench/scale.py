@@ -12,7 +12,8 @@ reported. Every run keeps its run directory, so ``hetconv report`` works on it.
 Per configuration it prints: median step time, speedup over the baseline, the share
 of the ideal speedup (sum of fractions / fastest fraction), array bytes per step on
 the master's link and on the busiest worker link (from the run's metrics), and the
-performance model's prediction (:mod:`hetconv.perf_model`) beside the measurement.
+performance model's prediction (:mod:`hetconv.perf_model`) beside the measurement
+(each run's figures: :mod:`hetconv.bench.scale_figures`).
 Needs root (namespaces, cgroup v1 quotas); everything is torn down on exit, also on
 Ctrl-C or SIGTERM.
 
@@ -31,19 +32,16 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from hetconv.bench.ddp import SPLITS, batch_shares, quota_after_import, rank_command
 from hetconv.bench.scale_breakdown import (
-    comm_share,
     format_breakdown,
     format_layer_breakdown,
-    layer_breakdown,
     merge_layer_repeats,
     merge_repeats,
-    step_breakdown,
 )
 from hetconv.bench.scale_dilate import (
     check_dilations,
@@ -51,6 +49,7 @@ from hetconv.bench.scale_dilate import (
     dilated_rate,
     format_dilation_table,
 )
+from hetconv.bench.scale_figures import RunFigures, run_figures
 from hetconv.bench.scale_peer import (
     add_peer_figures,
     ddp_label,
@@ -69,8 +68,7 @@ from hetconv.lab import (
     quota_refusal,
 )
 from hetconv.lab.network import SwitchedLan, netns_unavailable_reason, parse_rate_bits
-from hetconv.metrics import participant_of, read_metrics
-from hetconv.perf_model import ParticipantCost, ideal_speedup, star_step_seconds
+from hetconv.perf_model import ideal_speedup
 
 RUN_TIMEOUT_S = 600.0
 
@@ -87,93 +85,6 @@ def parse_machines(text: str) -> tuple[float, ...]:
     return fractions
 
 
-SETTLED_STEPS = 8
-"""Steps that must follow a re-split for the figures to be taken after it."""
-
-
-@dataclass(frozen=True)
-class RunFigures:
-    """What one run's metrics say (seconds, bytes per step; medians over the steps after
-    the settled re-split, see :func:`settled_split`, or else over all but the first)."""
-
-    step_s: float
-    dense_s: float
-    master_link_bytes: float
-    busiest_worker_link_bytes: float
-    predicted_step_s: float | None
-    breakdown: dict[str, dict[str, float]] = field(default_factory=dict)  # scale_breakdown
-    layers: dict[int, dict[str, dict[str, float]]] = field(default_factory=dict)
-    comm_share: float = 0.0  # median comm_s over step_s
-
-
-def settled_split(records: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The last ``rebalance`` record followed by at least SETTLED_STEPS steps, or None.
-
-    A run's figures are taken from the steps after it (the first one after a re-split
-    excluded), and its prediction is the model's for that split, with the rebalancer's
-    measured corrections: the steady state a long run trains in, not the first steps
-    on a split the calibration guessed."""
-    steps = [int(r["step"]) for r in records if r.get("type") == "step"]
-    for record in reversed([r for r in records if r.get("type") == "rebalance"]):
-        if sum(1 for step in steps if step > int(record["step"]) + 1) >= SETTLED_STEPS:
-            return dict(record)
-    return None
-
-
-def run_figures(run_dir: Path, link_bytes_per_s: float | None) -> RunFigures:
-    """Medians from ``metrics.jsonl`` and the model's prediction from its calibration."""
-    records = read_metrics(run_dir / "metrics.jsonl")
-    steps = [r for r in records if r.get("type") == "step"]
-    settled = settled_split(records)
-    if settled is not None:  # the steady state: the split the rebalancer settled on
-        steps = [r for r in steps if int(r["step"]) > int(settled["step"]) + 1]
-    else:
-        steps = steps[1:] if len(steps) > 1 else steps
-    if not steps:
-        raise UserError(f"{run_dir}: the run recorded no steps")
-    master_bytes, busiest = [], []
-    for step in steps:
-        master_link: dict[str, int] = {}  # per worker: its traffic with the master
-        worker_link: dict[str, int] = {}  # per worker: everything on its link
-        for layer in step.get("layers", []):
-            for timing in layer.get("devices", []):
-                name = participant_of(timing)
-                if name == "master":
-                    continue
-                to_master = int(timing.get("bytes_sent", 0)) + int(timing.get("bytes_received", 0))
-                peers = (int(timing.get("peer_bytes_sent", 0))
-                         + int(timing.get("peer_bytes_received", 0)))
-                master_link[name] = master_link.get(name, 0) + to_master
-                worker_link[name] = worker_link.get(name, 0) + to_master + peers
-        master_bytes.append(sum(master_link.values()))
-        busiest.append(max(worker_link.values(), default=0))
-    dense_s = statistics.median(float(s["dense_s"]) for s in steps)
-    calibration = [r for r in records if r.get("type") == "calibration"]
-    plans = [r for r in records if r.get("type") == "plan"]
-    predicted = None
-    sample_split = any(r.get("split_by") == "samples" for r in plans)
-    models = [r for r in records if r.get("type") == "model"]
-    if sample_split and models:  # the step model calibrated in place (master/step_model.py)
-        predicted = float(models[-1]["predicted_step_s"])
-    elif sample_split:  # the setup's prediction (master/sample_plan.py) plus the dense part
-        value = plans[-1].get("predicted_step_s")
-        predicted = None if value is None else float(value) + dense_s
-    elif settled is not None:  # the model's prediction of that split (measured corrections)
-        predicted = float(settled["new_predicted_step_s"]) + dense_s
-    elif plans:  # the planner's own prediction (conv + transfers) plus the measured dense part
-        predicted = float(plans[-1]["predicted_step_s"]) + dense_s
-    elif calibration and link_bytes_per_s:
-        layers = [[ParticipantCost(float(d["fixed_s"]), float(d["per_kernel_s"]),
-                                   int(d["kernels"])) for d in c["devices"]]
-                  for c in sorted(calibration, key=lambda c: int(c["layer"]))]
-        predicted = star_step_seconds(layers, dense_s, statistics.median(master_bytes),
-                                      link_bytes_per_s)
-    return RunFigures(step_s=statistics.median(float(s["step_s"]) for s in steps),
-                      dense_s=dense_s, master_link_bytes=statistics.median(master_bytes),
-                      busiest_worker_link_bytes=statistics.median(busiest),
-                      predicted_step_s=predicted, breakdown=step_breakdown(steps),
-                      layers=layer_breakdown(steps),
-                      comm_share=comm_share(steps))
 
 
 

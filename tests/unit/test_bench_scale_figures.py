@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hetconv.bench.scale import SETTLED_STEPS, settled_split
+from hetconv.bench.scale_figures import SETTLED_STEPS, settled_split
 
 
 def records(steps: int, resplits: list[int]) -> list[dict[str, Any]]:
