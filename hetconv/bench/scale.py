@@ -85,10 +85,6 @@ def parse_machines(text: str) -> tuple[float, ...]:
     return fractions
 
 
-
-
-
-
 def _run_in_quota(command: list[str], fraction: float, log_path: Path,
                   period_us: int = CFS_PERIOD_US) -> int:
     quota = CpuQuota(fraction, period_us)
