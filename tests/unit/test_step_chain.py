@@ -189,7 +189,11 @@ def test_dropout_rows_are_the_whole_batch_mask_rows() -> None:
     flat = np.random.default_rng(1).standard_normal((10, features)).astype(np.float32)
     whole, _ = part.forward(flat, True, 4)
     rows, _ = part.forward(flat[3:8], True, 4, Rows(3, 8, 10))
-    np.testing.assert_array_equal(rows, whole[3:8])
+    # The mask is the whole batch's, bit for bit: the same entries are dropped (zero).
+    # The kept values are the same products over fewer rows, which BLAS may block
+    # differently (1 ulp seen on an AMD EPYC): equal within float32 rounding.
+    np.testing.assert_array_equal(rows == 0, whole[3:8] == 0)
+    np.testing.assert_allclose(rows, whole[3:8], rtol=1e-5, atol=0)
 
 
 def _message() -> Any:
