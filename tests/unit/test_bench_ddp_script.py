@@ -1,0 +1,67 @@
+"""deploy/bench-ddp.sh, as far as a machine without root or a quiet hour can test it:
+its --dry-run prints one `hetconv bench scale` per network and link that hetconv's own
+parser accepts, with the defaults a user gets and the peer beside it, and together they
+cover every row of issue 22's target table."""
+from __future__ import annotations
+
+import shlex
+import subprocess
+from pathlib import Path
+
+from hetconv.commands.cli import build_parser
+from tests.conftest import REPO
+
+SCRIPT = REPO / "deploy" / "bench-ddp.sh"
+VGG = "c32k3p1,c32k3p1,pool,c64k3p1,c64k3p1,pool,fc256,drop0.5"
+
+
+def _dry_run(out: Path) -> list[list[str]]:
+    done = subprocess.run([str(SCRIPT), "--dry-run", str(out)], capture_output=True,
+                          text=True, timeout=30, check=True)
+    return [shlex.split(line) for line in done.stdout.splitlines() if line.strip()]
+
+
+def test_every_command_parses_with_the_user_defaults_and_the_peer(tmp_path: Path) -> None:
+    commands = _dry_run(tmp_path)
+    assert len(commands) == 4
+    figures = []
+    for words in commands:
+        assert words[1:3] == ["-m", "hetconv"]
+        args = build_parser().parse_args(words[3:])
+        assert (args.command, args.bench) == ("bench", "scale")
+        assert args.split_by == ["auto"] and args.peer == "ddp"
+        # nothing pinned that a user would not get: batch-norm statistics, dense part and
+        # data plane are left to their defaults
+        assert args.bn_statistics is None and args.dense_parts is None
+        assert args.data_plane is None and args.dilations is None
+        assert args.batch == 128 and args.repeats >= 3
+        figures.append(Path(args.markdown))
+    assert [f.parent for f in figures] == [tmp_path] * 4
+    assert len({f.name for f in figures}) == 4
+
+
+def test_the_commands_cover_the_issue_s_target_rows(tmp_path: Path) -> None:
+    rows = set()
+    for words in _dry_run(tmp_path):
+        args = build_parser().parse_args(words[3:])
+        rows |= {(args.arch, args.rate, machines) for machines in args.machines}
+    four, two, unequal = "0.45,0.45,0.45,0.45", "0.45,0.45", "0.6,0.4,0.2,0.2"
+    assert rows == {
+        ("32:64", "1gbit", four), ("32:64", "1gbit", two), ("32:64", "1gbit", unequal),
+        ("64:256", "1gbit", four), ("64:256", "1gbit", two), ("64:256", "1gbit", unequal),
+        ("32:64", "100mbit", four),
+        (VGG, "1gbit", four), (VGG, "1gbit", two),
+    }
+
+
+def test_bad_arguments_get_one_line_and_run_nothing(tmp_path: Path) -> None:
+    done = subprocess.run([str(SCRIPT), "--dry-run", "--bogus"], capture_output=True,
+                          text=True, timeout=30)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.startswith("hetconv: error: unknown option '--bogus'")
+    assert len(done.stderr.splitlines()) == 1
+    done = subprocess.run([str(SCRIPT), "--dry-run", str(tmp_path)], capture_output=True,
+                          text=True, timeout=30, env={"PATH": "/usr/bin:/bin",
+                                                      "HETCONV_BENCH_REPEATS": "zero"})
+    assert done.returncode == 2 and done.stdout == ""
+    assert "HETCONV_BENCH_REPEATS must be a positive integer" in done.stderr
