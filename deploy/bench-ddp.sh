@@ -10,9 +10,10 @@
 #   HETCONV_BENCH_VENV=DIR     its environment (default .venv-bench, with the bench extra)
 #   HETCONV_BENCH_REPEATS=N    interleaved repeats per configuration (default 3)
 #
-# One `hetconv bench scale` per network and link rate, each writing OUT_DIR/ddp-*.md with
-# its exact command line, date and machine. About 30 minutes on two cores; run it on a
-# quiet machine (nothing else: the emulated machines share the host's cores).
+# One `hetconv bench scale` per network and link rate, each writing
+# OUT_DIR/scale-targets-*.md with its exact command line, date and machine. About an
+# hour on two cores; run it on a quiet machine (nothing else: the emulated machines
+# share the host's cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dry_run=0
@@ -33,10 +34,11 @@ fi
 vgg=c32k3p1,c32k3p1,pool,c64k3p1,c64k3p1,pool,fc256,drop0.5
 common=(--batch 128 --epochs 2 --repeats "$repeats" --split model --split-by auto --peer ddp)
 
-bench() {  # bench NAME FLAGS...: one invocation, its figure file OUT/ddp-NAME.md
+bench() {  # bench NAME FLAGS...: one invocation, its figure file OUT/scale-targets-NAME.md
   local name=$1
   shift
-  local command=("$venv/bin/python" -m hetconv bench scale "$@" "${common[@]}" --markdown "$out/ddp-$name.md")
+  local command=("$venv/bin/python" -m hetconv bench scale "$@" "${common[@]}"
+                 --markdown "$out/scale-targets-$name.md")
   if [ "$dry_run" = 1 ]; then
     printf '%q ' "${command[@]}"
     echo
@@ -50,6 +52,6 @@ bench 32-64 --machines 0.45,0.45,0.45,0.45 --machines 0.45,0.45 --machines 0.6,0
   --rate 1gbit --arch 32:64 --limit 3840
 bench 64-256 --machines 0.45,0.45,0.45,0.45 --machines 0.45,0.45 --machines 0.6,0.4,0.2,0.2 \
   --rate 1gbit --arch 64:256 --limit 1920
-bench 32-64-100mbit --machines 0.45,0.45,0.45,0.45 --rate 100mbit --arch 32:64 --limit 3840
+bench 100mbit --machines 0.45,0.45,0.45,0.45 --rate 100mbit --arch 32:64 --limit 3840
 bench vgg --machines 0.45,0.45,0.45,0.45 --machines 0.45,0.45 --rate 1gbit --arch "$vgg" --limit 1920
-[ "$dry_run" = 1 ] || echo "== written: $out/ddp-32-64.md $out/ddp-64-256.md $out/ddp-32-64-100mbit.md $out/ddp-vgg.md"
+[ "$dry_run" = 1 ] || echo "== written: $out/scale-targets-{32-64,64-256,100mbit,vgg}.md"
