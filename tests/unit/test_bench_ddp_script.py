@@ -4,6 +4,7 @@ parser accepts, with the defaults a user gets and the peer beside it, and togeth
 cover every row of issue 22's target table."""
 from __future__ import annotations
 
+import argparse
 import shlex
 import subprocess
 from pathlib import Path
@@ -15,19 +16,20 @@ SCRIPT = REPO / "deploy" / "bench-ddp.sh"
 VGG = "c32k3p1,c32k3p1,pool,c64k3p1,c64k3p1,pool,fc256,drop0.5"
 
 
-def _dry_run(out: Path) -> list[list[str]]:
+def _dry_run(out: Path) -> list[argparse.Namespace]:
+    """The commands ``--dry-run`` prints, each parsed by hetconv's own parser."""
     done = subprocess.run([str(SCRIPT), "--dry-run", str(out)], capture_output=True,
                           text=True, timeout=30, check=True)
-    return [shlex.split(line) for line in done.stdout.splitlines() if line.strip()]
+    commands = [shlex.split(line) for line in done.stdout.splitlines() if line.strip()]
+    assert all(words[1:3] == ["-m", "hetconv"] for words in commands), commands
+    return [build_parser().parse_args(words[3:]) for words in commands]
 
 
 def test_every_command_parses_with_the_user_defaults_and_the_peer(tmp_path: Path) -> None:
     commands = _dry_run(tmp_path)
     assert len(commands) == 4
     figures = []
-    for words in commands:
-        assert words[1:3] == ["-m", "hetconv"]
-        args = build_parser().parse_args(words[3:])
+    for args in commands:
         assert (args.command, args.bench) == ("bench", "scale")
         assert args.split_by == ["auto"] and args.peer == "ddp"
         # nothing pinned that a user would not get: batch-norm statistics, dense part and
@@ -44,10 +46,8 @@ def test_every_command_parses_with_the_user_defaults_and_the_peer(tmp_path: Path
 
 
 def test_the_commands_cover_the_issue_s_target_rows(tmp_path: Path) -> None:
-    rows = set()
-    for words in _dry_run(tmp_path):
-        args = build_parser().parse_args(words[3:])
-        rows |= {(args.arch, args.rate, machines) for machines in args.machines}
+    rows = {(args.arch, args.rate, machines) for args in _dry_run(tmp_path)
+            for machines in args.machines}
     four, two, unequal = "0.45,0.45,0.45,0.45", "0.45,0.45", "0.6,0.4,0.2,0.2"
     assert rows == {
         ("32:64", "1gbit", four), ("32:64", "1gbit", two), ("32:64", "1gbit", unequal),
