@@ -53,6 +53,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from hetconv.barrier_trace import TRACE
 from hetconv.dataplane import PeerLost, PiecePort, wait_for_pieces
 from hetconv.peer_plan import KernelRange, PeerPlan
 from hetconv.protocol import PeerPiece
@@ -212,6 +213,7 @@ class GradientExchange:
     def share(self, sync_id: int, step: int, layer: int, phase: str, data: np.ndarray) -> None:
         """Send this participant's (2, K) ``data`` of ``layer`` (phase ``moments`` or
         ``sums``) to every other participant of the plan."""
+        TRACE.share(self.participant, sync_id, step, layer, phase)
         kernels = self._kernels(layer)
         whole = KernelRange(self.participant, 0, kernels)
         for target in self._ranges(layer):
@@ -223,8 +225,12 @@ class GradientExchange:
                 ) -> dict[str, np.ndarray]:
         """Every other member's (2, K) piece of ``layer`` in exchange ``sync_id``."""
         shape = (2, self._kernels(layer))
-        return self._wait(sync_id, layer, phase,
-                          {m: shape for m in members if m != self.participant})
+        started = time.time()
+        try:
+            return self._wait(sync_id, layer, phase,
+                              {m: shape for m in members if m != self.participant})
+        finally:
+            TRACE.wait(self.participant, sync_id, layer, phase, started, time.time())
 
     # --- moving and keeping pieces ---------------------------------------------------
     def _send(self, target: str, reduce_id: int, step: int, layer: int, phase: str,

@@ -26,6 +26,7 @@ where each side's step goes (:mod:`hetconv.bench.scale_peer`).
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -36,10 +37,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from hetconv.barrier_trace import TRACE_ENV
 from hetconv.bench.ddp import SPLITS, batch_shares, quota_after_import, rank_command
 from hetconv.bench.scale_breakdown import (
+    format_barrier_breakdown,
     format_breakdown,
     format_layer_breakdown,
+    merge_barrier_repeats,
     merge_layer_repeats,
     merge_repeats,
 )
@@ -86,10 +90,11 @@ def parse_machines(text: str) -> tuple[float, ...]:
 
 
 def _run_in_quota(command: list[str], fraction: float, log_path: Path,
-                  period_us: int = CFS_PERIOD_US) -> int:
+                  period_us: int = CFS_PERIOD_US, env: dict[str, str] | None = None) -> int:
     quota = CpuQuota(fraction, period_us)
     with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                   env=None if env is None else {**os.environ, **env})
         try:
             quota.add(process.pid)
             return process.wait(RUN_TIMEOUT_S)
@@ -274,6 +279,7 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
             run_dir.mkdir(parents=True, exist_ok=True)
             port = free_port()
             endpoint = f"tcp://{master.address}:{port}"
+            trace = {TRACE_ENV: str(run_dir / "trace")}  # the barriers' events (pure appends)
             workers = []
             try:
                 for index, fraction in enumerate(config[1:], start=1):
@@ -282,7 +288,7 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
                         endpoint, f"m{index}", threads=1, cpu_fraction=fraction,
                         log_path=run_dir.parent / f"repeat{repeat}-m{index}.log",
                         netns=machine.netns, extra_args=("--once",),
-                        cpu_period_us=period_us))
+                        cpu_period_us=period_us, env=trace))
                 train = [python, "-m", "hetconv", "train", "--listen",
                          f"tcp://{master.address}:{port}", "--min-workers",
                          str(len(config) - 1), "--wait", "60",
@@ -291,7 +297,8 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
                 if len(config) == 1:
                     train[train.index("--min-workers") + 1] = "0"
                 status = _run_in_quota(master.command(train), config[0],
-                                       run_dir.parent / f"repeat{repeat}.log", period_us)
+                                       run_dir.parent / f"repeat{repeat}.log", period_us,
+                                       trace)
             finally:
                 for worker in workers:
                     worker.stop()
@@ -337,6 +344,7 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
         table += format_peer_breakdown(summary)
     table += format_breakdown(summary)
     table += format_layer_breakdown(summary)
+    table += format_barrier_breakdown(summary)
     table += format_dilation_table(summary)
     for line in table:
         out(line)
@@ -404,6 +412,7 @@ def summarize(configurations: list[tuple[tuple[float, ...], str]],
             "breakdown": merge_repeats([r.breakdown for r in runs]),
             "layers": merge_layer_repeats([r.layers for r in runs]),
             "comm_share": statistics.median(r.comm_share for r in runs),
+            "barriers": merge_barrier_repeats([r.barriers for r in runs]),
         })
     return rows
 

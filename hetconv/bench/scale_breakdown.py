@@ -142,3 +142,60 @@ def format_breakdown(rows: Sequence[dict[str, Any]]) -> list[str]:
                          f"{b['latency_s'] * 1e3:.1f} | {b['wait_s'] * 1e3:.1f} | "
                          f"{b['peer_wait_s'] * 1e3:.1f} | {share} |")
     return lines
+
+
+BARRIER_FIELDS = ("per_step", "wait_s", "skew_s", "delivery_s")
+
+
+def barrier_figures(waits: Sequence[Any]) -> dict[str, dict[str, float]]:
+    """``"<layer>:<phase>"`` -> BARRIER_FIELDS of each
+    :class:`hetconv.barrier_trace.BarrierWaits` (a run's barriers, JSON-ready)."""
+    return {f"{w.layer}:{w.phase}": {field: float(getattr(w, field)) for field in BARRIER_FIELDS}
+            for w in waits}
+
+
+def merge_barrier_repeats(repeats: Sequence[dict[str, dict[str, float]]]
+                          ) -> dict[str, dict[str, float]]:
+    """The median over the repeats that traced a barrier of each of its figures, in
+    layer then phase order (forward's moments before backward's sums)."""
+    keys = sorted({key for barriers in repeats for key in barriers},
+                  key=lambda key: (int(key.split(":")[0]), key.split(":")[1] != "moments"))
+    return {key: {field: statistics.median(b[key][field] for b in repeats if key in b)
+                  for field in BARRIER_FIELDS} for key in keys}
+
+
+def format_barrier_breakdown(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Markdown lines: per configuration and batch-norm barrier, what a participant's
+    wait there is made of (``rows``: summary rows with ``barriers``, the output of
+    :func:`merge_barrier_repeats`); none when no run traced a barrier."""
+    if not any(row.get("barriers") for row in rows):
+        return []
+    lines = ["", "The batch-norm barriers of the sample split, traced "
+             "(hetconv.barrier_trace; the lab's machines share one clock): means per "
+             "participant and barrier over the measured steps, then the median over the "
+             "repeats. A participant's wait runs from sharing its own piece to holding "
+             "every peer's; skew is the part until the last peer shared its piece (peers "
+             "still computing), delivery the rest (the pieces' way out of the last "
+             "sender and into this participant: ZeroMQ's I/O threads, the wire, "
+             "wake-ups). Per step: sum over the barriers of waits per step x mean.", "",
+             "| machines (core each) | layer | barrier | waits per step | wait ms | "
+             "skew ms | delivery ms |", "|---|---|---|---|---|---|---|"]
+    for row in rows:
+        barriers = row.get("barriers") or {}
+        if not barriers:
+            continue
+        total = {field: sum(b["per_step"] * b[field] for b in barriers.values())
+                 for field in ("wait_s", "skew_s", "delivery_s")}
+        for index, (key, b) in enumerate(barriers.items()):
+            layer, phase = key.split(":")
+            barrier = {"moments": "forward (moments)", "sums": "backward (sums)"}.get(phase,
+                                                                                      phase)
+            lines.append(f"| {row['machines'] if index == 0 else ''} | {int(layer) + 1} | "
+                         f"{barrier} | {b['per_step']:.1f} | {b['wait_s'] * 1e3:.2f} | "
+                         f"{b['skew_s'] * 1e3:.2f} | {b['delivery_s'] * 1e3:.2f} |")
+        participants = max(b["per_step"] for b in barriers.values())
+        lines.append(f"|  | per participant and step | all | | "
+                     f"{total['wait_s'] / participants * 1e3:.1f} | "
+                     f"{total['skew_s'] / participants * 1e3:.1f} | "
+                     f"{total['delivery_s'] / participants * 1e3:.1f} |")
+    return lines

@@ -10,7 +10,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hetconv.bench.scale_breakdown import comm_share, layer_breakdown, step_breakdown
+from hetconv.barrier_trace import barrier_breakdown, read_trace
+from hetconv.bench.scale_breakdown import (
+    barrier_figures,
+    comm_share,
+    layer_breakdown,
+    step_breakdown,
+)
 from hetconv.errors import UserError
 from hetconv.metrics import participant_of, read_metrics
 from hetconv.perf_model import ParticipantCost, star_step_seconds
@@ -32,6 +38,7 @@ class RunFigures:
     breakdown: dict[str, dict[str, float]] = field(default_factory=dict)  # scale_breakdown
     layers: dict[int, dict[str, dict[str, float]]] = field(default_factory=dict)
     comm_share: float = 0.0  # median comm_s over step_s
+    barriers: dict[str, dict[str, float]] = field(default_factory=dict)  # barrier_figures
 
 
 def settled_split(records: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -101,4 +108,6 @@ def run_figures(run_dir: Path, link_bytes_per_s: float | None) -> RunFigures:
                       busiest_worker_link_bytes=statistics.median(busiest),
                       predicted_step_s=predicted, breakdown=step_breakdown(steps),
                       layers=layer_breakdown(steps),
-                      comm_share=comm_share(steps))
+                      comm_share=comm_share(steps),
+                      barriers=barrier_figures(barrier_breakdown(
+                          read_trace(run_dir / "trace"), int(steps[0]["step"]))))
