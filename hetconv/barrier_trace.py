@@ -9,7 +9,9 @@ piece with every peer and waits for theirs. A participant's wait at one barrier 
 - **delivery**: the rest, from the last peer's share until this participant holds every
   piece (the pieces' way out of the sender's process and into this one: ZeroMQ's I/O
   threads on both sides, the wire, the wake-ups; on quota-throttled or crowded
-  machines each of those waits for a CPU).
+  machines each of those waits for a CPU); **to the read**, its part until this
+  participant's thread read the last peer's piece off its socket (the rest is what it
+  did with the pieces after that).
 
 When the environment names a directory in ``HETCONV_TRACE_DIR`` (``hetconv bench
 scale`` sets it for its runs), every process appends its barrier events there
@@ -57,6 +59,13 @@ class BarrierTrace:
         if self.directory is not None:
             self._add({"e": "share", "t": time.time(), "p": participant, "sync": sync_id,
                        "step": step, "layer": layer, "phase": phase})
+
+    def take(self, participant: str, sync_id: int, layer: int, phase: str,
+             sender: str) -> None:
+        """``participant`` read ``sender``'s piece of the barrier off its socket now."""
+        if self.directory is not None:
+            self._add({"e": "take", "t": time.time(), "p": participant, "sync": sync_id,
+                       "layer": layer, "phase": phase, "from": sender})
 
     def wait(self, participant: str, sync_id: int, layer: int, phase: str,
              started: float, ended: float) -> None:
@@ -121,6 +130,7 @@ class BarrierWaits:
     wait_s: float
     skew_s: float
     delivery_s: float
+    to_read_s: float | None = None  # None: no read of the last peer's piece in the trace
 
 
 def barrier_breakdown(events: Iterable[dict[str, Any]], first_step: int = 0
@@ -129,6 +139,7 @@ def barrier_breakdown(events: Iterable[dict[str, Any]], first_step: int = 0
     steps ``first_step`` and later, averaged per (layer, phase), in layer then phase
     order. A wait whose peers' shares are not all in the trace is left out."""
     shares: dict[tuple[int, int, str], dict[str, float]] = {}
+    reads: dict[tuple[int, int, str, str, str], float] = {}  # key + (reader, sender)
     steps: dict[int, int] = {}  # sync id -> step
     waits = []
     for event in events:
@@ -137,25 +148,34 @@ def barrier_breakdown(events: Iterable[dict[str, Any]], first_step: int = 0
             if event["e"] == "share":
                 shares.setdefault(key, {})[str(event["p"])] = float(event["t"])
                 steps[key[0]] = int(event["step"])
+            elif event["e"] == "take":
+                reads[(*key, str(event["p"]), str(event["from"]))] = float(event["t"])
             elif event["e"] == "wait":
                 waits.append((key, str(event["p"]), float(event["t"]), float(event["end"])))
         except (KeyError, TypeError, ValueError):
             continue
-    per: dict[tuple[int, str], list[tuple[float, float, float]]] = {}
+    per: dict[tuple[int, str], list[tuple[float, float, float, float | None]]] = {}
     measured_steps: set[int] = set()
     for key, participant, started, ended in waits:
         step = steps.get(key[0])
         peers = {p: t for p, t in shares.get(key, {}).items() if p != participant}
         if step is None or step < first_step or not peers:
             continue
-        last = max(peers.values())
+        last_peer = max(peers, key=lambda p: peers[p])
+        last = peers[last_peer]
         skew = max(0.0, last - started)
         delivery = max(0.0, ended - max(started, last))
-        per.setdefault((key[1], key[2]), []).append((ended - started, skew, delivery))
+        read = reads.get((*key, participant, last_peer))
+        to_read = None if read is None else min(delivery, max(0.0, read - max(started, last)))
+        per.setdefault((key[1], key[2]), []).append((ended - started, skew, delivery, to_read))
         measured_steps.add(step)
     count = max(1, len(measured_steps))
-    return [BarrierWaits(layer, phase, len(values), len(values) / count,
-                         statistics.fmean(v[0] for v in values),
-                         statistics.fmean(v[1] for v in values),
-                         statistics.fmean(v[2] for v in values))
-            for (layer, phase), values in sorted(per.items())]
+    rows = []
+    for (layer, phase), values in sorted(per.items()):
+        reads_s = [v[3] for v in values if v[3] is not None]
+        rows.append(BarrierWaits(layer, phase, len(values), len(values) / count,
+                                 statistics.fmean(v[0] for v in values),
+                                 statistics.fmean(v[1] for v in values),
+                                 statistics.fmean(v[2] for v in values),
+                                 statistics.fmean(reads_s) if reads_s else None))
+    return rows

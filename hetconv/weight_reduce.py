@@ -273,6 +273,8 @@ class GradientExchange:
 
     def offer(self, piece: PeerPiece) -> str | None:
         """Keep ``piece``; the reason it was dropped, or None."""
+        if piece.phase in SYNC_PHASES:
+            TRACE.take(self.participant, piece.pass_id, piece.layer, piece.phase, piece.sender)
         if piece.phase not in REDUCE_PHASES:
             return f"a {piece.phase!r} piece during a weight reduction"
         if piece.pass_id < self._floor:

@@ -144,13 +144,15 @@ def format_breakdown(rows: Sequence[dict[str, Any]]) -> list[str]:
     return lines
 
 
-BARRIER_FIELDS = ("per_step", "wait_s", "skew_s", "delivery_s")
+BARRIER_FIELDS = ("per_step", "wait_s", "skew_s", "delivery_s", "to_read_s")
 
 
 def barrier_figures(waits: Sequence[Any]) -> dict[str, dict[str, float]]:
     """``"<layer>:<phase>"`` -> BARRIER_FIELDS of each
-    :class:`hetconv.barrier_trace.BarrierWaits` (a run's barriers, JSON-ready)."""
-    return {f"{w.layer}:{w.phase}": {field: float(getattr(w, field)) for field in BARRIER_FIELDS}
+    :class:`hetconv.barrier_trace.BarrierWaits` (a run's barriers, JSON-ready; a field
+    the trace could not give is left out)."""
+    return {f"{w.layer}:{w.phase}": {field: float(getattr(w, field)) for field in BARRIER_FIELDS
+                                     if getattr(w, field) is not None}
             for w in waits}
 
 
@@ -160,8 +162,10 @@ def merge_barrier_repeats(repeats: Sequence[dict[str, dict[str, float]]]
     layer then phase order (forward's moments before backward's sums)."""
     keys = sorted({key for barriers in repeats for key in barriers},
                   key=lambda key: (int(key.split(":")[0]), key.split(":")[1] != "moments"))
-    return {key: {field: statistics.median(b[key][field] for b in repeats if key in b)
-                  for field in BARRIER_FIELDS} for key in keys}
+    return {key: {field: statistics.median(values) for field in BARRIER_FIELDS
+                  if (values := [b[key][field] for b in repeats
+                                 if key in b and field in b[key]])}
+            for key in keys}
 
 
 def format_barrier_breakdown(rows: Sequence[dict[str, Any]]) -> list[str]:
@@ -177,25 +181,35 @@ def format_barrier_breakdown(rows: Sequence[dict[str, Any]]) -> list[str]:
              "every peer's; skew is the part until the last peer shared its piece (peers "
              "still computing), delivery the rest (the pieces' way out of the last "
              "sender and into this participant: ZeroMQ's I/O threads, the wire, "
-             "wake-ups). Per step: sum over the barriers of waits per step x mean.", "",
+             "wake-ups), and of the delivery, the part until this participant's thread "
+             "read the last peer's piece off its socket. Per step: sum over the barriers "
+             "of waits per step x mean.", "",
              "| machines (core each) | layer | barrier | waits per step | wait ms | "
-             "skew ms | delivery ms |", "|---|---|---|---|---|---|---|"]
+             "skew ms | delivery ms | delivery to the read ms |",
+             "|---|---|---|---|---|---|---|---|"]
+
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value * 1e3:.2f}"
+
     for row in rows:
         barriers = row.get("barriers") or {}
         if not barriers:
             continue
-        total = {field: sum(b["per_step"] * b[field] for b in barriers.values())
-                 for field in ("wait_s", "skew_s", "delivery_s")}
+        total = {field: sum(b["per_step"] * b.get(field, 0.0) for b in barriers.values())
+                 for field in ("wait_s", "skew_s", "delivery_s", "to_read_s")}
+        read_known = all("to_read_s" in b for b in barriers.values())
         for index, (key, b) in enumerate(barriers.items()):
             layer, phase = key.split(":")
             barrier = {"moments": "forward (moments)", "sums": "backward (sums)"}.get(phase,
                                                                                       phase)
             lines.append(f"| {row['machines'] if index == 0 else ''} | {int(layer) + 1} | "
-                         f"{barrier} | {b['per_step']:.1f} | {b['wait_s'] * 1e3:.2f} | "
-                         f"{b['skew_s'] * 1e3:.2f} | {b['delivery_s'] * 1e3:.2f} |")
+                         f"{barrier} | {b['per_step']:.1f} | {ms(b['wait_s'])} | "
+                         f"{ms(b['skew_s'])} | {ms(b['delivery_s'])} | "
+                         f"{ms(b.get('to_read_s'))} |")
         participants = max(b["per_step"] for b in barriers.values())
+        to_read = f"{total['to_read_s'] / participants * 1e3:.1f}" if read_known else "-"
         lines.append(f"|  | per participant and step | all | | "
                      f"{total['wait_s'] / participants * 1e3:.1f} | "
                      f"{total['skew_s'] / participants * 1e3:.1f} | "
-                     f"{total['delivery_s'] / participants * 1e3:.1f} |")
+                     f"{total['delivery_s'] / participants * 1e3:.1f} | {to_read} |")
     return lines
