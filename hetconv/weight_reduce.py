@@ -225,7 +225,8 @@ class GradientExchange:
                 ) -> dict[str, np.ndarray]:
         """Every other member's (2, K) piece of ``layer`` in exchange ``sync_id``."""
         shape = (2, self._kernels(layer))
-        senders = {m: shape for m in members if m != self.participant}
+        senders: dict[str, tuple[int, ...]] = {m: shape for m in members
+                                               if m != self.participant}
         if not TRACE.enabled:  # the usual case: no clock reads on the barrier's path
             return self._wait(sync_id, layer, phase, senders)
         started = time.time()
