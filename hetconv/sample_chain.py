@@ -16,9 +16,15 @@ forward chain  (x slice; the previous step's updates of every layer ride along)
     shared; every member's moments combined -> finish (normalise, ReLU, pool);
     -> the last layer's output slice
 backward chain (dy slice)
-    for each layer from the last: batch-norm sums of the slice, shared; every
-    member's added -> kept for the update; finish (dx, dW_i); dW_i scattered to its
-    owners (reduction ``reduce_id``) -> nothing but the figures
+    for each layer from the last: batch-norm sums of the slice, shared; the layer
+    above's dW_i computed and scattered to its owners (reduction ``reduce_id``) while
+    the sums travel; every member's sums added -> kept for the update; finish: dx now,
+    dW_i at the next layer's barrier (layer 0: at once) -> nothing but the figures
+
+Deferring dW_i fills each batch-norm barrier's wait with work that needs nothing from
+the peers (``SampleReplica.finish_backward_split``): the participant shares its sums,
+computes the layer above's weight gradient while they travel, and only then waits for
+the peers' sums. The values are the one-part backward's (tested against it).
 
 A participant without samples in the step (not a member) runs no layer: it combines
 the same moments and sums, follows the running statistics and keeps the sums, so its
@@ -35,7 +41,7 @@ gamma's and beta's gradients (every slice's added in member order).
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -270,6 +276,22 @@ def backward_chain(runner: SampleRunner, request: SampleBackwardRequest,
                                dweight=None, dgamma=None, dbeta=None, **figures)
 
 
+def _scatter_pending(exchange: GradientExchange, clock: LayerClock,
+                     pending: tuple[int, Callable[[], np.ndarray]], reduce_id: int, step: int,
+                     current: int) -> None:
+    """Compute the weight gradient of layer ``pending[0]`` (counted in that layer's
+    seconds) and scatter it, then go on with layer ``current``."""
+    layer, weight_gradient = pending
+    clock.start(layer)
+    try:
+        dweight = weight_gradient()
+    except RuntimeError as error:
+        raise SampleRequestError(ERR_BAD_REQUEST, str(error)) from None
+    exchange.scatter(reduce_id, step, layer, dweight)
+    exchange.release()  # this participant's barrier piece is out already: no need to wait
+    clock.start(current)
+
+
 def _backward_layers(runner: SampleRunner, shards: Mapping[int, ConvShard], step: int,
                      start_layer: int, sync_id: int, reduce_id: int, members: list[str],
                      by_slice: bool, dy: np.ndarray | None) -> LayerClock:
@@ -281,6 +303,7 @@ def _backward_layers(runner: SampleRunner, shards: Mapping[int, ConvShard], step
     member = exchange.participant in members
     later: dict[int, np.ndarray | None] = {}  # by slice: layer -> own sums, added last
     clock = LayerClock(exchange)
+    pending: tuple[int, Callable[[], np.ndarray]] | None = None  # (layer, its dW_i later)
     for layer in range(start_layer, -1, -1):
         clock.start(layer)
         replica = runner.replica(shards, layer)
@@ -293,6 +316,9 @@ def _backward_layers(runner: SampleRunner, shards: Mapping[int, ConvShard], step
             except (RuntimeError, ValueError) as error:
                 raise SampleRequestError(ERR_BAD_REQUEST, str(error)) from None
             exchange.share(sync_id, step, layer, PHASE_SUMS, own)
+        if pending is not None:  # the layer above's dW_i while this barrier's pieces travel
+            _scatter_pending(exchange, clock, pending, reduce_id, step, layer)
+            pending = None
         if by_slice:  # this slice's own sums now; every slice's added after the last layer
             later[layer] = own
             if own is None:
@@ -303,10 +329,16 @@ def _backward_layers(runner: SampleRunner, shards: Mapping[int, ConvShard], step
             dgamma, dbeta = runner.kept_sums[layer]
         if member:
             try:
+                if layer > 0 and not by_slice:  # dW_i waits for the next barrier
+                    dx, later_dweight = replica.finish_backward_split(dgamma, dbeta)
+                    dy, pending = dx, (layer, later_dweight)
+                    continue
                 dy, dweight = replica.finish_backward(dgamma, dbeta, need_dx=layer > 0)
             except RuntimeError as error:
                 raise SampleRequestError(ERR_BAD_REQUEST, str(error)) from None
             exchange.scatter(reduce_id, step, layer, dweight)
+    if pending is not None:  # (never: layer 0 computes its dW_i at once)
+        _scatter_pending(exchange, clock, pending, reduce_id, step, 0)
     clock.stop()
     for layer, own in later.items():  # by slice: gamma's and beta's gradients, every slice's
         runner.kept_sums[layer] = _added_sums(exchange, sync_id, layer, members, own)

@@ -26,6 +26,7 @@ says so.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -33,7 +34,7 @@ import numpy as np
 from hetconv.backend import on_device, to_module, to_numpy
 from hetconv.ops import block_fast
 from hetconv.ops.block_fast import combine_moments
-from hetconv.ops.conv import conv2d_backward_cached, conv2d_forward_cached
+from hetconv.ops.conv import conv2d_backward_cached, conv2d_backward_split, conv2d_forward_cached
 from hetconv.ops.conv_layer import conv_output_size
 from hetconv.optim import sgd_update
 from hetconv.shard import ConvShard
@@ -176,6 +177,29 @@ class SampleReplica:
             self._pass, self._conv_cache = None, None
             return (to_numpy(dx) if need_dx and dx is not None else None), \
                 to_numpy(dweight).astype(np.float32)
+
+    def finish_backward_split(self, dgamma: np.ndarray, dbeta: np.ndarray
+                              ) -> tuple[np.ndarray, Callable[[], np.ndarray]]:
+        """:meth:`finish_backward` with dx, in two parts: dx (B_i, C, H, W) float32 now,
+        and a callable that returns this slice's weight gradient (K, C, k, k) float32
+        (call it once, before this replica's next forward: e.g. while the next layer
+        down waits at its barrier)."""
+        fused, shard = self._pass, self.shard
+        if fused is None:
+            raise RuntimeError(f"layer {shard.layer}: backward without a training forward")
+        with on_device(shard.device):
+            xp = shard.xp
+            sums = (to_module(np.asarray(dgamma, np.float32), xp),
+                    to_module(np.asarray(dbeta, np.float32), xp))
+            fused.set_sums(*sums)
+            dx, pending = conv2d_backward_split(self._conv_cache, fused)
+            self._sums = sums
+            self._pass, self._conv_cache = None, None
+
+        def weight_gradient() -> np.ndarray:
+            with on_device(shard.device):
+                return to_numpy(pending.compute()).astype(np.float32)
+        return to_numpy(dx), weight_gradient
 
     def apply_update(self, dweight: np.ndarray, learning_rate: float,
                      sums: tuple[np.ndarray, np.ndarray] | None = None) -> None:

@@ -163,16 +163,18 @@ def col2im_add(g: Any, dcol: Any, dx_padded: Any, batch_last: bool) -> None:
 
 
 def backward_rows(xp: Any, g: Any, offset_weights: Any | None, columns: Any, dy_rows: Any,
-                  dx_chunk: Any | None, need_db: bool, dw_t: Any = None) -> tuple[Any, Any]:
-    """Batch-inner backward of one chunk: (dw (K, Q), db (K,) or None) from dy rows
-    (K, Ho*Wo*nb) and the chunk's columns (Q, Ho*Wo*nb); writes dx_chunk (nb, C, H, W)
-    when given (offset_weights: (K, kh*kw*C), the weights with taps ordered (i, j, c),
-    so that the rows of dcol for one kernel offset are contiguous)."""
+                  dx_chunk: Any | None, need_db: bool, dw_t: Any = None,
+                  need_dw: bool = True) -> tuple[Any, Any]:
+    """Batch-inner backward of one chunk: (dw (K, Q) or None without ``need_dw``, db
+    (K,) or None) from dy rows (K, Ho*Wo*nb) and the chunk's columns (Q, Ho*Wo*nb;
+    unused without ``need_dw``); writes dx_chunk (nb, C, H, W) when given
+    (offset_weights: (K, kh*kw*C), the weights with taps ordered (i, j, c), so that the
+    rows of dcol for one kernel offset are contiguous)."""
     kh, kw, ho, wo, pad = g.kernel_h, g.kernel_w, g.out_h, g.out_w, g.padding
     hp, wp = g.height + 2 * pad, g.width + 2 * pad
     db = dy_rows.sum(axis=1) if need_db else None
     # as dw^T: OpenBLAS's AVX-512 kernels run this shape faster
-    dw = xp.matmul(columns, dy_rows.T, out=dw_t).T
+    dw = xp.matmul(columns, dy_rows.T, out=dw_t).T if need_dw else None
     if dx_chunk is not None and offset_weights is not None:
         nb = dx_chunk.shape[0]
         dcol = _empty(xp, "dcol", (g.taps, dy_rows.shape[1]), dy_rows.dtype)

@@ -69,10 +69,10 @@ def shifted_forward(xp: Any, geometry: Any, weights_by_tap: Array, padded: Array
 
 
 def shifted_backward(xp: Any, geometry: Any, weights_by_tap: Array | None, padded: Array,
-                     dy_t: Array, dx_chunk: Array | None, need_db: bool = True
-                     ) -> tuple[Array, Array | None]:
-    """(dw (K, C*kh*kw), db (K,) or None) of one chunk; writes dx_chunk (nb, C, H, W)
-    when given.
+                     dy_t: Array, dx_chunk: Array | None, need_db: bool = True,
+                     need_dw: bool = True) -> tuple[Array | None, Array | None]:
+    """(dw (K, C*kh*kw) or None without ``need_dw``, db (K,) or None) of one chunk;
+    writes dx_chunk (nb, C, H, W) when given.
 
     dy_t: the chunk's dy as (K, Ho, Wo, nb) (a transposed view of the canonical dy is
     fine); weights_by_tap: (kh*kw*K, C) as from ``tap_weights`` (None when dx is not
@@ -91,11 +91,13 @@ def shifted_backward(xp: Any, geometry: Any, weights_by_tap: Array | None, padde
         for i, j, rows, cols in _taps(g):
             spread[i, j, :, rows, cols, :] = dy_t
         spread2 = spread.reshape(kh * kw * kernels, positions)
-        dw_taps = (spread2 @ columns.T).reshape(kh, kw, kernels, channels)
         if dx_chunk is not None and weights_by_tap is not None:
             dx_padded = (weights_by_tap.T @ spread2).reshape(channels, hp, wp, nb)
             inner = dx_padded[:, pad:pad + g.height, pad:pad + g.width, :]
             dx_chunk[...] = inner.transpose(3, 0, 1, 2)
+        if not need_dw:
+            return None, db
+        dw_taps = (spread2 @ columns.T).reshape(kh, kw, kernels, channels)
     dw = xp.ascontiguousarray(dw_taps.transpose(2, 3, 0, 1)).reshape(kernels, g.taps)
     return dw, db
 

@@ -195,13 +195,15 @@ def chunk_forward(xp: Any, g: Any, transformed: Any, inputs: Any,
 
 
 def chunk_backward(xp: Any, g: Any, transformed: Any, inputs: Any, rows: Any,
-                   dx_chunk: Any | None, need_db: bool, d_transformed: Any = None
-                   ) -> tuple[Any, Any]:
-    """(dU (a*a, K, C) of the chunk, db (K,) or None) from its transformed input V and
-    dy rows; writes dx_chunk when given. d_transformed: where dU goes (default new)."""
+                   dx_chunk: Any | None, need_db: bool, d_transformed: Any = None,
+                   need_dw: bool = True) -> tuple[Any, Any]:
+    """(dU (a*a, K, C) of the chunk or None without ``need_dw``, db (K,) or None) from
+    its transformed input V and dy rows; writes dx_chunk when given. d_transformed:
+    where dU goes (default new)."""
     db = rows.sum(axis=1) if need_db else None
     d_products = gradient_transform(xp, g, rows)
-    d_transformed = xp.matmul(d_products, inputs.transpose(0, 2, 1), out=d_transformed)
+    d_transformed = xp.matmul(d_products, inputs.transpose(0, 2, 1), out=d_transformed) \
+        if need_dw else None
     if dx_chunk is not None:
         d_inputs = scratch_array(xp, "winograd d inputs",
                                  (inputs.shape[0], g.channels, inputs.shape[2]), rows.dtype)

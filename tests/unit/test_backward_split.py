@@ -1,0 +1,72 @@
+"""The backward pass in two parts (``conv2d_backward_split``, used by the sample split's
+backward chain to compute a layer's weight gradient while the next layer's batch-norm
+barrier is in flight) against the one-part backward it replaces (the slow reference):
+the same dx and the same weight gradient, in every layout a chunk source allows."""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+import hetconv.sample_replica as sample_replica
+from hetconv.model import ModelConfig, conv_layer_shapes, init_parameters, layer_parameters
+from hetconv.ops.conv import BATCH_INNER, SHIFTED_TAPS, WINOGRAD, conv2d_forward_cached
+from hetconv.sample_replica import SampleReplica, moments_to_statistics
+from hetconv.shard import ConvShard
+from hetconv.stage import layer_settings
+
+
+def _replica(layer: int, model: ModelConfig) -> SampleReplica:
+    params = init_parameters(model, seed=5)
+    settings = layer_settings(model, momentum=0.9, weight_decay=5e-4)
+    shape = conv_layer_shapes(model)[layer]
+    return SampleReplica(ConvShard(shape.index, 0, shape.kernels, settings,
+                                   layer_parameters(params, shape.index)))
+
+
+def _through_the_barrier(replica: SampleReplica, x: np.ndarray, dy: np.ndarray
+                         ) -> tuple[np.ndarray, np.ndarray]:
+    """Forward and the backward's sums of one slice that is the whole batch: (dgamma,
+    dbeta), the replica ready to finish its backward."""
+    moments = replica.start_forward(x, x.shape[0])
+    assert moments is not None
+    mean, var = moments_to_statistics([moments])
+    replica.finish_forward(mean, var)
+    return replica.start_backward(dy)
+
+
+@pytest.mark.parametrize("layout", [BATCH_INNER, SHIFTED_TAPS, WINOGRAD])
+@pytest.mark.parametrize("channels", [(16, 24), (16, 16)])
+def test_two_parts_give_the_one_part_gradients(monkeypatch, layout, channels):
+    model = ModelConfig(channels, (3, 12, 12), kernel_size=3, padding=1)
+    forced = functools.partial(conv2d_forward_cached, layout=layout)
+    monkeypatch.setattr(sample_replica, "conv2d_forward_cached", forced)
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((10, channels[0], 6, 6)).astype(np.float32)
+    one, two = _replica(1, model), _replica(1, model)
+    outputs = None
+    for _ in range(2):  # the second pass reuses the workspaces of the first
+        dy_shape = (10, channels[1], 3, 3)
+        dy = rng.standard_normal(dy_shape).astype(np.float32)
+        sums_one = _through_the_barrier(one, x, dy)
+        sums_two = _through_the_barrier(two, x, dy)
+        for a, b in zip(sums_one, sums_two):
+            np.testing.assert_array_equal(a, b)
+        dx_one, dw_one = one.finish_backward(*sums_one, need_dx=True)
+        dx_two, later = two.finish_backward_split(*sums_two)
+        dw_two = later()
+        assert dx_one is not None and dx_two.dtype == np.float32 == dw_two.dtype
+        np.testing.assert_array_equal(dx_two, dx_one)
+        assert dw_two.shape == dw_one.shape == (channels[1], channels[0], 3, 3)
+        if layout == SHIFTED_TAPS:  # stride 1 without dx: the views' GEMMs, another order
+            np.testing.assert_allclose(dw_two, dw_one, rtol=1e-5,
+                                       atol=1e-6 * float(np.abs(dw_one).max()))
+        else:
+            np.testing.assert_array_equal(dw_two, dw_one)
+        with pytest.raises(RuntimeError, match="computed already"):
+            later()
+        one.apply_update(dw_one, 0.05)
+        two.apply_update(dw_one, 0.05)  # the same weights again for the next pass
+        outputs = (dx_one, dw_one)
+    assert outputs is not None and np.abs(outputs[1]).max() > 0
