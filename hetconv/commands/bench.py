@@ -134,8 +134,8 @@ def add_parser(sub: Any) -> None:
     scale.add_argument("--split-by", action="append", default=None,
                        choices=SPLIT_BY,
                        help="hetconv's --split-by in the distributed runs (repeat the flag "
-                       "for several, interleaved; default kernels; 'auto' is what a user "
-                       "gets)")
+                       "for several, interleaved; default auto, train's default, what a "
+                       "user gets; 'kernels' is the paper's split)")
     scale.add_argument("--peer", default=None, choices=BENCH_PEERS,
                        help="also run what users would run instead on the same machines: "
                        "PyTorch DDP (gloo; even and by-speed batch splits) and PyTorch alone, "
@@ -311,6 +311,8 @@ def run(args: argparse.Namespace) -> int:
         settings = parse_settings(args.threads, args.quota)
         args.threads = [setting.threads for setting in settings]
         args.quota = ["none" if s.quota is None else f"{s.quota:g}" for s in settings]
+    if args.bench == "scale" and args.split_by is None:  # spelled out in the command line
+        args.split_by = [SPLIT_BY[0]]  # train's default, auto: what a user gets
     header = figure_header(args) if args.markdown else []  # load average before the run
     table: list[str]
     failed = False
@@ -355,7 +357,7 @@ def run(args: argparse.Namespace) -> int:
                                  batch=args.batch, limit=args.limit, repeats=args.repeats,
                                  work_dir=args.work_dir, data_planes=tuple(args.data_plane),
                                  epochs=args.epochs, split=args.split, peer=args.peer,
-                                 split_by=tuple(args.split_by or ("kernels",)),
+                                 split_by=tuple(args.split_by),
                                  cfs_period_ms=args.cfs_period_ms,
                                  bn_statistics=tuple(args.bn_statistics or ("batch",)),
                                  dense_parts=tuple(args.dense_parts or ("auto",)),

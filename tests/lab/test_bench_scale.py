@@ -77,7 +77,7 @@ def test_bench_scale_small_configuration(tmp_path: Path) -> None:
     lines: list[str] = []
     result = run_scale_bench([(0.5, 0.5, 0.5)], rate="1gbit", arch="8:16", batch=64, limit=512,
                              repeats=1, work_dir=str(tmp_path), data_planes=("star", "peer"),
-                             out=lines.append, split="equal")
+                             out=lines.append, split="equal", split_by=("kernels",))
     row, peer = result["rows"]
     assert peer["machines"] == "3x[0.5,0.5,0.5] peer" and peer["speedup"] > 0
     assert row["speedup"] > 0 and row["ideal"] == pytest.approx(3.0)
@@ -115,7 +115,8 @@ def test_bench_scale_small_configuration(tmp_path: Path) -> None:
 def test_on_a_slow_lan_the_master_trains_alone(tmp_path: Path) -> None:
     lines: list[str] = []
     run_scale_bench([(0.5, 0.5)], rate="10mbit", arch="8:16", batch=64, limit=256,
-                    repeats=1, work_dir=str(tmp_path), epochs=1, out=lines.append)
+                    repeats=1, work_dir=str(tmp_path), epochs=1, out=lines.append,
+                    split_by=("kernels",))
     records = read_metrics(tmp_path / "2x[0.5,0.5]-peer" / "repeat0" / "metrics.jsonl")
     plan = next(r for r in records if r["type"] == "plan")
     assert plan["chosen"] == ["master"], plan
@@ -181,7 +182,7 @@ def test_dilated_runs_get_every_quota_and_link_times_f(tmp_path: Path) -> None:
     lines: list[str] = []
     result = run_scale_bench([(0.5, 0.5)], rate="200mbit", arch="8:16", batch=64, limit=256,
                              repeats=1, work_dir=str(tmp_path), epochs=1, out=lines.append,
-                             split="equal", dilations=(1.0, 0.5))
+                             split="equal", dilations=(1.0, 0.5), split_by=("kernels",))
     plain, dilated = result["rows"]
     assert (plain["machines"], plain["rate"], plain["dilation"]) == (
         "2x[0.5,0.5] peer", "200mbit", 1.0)

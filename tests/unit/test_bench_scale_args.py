@@ -76,10 +76,31 @@ def test_the_figure_files_command_parses_back_to_the_same_scale_options() -> Non
 
 def test_slice_statistics_without_a_sample_split_is_one_line(
         capsys: pytest.CaptureFixture[str]) -> None:
-    status = main(["bench", "scale", "--machines", "0.45,0.45", "--bn-statistics", "slice"])
+    status = main(["bench", "scale", "--machines", "0.45,0.45", "--split-by", "kernels",
+                   "--bn-statistics", "slice"])
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 2 and len(err) == 1, err
     assert "--bn-statistics applies to the sample split's runs" in err[0]
+
+
+def test_a_bare_scale_bench_measures_what_train_defaults_to_and_says_so(
+        monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """Without --split-by the bench runs train's default split (auto, what a user gets)
+    and its figure file's command spells it out, so the file re-runs the same."""
+    import hetconv.bench.scale as scale
+    from hetconv.config import SPLIT_BY
+
+    seen: dict[str, object] = {}
+
+    def fake_bench(configurations, **options):
+        seen.update(options)
+        return {"table": ["| fake |"], "rows": []}
+
+    monkeypatch.setattr(scale, "run_scale_bench", fake_bench)
+    out = tmp_path / "scale.md"
+    assert main(["bench", "scale", "--machines", "0.45,0.45", "--markdown", str(out)]) == 0
+    assert seen["split_by"] == (SPLIT_BY[0],) == ("auto",)
+    assert "--split-by auto" in out.read_text()
 
 
 def test_every_bench_option_is_spelled_out_in_the_figure_files_command() -> None:
