@@ -15,7 +15,9 @@ backward
     :meth:`start_backward` dy (B_i, K, H', W') -> this slice's batch-norm sums
     (dgamma_i, dbeta_i) (K,); the coordinator adds them in participant order;
     :meth:`finish_backward` (dgamma, dbeta) -> (dx (B_i, C, H, W) or None, this slice's
-    dweight_i (K, C, k, k)); the coordinator adds the dweight_i in participant order;
+    dweight_i (K, C, k, k)) (or :meth:`finish_backward_split`: dx now, dweight_i
+    later, the sample chain's way of filling the next barrier's wait with it); the
+    coordinator adds the dweight_i in participant order;
     :meth:`apply_update` (dweight) updates weight, gamma and beta with the whole batch's
     gradients (the same SGD step on every participant, so the replicas stay equal).
 
