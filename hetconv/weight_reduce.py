@@ -15,6 +15,17 @@ reduce-scatter then an all-gather over their data endpoints
 3. *gather*: each participant joins the owners' sums into ΣdW in kernel order.
 
 Every link carries about 2·(P-1)/P·W each way instead of the master's 2·(N-1)·W.
+
+Small layers go *directly* (phase ``whole``): when a layer's whole gradient is under
+:data:`DIRECT_BYTES` (the first conv layer of every network we measure: 3.2 KB for
+32:64), each contributor sends its whole dW_i to every other participant at the
+scatter, and every participant adds the contributors' arrays in contributor order
+itself (:func:`add_chunks`, the same bits as an owner's sum of its range). That is one
+hop instead of two for bytes that cost nothing on the link: the reduction of the last
+layer of the backward (layer 0, the one the next step's first update waits for) no
+longer needs the owners to have started the next step before anyone can gather it; its
+pieces are in before the next step begins. (P-1)·W per participant instead of
+2·(P-1)/P·W: a few KB more.
 Owners are the participants that compute (the master too when it does); a
 participant without a range (the master under ``--no-local``) only gathers. The
 ranges are :func:`reduce_ranges` (even split in participant order); they travel in
@@ -60,13 +71,19 @@ from hetconv.protocol import PeerPiece
 
 PHASE_REDUCE = "reduce"
 PHASE_GATHER = "gather"
+PHASE_WHOLE = "whole"
+"""A small layer's whole dW_i, from a contributor to every other participant (the
+module doc: reduced directly)."""
 PHASE_MOMENTS = "moments"
 PHASE_SUMS = "sums"
 SYNC_PHASES = (PHASE_MOMENTS, PHASE_SUMS)
 """The chain's batch-norm exchanges: every member's (2, K) float32 to every participant
 (moments: the sum and M2 of its slice's conv output; sums: its dgamma_i, dbeta_i)."""
-REDUCE_PHASES = (PHASE_REDUCE, PHASE_GATHER) + SYNC_PHASES
+REDUCE_PHASES = (PHASE_REDUCE, PHASE_GATHER, PHASE_WHOLE) + SYNC_PHASES
 BULK_BYTES = 16 * 1024
+DIRECT_BYTES = BULK_BYTES
+"""A layer whose whole float32 weight gradient is smaller than this is reduced directly
+(phase ``whole``; its pieces are never queued as bulk)."""
 """Reduction pieces of at least this many bytes wait for this participant's next barrier
 message (the module doc); a barrier's own (2, K) pieces are far smaller."""
 MAX_HELD_PIECES = 512
@@ -99,6 +116,12 @@ def reduce_plan(kernels: Sequence[int], owners: Sequence[str], everyone: Sequenc
     return PeerPlan([reduce_ranges(k, owners, everyone) for k in kernels])
 
 
+def reduced_directly(shape: Sequence[int]) -> bool:
+    """Whether a layer whose weight gradient has ``shape`` is reduced directly (every
+    participant decides it alike from the shape alone)."""
+    return int(np.prod(shape, dtype=np.int64)) * 4 < DIRECT_BYTES
+
+
 def add_chunks(pieces: dict[str, np.ndarray], order: Sequence[str]) -> np.ndarray:
     """The float32 sum of ``pieces`` added left to right in ``order`` (the same bits as
     ``hetconv.sample_replica.add_in_order`` over the whole arrays)."""
@@ -125,6 +148,7 @@ class GradientExchange:
         self.timeout_s = timeout_s
         self.cancelled = cancelled
         self._own: dict[tuple[int, int], np.ndarray] = {}  # (reduce id, layer) -> own dW
+        self._direct: dict[tuple[int, int], list[str]] = {}  # (reduce id, layer) -> contributors
         self._inbox: dict[tuple[int, int, str, str], np.ndarray] = {}
         self._floor = 0  # pieces of older reduce ids are stale
         self._bulk: list[tuple[str, PeerPiece]] = []  # (target, piece) not sent yet
@@ -155,6 +179,13 @@ class GradientExchange:
         """Keep this participant's dW of ``layer`` and send each owner its range."""
         dweight = np.ascontiguousarray(dweight, dtype=np.float32)
         self._own[(reduce_id, layer)] = dweight
+        if reduced_directly(dweight.shape):  # the whole of it to everyone else
+            whole = KernelRange(self.participant, 0, self._kernels(layer))
+            for target in self._ranges(layer):
+                if target.participant != self.participant:
+                    self._send(target.participant, reduce_id, step, layer, PHASE_WHOLE, whole,
+                               dweight)
+            return
         for target in self._ranges(layer):
             if target.participant == self.participant or target.kernels == 0:
                 continue
@@ -167,6 +198,9 @@ class GradientExchange:
         """Sum this participant's range over ``contributors`` (in their order) and send
         the sum to every other participant; the sum, or None without a range."""
         self._forget_before(reduce_id)
+        if reduced_directly(shape):  # every participant adds the whole arrays in gather
+            self._direct[(reduce_id, layer)] = list(contributors)
+            return None
         mine = self.own_range(layer)
         if mine is None or mine.kernels == 0:
             self._own.pop((reduce_id, layer), None)
@@ -189,7 +223,10 @@ class GradientExchange:
 
     def gather(self, reduce_id: int, layer: int, own_sum: np.ndarray | None,
                shape: tuple[int, ...]) -> np.ndarray:
-        """ΣdW (``shape``) from every owner's sum (this participant's ``own_sum``)."""
+        """ΣdW (``shape``) from every owner's sum (this participant's ``own_sum``), or,
+        for a layer reduced directly, from every contributor's whole dW_i."""
+        if reduced_directly(shape):
+            return self._gather_whole(reduce_id, layer, shape)
         owners = [r for r in self._ranges(layer) if r.kernels > 0]
         if owners and owners[-1].stop != shape[0]:
             raise PeerLost([], f"the reduction plan covers {owners[-1].stop} kernels of "
@@ -205,6 +242,23 @@ class GradientExchange:
                 raise PeerLost([], f"no sum of layer {layer + 1} for this participant's range")
             total[owner.start:owner.stop] = part
         return total
+
+    def _gather_whole(self, reduce_id: int, layer: int, shape: tuple[int, ...]) -> np.ndarray:
+        """ΣdW of a layer reduced directly: every contributor's whole dW_i (this
+        participant's own kept at the scatter) added in contributor order."""
+        contributors = self._direct.pop((reduce_id, layer), None)
+        if contributors is None:
+            raise PeerLost([], f"a gather of layer {layer + 1} before its reduction "
+                               f"{reduce_id} began")
+        pieces = self._wait(reduce_id, layer, PHASE_WHOLE, {
+            c: tuple(shape) for c in contributors if c != self.participant})
+        own = self._own.pop((reduce_id, layer), None)
+        if self.participant in contributors:
+            if own is None or tuple(own.shape) != tuple(shape):
+                raise PeerLost([], f"no weight gradient of layer {layer + 1} kept for "
+                                   f"reduction {reduce_id}")
+            pieces[self.participant] = own
+        return add_chunks(pieces, contributors)
 
     # --- the chain's batch-norm exchanges ---------------------------------------------
     def _kernels(self, layer: int) -> int:
@@ -273,6 +327,7 @@ class GradientExchange:
         self._inbox = {k: v for k, v in self._inbox.items() if k[0] >= reduce_id}
         self._bulk = [(t, p) for t, p in self._bulk if p.pass_id >= reduce_id]
         self._own = {k: v for k, v in self._own.items() if k[0] >= reduce_id}
+        self._direct = {k: v for k, v in self._direct.items() if k[0] >= reduce_id}
 
     def offer(self, piece: PeerPiece) -> str | None:
         """Keep ``piece``; the reason it was dropped, or None."""
@@ -290,7 +345,7 @@ class GradientExchange:
         sender = next((r for r in ranges if r.participant == piece.sender), None)
         if sender is None:
             return f"a reduction piece from {piece.sender!r}, not a participant"
-        if piece.phase in SYNC_PHASES:  # a whole layer's (2, K) from any participant
+        if piece.phase in SYNC_PHASES + (PHASE_WHOLE,):  # a whole layer's, from anyone
             sender = KernelRange(piece.sender, 0, self._kernels(piece.layer))
         expected = self.own_range(piece.layer) if piece.phase == PHASE_REDUCE else sender
         if expected is None or (piece.kernel_start, piece.kernel_stop) != \

@@ -51,6 +51,15 @@ class Port:
 SHAPE = (10, 3, 3, 3)
 
 
+@pytest.fixture(autouse=True)
+def two_hops(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are about the reduce-scatter + all-gather; a layer this small would
+    be reduced directly (tests/unit/test_weight_reduce_direct.py)."""
+    import hetconv.weight_reduce
+
+    monkeypatch.setattr(hetconv.weight_reduce, "DIRECT_BYTES", 0)
+
+
 def _gradients(names: list[str], seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     return {n: (rng.standard_normal(SHAPE) * 10.0 ** rng.integers(-3, 3)).astype(np.float32)
