@@ -161,22 +161,30 @@ class SampleReplica:
                 np.ascontiguousarray(dy, dtype=np.float32), shard.xp))
             return to_numpy(dgamma).astype(np.float32), to_numpy(dbeta).astype(np.float32)
 
+    def _pass_with_sums(self, dgamma: np.ndarray, dbeta: np.ndarray) -> tuple[Any, Any]:
+        """(the kept block pass, its conv cache) for the backward's second part: the
+        block given the whole batch's sums (K,), which are kept for the update; the
+        replica holds the pass no more (a failed backward is retried from a new
+        forward). Call on the shard's device."""
+        fused, shard = self._pass, self.shard
+        if fused is None:
+            raise RuntimeError(f"layer {shard.layer}: backward without a training forward")
+        sums = (to_module(np.asarray(dgamma, np.float32), shard.xp),
+                to_module(np.asarray(dbeta, np.float32), shard.xp))
+        fused.set_sums(*sums)
+        cache = self._conv_cache
+        self._sums = sums
+        self._pass, self._conv_cache = None, None
+        return fused, cache
+
     def finish_backward(self, dgamma: np.ndarray, dbeta: np.ndarray, need_dx: bool
                         ) -> tuple[np.ndarray | None, np.ndarray]:
         """With the whole batch's sums (K,): (dx (B_i, C, H, W) float32 or None, this
         slice's weight gradient (K, C, k, k) float32). The sums are kept for the update."""
-        fused, shard = self._pass, self.shard
-        if fused is None:
-            raise RuntimeError(f"layer {shard.layer}: backward without a training forward")
-        with on_device(shard.device):
-            xp = shard.xp
-            sums = (to_module(np.asarray(dgamma, np.float32), xp),
-                    to_module(np.asarray(dbeta, np.float32), xp))
-            fused.set_sums(*sums)
-            dx, dweight, _ = conv2d_backward_cached(self._conv_cache, None, need_dx=need_dx,
+        with on_device(self.shard.device):
+            fused, cache = self._pass_with_sums(dgamma, dbeta)
+            dx, dweight, _ = conv2d_backward_cached(cache, None, need_dx=need_dx,
                                                     need_db=False, source=fused)
-            self._sums = sums
-            self._pass, self._conv_cache = None, None
             return (to_numpy(dx) if need_dx and dx is not None else None), \
                 to_numpy(dweight).astype(np.float32)
 
@@ -186,17 +194,10 @@ class SampleReplica:
         and a callable that returns this slice's weight gradient (K, C, k, k) float32
         (call it once, before this replica's next forward: e.g. while the next layer
         down waits at its barrier)."""
-        fused, shard = self._pass, self.shard
-        if fused is None:
-            raise RuntimeError(f"layer {shard.layer}: backward without a training forward")
+        shard = self.shard
         with on_device(shard.device):
-            xp = shard.xp
-            sums = (to_module(np.asarray(dgamma, np.float32), xp),
-                    to_module(np.asarray(dbeta, np.float32), xp))
-            fused.set_sums(*sums)
-            dx, pending = conv2d_backward_split(self._conv_cache, fused)
-            self._sums = sums
-            self._pass, self._conv_cache = None, None
+            fused, cache = self._pass_with_sums(dgamma, dbeta)
+            dx, pending = conv2d_backward_split(cache, fused)
 
         def weight_gradient() -> np.ndarray:
             with on_device(shard.device):
