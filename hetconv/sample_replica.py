@@ -36,8 +36,9 @@ import numpy as np
 from hetconv.backend import on_device, to_module, to_numpy
 from hetconv.ops import block_fast
 from hetconv.ops.block_fast import combine_moments
-from hetconv.ops.conv import conv2d_backward_cached, conv2d_backward_split, conv2d_forward_cached
+from hetconv.ops.conv import conv2d_backward_cached, conv2d_forward_cached
 from hetconv.ops.conv_layer import conv_output_size
+from hetconv.ops.conv_split import conv2d_backward_split
 from hetconv.optim import sgd_update
 from hetconv.shard import ConvShard
 

@@ -86,9 +86,9 @@ __all__ = [
     "BATCH_INNER", "LAYOUTS", "MODEL_COPY_S", "MODEL_FLOP_PER_S", "SAMPLE_MAJOR",
     "SAMPLE_MAJOR_MIN_POSITIONS", "SAMPLE_MAJOR_MIN_POSITIONS_FEW_TAPS", "SHIFTED_TAPS",
     "WINOGRAD", "WINOGRAD_MIN_CHANNELS", "ChunkSink", "ChunkSource", "ConvCache",
-    "ConvGeometry", "PendingWeightGradient", "choose_im2col_layout", "choose_layout", "conv2d",
-    "conv2d_backward", "conv2d_backward_cached", "conv2d_backward_split",
-    "conv2d_forward_cached", "estimated_seconds", "make_geometry"]
+    "ConvGeometry", "choose_im2col_layout", "choose_layout", "conv2d", "conv2d_backward",
+    "conv2d_backward_cached", "conv2d_forward_cached", "estimated_seconds",
+    "final_weight_gradient", "make_geometry", "summed_weight_gradient"]
 
 WINOGRAD = "winograd"  # F(2x2, r x r) for 3x3 and 5x5 kernels: see hetconv.ops.conv_winograd
 WINOGRAD_MIN_CHANNELS = {3: 16, 5: 8}  # by kernel size: with fewer input channels or kernels
@@ -365,7 +365,7 @@ def conv2d_backward_cached(cache: ConvCache, dy: Any, need_dx: bool = True,
         after = None if dx_rows is None or dx is None else (
             lambda start, stop: dx_rows(dx, start, stop))
         parts = run_chunks(task, cache.chunks, cache.threads, after=after)
-        dw = _summed_weight_gradient(xp, cache, [chunk_dw for chunk_dw, _ in parts])
+        dw = summed_weight_gradient(xp, cache, [chunk_dw for chunk_dw, _ in parts])
         if need_db:
             db = parts[0][1]
             for _, part_db in parts[1:]:
@@ -374,10 +374,10 @@ def conv2d_backward_cached(cache: ConvCache, dy: Any, need_dx: bool = True,
         dx_rows(dx, 0, g.batch)
     if db is None:
         db = xp.zeros((g.kernels,), dtype)
-    return dx, _final_weight_gradient(xp, cache, dw), db
+    return dx, final_weight_gradient(xp, cache, dw), db
 
 
-def _summed_weight_gradient(xp: Any, cache: ConvCache, parts: list[Any]) -> Any:
+def summed_weight_gradient(xp: Any, cache: ConvCache, parts: list[Any]) -> Any:
     """The chunks' weight gradients (K, Q) each, or dU (a*a, K, C) each under Winograd,
     added in chunk order: dw (K, Q), or (K, C, kh, kw) under Winograd."""
     g = cache.geometry
@@ -390,7 +390,7 @@ def _summed_weight_gradient(xp: Any, cache: ConvCache, parts: list[Any]) -> Any:
     return dw
 
 
-def _final_weight_gradient(xp: Any, cache: ConvCache, dw: Any | None) -> Any:
+def final_weight_gradient(xp: Any, cache: ConvCache, dw: Any | None) -> Any:
     """dw as a new (K, C, kh, kw) array of its own (the parts may be the workspace's);
     zeros for None (no kernels or no chunks)."""
     g, dtype = cache.geometry, cache.weight_matrix.dtype
@@ -399,89 +399,6 @@ def _final_weight_gradient(xp: Any, cache: ConvCache, dw: Any | None) -> Any:
     dw = xp.array(dw, dtype=dtype, order="C") if cache.keep is not None and cache.layout != \
         WINOGRAD else xp.ascontiguousarray(dw)
     return dw.reshape(g.kernels, g.channels, g.kernel_h, g.kernel_w)
-
-
-class PendingWeightGradient:
-    """The weight gradient of a backward pass whose dx is done already
-    (``conv2d_backward_split``): :meth:`compute` returns dw (K, C, kh, kw) in the
-    forward's dtype, from the chunks' dy rows and the forward's cache, which it keeps
-    until then. Compute it before the next forward through the same workspace."""
-
-    def __init__(self, cache: ConvCache, rows: list[Any]):
-        self._cache: ConvCache | None = cache
-        self._rows = rows
-
-    def compute(self) -> Any:
-        cache = self._cache
-        if cache is None:
-            raise RuntimeError("this weight gradient was computed already")
-        self._cache = None
-        g, xp = cache.geometry, get_array_module(cache.weight_matrix)
-        rows, dtype = self._rows, cache.weight_matrix.dtype
-        self._rows = []
-        if not (g.kernels and cache.chunks):
-            return _final_weight_gradient(xp, cache, None)
-
-        def task(index: int) -> Any:
-            padded, chunk_rows = cache.inputs[index], rows[index]
-            if cache.layout == SHIFTED_TAPS:
-                nb = cache.chunks[index][1] - cache.chunks[index][0]
-                return shifted_backward(xp, g, None, padded, chunk_rows.reshape(
-                    g.kernels, g.out_h, g.out_w, nb), None, False)[0]
-            keep = None if cache.keep is None else cache.keep.get(
-                f"conv dw {index}", cache.transformed.shape if cache.layout == WINOGRAD
-                else (g.taps, g.kernels), dtype)
-            if cache.layout == WINOGRAD:
-                return conv_winograd.chunk_backward(xp, g, cache.transformed, padded,
-                                                    chunk_rows, None, False, keep)[0]
-            return backward_rows(xp, g, None, unfold(xp, g, cache.layout, padded),
-                                 chunk_rows, None, False, keep)[0]
-
-        parts = run_parallel(task, len(cache.chunks), cache.threads)
-        return _final_weight_gradient(xp, cache, _summed_weight_gradient(xp, cache, parts))
-
-
-def conv2d_backward_split(cache: ConvCache, source: ChunkSource
-                          ) -> tuple[Any, PendingWeightGradient]:
-    """``conv2d_backward_cached(cache, None, need_dx=True, need_db=False, source=source)``
-    in two parts: dx (B, C, H, W) now, the weight gradient when the returned
-    :class:`PendingWeightGradient` is computed (e.g. while a barrier's pieces are in
-    flight). The source's rows must stay valid until then (``hetconv.ops.block_fast``'s
-    are its kept conv output). Same values as the one-part call; under shifted taps
-    (stride 1) the weight gradient is the one-part call's without dx, summed in another
-    order."""
-    g = cache.geometry
-    xp = get_array_module(cache.weight_matrix)
-    dtype = cache.weight_matrix.dtype
-    if cache.layout == SAMPLE_MAJOR:
-        raise ValueError("conv2d backward: a chunk source needs the batch-inner, shifted-taps "
-                         "or Winograd layout")
-    dx = (xp.zeros if g.kernels == 0 else xp.empty)(
-        (g.batch, g.channels, g.height, g.width), dtype)
-    rows: list[Any] = [None] * len(cache.chunks)
-    if g.kernels and cache.chunks:
-        offset_weights = None
-        if cache.layout == BATCH_INNER:
-            weights4 = cache.weight_matrix.reshape(g.kernels, g.channels, g.kernel_h, g.kernel_w)
-            offset_weights = xp.ascontiguousarray(weights4.transpose(0, 2, 3, 1)).reshape(
-                g.kernels, g.taps)
-
-        def task(index: int) -> None:
-            start, stop = cache.chunks[index]
-            chunk_rows = rows[index] = source.gradient_rows(index, start, stop)
-            padded, dx_chunk = cache.inputs[index], dx[start:stop]
-            if cache.layout == SHIFTED_TAPS:
-                shifted_backward(xp, g, cache.weights_by_tap, padded, chunk_rows.reshape(
-                    g.kernels, g.out_h, g.out_w, stop - start), dx_chunk, False, need_dw=False)
-            elif cache.layout == WINOGRAD:
-                conv_winograd.chunk_backward(xp, g, cache.transformed, padded, chunk_rows,
-                                             dx_chunk, False, need_dw=False)
-            else:
-                backward_rows(xp, g, offset_weights, None, chunk_rows, dx_chunk, False,
-                              need_dw=False)
-
-        run_parallel(task, len(cache.chunks), cache.threads)
-    return dx, PendingWeightGradient(cache, rows)
 
 
 def conv2d(x: Any, w: Any, b: Any | None = None, stride: int = 1, padding: int = 0) -> Any:
