@@ -69,4 +69,29 @@ if [ -n "$failed_gates" ]; then
   exit 1
 fi
 
-exec "$venv/bin/python" -m pytest "$@"
+# ---- The tests. Extra arguments: one pytest run with them, as given. Without: the tests not
+# marked `serial` on one pytest-xdist worker per core (at most 4; a whole test file per
+# worker, so that its module fixtures are built once), then the `serial` ones alone, since
+# they measure time or give emulated machines quotas that add up to the host's cores. On
+# two cores that roughly halves the first part. Both parts always run;
+# the command fails if either does.
+if [ "$#" -gt 0 ]; then
+  exec "$venv/bin/python" -m pytest "$@"
+fi
+cores=$(nproc 2>/dev/null || echo 1)
+workers=$(( cores > 4 ? 4 : cores ))
+parallel_rc=0
+if [ "$workers" -gt 1 ]; then
+  echo "== pytest, part 1 of 2: the tests not marked serial, $workers at a time"
+  "$venv/bin/python" -m pytest -m "not serial" -n "$workers" --dist loadfile || parallel_rc=$?
+else
+  echo "== pytest, part 1 of 2: the tests not marked serial (one core: one at a time)"
+  "$venv/bin/python" -m pytest -m "not serial" || parallel_rc=$?
+fi
+echo "== pytest, part 2 of 2: the tests marked serial, alone"
+serial_rc=0
+"$venv/bin/python" -m pytest -m serial || serial_rc=$?
+if [ "$parallel_rc" -ne 0 ] || [ "$serial_rc" -ne 0 ]; then
+  echo "hetconv: error: tests failed (part 1 exit $parallel_rc, part 2 exit $serial_rc; failures above)" >&2
+  exit 1
+fi

@@ -28,6 +28,7 @@ def test_calibrate_prints_every_split_and_leaves_workers_up(endpoint: str, worke
 
 
 @pytest.mark.lab
+@pytest.mark.serial  # CPU quotas for an emulated fast and slow machine
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(cpu_quota_unavailable_reason() is not None,
                     reason=f"cgroup CPU quotas unavailable: {cpu_quota_unavailable_reason()}")

@@ -358,6 +358,7 @@ def flooded_run_ratio(endpoint: str, run_dir: Path) -> float:
     return ratio
 
 
+@pytest.mark.serial  # a throughput ratio: alone, not beside other tests
 @pytest.mark.timeout(500)
 def test_flood_and_unread_garbage_cost_under_ten_percent(endpoint: str, workers: Any,
                                                           tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from hetconv.lab import cpu_quota_unavailable_reason, netns_unavailable_reason
 from hetconv.lab.network import SwitchedLan, parse_rate_bits
 from hetconv.metrics import read_metrics
 
-pytestmark = [pytest.mark.lab, pytest.mark.integration]
+pytestmark = [pytest.mark.lab, pytest.mark.integration, pytest.mark.serial]
 REASON = netns_unavailable_reason() or cpu_quota_unavailable_reason()
 
 RECEIVER = """

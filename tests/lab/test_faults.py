@@ -33,7 +33,7 @@ from tests.conftest import child_env, epoch_records, hetconv_command, run_hetcon
 from tests.integration.test_failover import final_losses, records, steps_done
 from tests.support.faulty_worker import WorkerFaults
 
-pytestmark = [pytest.mark.lab, pytest.mark.integration]
+pytestmark = [pytest.mark.lab, pytest.mark.integration, pytest.mark.serial]
 REASON = netns_unavailable_reason()
 QUOTA_REASON = cpu_quota_unavailable_reason()
 

@@ -10,7 +10,7 @@ import pytest
 from hetconv.lab import cpu_quota_unavailable_reason
 from tests.conftest import run_hetconv
 
-pytestmark = [pytest.mark.lab, pytest.mark.integration]
+pytestmark = [pytest.mark.lab, pytest.mark.integration, pytest.mark.serial]
 
 QUOTA = 0.3  # the slow machine's speed relative to the fast one
 FAST = 0.9  # the fast machine's quota: a ratio of quotas holds on a busy host too

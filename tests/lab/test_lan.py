@@ -12,7 +12,7 @@ from hetconv.lab import LanHost, LocalWorkers, free_port, netns_unavailable_reas
 from hetconv.lab.network import forwarding_unavailable_reason
 from tests.conftest import SMALL_RUN, epoch_records, run_hetconv, step_losses
 
-pytestmark = [pytest.mark.lab, pytest.mark.integration]
+pytestmark = [pytest.mark.lab, pytest.mark.integration, pytest.mark.serial]
 REASON = netns_unavailable_reason()
 
 

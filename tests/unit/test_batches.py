@@ -145,6 +145,7 @@ class SlowSource(BatchSource):
         return super().batch(epoch, position)
 
 
+@pytest.mark.serial  # times the consumer's waits
 def test_batches_are_ready_while_the_consumer_works() -> None:
     images, labels = make_set(count=80)
     source = SlowSource(images, labels, batch=8, seed=0)

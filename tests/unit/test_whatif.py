@@ -127,6 +127,7 @@ def test_arch_scales_the_cost_per_kernel_by_flop_per_kernel() -> None:
     assert wide.step_s > one.step_s
 
 
+@pytest.mark.serial  # times itself
 def test_128_machines_are_fast() -> None:
     started = time.perf_counter()  # the paper's setting: identical machines
     predictions = whatif.predict_scenarios(RUN, scenarios(RUN, whatif.DEFAULT_MACHINES,
