@@ -70,8 +70,8 @@ if [ -n "$failed_gates" ]; then
 fi
 
 # ---- The tests. Extra arguments: one pytest run with them, as given. Without: the tests not
-# marked `serial` on one pytest-xdist worker per core (at most 4; a whole test file per
-# worker, so that its module fixtures are built once), then the `serial` ones alone, since
+# marked `serial` on one pytest-xdist worker per core (at most 4; an idle worker steals
+# queued tests from a busy one, so that no long file ends the part alone), then the `serial` ones alone, since
 # they measure time or give emulated machines quotas that add up to the host's cores. On
 # two cores that roughly halves the first part. Both parts always run;
 # the command fails if either does.
@@ -83,7 +83,7 @@ workers=$(( cores > 4 ? 4 : cores ))
 parallel_rc=0
 if [ "$workers" -gt 1 ]; then
   echo "== pytest, part 1 of 2: the tests not marked serial, $workers at a time"
-  "$venv/bin/python" -m pytest -m "not serial" -n "$workers" --dist loadfile || parallel_rc=$?
+  "$venv/bin/python" -m pytest -m "not serial" -n "$workers" --dist worksteal || parallel_rc=$?
 else
   echo "== pytest, part 1 of 2: the tests not marked serial (one core: one at a time)"
   "$venv/bin/python" -m pytest -m "not serial" || parallel_rc=$?
