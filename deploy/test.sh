@@ -69,12 +69,11 @@ if [ -n "$failed_gates" ]; then
   exit 1
 fi
 
-# ---- The tests. Extra arguments: one pytest run with them, as given. Without: the tests not
-# marked `serial` on one pytest-xdist worker per core (at most 4; an idle worker steals
-# queued tests from a busy one, so that no long file ends the part alone), then the `serial` ones alone, since
-# they measure time or give emulated machines quotas that add up to the host's cores. On
-# two cores that roughly halves the first part. Both parts always run;
-# the command fails if either does.
+# ---- The tests. Extra arguments: one pytest run with them, as given. Without: first the
+# tests not marked `serial` on one pytest-xdist worker per core (at most 4; an idle worker
+# steals queued tests from a busy one), then the `serial` ones alone, since they time
+# themselves or give emulated machines CPU quotas that add up to the host's cores. Both
+# parts always run; the command fails if either does.
 if [ "$#" -gt 0 ]; then
   exec "$venv/bin/python" -m pytest "$@"
 fi
