@@ -179,3 +179,47 @@ def barrier_breakdown(events: Iterable[dict[str, Any]], first_step: int = 0
                                  statistics.fmean(v[2] for v in values),
                                  statistics.fmean(reads_s) if reads_s else None))
     return rows
+
+
+@dataclass(frozen=True)
+class TimelineMark:
+    """One participant at one barrier of one step, in seconds since the step began:
+    when it shared its piece, and when it held every peer's (None: no wait traced)."""
+
+    layer: int
+    phase: str
+    shared_s: float
+    held_s: float | None
+
+
+def _chain_order(mark: TimelineMark) -> tuple[int, int]:
+    """The step chain's order: the forward's moments layer by layer up, then the
+    backward's sums layer by layer down."""
+    return (0, mark.layer) if mark.phase == "moments" else (1, -mark.layer)
+
+
+def step_timeline(events: Iterable[dict[str, Any]], step: int, started: float
+                  ) -> dict[str, list[TimelineMark]]:
+    """Per participant, its barriers of ``step`` in chain order (:func:`_chain_order`),
+    in seconds since ``started`` (Unix seconds: when the master began the step; the
+    lab's machines share its clock). Malformed events are skipped; a step that left no
+    share in the trace gives an empty dict."""
+    shares: dict[tuple[int, int, str, str], float] = {}  # (sync, layer, phase, participant)
+    held: dict[tuple[int, int, str, str], float] = {}
+    for event in events:
+        try:
+            key = (int(event["sync"]), int(event["layer"]), str(event["phase"]),
+                   str(event["p"]))
+            if event["e"] == "share" and int(event["step"]) == step:
+                shares[key] = float(event["t"])
+            elif event["e"] == "wait":
+                held[key] = float(event["end"])
+        except (KeyError, TypeError, ValueError):
+            continue
+    timeline: dict[str, list[TimelineMark]] = {}
+    for key, shared in shares.items():
+        ended = held.get(key)
+        timeline.setdefault(key[3], []).append(TimelineMark(
+            key[1], key[2], shared - started, None if ended is None else ended - started))
+    return {participant: sorted(marks, key=_chain_order)
+            for participant, marks in sorted(timeline.items())}

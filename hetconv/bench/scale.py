@@ -43,6 +43,7 @@ from hetconv.bench.scale_breakdown import (
     format_barrier_breakdown,
     format_breakdown,
     format_layer_breakdown,
+    format_step_timeline,
     merge_barrier_repeats,
     merge_layer_repeats,
     merge_repeats,
@@ -345,6 +346,7 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
     table += format_breakdown(summary)
     table += format_layer_breakdown(summary)
     table += format_barrier_breakdown(summary)
+    table += format_step_timeline(summary)
     table += format_dilation_table(summary)
     for line in table:
         out(line)
@@ -413,6 +415,7 @@ def summarize(configurations: list[tuple[tuple[float, ...], str]],
             "layers": merge_layer_repeats([r.layers for r in runs]),
             "comm_share": statistics.median(r.comm_share for r in runs),
             "barriers": merge_barrier_repeats([r.barriers for r in runs]),
+            "timeline": sorted(runs, key=lambda r: r.step_s)[(len(runs) - 1) // 2].timeline,
         })
     return rows
 

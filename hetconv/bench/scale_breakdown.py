@@ -213,3 +213,52 @@ def format_barrier_breakdown(rows: Sequence[dict[str, Any]]) -> list[str]:
                      f"{total['skew_s'] / participants * 1e3:.1f} | "
                      f"{total['delivery_s'] / participants * 1e3:.1f} | {to_read} |")
     return lines
+
+
+def format_step_timeline(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Markdown lines: per configuration, one typical step laid out per participant
+    (``rows``: summary rows with ``timeline``, the output of
+    :func:`hetconv.bench.scale_figures.typical_step_timeline`): when it shared its piece
+    of each batch-norm barrier and when it held every peer's, and when its result
+    reached the master; none when no run traced a step."""
+    if not any(row.get("timeline") for row in rows):
+        return []
+    lines = ["", "One step laid out (the sample split's barriers, traced): the run's "
+             "median step (of the repeat with the median step), per participant, ms "
+             "since the master began the step (the lab's machines share one clock): "
+             "when it shared its piece of each batch-norm barrier and when it held every "
+             "peer's (shared / held), and when its result reached the master. Between "
+             "two barriers a participant computes; a late share is a slow participant, "
+             "a late hold after the last share is delivery."]
+    phases = {"moments": "forward", "sums": "backward"}
+    for row in rows:
+        timeline = row.get("timeline") or {}
+        participants = timeline.get("participants") or {}
+        if not participants:
+            continue
+        columns: list[tuple[int, str]] = []
+        for entry in participants.values():
+            for layer, phase, _, _ in entry["marks"]:
+                if (layer, phase) not in columns:
+                    columns.append((layer, phase))
+        lines += ["", f"{row['machines']}: step {timeline['step']}, "
+                      f"{timeline['step_s'] * 1e3:.1f} ms", "",
+                  "| participant | " + " | ".join(
+                      f"layer {layer + 1} {phases.get(phase, phase)} ms" for layer, phase
+                      in columns) + " | result at the master ms |",
+                  "|---|" + "---|" * (len(columns) + 1)]
+        for name, entry in participants.items():
+            cells = {(layer, phase): (shared, held)
+                     for layer, phase, shared, held in entry["marks"]}
+            text = []
+            for column in columns:
+                if column not in cells:
+                    text.append("-")
+                    continue
+                shared, held = cells[column]
+                text.append(f"{shared * 1e3:.1f} / "
+                            + ("-" if held is None else f"{held * 1e3:.1f}"))
+            result = entry.get("result_s")
+            lines.append(f"| {name} | " + " | ".join(text) + " | "
+                         + ("-" if result is None else f"{result * 1e3:.1f}") + " |")
+    return lines

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hetconv.barrier_trace import barrier_breakdown, read_trace
+from hetconv.barrier_trace import barrier_breakdown, read_trace, step_timeline
 from hetconv.bench.scale_breakdown import (
     barrier_figures,
     comm_share,
@@ -39,6 +39,7 @@ class RunFigures:
     layers: dict[int, dict[str, dict[str, float]]] = field(default_factory=dict)
     comm_share: float = 0.0  # median comm_s over step_s
     barriers: dict[str, dict[str, float]] = field(default_factory=dict)  # barrier_figures
+    timeline: dict[str, Any] = field(default_factory=dict)  # typical_step_timeline
 
 
 def settled_split(records: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -55,6 +56,31 @@ def settled_split(records: list[dict[str, Any]]) -> dict[str, Any] | None:
     return None
 
 
+def typical_step_timeline(steps: list[dict[str, Any]], events: list[dict[str, Any]]
+                          ) -> dict[str, Any]:
+    """The barriers of the run's typical step (of ``steps``, the one with the median
+    ``step_s``, the lower of two), per participant, JSON-ready: ``{"step", "step_s",
+    "participants": {name: {"marks": [[layer, phase, shared_s, held_s], ...],
+    "result_s": its round latency}}}``, seconds since the master began the step (its
+    record's time less its ``step_s``); empty when the trace has none of that step."""
+    if not steps:
+        return {}
+    step = sorted(steps, key=lambda s: float(s["step_s"]))[(len(steps) - 1) // 2]
+    started = float(step["time"]) - float(step["step_s"])
+    marks = step_timeline(events, int(step["step"]), started)
+    if not marks:
+        return {}
+    latency: dict[str, float] = {}
+    for layer in step.get("layers", [])[:1]:  # a chain's round: recorded under layer 0
+        for timing in layer.get("devices", []):
+            latency[participant_of(timing)] = float(timing.get("forward_latency_s") or 0.0)
+    return {"step": int(step["step"]), "step_s": float(step["step_s"]),
+            "participants": {name: {"marks": [[m.layer, m.phase, m.shared_s, m.held_s]
+                                              for m in these],
+                                    "result_s": latency.get(name)}
+                             for name, these in marks.items()}}
+
+
 def run_figures(run_dir: Path, link_bytes_per_s: float | None) -> RunFigures:
     """Medians from ``metrics.jsonl`` and the model's prediction from its calibration."""
     records = read_metrics(run_dir / "metrics.jsonl")
@@ -66,6 +92,7 @@ def run_figures(run_dir: Path, link_bytes_per_s: float | None) -> RunFigures:
         steps = steps[1:] if len(steps) > 1 else steps
     if not steps:
         raise UserError(f"{run_dir}: the run recorded no steps")
+    events = read_trace(run_dir / "trace")
     master_bytes, busiest = [], []
     for step in steps:
         master_link: dict[str, int] = {}  # per worker: its traffic with the master
@@ -110,4 +137,5 @@ def run_figures(run_dir: Path, link_bytes_per_s: float | None) -> RunFigures:
                       layers=layer_breakdown(steps),
                       comm_share=comm_share(steps),
                       barriers=barrier_figures(barrier_breakdown(
-                          read_trace(run_dir / "trace"), int(steps[0]["step"]))))
+                          events, int(steps[0]["step"]))),
+                      timeline=typical_step_timeline(steps, events))

@@ -151,6 +151,16 @@ def test_bench_scale_runs_pytorch_ddp_beside_hetconv(tmp_path: Path) -> None:
     traces = list((tmp_path / "2x[0.6,0.3]-auto" / "repeat0" / "trace").glob("trace-*.jsonl"))
     assert len(traces) == 2  # the master's process and the worker's, in their namespaces
     assert any(line.startswith("|  | per participant and step | all |") for line in lines)
+    # one typical step laid out: both participants at all four barriers, and their results
+    timeline = row["timeline"]
+    assert sorted(timeline["participants"]) == ["m1", "master"], timeline
+    for entry in timeline["participants"].values():
+        assert [mark[:2] for mark in entry["marks"]] == [
+            [0, "moments"], [1, "moments"], [1, "sums"], [0, "sums"]], entry
+        assert all(0 <= mark[2] < timeline["step_s"] for mark in entry["marks"]), entry
+        assert 0 < entry["result_s"] < 10
+    assert any(line.startswith("| participant | layer 1 forward ms | layer 2 forward ms |")
+               for line in lines)
     for key in ("ddp_even_step_s", "ddp_speed_step_s", "torch_alone_step_s"):
         assert 0 < row[key] < 10, row
     assert row["hetconv_over_ddp_even"] == pytest.approx(row["step_s"] / row["ddp_even_step_s"])
