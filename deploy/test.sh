@@ -70,17 +70,18 @@ if [ -n "$failed_gates" ]; then
 fi
 
 # ---- The tests. Extra arguments: one pytest run with them, as given. Without: first the
-# tests not marked `serial` on one pytest-xdist worker per core (at most 4; an idle worker
-# steals queued tests from a busy one), then the `serial` ones alone, since they time
+# tests not marked `serial` on pytest-xdist workers, one more than the cores (at most 4:
+# these tests spend part of their time waiting on sleeps and liveness deadlines; an idle
+# worker steals queued tests from a busy one), then the `serial` ones alone, since they time
 # themselves or give emulated machines CPU quotas that add up to the host's cores. Both
 # parts always run; the command fails if either does.
 if [ "$#" -gt 0 ]; then
   exec "$venv/bin/python" -m pytest "$@"
 fi
 cores=$(nproc 2>/dev/null || echo 1)
-workers=$(( cores > 4 ? 4 : cores ))
+workers=$(( cores + 1 > 4 ? 4 : cores + 1 ))
 parallel_rc=0
-if [ "$workers" -gt 1 ]; then
+if [ "$cores" -gt 1 ]; then
   echo "== pytest, part 1 of 2: the tests not marked serial, $workers at a time"
   "$venv/bin/python" -m pytest -m "not serial" -n "$workers" --dist worksteal || parallel_rc=$?
 else
