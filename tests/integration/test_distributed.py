@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from hetconv.checkpoint import load_weights
-from hetconv.lab import free_port
+from hetconv.lab import free_port, wait_for
 from tests.conftest import (
     SMALL_RUN,
     child_env,
@@ -144,6 +144,8 @@ def test_failed_start_is_recorded(
 def test_worker_without_master_keeps_trying_and_stops_on_sigterm(endpoint: str,
                                                                  workers: Any) -> None:
     (worker,) = workers("lonely")
+    # up (its SIGTERM handler is installed before it says so), then a while with no master
+    assert wait_for(lambda: "connecting to" in worker.output(), 20), worker.output()
     time.sleep(1.5)
     assert worker.process.poll() is None  # no master yet: still trying
     start = time.monotonic()
