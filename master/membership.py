@@ -219,7 +219,12 @@ class Membership:
 
         A routing id is bound to the CURVE key that first said Hello under it
         (:attr:`bindings`), even after that worker left: another allowed key using it
-        is a forgery (taking over a worker's routing id), and is dropped unanswered."""
+        is a forgery (taking over a worker's routing id), and is dropped unanswered.
+
+        It also proves the bound worker's own connection no longer holds that id (the
+        master's ROUTER leaves a second connection under a held id unread): that worker
+        counts as having lost its connection, so nothing more is sent to the id, which
+        would reach the forger."""
         binding = self.bindings.get(identity)
         if binding is None or binding.key == user_id:
             return None
@@ -227,6 +232,7 @@ class Membership:
         worker = self.workers.get(identity)
         if worker is not None:
             worker.forgeries += 1
+            self.connection_lost(identity)
         if now - binding.logged_at < self.settings.forgery_log_interval_s:
             binding.unlogged += 1
             return []

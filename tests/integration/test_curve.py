@@ -12,7 +12,7 @@ import pytest
 
 from hetconv.keys import client_keys, create_keypair, server_keys
 from hetconv.lab import free_port, wait_for
-from hetconv.master.cluster import Cluster
+from hetconv.master.cluster import Cluster, WorkerLost
 from hetconv.master.membership import RequestsAwaited
 from hetconv.protocol import PROTOCOL_VERSION, Ack, Goodbye, Heartbeat, Hello
 from hetconv.protocol.transport import make_context, send_message, worker_socket
@@ -158,7 +158,10 @@ def test_another_key_cannot_take_over_a_live_workers_routing_id(endpoint: str,
 def test_a_free_routing_id_stays_bound_to_its_key(tmp_path: Path,
                                                   caplog: pytest.LogCaptureFixture) -> None:
     """The routing id of a worker whose connection is gone: another key may connect under
-    it, but what it sends is refused, logged once, and cannot rebind or answer."""
+    it, but what it sends is refused, logged once, and cannot rebind or answer; and from
+    then on nothing is sent to that id (it would reach the forger): the worker counts as
+    having lost its connection, which fails the request waiting on it (as the master's
+    heartbeat to the free id may have done before the forger came)."""
     keys, allowed = curve_keys(tmp_path, "good", "other")
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     cluster = Cluster(endpoint, curve=server_keys(keys / "master.key_secret", allowed))
@@ -183,11 +186,15 @@ def test_a_free_routing_id_stays_bound_to_its_key(tmp_path: Path,
                     worker_id="good", protocol_version=PROTOCOL_VERSION,
                     device={"device": "cpu"}), Goodbye(worker_id="good", reason="forged")):
                 send_message(forger, message)
-            assert wait_for_pump(cluster, lambda: worker.forgeries >= 3)
+            lost = pump_past_lost_connections(cluster, lambda: worker.forgeries >= 3)
+        assert worker.forgeries >= 3, lost
+        assert lost and all("good (cpu) lost its connection" in r for r in lost), lost
         refusals = [r for r in caplog.records if "another CURVE key" in r.getMessage()]
         assert len(refusals) == 1, [r.getMessage() for r in caplog.records]
         assert cluster.membership.replies_for([request_id]) is None
-        assert cluster.membership.workers[b"good-1"] is worker and not worker.gone
+        assert cluster.membership.workers[b"good-1"] is worker
+        assert worker.gone and worker.connection_lost, "the forged Goodbye was taken"
+        pump_past_lost_connections(cluster, lambda: False, 1.2)  # heartbeats skip the id
         assert worker.curve_key == cluster.membership.bindings[b"good-1"].key
         assert forger.poll(200) == 0, "the forger was answered"
     finally:
@@ -196,6 +203,20 @@ def test_a_free_routing_id_stays_bound_to_its_key(tmp_path: Path,
         honest.close(linger=0)
         ctx.term()
         cluster.close()
+
+
+def pump_past_lost_connections(cluster: Cluster, predicate: Any,
+                               timeout_s: float = 10.0) -> list[str]:
+    """Pump until ``predicate()`` or the timeout; the reasons of the
+    :class:`WorkerLost` raised meanwhile, pumping on after each."""
+    reasons: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while not predicate() and time.monotonic() < deadline:
+        try:
+            cluster.pump(0.1)
+        except WorkerLost as error:
+            reasons.append(str(error))
+    return reasons
 
 
 def wait_for_pump(cluster: Cluster, predicate: Any, timeout_s: float = 10.0) -> bool:

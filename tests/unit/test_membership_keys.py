@@ -87,12 +87,15 @@ def test_forged_messages_are_refused_and_never_acted_on(membership: Membership,
     for index, message in enumerate(forged):
         actions = membership.handle(MessageReceived(b"id-b", message, 2.0 + index, KEY_A))
         assert not any(isinstance(a, (Send, Fail, Completed)) for a in actions), message
-    assert not worker.gone and worker.last_seen == 0.0 and worker.forgeries == len(forged)
+    assert worker.last_seen == 0.0 and worker.forgeries == len(forged)
     assert membership.workers[b"id-b"] is worker and worker.curve_key == KEY_B
     assert membership.replies_for([request.request_id]) is None
-    # the real worker still answers, and its reply still counts
-    assert membership.handle(MessageReceived(b"id-b", reply, 8.0, KEY_B))
-    assert membership.replies_for([request.request_id]) is not None
+    # another key's connection holds the id, so the worker's own does not: it counts as
+    # having lost its connection (nothing more goes to the id), not as having left
+    assert worker.gone and worker.connection_lost
+    assert not any(isinstance(a, Send) for a in membership.handle(Tick(30.0, 0.0)))
+    [fail] = fails_now(membership)
+    assert "worker b (cpu) lost its connection" in fail.reason and not fail.evict
 
 
 def test_a_forgery_is_logged_once_per_interval_with_a_count(membership: Membership,
@@ -109,7 +112,7 @@ def test_a_forgery_is_logged_once_per_interval_with_a_count(membership: Membersh
     assert membership.bindings[b"id-b"].refused == 51
 
 
-def test_undecodable_forgeries_get_no_reply_and_fail_nothing(membership: Membership,
+def test_undecodable_forgeries_get_no_reply_and_blame_nothing(membership: Membership,
                                                             worker: WorkerHandle) -> None:
     request = awaiting(membership, worker)
     error = ProtocolError(ERR_BAD_MESSAGE, "garbage", request_id=request.request_id,
@@ -118,7 +121,10 @@ def test_undecodable_forgeries_get_no_reply_and_fail_nothing(membership: Members
     assert [type(a) for a in actions] == [Log] and worker.forgeries == 1
     mismatch = VersionMismatch(PROTOCOL_VERSION, 99, identity=b"id-b")
     assert membership.handle(BadMessage(mismatch, KEY_A, 3.0)) == []
-    assert not worker.gone and not fails_now(membership)
+    # not the worker's fault: its own connection no longer holds the id
+    assert worker.gone and worker.connection_lost
+    assert [("lost its connection" in f.reason, f.evict, f.culprit)
+            for f in fails_now(membership)] == [(True, False, None)]
     # from the bound key, or where the transport did not say whose it is: as before
     assert any(isinstance(a, Fail) for a in membership.handle(BadMessage(error, KEY_B, 4.0)))
     assert any(isinstance(a, Fail) for a in membership.handle(BadMessage(error)))

@@ -1,7 +1,7 @@
 """A message the master cannot decode, or that is over its limit, still says whose
 connection it came on (``ProtocolError.user_id``, the ZAP User-Id, as ``Routed.user_id``):
-so a forgery under a worker's routing id from another allowed CURVE key cannot fail that
-worker's pending request. One process, sockets on loopback, no clocks waited on."""
+so a forgery under a worker's routing id from another allowed CURVE key cannot pass for
+that worker's bad reply (the worker's request fails only as its lost connection). One process, sockets on loopback, no clocks waited on."""
 from __future__ import annotations
 
 import time
@@ -93,7 +93,7 @@ def send_from(keys: Keys, pair: tuple[bytes, bytes], endpoint: str,
     return context, sock
 
 
-def test_an_undecodable_forgery_says_whose_it_is_and_fails_no_request(
+def test_an_undecodable_forgery_says_whose_it_is_and_blames_no_worker(
         curve_master: tuple[Any, Keys]) -> None:
     sock, keys = curve_master
     membership = Membership("run1", SETTINGS)
@@ -120,7 +120,8 @@ def test_an_undecodable_forgery_says_whose_it_is_and_fails_no_request(
     assert getattr(error, "user_id", None) == keys.forger[0].decode()
     actions = membership.handle(BadMessage(error, getattr(error, "user_id", None), 1.0))
     assert not any(isinstance(action, Fail) for action in actions), actions
-    assert not worker.gone and worker.forgeries == 1
+    assert worker.forgeries == 1  # and the worker's own connection counts as lost
+    assert worker.gone and worker.connection_lost
     # the same bytes from the bound key are that worker's own bad reply: it fails
     assert any(isinstance(action, Fail)
                for action in membership.handle(BadMessage(error, owner, 2.0)))
