@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import zmq
 
-from hetconv.lab import free_port
+from hetconv.lab import free_port, wait_for
 from hetconv.protocol import PROTOCOL_VERSION, Heartbeat, Hello, Welcome, encode, limits
 from hetconv.protocol.transport import make_context, master_socket, recv_message, send_message
 from tests.conftest import REPO, SMALL_RUN, child_env, hetconv_command, step_losses
@@ -74,6 +74,16 @@ def pings_after_messages(count: int) -> bytes:
 def frame_header_over_limit() -> bytes:
     """A long frame announcing 2**40 bytes, followed by a few: refused by MAXMSGSIZE."""
     return bytes([0x02]) + struct.pack(">Q", 2**40) + b"x" * 1024
+
+
+def listening(port: int) -> bool:
+    """Whether something accepts TCP connections on 127.0.0.1:``port`` (a connection
+    opened and closed at once, before any ZMTP greeting)."""
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return False
+    return True
 
 
 def attack_abort(port: int, socket_type: str = "DEALER") -> None:
@@ -189,8 +199,9 @@ def test_master_survives_hostile_bytes_then_trains(endpoint: str, workers: Any, 
     run_dir = tmp_path / "run"
     master = start_master(endpoint, run_dir)
     try:
-        time.sleep(1.5)  # the master listens
         port = int(endpoint.rsplit(":", 1)[1])
+        # the raw attacks need the master listening (a busy host may take seconds)
+        assert wait_for(lambda: listening(port), 30), "the master never listened"
         send_frames(endpoint, [huge_dims_frames("forward_reply"),
                                [b"\xc1"] * (4 * limits.MAX_FRAMES)])  # too many frames
         attack_abort(port)
