@@ -16,6 +16,7 @@ kernels it owns), the same model the calibrated split itself uses.
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from collections.abc import Iterable, Sequence
 
 from hetconv.master.report.events import RECOVERY
@@ -75,10 +76,21 @@ def _participant_order(records: RunRecords) -> list[str]:
     return order
 
 
+def _typical_step(steps: Sequence[StepRecord]) -> StepRecord:
+    """The last step whose first layer's work (kernels, or samples under the sample
+    split) adds up to the most common total: not an epoch's short last batch."""
+    def total(step: StepRecord) -> int:
+        return sum(t.kernels for t in step.layers[0].devices) if step.layers else 0
+
+    common = Counter(total(step) for step in steps).most_common(1)[0][0]
+    return next(step for step in reversed(steps) if total(step) == common)
+
+
 def _kernel_counts(records: RunRecords, steps: Sequence[StepRecord]) -> dict[tuple[str, int], int]:
-    """Kernels per (participant, layer): as in the last used step, else the calibration split."""
+    """Kernels (or samples) per (participant, layer): as in the last used step of the
+    run's usual size (:func:`_typical_step`), else the calibration split."""
     if steps:
-        return {(t.participant, layer.layer): t.kernels for layer in steps[-1].layers
+        return {(t.participant, layer.layer): t.kernels for layer in _typical_step(steps).layers
                 for t in layer.devices}
     return {(d.participant, c.layer): d.kernels for c in records.calibration for d in c.devices}
 
@@ -256,7 +268,8 @@ def _fitted_costs(records: RunRecords, participant: str) -> dict[int, tuple[floa
 def _participant_layers(records: RunRecords, participant: str,
                    timings: dict[tuple[str, int], list[ParticipantTiming]],
                    layer_kernels: dict[int, int],
-                   counts: dict[tuple[str, int], int]) -> tuple[DeviceLayer, ...]:
+                   counts: dict[tuple[str, int], int],
+                   by_samples: bool = False) -> tuple[DeviceLayer, ...]:
     calibration = {c.layer: c for c in records.calibration}
     rows = []
     for layer, kernels in layer_kernels.items():
@@ -267,7 +280,14 @@ def _participant_layers(records: RunRecords, participant: str,
         cal = calibration.get(layer)
         entry = (next((d for d in cal.devices if d.participant == participant), None)
                  if cal else None)
-        if cal is not None and entry is not None and entry.seconds > 0:
+        if by_samples:
+            # the sample split's calibration times the whole chain, not one layer, in
+            # samples: only its relative speed compares (the kernel calibration's
+            # kernels/s would not: another unit)
+            per_sample = records.seconds_per_sample
+            if per_sample.get(participant):
+                calib_speed = min(per_sample.values()) / per_sample[participant]
+        elif cal is not None and entry is not None and entry.seconds > 0:
             calib_s = entry.seconds
             calib_speed = min(d.seconds for d in cal.devices) / entry.seconds
             versus = _ratio(speed, cal.calibrated_kernels / entry.seconds)
@@ -295,6 +315,8 @@ def _per_step(steps: Sequence[StepRecord], participant: str, field: str) -> floa
 def device_summaries(records: RunRecords, steps: Sequence[StepRecord],
                      layer_kernels: dict[int, int]) -> tuple[DeviceSummary, ...]:
     counts = _kernel_counts(records, steps)
+    by_samples = bool(steps) and any(t.by_samples for layer in steps[-1].layers
+                                     for t in layer.devices)
     info = {d.id: d for d in records.devices}
     timings = _timings(steps)
     out = []
@@ -302,7 +324,8 @@ def device_summaries(records: RunRecords, steps: Sequence[StepRecord],
         meta = info.get(participant)
         out.append(DeviceSummary(
             id=participant, kind=meta.kind if meta else "?", name=meta.name if meta else "?",
-            layers=_participant_layers(records, participant, timings, layer_kernels, counts),
+            layers=_participant_layers(records, participant, timings, layer_kernels, counts,
+                                       by_samples),
             compute_s=_per_step(steps, participant, "compute_s"),
             wait_s=_per_step(steps, participant, "wait_s"),
             bytes_sent=_per_step(steps, participant, "bytes_sent"),

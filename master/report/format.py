@@ -117,7 +117,8 @@ def overview_table(summary: RunSummary) -> Table:
                   times(what_if.fast_network_speedup))]
     rows += [("final test accuracy", pct(summary.final_test_accuracy),
               MISSING if summary.images_per_s is None else f"{summary.images_per_s:.0f} images/s")]
-    return Table("Overview", ("figure", "value", "detail"), tuple(rows), left_columns=1)
+    return Table("Overview", ("figure", "value", "detail"), tuple(rows), left_columns=1,
+                 text_columns=(0, 2), wrap=True)
 
 
 def devices_table(summary: RunSummary) -> Table:
@@ -129,19 +130,26 @@ def devices_table(summary: RunSummary) -> Table:
 
 
 def layers_table(summary: RunSummary) -> Table:
+    """Per layer and participant its share, calibration and measured speed. Under the
+    sample split the calibration timed the whole chain (its relative speed only: no
+    per-layer time, and samples/s do not compare with a kernel calibration's)."""
+    samples = summary.split_by == "samples"
     rows = []
     for participant in summary.devices:
         for row in participant.layers:
+            calibration = (() if samples else (ms(row.calibration_s),))
+            versus = () if samples else (num(row.speed_vs_calibration),)
             rows.append((str(row.layer + 1), participant.id, str(row.kernels),
-                         pct(row.kernel_share),
-                         ms(row.calibration_s), num(row.calibrated_speed), ms(row.compute_s),
-                         pct(row.throughput_share), num(row.speed_vs_calibration)))
+                         pct(row.kernel_share), *calibration, num(row.calibrated_speed),
+                         ms(row.compute_s), pct(row.throughput_share), *versus))
     rows.sort(key=lambda r: int(r[0]))
-    unit = "samples" if summary.split_by == "samples" else "kernels"
-    return Table(f"{unit.capitalize()} per layer and participant",
-                 ("layer", "participant", unit, f"{unit[:-1]}\nshare", "calib.\nms",
-                  "calib.\nspeed", "compute\nms", "throughput\nshare", "measured\n/ calib."),
-                 tuple(rows), left_columns=2)
+    unit = "samples" if samples else "kernels"
+    headers = ("layer", "participant", unit, f"{unit[:-1]}\nshare",
+               *(() if samples else ("calib.\nms",)),
+               "calib. speed\n(whole chain)" if samples else "calib.\nspeed", "compute\nms",
+               "throughput\nshare", *(() if samples else ("measured\n/ calib.",)))
+    return Table(f"{unit.capitalize()} per layer and participant", headers, tuple(rows),
+                 left_columns=2)
 
 
 def balance_table(summary: RunSummary) -> Table:
@@ -279,6 +287,8 @@ def _step_model_row(model: StepModelCheck) -> tuple[str, str, str]:
     """The sample split's step model calibrated in place: its prediction, and what the
     next steps measured (its terms in ms)."""
     error = (model.predicted_s - model.measured_s) / model.measured_s
+    again = "" if model.attempt <= 1 else f" (check {model.attempt}: fitted again)"
     return ("step model: compute + rounds x round + serial", f"{ms(model.predicted_s)} ms",
-            f"measured {ms(model.measured_s)} ms ({error:+.0%}); {ms(model.compute_s)} + "
-            f"{model.rounds} x {ms(model.round_s)} + {ms(model.serial_s)}")
+            f"measured {ms(model.measured_s)} ms ({error:+.0%}){again}; "
+            f"{ms(model.compute_s)} + {model.rounds} x {ms(model.round_s)} + "
+            f"{ms(model.serial_s)}")

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -156,6 +157,7 @@ class StepModelCheck:
     round_s: float
     serial_s: float
     checked_steps: int
+    attempt: int = 1  # the check's number: a check off by more than 10 % fits again
 
 
 @dataclass(frozen=True)
@@ -179,6 +181,9 @@ class RunRecords:
     checkpoints: tuple[CheckpointRecord, ...] = ()  # every training snapshot taken
     replayed_steps: int = 0  # step records left out: an earlier record of a replayed step
     start_time: float | None = None  # Unix time of the first record
+    seconds_per_sample: dict[str, float] = field(default_factory=dict)
+    """The sample split's calibration (the last ``plan`` record): per participant,
+    seconds per sample of the whole conv chain, forward and backward."""
 
     @property
     def name(self) -> str:
@@ -323,7 +328,7 @@ def _dispatch(records: list[dict[str, Any]], warnings: list[str]) -> Iterator[tu
         "model": lambda r: StepModelCheck(
             float(r["predicted_step_s"]), float(r["measured_step_s"]), float(r["compute_s"]),
             int(r["rounds"]), float(r["round_s"]), float(r["serial_s"]),
-            int(r["checked_steps"]))}
+            int(r["checked_steps"]), int(r.get("attempt", 1)))}
     for number, raw in enumerate(records, start=1):
         parser = parsers.get(raw["type"])
         if parser is None:
@@ -392,7 +397,8 @@ def parse_run(run_dir: str | Path) -> RunRecords:
                       plan_predicted_step_s=predicted, step_model=step_model,
                       events=events, checkpoints=checkpoints,
                       replayed_steps=step_records - len(ordered),
-                      start_time=_first_time(raw_records), dense_part=_dense_part(raw_records))
+                      start_time=_first_time(raw_records), dense_part=_dense_part(raw_records),
+                      seconds_per_sample=_seconds_per_sample(raw_records))
 
 
 def _dense_part(records: list[dict[str, Any]]) -> str:
@@ -402,6 +408,23 @@ def _dense_part(records: list[dict[str, Any]]) -> str:
         if record.get("type") == "plan":
             return "replicas" if record.get("dense_part") == "replicas" else "master"
     return "master"
+
+
+def _seconds_per_sample(records: list[dict[str, Any]]) -> dict[str, float]:
+    """The last sample-split ``plan`` record's calibration, seconds per sample by
+    participant (positive numbers only); empty for the kernel split or older runs."""
+    for record in reversed(records):
+        if record.get("type") == "plan" and record.get("split_by") == "samples":
+            raw = record.get("seconds_per_sample")
+            if not isinstance(raw, dict):
+                return {}
+            out = {}
+            for name, value in raw.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) \
+                        and math.isfinite(value) and value > 0:
+                    out[str(name)] = float(value)
+            return out
+    return {}
 
 
 def _first_time(records: list[dict[str, Any]]) -> float | None:

@@ -27,6 +27,13 @@ def _clip(text: str, width: int) -> str:
     return text if len(text) <= width else text[:max(1, width - 1)] + "~"
 
 
+def _wrap(cell: str, width: int) -> list[str]:
+    """A text cell over ``width`` as lines; the lines after the first indented two
+    spaces deeper than the cell's own indent (so an indented label stays one item)."""
+    indent = " " * (len(cell) - len(cell.lstrip(" ")) + 2)
+    return textwrap.wrap(cell, width, subsequent_indent=indent) or [""]
+
+
 def _widths(table: Table, width: int) -> list[int]:
     """Column widths; the widest text column shrinks until the table fits."""
     columns = len(table.headers)
@@ -55,8 +62,8 @@ def format_table(table: Table, width: int = WIDTH) -> list[str]:
         """One line, or with ``table.wrap`` as many as the wrapped text cells need."""
         if not table.wrap:
             return [line(cells)]
-        pieces = [textwrap.wrap(cell, w) or [""] if table.is_text(i) and len(cell) > w
-                  else [cell] for i, (cell, w) in enumerate(zip(cells, widths))]
+        pieces = [_wrap(cell, w) if table.is_text(i) and len(cell) > w else [cell]
+                  for i, (cell, w) in enumerate(zip(cells, widths))]
         height = max(len(piece) for piece in pieces)
         return [line([piece[k] if k < len(piece) else "" for piece in pieces])
                 for k in range(height)]

@@ -65,9 +65,11 @@ def test_two_workers_and_the_master_reproduce_the_local_run(
     else:
         assert min(peer_bytes.values()) > 0, peer_bytes
     # the step model calibrated in place: fitted on the first steps, checked on the next
+    # (a check off by more than 10 % fits again on its steps: the last check stands)
     models = _records(run_dir, "model")
-    assert len(models) == 1, models
-    model = models[0]
+    assert models and [m["attempt"] for m in models] == list(range(1, len(models) + 1))
+    assert all(m["refit"] for m in models[:-1]), models
+    model = models[-1]
     assert model["predicted_step_s"] > 0 and model["measured_step_s"] > 0
     # by default the model chooses where the dense part runs (--dense-part auto): on every
     # participant, a step is one step chain; on the master, two chains; under star 2L + 2

@@ -289,3 +289,67 @@ def test_html_report_is_self_contained(tmp_path: Path) -> None:
         assert len(images) >= 4
         for encoded in images:
             assert base64.b64decode(encoded, validate=True).startswith(PNG_MAGIC)
+
+
+def sample_timing(name: str, samples: int, forward_s: float,
+                  backward_s: float) -> dict[str, Any]:
+    return {**timing(name, 4, forward_s, backward_s), "split_by": "samples",
+            "samples": samples}
+
+
+def sample_split_records() -> list[dict[str, Any]]:
+    """Two workers under the sample split (70 and 58 samples of 128), whose last step
+    is an epoch's short batch (53 and 43 of 96); the plan's calibration per sample."""
+    def layers(a: int, b: int) -> list[list[dict[str, Any]]]:
+        return [[sample_timing("a", a, 0.010, 0.015), sample_timing("b", b, 0.009, 0.013)],
+                [sample_timing("a", a, 0.020, 0.028), sample_timing("b", b, 0.018, 0.025)]]
+
+    return [run_start(arch=(32, 64)), devices_record(("a", "cpu"), ("b", "cpu")),
+            calibration(0, 32, 16, [("a", 0.028, 16), ("b", 0.032, 16)]),
+            calibration(1, 64, 32, [("a", 0.060, 32), ("b", 0.067, 32)]),
+            {"type": "plan", "time": 999.5, "split_by": "samples", "chosen": ["a", "b"],
+             "predicted_step_s": 0.08, "dense_part": "replicas",
+             "samples": [{"participant": "a", "samples": 70},
+                         {"participant": "b", "samples": 58}],
+             "seconds_per_sample": {"a": 0.0010, "b": 0.00125}},
+            *[step(n, 0.085, 0.075, 0.007, 0.001, layers(70, 58)) for n in range(5)],
+            step(5, 0.070, 0.060, 0.007, 0.001, layers(53, 43)),
+            epoch_record(), {"type": "run_end", "time": 2001.0, "status": "completed",
+                             "error": None}]
+
+
+def test_sample_split_layers_show_the_usual_batch_and_the_chain_calibration(
+        tmp_path: Path) -> None:
+    """Under the sample split the per-layer table counts the samples of the run's usual
+    step (not an epoch's short last batch), and compares the participants' speeds with
+    the sample calibration (whole chain, relative) rather than the kernel calibration's
+    kernels/s (another unit)."""
+    summary = summarize(parse_run(write_run(tmp_path / "run", sample_split_records())))
+    rows = {(d.id, row.layer): row for d in summary.devices for row in d.layers}
+    assert rows[("a", 0)].kernels == 70 and rows[("b", 1)].kernels == 58
+    assert rows[("a", 0)].kernel_share == pytest.approx(70 / 128)
+    assert [layer.kernels for layer in summary.layers] == [128, 128]
+    assert rows[("a", 0)].calibrated_speed == pytest.approx(1.0)
+    assert rows[("b", 0)].calibrated_speed == pytest.approx(0.8)
+    assert all(row.calibration_s is None and row.speed_vs_calibration is None
+               for row in rows.values())
+    text = render_run(summary)
+    table = text[text.index("Samples per layer and participant"):].split("\n\n")[0]
+    assert "calib. speed" in table and "(whole chain)" in table
+    assert "measured" not in table and "calib.\n" not in table
+    assert re.search(r"^1\s+b\s+58\s+45\.3%\s+0\.80\s", table, re.M), table
+
+
+def test_overview_labels_wrap_instead_of_being_clipped(tmp_path: Path) -> None:
+    summary = summarize(parse_run(write_run(tmp_path / "run", sample_split_records())))
+    text = render_run(summary)
+    overview = text[text.index("Overview"):].split("\n\n")[0]
+    assert "~" not in overview, overview
+    assert max(len(line) for line in text.splitlines()) <= WIDTH
+    column = len(overview.splitlines()[2].split("  ")[0])  # the rule under the header
+    words = " ".join(line[:column].strip() for line in overview.splitlines())
+    assert "speedup over fastest participant alone (est., cost model)" in words, overview
+    # a wrapped label goes on indented below its first line
+    lines = overview.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("speedup over"))
+    assert lines[first + 1].startswith("  ") and not lines[first + 1].startswith("   ")

@@ -5,9 +5,12 @@ from __future__ import annotations
 import pytest
 
 from hetconv.master.step_model import (
+    MODEL_CHECKS,
     MODEL_SKIP,
+    MODEL_TOLERANCE,
     MODEL_WINDOW,
     InPlaceModel,
+    ModelCheck,
     StepSample,
     fit_step_terms,
 )
@@ -74,6 +77,41 @@ def test_a_slower_step_than_the_fit_shows_as_an_optimistic_model() -> None:
     for _ in range(MODEL_WINDOW):
         check = model.observe(_step(slices, per_sample, 0.008, 0.01)) or check
     assert check is not None and check.error < -0.1
+    assert check.refit and "fitting again on these 9" in check.line()
+
+
+def _checks(model: InPlaceModel, steps: list[StepSample]) -> list[ModelCheck]:
+    return [c for c in (model.observe(step) for step in steps) if c is not None]
+
+
+def test_a_fit_on_warm_up_steps_is_fitted_again_and_the_next_check_stands() -> None:
+    """The demo's case: the first steps are slower than the rest (first-touch memory,
+    the batch pipeline filling up); the first check is off, the fit on the steps it
+    checked is not, and the model says nothing more."""
+    slices = {"a": 70, "b": 58}
+    warm = _step(slices, {"a": 0.0015, "b": 0.0015}, 0.009, 0.001)
+    settled = _step(slices, {"a": 0.0011, "b": 0.0012}, 0.009, 0.001)
+    checks = _checks(model := InPlaceModel(), [warm] * (MODEL_SKIP + MODEL_WINDOW)
+                     + [settled] * (3 * MODEL_WINDOW))
+    assert [(c.attempt, c.refit) for c in checks] == [(1, True), (2, False)]
+    first, second = checks
+    assert first.error > MODEL_TOLERANCE and first.measured_s == pytest.approx(settled.step_s)
+    assert second.error == pytest.approx(0.0, abs=1e-9)
+    assert "fitted again on 9 steps" in second.line() and "fitting again" not in second.line()
+    assert second.as_record()["attempt"] == 2 and second.as_record()["refit"] is False
+    assert model.done
+
+
+def test_a_model_that_never_settles_stops_after_the_last_check() -> None:
+    slices = {"a": 64, "b": 64}
+    fast = _step(slices, {"a": 0.001, "b": 0.001}, 0.004, 0.001)
+    slow = _step(slices, {"a": 0.002, "b": 0.002}, 0.004, 0.001)
+    steps = [fast] * MODEL_SKIP + [s for k in range(6) for s in [[fast, slow][k % 2]]
+                                   * MODEL_WINDOW]
+    checks = _checks(InPlaceModel(), steps)
+    assert [c.attempt for c in checks] == list(range(1, MODEL_CHECKS + 1))
+    assert [c.refit for c in checks] == [True] * (MODEL_CHECKS - 1) + [False]
+    assert all(abs(c.error) > MODEL_TOLERANCE for c in checks)  # reported as it is
 
 
 def test_other_participants_start_the_fit_again() -> None:
