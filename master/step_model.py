@@ -26,8 +26,8 @@ them. The check is written as a ``model`` record and a console line.
 A check off by more than ``MODEL_TOLERANCE`` fits again, on the steps it was checked
 on, and checks that fit on the next window, at most ``MODEL_CHECKS`` checks in all:
 the first steps of a run are often slower than the rest (first-touch memory, the
-batch pipeline filling up beside the workers: 100-150 ms against 85 ms for the
-demo's first 8 steps), and a fit on them says nothing about the run. Every check is
+batch pipeline filling up beside the workers), and a fit on them says nothing about
+the run. Every check is
 reported; the last one is the model's figure.
 
 Sans-IO: seconds in, a check out (``tests/unit/test_step_model.py``).
