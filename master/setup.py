@@ -247,7 +247,8 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
                 report(f"hetconv: wire dtype {chosen}"
                        + (" if split by kernels" if split_by == "samples" else "")
                        + f" (--wire-dtype auto: predicted step {step32 * 1e3:.1f} ms with "
-                       f"float32, {step16 * 1e3:.1f} ms with float16)")
+                       f"float32, {step16 * 1e3:.1f} ms with float16; float16 when "
+                       f"{WIRE_FLOAT16_GAIN:.0%} shorter)")
                 config = replace(config, wire_dtype=chosen)
                 traffic = layer_traffic(shapes, batch, np.dtype(chosen).itemsize)
         rule = SplitRule(config.split, config.data_plane,
