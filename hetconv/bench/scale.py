@@ -61,6 +61,7 @@ from hetconv.bench.scale_peer import (
     format_peer_breakdown,
     format_peer_table,
 )
+from hetconv.bench.scale_repeats import format_repeats_table
 from hetconv.bench.signals import terminate_as_interrupt
 from hetconv.config import BENCH_PEERS, BN_STATISTICS, DENSE_PARTS, SPLIT_MODES, check_choice
 from hetconv.errors import UserError
@@ -343,6 +344,8 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
         add_peer_figures(summary, configurations, peer_results, peer_compute)
         table += format_peer_table(summary, rate)
         table += format_peer_breakdown(summary)
+    table += format_repeats_table({**{name: [r.step_s for r in runs]
+                                      for name, runs in results.items()}, **peer_results})
     table += format_breakdown(summary)
     table += format_layer_breakdown(summary)
     table += format_barrier_breakdown(summary)

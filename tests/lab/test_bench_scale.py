@@ -166,6 +166,12 @@ def test_bench_scale_runs_pytorch_ddp_beside_hetconv(tmp_path: Path) -> None:
     assert row["hetconv_over_ddp_even"] == pytest.approx(row["step_s"] / row["ddp_even_step_s"])
     assert any(line.startswith("| 2x[0.6,0.3] auto | 1gbit |") and line.count("|") == 8
                for line in result["table"])
+    # every run's step in each repeat: the baselines', hetconv's and DDP's
+    repeats = [line for line in result["table"] if line.startswith("| ")]
+    for name in ("baseline-0.6", "2x[0.6,0.3] auto", "ddp-even 2x[0.6,0.3]",
+                 "ddp-speed 2x[0.6,0.3]", "ddp-even 1x[0.6]"):
+        assert any(line.startswith(f"| {name} | ") and line.endswith(" | 0% |")
+                   for line in repeats), (name, result["table"])
     log = (tmp_path / "ddp-speed-2x[0.6,0.3]" / "repeat0" / "rank1.log")
     assert log.exists()
     # rank 0 ran in its machine's quota (it joined after importing PyTorch)
