@@ -16,7 +16,7 @@ The stage returns the real output only for the last layer, and ``None`` from
 ``backward``: the trainer chains them but only looks at the last output.
 
 When the peers are handed out, every participant first checks that each peer's data
-port answers (:func:`hetconv.peer_sockets.check_reachable`; the master before it
+port answers (every worker of the run, holding kernels or not; :func:`hetconv.peer_sockets.check_reachable`; the master before it
 sends anything, when it holds kernels). A worker whose data port cannot be reached
 (a firewall) is a :class:`DataPortUnreachable` fault naming it, with the one line that
 says who cannot reach whose port, a fault of that worker under the normal failover
@@ -271,7 +271,12 @@ class PeerPlane:
         """Send ``AssignPeers`` (the peers and :attr:`plan`) to every worker holding
         kernels, and to every worker told before (so one that lost all its kernels
         drops the old plan); bind or reopen the master's own data endpoint when it
-        holds kernels. Between steps only: the helper thread is idle."""
+        holds kernels. Between steps only: the helper thread is idle.
+
+        The peers are every worker of the run, kernels or none, so every participant's
+        check covers the data ports of workers the plan leaves out as well: a blocked
+        one is found when the run starts, not at the re-split or failover that first
+        hands that worker kernels."""
         cluster, plan = self.phases.cluster, self.plan
         workers: dict[str, WorkerHandle] = {}
         everyone: dict[str, WorkerHandle] = {}
@@ -282,10 +287,10 @@ class PeerPlane:
                 everyone[shard.participant] = shard.worker
                 if shard.kernels > 0:
                     workers[shard.participant] = shard.worker
-        await_data_endpoints(cluster, list(workers.values()))
+        await_data_endpoints(cluster, list(everyone.values()))
         curve = cluster.curve
-        peers = {p: w.data_endpoint for p, w in workers.items()}
-        keys = {p: w.data_public_key for p, w in workers.items()}
+        peers = {p: w.data_endpoint for p, w in everyone.items()}
+        keys = {p: w.data_public_key for p, w in everyone.items()}
         master_holds = any(plan.holds(layer, MASTER_PARTICIPANT)
                            for layer in range(len(self.phases.shards)))
         if master_holds:

@@ -5,7 +5,8 @@ Real ``hetconv worker`` daemons and a real ``hetconv train`` with the defaults a
 gets (the peer data plane), all in a private network namespace whose loopback drops
 every packet to worker a's data port (``iptables -j DROP``, as a host firewall does):
 the rule dies with the namespace and touches no other test. Before any piece moves,
-the participants check every peer's data port; the one that cannot reach a's says so
+the participants check every worker's data port, whether the plan gives that worker
+kernels or not (on a busy host the planner may leave a out; CI once saw it); the one that cannot reach a's says so
 in one line (the master when it computes too, the other workers with ``--no-local``),
 the master prints it and evicts a, a is told why, and training completes on the rest.
 Needs root, iproute2 and iptables; skips with the reason otherwise (the last test, the

@@ -1,7 +1,10 @@
 """The worker's side of the link probe: answered at once, sized as asked, bounded."""
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
+import pytest
 
 from hetconv.config import WorkerConfig
 from hetconv.protocol import (
@@ -61,3 +64,34 @@ def test_every_request_type_has_a_reply_type_the_master_accepts() -> None:
     for cls in requests:
         reply = expected_reply(object.__new__(cls))
         assert reply is not None and reply in REPLY_TYPES, cls.__name__
+
+
+def test_a_paused_first_transfer_does_not_set_the_rate(monkeypatch: Any) -> None:
+    """The master's side: a busy host delays one 256 KiB transfer by 50 ms (40 Mbit/s on
+    loopback); the rate is the fastest of the timings at the final size, not that one."""
+    from hetconv.master import link_probe
+
+    rate_bytes_per_s, rtt_s = 1e9, 1e-4
+    delays = iter([0.05])  # only the first transfer is paused
+
+    def round_trip_s(cluster: object, worker: object, send_bytes: int,
+                     reply_bytes: int) -> float:
+        return rtt_s + (send_bytes or reply_bytes) / rate_bytes_per_s + next(delays, 0.0)
+
+    monkeypatch.setattr(link_probe, "_round_trip_s", round_trip_s)
+    for down in (True, False):
+        delays = iter([0.05])
+        rate = link_probe._rate(None, None, rtt_s, down=down)  # type: ignore[arg-type]
+        assert rate == pytest.approx(rate_bytes_per_s, rel=1e-6), (down, rate)
+
+
+def test_a_slow_link_is_measured_at_its_rate(monkeypatch: Any) -> None:
+    from hetconv.master import link_probe
+
+    def round_trip_s(cluster: object, worker: object, send_bytes: int,
+                     reply_bytes: int) -> float:
+        return 2e-4 + (send_bytes or reply_bytes) / 1.25e6  # 10 Mbit/s
+
+    monkeypatch.setattr(link_probe, "_round_trip_s", round_trip_s)
+    rate = link_probe._rate(None, None, 2e-4, down=True)  # type: ignore[arg-type]
+    assert rate == pytest.approx(1.25e6, rel=1e-6)
