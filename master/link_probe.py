@@ -6,7 +6,7 @@ with an empty answer times the master -> worker direction, and an empty request
 answered with a payload times the other one. The probe size grows until a transfer
 takes ``TARGET_TRANSFER_S`` (or reaches ``MAX_PROBE_BYTES``), so a slow link is
 measured quickly and a fast one long enough to be accurate; the transfer at that size
-is then timed ``RATE_REPEATS`` times and the fastest counts, as for the round trips (a
+is then timed again (``RATE_REPEATS`` in all) and the fastest counts, as for the round trips (a
 pause of either process only ever slows a transfer down: one 256 KiB probe delayed
 50 ms by a busy host read as 40 Mbit/s on loopback and kept a worker out of the plan).
 All timings are on the master's clock; the worker answers from its socket thread at once.
@@ -24,7 +24,7 @@ from hetconv.perf_model import Link
 from hetconv.protocol import LinkProbeReply, LinkProbeRequest
 
 ROUND_TRIPS = 5
-RATE_REPEATS = 3  # timings of the final probe size; the fastest is the rate
+RATE_REPEATS = 2  # timings of the final probe size; the faster is the rate
 FIRST_PROBE_BYTES = 256 * 1024
 MAX_PROBE_BYTES = 16 * 1024 * 1024
 TARGET_TRANSFER_S = 0.05
