@@ -5,10 +5,11 @@ One worker at a time (so that probes do not share the master's link): the best o
 with an empty answer times the master -> worker direction, and an empty request
 answered with a payload times the other one. The probe size grows until a transfer
 takes ``TARGET_TRANSFER_S`` (or reaches ``MAX_PROBE_BYTES``), so a slow link is
-measured quickly and a fast one long enough to be accurate; the transfer at that size
-is then timed again (``RATE_REPEATS`` in all) and the fastest counts, as for the round trips (a
-pause of either process only ever slows a transfer down: one 256 KiB probe delayed
-50 ms by a busy host read as 40 Mbit/s on loopback and kept a worker out of the plan).
+measured quickly and a fast one long enough to be accurate. Below the largest size
+the transfer that met the target is timed again (``RATE_REPEATS`` in all) and the
+fastest counts, as for the round trips: a pause of either process only ever slows a
+transfer down, and one 256 KiB probe delayed 50 ms by a busy host read as 40 Mbit/s
+on loopback and kept a worker out of the plan.
 All timings are on the master's clock; the worker answers from its socket thread at once.
 """
 from __future__ import annotations
@@ -45,7 +46,8 @@ def _round_trip_s(cluster: Cluster, worker: WorkerHandle, send_bytes: int,
 
 def _rate(cluster: Cluster, worker: WorkerHandle, rtt_s: float, down: bool) -> float:
     """Bytes per second one way: the probe grows to ``TARGET_TRANSFER_S``, then the
-    fastest of ``RATE_REPEATS`` transfers of that size (the first among them)."""
+    fastest of ``RATE_REPEATS`` transfers of that size (the first among them); a link
+    whose ``MAX_PROBE_BYTES`` probe is under the target is timed by that one probe."""
     def transfer_s(size: int) -> float:
         seconds = _round_trip_s(cluster, worker, size if down else 0, 0 if down else size)
         return max(MIN_TRANSFER_S, seconds - rtt_s)
@@ -53,7 +55,9 @@ def _rate(cluster: Cluster, worker: WorkerHandle, rtt_s: float, down: bool) -> f
     size = FIRST_PROBE_BYTES
     while True:
         took = transfer_s(size)
-        if took >= TARGET_TRANSFER_S or size >= MAX_PROBE_BYTES:
+        if size >= MAX_PROBE_BYTES:  # a fast link: its largest probe is long enough
+            return size / took
+        if took >= TARGET_TRANSFER_S:
             fastest = min([took] + [transfer_s(size) for _ in range(RATE_REPEATS - 1)])
             return size / fastest
         size = min(MAX_PROBE_BYTES, size * max(2, int(TARGET_TRANSFER_S / took)))

@@ -95,3 +95,21 @@ def test_a_slow_link_is_measured_at_its_rate(monkeypatch: Any) -> None:
     monkeypatch.setattr(link_probe, "_round_trip_s", round_trip_s)
     rate = link_probe._rate(None, None, 2e-4, down=True)  # type: ignore[arg-type]
     assert rate == pytest.approx(1.25e6, rel=1e-6)
+
+
+def test_a_fast_link_is_timed_once_at_the_largest_probe(monkeypatch: Any) -> None:
+    """Loopback-fast: the probe reaches MAX_PROBE_BYTES under the target; no repeat
+    (each would cost the run's start another largest transfer per direction)."""
+    from hetconv.master import link_probe
+
+    sizes: list[int] = []
+
+    def round_trip_s(cluster: object, worker: object, send_bytes: int,
+                     reply_bytes: int) -> float:
+        sizes.append(send_bytes or reply_bytes)
+        return 1e-4 + (send_bytes or reply_bytes) / 1e10
+
+    monkeypatch.setattr(link_probe, "_round_trip_s", round_trip_s)
+    rate = link_probe._rate(None, None, 1e-4, down=False)  # type: ignore[arg-type]
+    assert rate == pytest.approx(1e10, rel=1e-6)
+    assert sizes.count(link_probe.MAX_PROBE_BYTES) == 1, sizes
