@@ -237,20 +237,22 @@ def layer_balance(steps: Sequence[StepRecord],
 def single_device_conv_s(timings: dict[tuple[str, int], list[ParticipantTiming]],
                          participant: str, layer_kernels: dict[int, int],
                          costs: dict[int, tuple[float, float]] | None = None) -> float | None:
-    """The participant alone doing every layer's conv work (an estimate), from its measured
-    share time ``c~_dl`` at ``k_dl`` kernels: scaled by its fitted cost model,
-    ``c~_dl * (a + b*K_l) / (a + b*k_dl)``, so the per-share fixed cost ``a`` counts once;
-    linearly (``K_l / k_dl``) where a layer has no fit. None unless it has kernels in
-    every layer."""
+    """The participant alone doing every layer's conv work (an estimate): per layer the
+    median over steps of its measured share time ``c~_dls`` at that step's ``k_dls``
+    kernels (or samples) scaled to the whole layer's ``K_l`` by its fitted cost model,
+    ``c~_dls * (a + b*K_l) / (a + b*k_dls)``, so the per-share fixed cost ``a`` counts
+    once; linearly (``K_l / k_dls``) where a layer has no fit (and under the sample
+    split, whose work unit is a sample: pass no ``costs``). Each step is scaled by its
+    own share, so re-splits and an epoch's short last batch weigh right. None unless
+    it has work in every layer."""
     total = 0.0
     for layer, kernels in layer_kernels.items():
-        samples = timings.get((participant, layer))
+        samples = [t for t in timings.get((participant, layer), []) if t.kernels > 0]
         if not samples or kernels <= 0:
             return None
-        measured = median(t.compute_s for t in samples) or 0.0
-        own = samples[-1].kernels
         fixed, per_kernel = (costs or {}).get(layer, (0.0, 1.0))
-        total += measured * (fixed + per_kernel * kernels) / (fixed + per_kernel * own)
+        total += median(t.compute_s * (fixed + per_kernel * kernels)
+                        / (fixed + per_kernel * t.kernels) for t in samples) or 0.0
     return total
 
 
@@ -330,8 +332,10 @@ def device_summaries(records: RunRecords, steps: Sequence[StepRecord],
             wait_s=_per_step(steps, participant, "wait_s"),
             bytes_sent=_per_step(steps, participant, "bytes_sent"),
             bytes_received=_per_step(steps, participant, "bytes_received"),
-            single_device_conv_s=single_device_conv_s(timings, participant, layer_kernels,
-                                                      _fitted_costs(records, participant)),
+            single_device_conv_s=single_device_conv_s(
+                timings, participant, layer_kernels,
+                # the kernel calibration's fit is per kernel: no measure of samples
+                None if by_samples else _fitted_costs(records, participant)),
             peer_bytes=_per_step(steps, participant, "peer_bytes")))
     return tuple(out)
 

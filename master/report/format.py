@@ -102,7 +102,9 @@ def overview_table(summary: RunSummary) -> Table:
              "every participant's slice" if summary.dense_part == "replicas" else "the master",
              "--dense-part: one step chain" if summary.dense_part == "replicas"
              else "conv output via its link")]),
-        ("speedup over fastest participant alone (est., cost model)", times(summary.speedup),
+        ("speedup over fastest participant alone (est., "
+         + ("per sample)" if summary.split_by == "samples" else "cost model)"),
+         times(summary.speedup),
          MISSING if summary.fastest_device is None else
          f"{summary.fastest_device}: {ms(summary.single_device_step_s)} ms"),
         ("Amdahl bound of the dense part",

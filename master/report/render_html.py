@@ -69,8 +69,10 @@ DEFINITIONS = [
     ("imbalance", ("per step and layer, the slowest participant's forward+backward time over "
      "the participants' mean; the median over steps; the worst layer is shown.")),
     ("speedup over the fastest participant", ("estimate: each participant alone would need "
-     "sum over layers of K * (its median seconds / its kernels); the fastest such one plus the "
-     "dense time, over the measured median step time.")),
+     "the sum over layers of the median over steps of its seconds scaled to the whole layer "
+     "(by its calibrated cost fit a + b*kernels, so the fixed cost counts once; under the "
+     "sample split linearly in samples); the fastest such one plus the dense time, over the "
+     "measured median step time.")),
     ("Amdahl bound", ("(fastest single-participant conv time + dense) / dense: the speedup if "
      "the conv part and communication took no time at all.")),
     ("what if", ("one more participant like the fastest: the conv part scales as the ideal "

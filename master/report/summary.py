@@ -43,7 +43,7 @@ class DeviceSummary:
     wait_s: float | None  # median per step of the time the master waited on it
     bytes_sent: float | None  # median per step, master -> participant
     bytes_received: float | None  # median per step, participant -> master
-    single_device_conv_s: float | None  # estimate from the cost fit (None: not in every layer)
+    single_device_conv_s: float | None  # alone, est. from the cost fit or per sample (None: not in every layer)
     peer_bytes: float | None = None  # median per step, worker <-> worker (peer plane)
 
 
