@@ -15,14 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
 from hetconv.batches import Augmentation, BatchSource, augment_padding
 from hetconv.checkpoint import save_weights
 from hetconv.data import Dataset
 from hetconv.dense_part import DensePart
 from hetconv.errors import UserError
-from hetconv.logs import progress_bar
+from hetconv.logs import progress_bar, write_line
 from hetconv.metrics import MetricsWriter
 from hetconv.model import ModelConfig, conv_layer_shapes, dense_parameter_names
 from hetconv.ops.loss import softmax_cross_entropy
@@ -65,7 +64,7 @@ class Trainer:
 
     def __init__(self, model: ModelConfig, params: dict[str, np.ndarray], stage: ConvStage,
                  loop: LoopConfig, metrics: MetricsWriter, run_dir: Path,
-                 out: Callable[[str], None] = tqdm.write):
+                 out: Callable[[str], None] = write_line):
         self.model = model
         self.layers = conv_layer_shapes(model)
         # every dense array (hidden layers' dense{j}.*, then the classifier's fc.*)
