@@ -45,9 +45,10 @@ def _round_trip_s(cluster: Cluster, worker: WorkerHandle, send_bytes: int,
 
 
 def _rate(cluster: Cluster, worker: WorkerHandle, rtt_s: float, down: bool) -> float:
-    """Bytes per second one way: the probe grows to ``TARGET_TRANSFER_S``, then the
-    fastest of ``RATE_REPEATS`` transfers of that size (the first among them); a link
-    whose ``MAX_PROBE_BYTES`` probe is under the target is timed by that one probe."""
+    """Bytes per second one way: the probe grows until a transfer takes
+    ``TARGET_TRANSFER_S``, and the rate is the fastest of ``RATE_REPEATS`` transfers of
+    that size; a link whose ``MAX_PROBE_BYTES`` probe is under the target is timed by
+    that one probe."""
     def transfer_s(size: int) -> float:
         seconds = _round_trip_s(cluster, worker, size if down else 0, 0 if down else size)
         return max(MIN_TRANSFER_S, seconds - rtt_s)

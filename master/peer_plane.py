@@ -16,8 +16,9 @@ The stage returns the real output only for the last layer, and ``None`` from
 ``backward``: the trainer chains them but only looks at the last output.
 
 When the peers are handed out, every participant first checks that each peer's data
-port answers (every worker of the run, holding kernels or not; :func:`hetconv.peer_sockets.check_reachable`; the master before it
-sends anything, when it holds kernels). A worker whose data port cannot be reached
+port answers, every worker of the run's, kernels or none
+(:func:`hetconv.peer_sockets.check_reachable`; the master before it sends anything,
+when it holds kernels). A worker whose data port cannot be reached
 (a firewall) is a :class:`DataPortUnreachable` fault naming it, with the one line that
 says who cannot reach whose port, a fault of that worker under the normal failover
 policy (docs/run-control.md: evicted at its second fault in a row, told why in

@@ -247,12 +247,12 @@ def single_device_conv_s(timings: dict[tuple[str, int], list[ParticipantTiming]]
     it has work in every layer."""
     total = 0.0
     for layer, kernels in layer_kernels.items():
-        samples = [t for t in timings.get((participant, layer), []) if t.kernels > 0]
-        if not samples or kernels <= 0:
+        shares = [t for t in timings.get((participant, layer), []) if t.kernels > 0]
+        if not shares or kernels <= 0:
             return None
         fixed, per_kernel = (costs or {}).get(layer, (0.0, 1.0))
         total += median(t.compute_s * (fixed + per_kernel * kernels)
-                        / (fixed + per_kernel * t.kernels) for t in samples) or 0.0
+                        / (fixed + per_kernel * t.kernels) for t in shares) or 0.0
     return total
 
 
