@@ -351,7 +351,7 @@ def conv2d_backward_cached(cache: ConvCache, dy: Any, need_dx: bool = True,
                     else rows_of(xp, g, dy[start:stop])
                 return conv_winograd.chunk_backward(
                     xp, g, cache.transformed, padded, rows, dx_chunk, need_db,
-                    kept_part(index, cache.transformed.shape))
+                    kept_part(index, cache.transformed.shape))[:2]
             if cache.layout == SAMPLE_MAJOR:
                 return backward_sample_major(xp, g, offset_weights,
                                              unfold(xp, g, cache.layout, padded),

@@ -6,8 +6,10 @@ gradient while the next layer down waits for its peers' batch-norm sums: dx is n
 at once (it is the next layer's dy), dW only by the reduction. Both parts are the
 chunk kernels of ``hetconv.ops.conv`` (``need_dw=False`` for the first, no dx for the
 second), so the values are ``conv2d_backward_cached``'s (tests/unit/test_backward_split.py).
-Under Winograd the second part transforms each chunk's dy again (cheaper than keeping
-the transformed copy of every chunk between the parts).
+Under Winograd the first part keeps each chunk's transformed dy (dM, (a/m)^2 times dy's
+size) in the layer's workspace for the second, which is then one GEMM per chunk
+(transforming dy again in the second part made the split measurably slower than the
+one-part backward: the transform is a large part of the backward's work).
 """
 from __future__ import annotations
 
@@ -61,9 +63,8 @@ class PendingWeightGradient:
             keep = None if cache.keep is None else cache.keep.get(
                 f"conv dw {index}", cache.transformed.shape if cache.layout == WINOGRAD
                 else (g.taps, g.kernels), dtype)
-            if cache.layout == WINOGRAD:
-                return conv_winograd.chunk_backward(xp, g, cache.transformed, padded,
-                                                    chunk_rows, None, False, keep)[0]
+            if cache.layout == WINOGRAD:  # chunk_rows: its transformed dy, kept
+                return xp.matmul(chunk_rows, padded.transpose(0, 2, 1), out=keep)
             return backward_rows(xp, g, None, unfold(xp, g, cache.layout, padded),
                                  chunk_rows, None, False, keep)[0]
 
@@ -103,9 +104,13 @@ def conv2d_backward_split(cache: ConvCache, source: ChunkSource
             if cache.layout == SHIFTED_TAPS:
                 shifted_backward(xp, g, cache.weights_by_tap, padded, chunk_rows.reshape(
                     g.kernels, g.out_h, g.out_w, stop - start), dx_chunk, False, need_dw=False)
-            elif cache.layout == WINOGRAD:
-                conv_winograd.chunk_backward(xp, g, cache.transformed, padded, chunk_rows,
-                                             dx_chunk, False, need_dw=False)
+            elif cache.layout == WINOGRAD:  # keeps the transformed dy for the second part
+                shape = conv_winograd.transformed_gradient_shape(g, stop - start)
+                kept = xp.empty(shape, dtype) if cache.keep is None else cache.keep.get(
+                    f"conv winograd dy {index}", shape, dtype)
+                rows[index] = conv_winograd.chunk_backward(
+                    xp, g, cache.transformed, padded, chunk_rows, dx_chunk, False,
+                    need_dw=False, keep_transformed_dy=kept)[2]
             else:
                 backward_rows(xp, g, offset_weights, None, chunk_rows, dx_chunk, False,
                               need_dw=False)

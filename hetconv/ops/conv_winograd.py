@@ -136,8 +136,9 @@ def output_rows(xp: Any, g: Any, products: Array, out: Array) -> Array:
     return out
 
 
-def gradient_transform(xp: Any, g: Any, rows: Array) -> Array:
-    """dy rows (K, Ho*Wo*nb) -> dM (a*a, K, tiles*nb) = A dY A^T of every output tile."""
+def gradient_transform(xp: Any, g: Any, rows: Array, out: Array = None) -> Array:
+    """dy rows (K, Ho*Wo*nb) -> dM (a*a, K, tiles*nb) = A dY A^T of every output tile,
+    into ``out`` (default the thread's scratch)."""
     at_matrix, _, _ = matrices(g.kernel_h, tile_of(g))
     a_matrix = _constant(xp, at_matrix.T, rows.dtype)  # (a, m)
     a = a_matrix.shape[0]
@@ -149,7 +150,7 @@ def gradient_transform(xp: Any, g: Any, rows: Array) -> Array:
                           rows.dtype)
     tiles.reshape(m, m, kernels, th, tw, nb)[...] = rows.reshape(
         kernels, th, m, tw, m, nb).transpose(2, 4, 0, 1, 3, 5)
-    return _two_sided(xp, a_matrix, tiles, a_matrix, "winograd dy").reshape(
+    return _two_sided(xp, a_matrix, tiles, a_matrix, "winograd dy", out).reshape(
         a * a, kernels, th * tw * nb)
 
 
@@ -194,14 +195,23 @@ def chunk_forward(xp: Any, g: Any, transformed: Any, inputs: Any,
     return output_rows(xp, g, products, out)
 
 
+def transformed_gradient_shape(g: Any, nb: int) -> tuple[int, int, int]:
+    """dM's shape for a chunk of ``nb`` samples: (a*a, K, tiles*nb)."""
+    size, _, tiles = transformed_input_shape(g)
+    return size, g.kernels, tiles * nb
+
+
 def chunk_backward(xp: Any, g: Any, transformed: Any, inputs: Any, rows: Any,
                    dx_chunk: Any | None, need_db: bool, d_transformed: Any = None,
-                   need_dw: bool = True) -> tuple[Any, Any]:
-    """(dU (a*a, K, C) of the chunk or None without ``need_dw``, db (K,) or None) from
-    its transformed input V and dy rows; writes dx_chunk when given. d_transformed:
-    where dU goes (default new)."""
+                   need_dw: bool = True, keep_transformed_dy: Any = None
+                   ) -> tuple[Any, Any, Any]:
+    """(dU (a*a, K, C) of the chunk or None without ``need_dw``, db (K,) or None, dM
+    (a*a, K, tiles*nb), the transformed dy) from its transformed input V and dy rows;
+    writes dx_chunk when given. d_transformed: where dU goes (default new);
+    keep_transformed_dy: where dM goes (default the thread's scratch, overwritten by
+    its next chunk)."""
     db = rows.sum(axis=1) if need_db else None
-    d_products = gradient_transform(xp, g, rows)
+    d_products = gradient_transform(xp, g, rows, keep_transformed_dy)
     d_transformed = xp.matmul(d_products, inputs.transpose(0, 2, 1), out=d_transformed) \
         if need_dw else None
     if dx_chunk is not None:
@@ -215,4 +225,4 @@ def chunk_backward(xp: Any, g: Any, transformed: Any, inputs: Any, rows: Any,
         add_input_gradient(xp, g, d_inputs, dx_padded)
         dx_chunk[...] = dx_padded[:, pad:pad + g.height, pad:pad + g.width, :].transpose(
             3, 0, 1, 2)
-    return d_transformed, db
+    return d_transformed, db, d_products

@@ -70,3 +70,28 @@ def test_two_parts_give_the_one_part_gradients(monkeypatch, layout, channels):
         two.apply_update(dw_one, 0.05)  # the same weights again for the next pass
         outputs = (dx_one, dw_one)
     assert outputs is not None and np.abs(outputs[1]).max() > 0
+
+
+@pytest.mark.parametrize("layout", [BATCH_INNER, SHIFTED_TAPS, WINOGRAD])
+def test_two_parts_over_several_chunks_keep_each_chunks_gradient(monkeypatch, layout):
+    """Under Winograd the first part keeps each chunk's transformed dy for the second:
+    with the batch cut into several chunks, no chunk's may overwrite another's."""
+    import hetconv.ops.conv as conv
+
+    monkeypatch.setattr(conv, "CHUNK_WORKING_BYTES", 1)  # the smallest chunks allowed
+    monkeypatch.setattr(conv, "SINK_WORKING_BYTES", 1)
+    forced = functools.partial(conv2d_forward_cached, layout=layout)
+    monkeypatch.setattr(sample_replica, "conv2d_forward_cached", forced)
+    model = ModelConfig((8, 12), (3, 12, 12), kernel_size=3, padding=1)
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((40, 8, 6, 6)).astype(np.float32)
+    dy = rng.standard_normal((40, 12, 3, 3)).astype(np.float32)
+    one, two = _replica(1, model), _replica(1, model)
+    sums = _through_the_barrier(one, x, dy)
+    _through_the_barrier(two, x, dy)
+    assert two._conv_cache is not None and len(two._conv_cache.chunks) > 2
+    dx_one, dw_one = one.finish_backward(*sums, need_dx=True)
+    dx_two, later = two.finish_backward_split(*sums)
+    np.testing.assert_array_equal(dx_two, dx_one)
+    np.testing.assert_allclose(later(), dw_one, rtol=1e-5,
+                               atol=1e-6 * float(np.abs(dw_one).max()))
