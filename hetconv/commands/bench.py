@@ -1,4 +1,4 @@
-"""``hetconv bench conv|step|split|protocol|scale|chaos``: the benchmarks, each in ``hetconv.bench``.
+"""``hetconv bench conv|step|backward-split|split|protocol|scale|chaos``: the benchmarks, each in ``hetconv.bench``.
 
 With ``--markdown FILE`` a benchmark also writes its result table as markdown,
 headed by the full command line that reproduces it (every option spelled out, so
@@ -37,6 +37,7 @@ FLAGS: dict[str, tuple[tuple[str, str], ...]] = {
     "step": (("--arch", "arch"), ("--batch", "batch"), ("--repeats", "repeats"),
              ("--ops", "ops"), ("--threads", "threads"), ("--quota", "quota")),
     "protocol": (("--repeats", "repeats"), ("--sizes", "sizes")),
+    "backward-split": (("--batch", "batch"), ("--repeats", "repeats")),
     "split": (("--slow-fraction", "slow_fraction"), ("--arch", "arch"), ("--batch", "batch"),
               ("--limit", "limit"), ("--repeats", "repeats"), ("--work-dir", "work_dir")),
     "scale": (("--machines", "machines"), ("--data-plane", "data_plane"), ("--rate", "rate"),
@@ -69,7 +70,8 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("bench", help="benchmarks (conv kernels against PyTorch, kernel splits, "
                        "protocol overhead)")
     bench = p.add_subparsers(dest="bench",
-                             metavar="{conv,step,split,protocol,scale,chaos,accuracy}",
+                             metavar="{conv,step,backward-split,split,protocol,scale,chaos,"
+                                     "accuracy}",
                              parser_class=Parser)
     bench.required = True
     conv = bench.add_parser("conv", help="conv forward+backward against PyTorch's CPU conv2d")
@@ -93,6 +95,13 @@ def add_parser(sub: Any) -> None:
     step.add_argument("--quota", action="append", default=None, metavar="CORES",
                       help="cgroup v1 CPU quota for both sides in cores (e.g. 0.45) or "
                       "none: one for every --threads, or one per --threads (needs root)")
+    backward = bench.add_parser(
+        "backward-split", help="the sample split's two-part conv backward (dx now, dW "
+        "inside the next barrier) against the one-part backward, one thread")
+    backward.add_argument("--batch", type=positive_int, default=62,
+                          help="samples (default 62: a participant's slice of 128 at 2)")
+    backward.add_argument("--repeats", type=positive_int, default=30,
+                          help="timed repeats of each, interleaved (default 30)")
     proto = bench.add_parser("protocol", help="loopback round trip: hetconv codec vs bare pyzmq")
     proto.add_argument("--repeats", type=positive_int, default=9)
     proto.add_argument("--sizes", type=float, nargs="+", default=[4.0, 64.0], metavar="MIB",
@@ -219,7 +228,7 @@ def add_parser(sub: Any) -> None:
     accuracy.add_argument("--target", type=float, default=None, metavar="PERCENT",
                           help="the test accuracy every seed must reach (e.g. 90)")
     accuracy.add_argument("--work-dir", default=None, help="where the runs go (default a temp dir)")
-    for parser in (conv, step, proto, split, scale, chaos, accuracy):
+    for parser in (conv, step, backward, proto, split, scale, chaos, accuracy):
         parser.add_argument("--markdown", metavar="FILE", default=None,
                             help="also write the result table, the command line, the date "
                             "and the machine to FILE as markdown (e.g. docs/figures/NAME.md)")
@@ -328,6 +337,10 @@ def run(args: argparse.Namespace) -> int:
         settings = parse_settings(args.threads, args.quota)
         table = run_step_bench(args.arch, settings, batch=args.batch,
                                repeats=args.repeats, ops=args.ops)["table"]
+    elif args.bench == "backward-split":
+        from hetconv.bench.backward_split import run_backward_split_bench
+
+        table = run_backward_split_bench(args.batch, args.repeats)
     elif args.bench == "protocol":
         from hetconv.bench.protocol_roundtrip import markdown_table as protocol_table
         from hetconv.bench.protocol_roundtrip import run_roundtrip_bench

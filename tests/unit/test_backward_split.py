@@ -95,3 +95,12 @@ def test_two_parts_over_several_chunks_keep_each_chunks_gradient(monkeypatch, la
     np.testing.assert_array_equal(dx_two, dx_one)
     np.testing.assert_allclose(later(), dw_one, rtol=1e-5,
                                atol=1e-6 * float(np.abs(dw_one).max()))
+
+
+def test_the_split_benchmark_times_both_backwards(capsys):
+    """``hetconv bench backward-split`` (docs/figures/backward-split.md)."""
+    from hetconv.bench.backward_split import run_backward_split_bench
+
+    table = run_backward_split_bench(4, 1)
+    assert "one-part backward" in capsys.readouterr().out
+    assert table[0].startswith("| layer |") and len(table) == 3
