@@ -10,19 +10,14 @@ import numpy as np
 import pytest
 
 import hetconv.sample_replica as sample_replica
-from hetconv.model import ModelConfig, conv_layer_shapes, init_parameters, layer_parameters
+from hetconv.bench.backward_split import replica_of
+from hetconv.model import ModelConfig
 from hetconv.ops.conv import BATCH_INNER, SHIFTED_TAPS, WINOGRAD, conv2d_forward_cached
 from hetconv.sample_replica import SampleReplica, moments_to_statistics
-from hetconv.shard import ConvShard
-from hetconv.stage import layer_settings
 
 
 def _replica(layer: int, model: ModelConfig) -> SampleReplica:
-    params = init_parameters(model, seed=5)
-    settings = layer_settings(model, momentum=0.9, weight_decay=5e-4)
-    shape = conv_layer_shapes(model)[layer]
-    return SampleReplica(ConvShard(shape.index, 0, shape.kernels, settings,
-                                   layer_parameters(params, shape.index)))
+    return replica_of(model, layer)
 
 
 def _through_the_barrier(replica: SampleReplica, x: np.ndarray, dy: np.ndarray
