@@ -411,6 +411,7 @@ def test_a_machine_that_slows_down_loses_kernels(endpoint: str, workers: Any,
     args = [a for a in RUN if a not in ("--split", "equal")]
     args[args.index("--arch") + 1] = "16:64"
     slowed: list[int] = []
+    slowed_at: list[float] = []  # Unix seconds, the records' clock
 
     def slow_down() -> None:
         deadline = time.monotonic() + 120
@@ -418,6 +419,7 @@ def test_a_machine_that_slows_down_loses_kernels(endpoint: str, workers: Any,
             time.sleep(0.05)
         assert busy[0].quota is not None
         busy[0].quota.set(0.2)
+        slowed_at.append(time.time())
         slowed.append(steps_done(run_dir))
     thread = threading.Thread(target=slow_down, daemon=True)
     thread.start()
@@ -427,11 +429,14 @@ def test_a_machine_that_slows_down_loses_kernels(endpoint: str, workers: Any,
     assert result.returncode == 0, result.stderr
     assert steady[0].process.poll() is None
     resplits = [r for r in records(run_dir) if r["type"] == "rebalance"]
-    after = [r for r in resplits if slowed and r["step"] >= slowed[0]]
-    assert after, resplits
-    assert after[0]["step"] - slowed[0] <= 30  # re-split within a few windows
 
     def kernels(record: dict[str, Any], who: str) -> int:
         return sum(d["kernels"] for layer in record["counts"] for d in layer["devices"]
                    if d["participant"] == who)
-    assert kernels(after[0], "busy") < kernels(after[0], "steady")
+    # decided after the slow-down (a re-split of the same step may have been decided on
+    # the steps before it: CI once saw one at step 25 give busy more kernels), and busy
+    # down to fewer kernels than steady within a few windows
+    moved = [r for r in resplits if slowed_at and r["time"] > slowed_at[0]
+             and kernels(r, "busy") < kernels(r, "steady")]
+    assert moved, resplits
+    assert moved[0]["step"] - slowed[0] <= 30, (slowed, resplits)
