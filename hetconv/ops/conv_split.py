@@ -64,7 +64,7 @@ class PendingWeightGradient:
                 f"conv dw {index}", cache.transformed.shape if cache.layout == WINOGRAD
                 else (g.taps, g.kernels), dtype)
             if cache.layout == WINOGRAD:  # chunk_rows: its transformed dy, kept
-                return xp.matmul(chunk_rows, padded.transpose(0, 2, 1), out=keep)
+                return conv_winograd.transformed_weight_gradient(xp, chunk_rows, padded, keep)
             return backward_rows(xp, g, None, unfold(xp, g, cache.layout, padded),
                                  chunk_rows, None, False, keep)[0]
 

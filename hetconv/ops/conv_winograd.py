@@ -201,6 +201,13 @@ def transformed_gradient_shape(g: Any, nb: int) -> tuple[int, int, int]:
     return size, g.kernels, tiles * nb
 
 
+def transformed_weight_gradient(xp: Any, d_products: Any, inputs: Any,
+                                out: Any = None) -> Any:
+    """A chunk's dU (a*a, K, C) = dM (a*a, K, tiles*nb) @ V^T, V its transformed input
+    (a*a, C, tiles*nb); into ``out`` (default new)."""
+    return xp.matmul(d_products, inputs.transpose(0, 2, 1), out=out)
+
+
 def chunk_backward(xp: Any, g: Any, transformed: Any, inputs: Any, rows: Any,
                    dx_chunk: Any | None, need_db: bool, d_transformed: Any = None,
                    need_dw: bool = True, keep_transformed_dy: Any = None
@@ -212,7 +219,7 @@ def chunk_backward(xp: Any, g: Any, transformed: Any, inputs: Any, rows: Any,
     its next chunk)."""
     db = rows.sum(axis=1) if need_db else None
     d_products = gradient_transform(xp, g, rows, keep_transformed_dy)
-    d_transformed = xp.matmul(d_products, inputs.transpose(0, 2, 1), out=d_transformed) \
+    d_transformed = transformed_weight_gradient(xp, d_products, inputs, d_transformed) \
         if need_dw else None
     if dx_chunk is not None:
         d_inputs = scratch_array(xp, "winograd d inputs",
