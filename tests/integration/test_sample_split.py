@@ -74,9 +74,12 @@ def test_two_workers_and_the_master_reproduce_the_local_run(
     # the step model calibrated in place: fitted on the first steps, checked on the next
     # (a check off by more than 10 % fits again on its steps: the last check stands)
     # (a re-plan, e.g. a recovery from a worker late on a crowded host, starts it over:
-    # the checks after the last one count)
+    # the checks after the last one count; a re-slice that leaves a participant out on a
+    # crowded host starts it over too, without a re-plan record: attempt 1 again)
     models = _since_last_replan(run_dir, "model")
-    assert models and [m["attempt"] for m in models] == list(range(1, len(models) + 1))
+    attempts = [m["attempt"] for m in models]
+    assert attempts and attempts[0] == 1, models
+    assert all(a in (1, b + 1) for b, a in zip(attempts, attempts[1:])), attempts
     assert all(m["refit"] for m in models[:-1]), models
     model = models[-1]
     assert model["predicted_step_s"] > 0 and model["measured_step_s"] > 0
