@@ -33,6 +33,9 @@ BN_STATISTICS = ("batch", "slice")  # batch (default): the whole batch's; slice:
 DENSE_PARTS = ("auto", "replicas", "master")
 """``--dense-part``: auto (default) replicates the dense part on the participants where the
 sample split's chains run (docs/dense-replica.md), else it stays on the master."""
+STEPS_IN_FLIGHT = (2, 1)
+"""``--steps-in-flight``: 2 (default) sends the sample split's next step chain before this
+one's replies are gathered (docs/sample-split.md, "The step boundary"); 1 one at a time."""
 BENCH_DENSE_PARTS = DENSE_PARTS  # hetconv bench scale --dense-part: what it compares
 BENCH_PEERS = ("ddp",)  # hetconv bench scale --peer: what users would run instead
 STEP_OPS = ("fused", "separate")  # hetconv bench step --ops: the conv layer paths timed
@@ -120,6 +123,7 @@ class MasterConfig:
     # every slice's moments) or each slice's own (PyTorch DDP's per-rank semantics)
     bn_statistics: str = BN_STATISTICS[0]
     dense_part: str = DENSE_PARTS[0]  # where the dense part runs under the sample split
+    steps_in_flight: int = STEPS_IN_FLIGHT[0]  # the sample split's step chains sent ahead
 
     def __post_init__(self) -> None:
         check_endpoint("--listen", self.listen, bind=True)
@@ -133,6 +137,8 @@ class MasterConfig:
             raise UserError("--bn-statistics slice needs the sample split's chains: "
                             "--data-plane peer and --split-by samples or auto")
         check_choice("--dense-part", self.dense_part, DENSE_PARTS)
+        if self.steps_in_flight not in STEPS_IN_FLIGHT:
+            raise UserError(f"--steps-in-flight {self.steps_in_flight}: choose 1 or 2")
         if self.dense_part == "replicas" and (self.data_plane != "peer"
                                               or self.split_by == "kernels"):
             raise UserError("--dense-part replicas needs the sample split's chains: "
@@ -213,6 +219,7 @@ class TrainConfig:
             "fall_back": master.fall_back if master else None,
             "bn_statistics": master.bn_statistics if master else None,
             "dense_part": master.dense_part if master else None,
+            "steps_in_flight": master.steps_in_flight if master else None,
         }
 
 

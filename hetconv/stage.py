@@ -51,10 +51,19 @@ class WholeStepStage(Protocol):
         master's replica) and optimizer settings, once, before the first step."""
         ...
 
+    @property
+    def runs_ahead(self) -> bool:
+        """Whether ``train_step`` takes the next step ahead (two steps in flight)."""
+        ...
+
     def train_step(self, x: np.ndarray, labels: np.ndarray, step: int,
-                   learning_rate: float) -> dict[str, Any]:
+                   learning_rate: float,
+                   ahead: tuple[np.ndarray, np.ndarray, int, float] | None = None
+                   ) -> dict[str, Any]:
         """One SGD step; the trainer's step record (loss, correct, images, step_s,
-        conv_s, dense_s)."""
+        conv_s, dense_s). ``ahead`` (x, labels, step, learning rate): the next step,
+        started before this one ends; given only where nothing reads the stage's
+        state between the two (no snapshot, evaluation or epoch end)."""
         ...
 
 
@@ -68,7 +77,8 @@ class ConvStage(Protocol):
 
     def take_step_timings(self) -> dict[str, Any]:
         """Per-layer, per-device timings and bytes of the step just done, and its
-        communication seconds: ``{"layers": [{"layer", "devices": [...]}], "comm_s"}``."""
+        communication seconds: ``{"layers": [{"layer", "devices": [...]}], "comm_s"}``
+        (and ``"sent_ahead"``, where the stage runs steps ahead: docs/metrics.md)."""
         ...
 
     def snapshot(self) -> dict[str, np.ndarray]:

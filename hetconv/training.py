@@ -115,11 +115,21 @@ class Trainer:
         """Back through the hidden dense layers (hetconv/dense_part.py)."""
         return self.part.backward(tape, grad, grads)
 
+    def runs_ahead(self) -> bool:
+        """Whether the stage takes the next step before this one ends (two in flight)."""
+        return isinstance(self.stage, WholeStepStage) and self.stage.replicates_dense \
+            and self.stage.runs_ahead
+
     def train_step(self, x: np.ndarray, labels: np.ndarray, step: int,
-                   learning_rate: float) -> dict[str, Any]:
-        """One SGD step on a batch x (B, C, H, W), labels (B,); returns the step record."""
+                   learning_rate: float,
+                   ahead: tuple[np.ndarray, np.ndarray, int, float] | None = None
+                   ) -> dict[str, Any]:
+        """One SGD step on a batch x (B, C, H, W), labels (B,); returns the step record.
+        ``ahead``: the next step (x, labels, step, learning rate), for a stage that
+        :meth:`runs_ahead` only."""
         if isinstance(self.stage, WholeStepStage) and self.stage.replicates_dense:
-            return self.stage.train_step(x, labels, step, learning_rate)  # on the replicas
+            return self.stage.train_step(x, labels, step, learning_rate,  # on the replicas
+                                         ahead=ahead)
         start = time.perf_counter()
         features = self._conv_forward(x, True, step)
         conv_forward_done = time.perf_counter()
@@ -216,6 +226,13 @@ class Trainer:
                  f"{seconds:.2f} s, replaying {step - state.step} step(s)")
         return state
 
+    def _may_run_ahead(self, step: int, position: int, steps_per_epoch: int) -> bool:
+        """Whether step + 1 may start before step ends: the stage runs ahead and nothing
+        reads its state between the two (no snapshot after step, no epoch end)."""
+        every = self.loop.checkpoint_every
+        return (self.runs_ahead() and position + 1 < steps_per_epoch
+                and not (every and (step + 1) % every == 0))
+
     def fit(self, data: Dataset, start: TrainingState | None = None) -> TrainResult:
         """Train ``loop.epochs`` epochs from the beginning or from ``start`` (a resumed
         checkpoint). A :class:`StageFault` restores the last snapshot and replays."""
@@ -243,14 +260,25 @@ class Trainer:
                 bar = progress_bar(steps_per_epoch, position, f"epoch {epoch + 1}/{loop.epochs}",
                                    disable=not loop.progress)  # lines when not a terminal
                 batches = source.prefetch(epoch, position)  # the thread ends in `finally`
+                upcoming: tuple[np.ndarray, np.ndarray, float] | None = None
                 try:
                     while position < steps_per_epoch:
-                        data_start = time.perf_counter()
-                        x, labels = next(batches)
-                        data_s = time.perf_counter() - data_start
+                        if upcoming is None:
+                            data_start = time.perf_counter()
+                            x, labels = next(batches)
+                            data_s = time.perf_counter() - data_start
+                        else:  # taken ahead: already in flight
+                            (x, labels, data_s), upcoming = upcoming, None
                         lr = learning_rate_at(loop.optimizer, step, steps_per_epoch,
                                               loop.epochs)
-                        record = self.train_step(x, labels, step, lr)
+                        ahead = None
+                        if self._may_run_ahead(step, position, steps_per_epoch):
+                            data_start = time.perf_counter()
+                            x_next, labels_next = next(batches)
+                            upcoming = (x_next, labels_next, time.perf_counter() - data_start)
+                            ahead = (x_next, labels_next, step + 1, learning_rate_at(
+                                loop.optimizer, step + 1, steps_per_epoch, loop.epochs))
+                        record = self.train_step(x, labels, step, lr, ahead=ahead)
                         if not np.isfinite(record["loss"]):
                             raise UserError(f"the model diverged at step {step}: the loss is "
                                             f"{record['loss']}; lower --lr")
@@ -266,7 +294,8 @@ class Trainer:
                             images=record["images"], learning_rate=lr,
                             step_s=record["step_s"], conv_s=record["conv_s"],
                             dense_s=record["dense_s"], comm_s=timings["comm_s"],
-                            data_s=data_s, layers=timings["layers"])
+                            data_s=data_s, sent_ahead=bool(timings.get("sent_ahead")),
+                            layers=timings["layers"])
                         bar.set_postfix(loss=f"{loss_sum / seen:.4f}",
                                         acc=f"{correct / seen:.3f}",
                                         img_s=f"{seen / max(train_s, 1e-9):.0f}", refresh=False)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -80,6 +81,9 @@ from hetconv.protocol import (
     peer_named,
 )
 
+ABANDONED_KEPT = 4096
+"""How many abandoned request ids are remembered (their late errors logged quietly)."""
+
 __all__ = [
     "REPLY_TYPES",
     "ECHOED_FIELDS",
@@ -121,6 +125,7 @@ class Membership:
         self.workers: dict[bytes, WorkerHandle] = {}
         self.members: list[WorkerHandle] = []
         self.requests: dict[int, Request] = {}
+        self.abandoned: deque[int] = deque(maxlen=ABANDONED_KEPT)  # forgotten on purpose
         self.bindings: dict[bytes, KeyBinding] = {}  # routing id -> the key bound to it
         self._next_request_id = 1
         self._last_beat = -math.inf
@@ -178,6 +183,13 @@ class Membership:
         """Stop tracking these requests; late replies to them are dropped."""
         for request_id in request_ids:
             self.requests.pop(request_id, None)
+
+    def abandon(self, request_ids: Iterable[int]) -> None:
+        """Forget these requests because the master gave up on them (a step sent ahead
+        of one that failed): their late replies, errors included, are dropped quietly."""
+        for request_id in request_ids:
+            self.requests.pop(request_id, None)
+            self.abandoned.append(request_id)
 
     def forget_all(self) -> None:
         self.requests.clear()
@@ -305,7 +317,7 @@ class Membership:
         request = self.requests.get(request_id)
         if request is None or request.worker is not worker or request.reply is not None:
             text = f"dropped a stale or duplicate {message.TYPE} from {worker.name}"
-            if isinstance(message, ErrorReply):  # an error nobody waits for is still news
+            if isinstance(message, ErrorReply) and request_id not in self.abandoned:  # an error nobody waits for is still news
                 return [Log(logging.WARNING, f"{text}: {message.code}: {message.message}")]
             return [Log(logging.DEBUG, text)]
         if isinstance(message, ErrorReply):

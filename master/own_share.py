@@ -5,8 +5,9 @@ reply is stamped when it arrives (a measure the sample split's re-slicing relies
 stamped after the master's own compute, every worker would look as slow as the master
 and the master would draw the work onto itself). The helper wakes the gather loop
 through an inproc socket the cluster polls (``Cluster.extra_sockets``) the moment it is
-done. One job at a time; :meth:`OwnShare.wait` always returns only once the job has
-finished, so nothing else touches the master's replicas meanwhile.
+done. Jobs run one at a time, in the order submitted (a step sent ahead queues behind the
+step before it); :meth:`OwnShare.wait` always returns only once the job has finished,
+so nothing else touches the master's replicas meanwhile.
 """
 from __future__ import annotations
 
@@ -22,11 +23,17 @@ import zmq
 from hetconv.master.cluster import Cluster
 
 
+class JobCancelled(Exception):
+    """The job was cancelled before it started (its step was abandoned)."""
+
+
 class OwnJob:
-    """One job's outcome: ``result`` or ``error``, and when it finished (monotonic s)."""
+    """One job's outcome: ``result`` or ``error``, and when it finished (monotonic s).
+    ``cancelled`` set before the job starts makes it end at once with JobCancelled."""
 
     def __init__(self) -> None:
         self.done = threading.Event()
+        self.cancelled = threading.Event()
         self.result: Any = None
         self.error: BaseException | None = None
         self.finished_at = 0.0
@@ -49,6 +56,8 @@ class OwnShare:
 
         def run() -> None:
             try:
+                if job.cancelled.is_set():
+                    raise JobCancelled("cancelled before it started")
                 job.result = work()
             except BaseException as error:  # re-raised by the main thread
                 job.error = error

@@ -125,6 +125,7 @@ class SampleSetup:
     predicted_s: float | None = None  # the setup's prediction of the conv part (the plan's)
     slice_statistics: bool = False  # batch norm per slice (``--bn-statistics slice``)
     dense_replicas: bool = False  # the dense part on every participant (``--dense-part``)
+    steps_in_flight: int = 1  # step chains sent before the last one's replies (2: ahead)
 
 
 class BetweenSteps:
@@ -142,6 +143,7 @@ class BetweenSteps:
     step_model: InPlaceModel
     _step_rounds: int
     _step_started: float | None
+    _step_sent_ahead: bool
     _sums: dict[int, tuple[np.ndarray, np.ndarray]]
     _dweight: PendingUpdate | None
     peers: SamplePeers | None  # the weight reduction among the peers; None: via the master
@@ -363,7 +365,8 @@ class BetweenSteps:
                                          for shape in self.setup.shapes])
         self._timings, self._comm_s, self._step_compute, self._step_latency = {}, 0.0, {}, {}
         self._step_wall, self._step_rounds, self._step_started = 0.0, 0, None
-        return {"layers": layers, "comm_s": comm_s}
+        sent_ahead, self._step_sent_ahead = self._step_sent_ahead, False
+        return {"layers": layers, "comm_s": comm_s, "sent_ahead": sent_ahead}
 
     def _check_step_model(self, samples: dict[str, int]) -> None:
         """Feed the step to the model calibrated in place (``master/step_model.py``);

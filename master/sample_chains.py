@@ -12,12 +12,23 @@ With the dense part replicated (docs/dense-replica.md) the two chains are one st
 chain: the trainer hands the stage whole steps (``train_step``), each one request per
 participant, and the master's replica of the dense part is the trainer's own
 (``attach_dense``).
+
+Two steps in flight (docs/sample-split.md, "The step boundary"): the trainer may hand
+``train_step`` the next step too (``ahead``); its requests go out, and the master's own
+share of it is queued, before this step's replies are gathered, so that every
+participant starts the next step the moment its chain of this one ends. Nothing in a
+step chain's request depends on the replies of the step before (its update names that
+step's reduction, known when it was sent). A step that fails abandons the one sent
+ahead: the master's queued share is cancelled before it starts (or its peer waits end
+at once), its requests are forgotten (late answers dropped quietly), and the recovery's
+re-assignment ends the workers' chains of it.
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -33,6 +44,38 @@ from hetconv.protocol import SampleBackwardRequest, SampleForwardRequest
 from hetconv.protocol.sample_messages import NO_LAYER
 from hetconv.sample_runner import SampleRunner
 from hetconv.wire_cast import to_wire
+
+if TYPE_CHECKING:
+    from hetconv.master.cluster import WorkerHandle
+    from hetconv.master.own_share import OwnJob
+
+
+@dataclass
+class SentRound:
+    """A round sent and not yet collected: every worker's request out, the master's
+    own share queued (``job``; None when it has nothing to do)."""
+
+    what: str
+    layer: int
+    phase: str
+    started: float  # when it was sent (monotonic s)
+    pending: dict[int, WorkerHandle]  # request id -> worker
+    names: dict[int, str]  # request id -> participant
+    sent: dict[str, int]  # participant -> payload bytes sent
+    own: Slice  # the master's slice
+    job: OwnJob | None
+    slices: list[Slice]  # the slices it was sent for
+
+
+@dataclass
+class InFlightStep:
+    """A step chain sent and not yet collected."""
+
+    step: int
+    x: np.ndarray  # (B, C, H, W) float32, the whole batch
+    round: SentRound
+    members: tuple[str, ...]
+    sent_ahead: bool = False  # sent before the step before it was gathered
 
 
 class ChainedSteps:
@@ -50,10 +93,19 @@ class ChainedSteps:
     dense: DenseReplica | None
     runner: SampleRunner
     pending_fault: WorkerLost | None
+    peers: Any
+    step: int
+    _ahead: InFlightStep | None
+    _collected_at: float
+    _step_sent_ahead: bool
+    _step_started: float | None
+    _send_round: Callable[..., SentRound]
+    _collect_round: Callable[[SentRound, bool], dict[str, Any]]
+    _slice_batch: Callable[[int], list[Slice]]
+    _take_update: Callable[[], PendingUpdate | None]
     flush: Callable[[], None]
     assign_dense: Callable[[], None]
     assign_peers: Callable[[], None]
-    _begin_step: Callable[[np.ndarray, int], PendingUpdate | None]
 
     @property
     def layers(self) -> int:
@@ -74,6 +126,12 @@ class ChainedSteps:
         participant's slice) rather than the trainer's conv calls."""
         return self.chained and self.dense is not None
 
+    @property
+    def runs_ahead(self) -> bool:
+        """Whether the trainer may hand ``train_step`` the next step too (two steps in
+        flight: step chains, ``--steps-in-flight 2``)."""
+        return self.replicates_dense and self.setup.steps_in_flight > 1
+
     def attach_dense(self, part: DensePart, optimizer: OptimizerConfig) -> None:
         """Replicate the trainer's dense part (``--dense-part replicas``, chains only):
         the master's replica is ``part`` itself; every worker gets it now and at every
@@ -91,18 +149,70 @@ class ChainedSteps:
             self.pending_fault = self.pending_fault or fault
 
     def train_step(self, x: np.ndarray, labels: np.ndarray, step: int,
-                   learning_rate: float) -> dict[str, Any]:
+                   learning_rate: float,
+                   ahead: tuple[np.ndarray, np.ndarray, int, float] | None = None
+                   ) -> dict[str, Any]:
         """One SGD step as one step chain per participant (the trainer's step record:
-        the loss is the members' sums added in member order over the batch)."""
+        the loss is the members' sums added in member order over the batch). ``ahead``
+        (x, labels, step, learning rate): the next step, sent before this one's replies
+        are gathered (two steps in flight); the trainer hands it only where nothing
+        reads the replicas between the two (no snapshot, evaluation or epoch end)."""
         started = time.perf_counter()
-        if self.pending_fault is not None:
-            fault, self.pending_fault = self.pending_fault, None
-            raise fault  # the trainer's recovery: a re-plan that checks again
-        update = self._begin_step(x, step)
-        loss_sum, correct, dense_s = self._step_chain(step, learning_rate, labels, update)
+        current, self._ahead = self._ahead, None
+        try:
+            if current is not None and current.step != step:
+                raise RuntimeError(f"internal error: step {current.step} was sent ahead, "
+                                   f"then step {step} was asked for")
+            if self.pending_fault is not None:
+                fault, self.pending_fault = self.pending_fault, None
+                raise fault  # the trainer's recovery: a re-plan that checks again
+            if current is None:
+                current = self._send_step(x, labels, step, learning_rate)
+            if ahead is not None:
+                self._ahead = replace(self._send_step(*ahead), sent_ahead=True)
+            self._begin_current(current)
+            loss_sum, correct, dense_s = self._finish_step(current)
+        except BaseException:
+            self._abandon([s for s in (current, self._ahead) if s is not None])
+            self._ahead = None
+            self._dweight = None  # as if no step had been sent: a recovery re-assigns
+            raise
         step_s = time.perf_counter() - started
         return {"loss": loss_sum / x.shape[0], "correct": correct, "images": int(x.shape[0]),
                 "step_s": step_s, "conv_s": max(0.0, step_s - dense_s), "dense_s": dense_s}
+
+    def drain(self) -> None:
+        """Nothing in flight any more (a step sent ahead that will not be asked for is
+        abandoned): before the run ends."""
+        if self._ahead is not None:
+            self._abandon([self._ahead])
+            self._ahead = None
+            self._dweight = None
+
+    def _abandon(self, steps: list[InFlightStep]) -> None:
+        """Give up on steps sent and not collected: the master's own share of each
+        cancelled (ended at once if it started: its peer waits are cancelled), their
+        requests forgotten (late answers dropped quietly)."""
+        jobs = [s.round.job for s in steps if s.round.job is not None]
+        for job in jobs:
+            job.cancelled.set()
+        if self.peers is not None and not all(job.done.is_set() for job in jobs):
+            self.peers.cancel.set()
+        for job in jobs:
+            job.done.wait()
+        if self.peers is not None:
+            self.peers.cancel.clear()
+        for step in steps:
+            self.cluster.membership.abandon(step.round.pending)
+
+    def _begin_current(self, current: InFlightStep) -> None:
+        """The stage's per-step state now describes ``current`` (the step collected
+        next): its batch, its slices, its clock (from when the master turns to it)."""
+        self.step = current.step
+        self._step_sent_ahead = current.sent_ahead
+        self._x = current.x
+        self.slices = current.round.slices
+        self._step_started = max(current.round.started, self._collected_at)
 
     def _chain_fields(self, step_chain: bool = False) -> dict[str, Any]:
         """A forward chain's fields: a new ``sync_id`` (newer than the update's
@@ -141,39 +251,52 @@ class ChainedSteps:
                    for piece in self.slices if piece.samples > 0]
         return np.concatenate(outputs, axis=0) if len(outputs) > 1 else outputs[0]
 
-    def _step_chain(self, step: int, learning_rate: float, labels: np.ndarray,
-                    update: PendingUpdate | None) -> tuple[float, int, float]:
-        """The whole training step in one request per participant (the dense part
+    def _send_step(self, x: np.ndarray, labels: np.ndarray, step: int,
+                   learning_rate: float) -> InFlightStep:
+        """Send the whole training step in one request per participant (the dense part
         replicated: docs/dense-replica.md): the conv layers' forward, the dense part on
-        each slice, the backward chain; every update (the conv layers' and the dense
-        part's, layer L of the reduction) left pending, to ride with the next step.
-        Returns (the loss summed over the batch, in member order; correct answers; the
-        slowest member's seconds of the dense part)."""
+        each slice, the backward chain; the update pending from the step before rides
+        with it, and this step's (the conv layers' and the dense part's, layer L of the
+        reduction) is left pending, to ride with the next step."""
         wire = self.setup.wire_dtype
-        total = self._x.shape[0]
-        chain = self._chain_fields(step_chain=True)
-        members, sync_id = chain["members"], chain["sync_id"]
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        total = x.shape[0]
+        slices = self._slice_batch(total)
+        update = self._take_update()
+        members = [p.participant for p in slices if p.samples > 0]
+        sync_id = self.cluster.request_id()
+        chain: dict[str, Any] = {"sync_id": sync_id, "members": members,
+                 "member_samples": [p.samples for p in slices if p.samples > 0],
+                 "positions": [s.conv_height * s.conv_width for s in self.setup.shapes],
+                 "slice_statistics": self.setup.slice_statistics, "step_chain": True}
+        update_lr = self._learning_rate
 
         def make(piece: Slice) -> SampleForwardRequest:
-            x = part_labels = None
+            part = part_labels = None
             if piece.samples:
-                x = self._x[piece.start:piece.stop]
+                part = x[piece.start:piece.stop]
                 part_labels = labels[piece.start:piece.stop]
                 if piece.participant != MASTER_PARTICIPANT:
-                    x = to_wire(x, wire)
+                    part = to_wire(part, wire)
                     part_labels = part_labels.astype(np.int32)
             return SampleForwardRequest(
                 request_id=self.cluster.request_id(), step=step, attempt=0, train=True,
                 total_batch=total, finish_layer=NO_LAYER, start_layer=0,
                 stop_layer=self.layers, return_output=False,
-                learning_rate=self._learning_rate, total_count=0, mean=None, var=None, x=x,
+                learning_rate=update_lr, total_count=0, mean=None, var=None, x=part,
                 labels=part_labels, **_update_fields(update), **chain)
 
-        replies = self._round(f"step chain (step {step})", 0, "forward", make, True, make,
-                              peer_update=True)
+        sent = self._send_round(f"step chain (step {step})", 0, "forward", make, make,
+                                True, slices)
         self._learning_rate = learning_rate
         self._dweight = PendingUpdate(0, None, None, sync_id, tuple(members), self.layers + 1)
-        active = [p for p in self.slices if p.samples > 0]
+        return InFlightStep(step, x, sent, tuple(members))
+
+    def _finish_step(self, current: InFlightStep) -> tuple[float, int, float]:
+        """Gather a step chain's replies. Returns (the loss summed over the batch, in
+        member order; correct answers; the slowest member's seconds of the dense part)."""
+        replies = self._collect_round(current.round, True)
+        active = [p for p in current.round.slices if p.samples > 0]
         values = {p.participant: float(replies[p.participant].loss_sum) for p in active}
         finite = [n for n, v in values.items() if np.isfinite(v)]
         loss_sum, correct, dense_s = 0.0, 0, 0.0

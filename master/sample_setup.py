@@ -200,7 +200,8 @@ def open_sample_stage(cluster: Cluster, config: MasterConfig, participants: list
                         slice_statistics=config.bn_statistics == "slice"
                         and config.data_plane == "peer",
                         dense_replicas=config.dense_part != "master"
-                        and config.data_plane == "peer")
+                        and config.data_plane == "peer",
+                        steps_in_flight=config.steps_in_flight)
     control = RunControl((p.participant for p in workers),
                          stop_on_worker_loss=config.on_worker_loss == "stop")
 

@@ -40,7 +40,7 @@ from hetconv.dataplane import PeerLost
 from hetconv.dense_replica import DenseReplica
 from hetconv.master.cluster import Cluster, WorkerHandle, WorkerLost
 from hetconv.master.fall_back import AloneCheck
-from hetconv.master.own_share import OwnShare
+from hetconv.master.own_share import OwnJob, OwnShare
 from hetconv.master.plan import Participant
 from hetconv.master.run import (
     RunControl,
@@ -53,7 +53,7 @@ from hetconv.master.sample_between import (
     timing_entry,
 )
 from hetconv.master.sample_between import update_fields as _update_fields
-from hetconv.master.sample_chains import ChainedSteps
+from hetconv.master.sample_chains import ChainedSteps, InFlightStep, SentRound
 from hetconv.master.sample_peers import SamplePeers
 from hetconv.master.sample_plan import SampleBalance, Slice
 from hetconv.master.step_model import InPlaceModel
@@ -109,6 +109,9 @@ class SampleConvStage(ChainedSteps, BetweenSteps):
         self._step_dense: dict[str, float] = {}  # participant -> its dense part (step chain)
         self._step_rounds = 0  # rounds recorded this step
         self._step_started: float | None = None  # its first round's start (monotonic s)
+        self._collected_at = 0.0  # when the last round was collected (monotonic s)
+        self._ahead: InFlightStep | None = None  # a step chain sent ahead (two in flight)
+        self._step_sent_ahead = False  # whether the step being gathered was sent ahead
         self.dense: DenseReplica | None = None  # the master's replica (attach_dense)
         self.step_model = InPlaceModel(setup.predicted_s)  # calibrated in place
         self.alone_check = AloneCheck()  # never slower than the master alone
@@ -134,11 +137,20 @@ class SampleConvStage(ChainedSteps, BetweenSteps):
         not None, to those without), serve the master's own slice meanwhile (or, with
         ``peer_update``, its part of the weight reduction even without samples), gather;
         the replies of the slices with samples by participant, in slice order."""
+        return self._collect_round(self._send_round(what, layer, phase, make, idle,
+                                                    peer_update, self.slices), record)
+
+    def _send_round(self, what: str, layer: int, phase: str, make: Callable[[Slice], Any],
+                    idle: Callable[[Slice], Any] | None, peer_update: bool,
+                    slices: list[Slice]) -> SentRound:
+        """The first half of a round: every worker's request sent and the master's own
+        share queued (behind any job still queued: a step sent ahead runs after the one
+        before it)."""
         started = time.monotonic()
         pending: dict[int, WorkerHandle] = {}
         names: dict[int, str] = {}
         sent: dict[str, int] = {}
-        for piece in self.slices:
+        for piece in slices:
             if piece.participant == MASTER_PARTICIPANT:
                 continue
             message = make(piece) if piece.samples else (idle(piece) if idle else None)
@@ -149,8 +161,7 @@ class SampleConvStage(ChainedSteps, BetweenSteps):
             sent[piece.participant] = self.cluster.send(worker, message)
             pending[message.request_id] = worker
             names[message.request_id] = piece.participant
-        local_reply, local_done = None, started
-        own = next((s for s in self.slices if s.participant == MASTER_PARTICIPANT),
+        own = next((s for s in slices if s.participant == MASTER_PARTICIPANT),
                    Slice(MASTER_PARTICIPANT, 0, 0))
         job = None
         own_message = make(own) if own.samples > 0 else (
@@ -160,19 +171,33 @@ class SampleConvStage(ChainedSteps, BetweenSteps):
             serve = (self.runner.forward if isinstance(message, SampleForwardRequest)
                      else self.runner.backward)
             job = self.own_share.submit(lambda: serve(message, self.local))
+        return SentRound(what, layer, phase, started, pending, names, sent, own, job,
+                         list(slices))
+
+    def _collect_round(self, sent: SentRound, record: bool) -> dict[str, Any]:
+        """The second half: gather the workers' replies and the master's own share.
+        The round's clock starts when it was sent or when the round before it was
+        collected, whichever is later (a round sent ahead waits in the queues first)."""
+        started = max(sent.started, self._collected_at)
+        what, layer, phase, own, job = sent.what, sent.layer, sent.phase, sent.own, sent.job
+        local_reply, local_done = None, started
         failed = True
         try:
-            gathered = self.cluster.gather(pending, what,
+            gathered = self.cluster.gather(sent.pending, what,
                                            done=(lambda: job is None or job.done.is_set()),
                                            timeout_s=self.control.request_deadline_s())
             failed = False
         finally:
-            if job is not None:
-                if failed and self.peers is not None:
-                    self.peers.cancel.set()  # its wait for a lost peer ends at once
-                job.done.wait()  # never leave the helper thread on the replicas
-                if self.peers is not None:
-                    self.peers.cancel.clear()
+            behind = [queued for queued in self._queued_jobs(sent) if failed]
+            for queued in behind:
+                queued.cancelled.set()  # a step sent ahead: it never starts
+            if failed and self.peers is not None and (job is not None or behind):
+                self.peers.cancel.set()  # its wait for a lost peer ends at once
+            for waited in ([job] if job is not None else []) + behind:
+                waited.done.wait()  # never leave the helper thread on the replicas
+            if self.peers is not None:
+                self.peers.cancel.clear()
+            self._collected_at = time.monotonic()
         if job is not None:
             try:
                 local_reply, local_done = self.own_share.wait(job), job.finished_at
@@ -185,13 +210,13 @@ class SampleConvStage(ChainedSteps, BetweenSteps):
         replies: dict[str, Any] = {}
         slowest = 0.0
         reply: Any
-        for piece in self.slices:
+        for piece in sent.slices:
             if piece.samples == 0:
                 continue
             if piece.participant == MASTER_PARTICIPANT:
                 reply, arrival, received = local_reply, local_done, 0
             else:
-                rid = next(r for r, n in names.items() if n == piece.participant)
+                rid = next(r for r, n in sent.names.items() if n == piece.participant)
                 got = gathered[rid]
                 reply, arrival, received = got.message, got.received_at, got.payload_bytes
             replies[piece.participant] = reply
@@ -199,10 +224,10 @@ class SampleConvStage(ChainedSteps, BetweenSteps):
             if record:
                 entry = self._entry(layer, piece)
                 entry[f"{phase}_s"] += reply.compute_s
-                entry[f"{phase}_latency_s"] += arrival - started
+                entry[f"{phase}_latency_s"] += max(0.0, arrival - started)
                 if piece.participant != MASTER_PARTICIPANT:
                     entry["wait_s"] += max(0.0, arrival - local_done)
-                entry["bytes_sent"] += sent.get(piece.participant, 0)
+                entry["bytes_sent"] += sent.sent.get(piece.participant, 0)
                 entry["bytes_received"] += received
                 if self.peers is not None:
                     entry["peer_bytes_sent"] += reply.peer_bytes_sent
@@ -213,12 +238,19 @@ class SampleConvStage(ChainedSteps, BetweenSteps):
                 self._step_compute[piece.participant] = \
                     self._step_compute.get(piece.participant, 0.0) + reply.compute_s
                 self._step_latency[piece.participant] = \
-                    self._step_latency.get(piece.participant, 0.0) + (arrival - started)
+                    self._step_latency.get(piece.participant, 0.0) + max(0.0, arrival - started)
         if record:
             self._comm_s += max(0.0, time.monotonic() - started - slowest)
             self._step_wall += time.monotonic() - started
             self._step_rounds += 1
         return replies
+
+    def _queued_jobs(self, sent: SentRound) -> list[OwnJob]:
+        """The master's own jobs queued behind ``sent``'s (a step sent ahead)."""
+        ahead = self._ahead
+        if ahead is None or ahead.round is sent or ahead.round.job is None:
+            return []
+        return [ahead.round.job]
 
     def _entry(self, layer: int, piece: Slice) -> dict[str, Any]:
         devices = self._timings.setdefault(layer, {})
@@ -307,6 +339,9 @@ class SampleConvStage(ChainedSteps, BetweenSteps):
 
     def flush(self) -> None:
         """Apply a pending update everywhere now (before a snapshot or an evaluation)."""
+        if self._ahead is not None:  # the trainer drains before reading the replicas
+            raise RuntimeError(f"internal error: step {self._ahead.step} is in flight "
+                               "where the replicas are read")
         if self._dweight is not None:
             self._backward_round(self.step, self._learning_rate, NO_LAYER, NO_LAYER, None)
 
@@ -467,6 +502,7 @@ class SampleConvStage(ChainedSteps, BetweenSteps):
         if self._closed:  # a fall-back closed it; the trainer's end closes what it holds
             return
         self._closed = True
+        self.drain()  # a step sent ahead that the trainer will not ask for
         self.own_share.close()  # first: the helper thread's wake-up socket
         if self.peers is not None:
             self.peers.close()

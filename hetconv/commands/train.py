@@ -39,6 +39,7 @@ from hetconv.config import (
     SCHEDULES,
     SPLIT_BY,
     SPLIT_MODES,
+    STEPS_IN_FLIGHT,
     WIRE_DTYPE_AUTO,
     WIRE_DTYPE_FLAGS,
     WIRE_DTYPES,
@@ -126,6 +127,12 @@ def add_parser(sub: Any) -> None:
                    "the master for the whole batch ('master': the last conv output and its "
                    "gradient cross the master's link); 'auto' (default) replicates them "
                    "where the sample split's chains run (docs/dense-replica.md)")
+    p.add_argument("--steps-in-flight", type=int, choices=STEPS_IN_FLIGHT,
+                   default=STEPS_IN_FLIGHT[0],
+                   help="distributed, split by samples with the dense part replicated: 2 "
+                   "(default) sends the next step to every participant before this step's "
+                   "replies are gathered, so that nobody idles at the step boundary; 1 sends "
+                   "one step at a time (the same loss trace either way)")
     p.add_argument("--rebalance", choices=ON_OFF, default=None,
                    help="distributed: re-split the kernels when the measured step times show "
                    "the calibration was off (default: on for --split model, off for "
@@ -207,6 +214,7 @@ def master_config(args: argparse.Namespace) -> MasterConfig:
                         fall_back=getattr(args, "fall_back", "on") == "on",
                         bn_statistics=getattr(args, "bn_statistics", BN_STATISTICS[0]),
                         dense_part=getattr(args, "dense_part", DENSE_PARTS[0]),
+                        steps_in_flight=getattr(args, "steps_in_flight", STEPS_IN_FLIGHT[0]),
                         curve_secret=args.curve_secret, curve_allow=args.curve_allow)
 
 

@@ -4,7 +4,11 @@ own slice, and a worker killed mid-run costs one recovery, not the run."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -12,8 +16,10 @@ import numpy as np
 import pytest
 
 from hetconv.checkpoint import load_weights
-from tests.conftest import SMALL_RUN, run_hetconv
+from hetconv.lab import wait_for
+from tests.conftest import SMALL_RUN, child_env, hetconv_command, run_hetconv
 from tests.integration.test_distributed import assert_reproduces
+from tests.integration.test_failover import SLOW, assert_reproduces_all, records, steps_done
 from tests.support.faulty_worker import WorkerFaults
 
 pytestmark = [pytest.mark.integration]
@@ -33,8 +39,9 @@ def _records(run_dir: Path, kind: str | None) -> list[dict[str, Any]]:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("plane", [(), ("--data-plane", "star"), ("--dense-part", "master")],
-                         ids=["default", "star", "dense-on-master"])
+@pytest.mark.parametrize("plane", [(), ("--data-plane", "star"), ("--dense-part", "master"),
+                                   ("--steps-in-flight", "1")],
+                         ids=["default", "star", "dense-on-master", "one-step-in-flight"])
 def test_two_workers_and_the_master_reproduce_the_local_run(
         endpoint: str, workers: Any, tmp_path: Path, local_reference: Path,
         plane: tuple[str, ...]) -> None:
@@ -59,6 +66,14 @@ def test_two_workers_and_the_master_reproduce_the_local_run(
     for step in steps:
         samples = {d["participant"]: d["samples"] for d in step["layers"][0]["devices"]}
         assert set(samples) <= {"master", "w1", "w2"} and sum(samples.values()) == 64
+    # two steps in flight by default (the step chains): every step but the first after a
+    # snapshot (every 20 steps) went out before the one before it was gathered
+    last_of = {s["step"]: s for s in steps}  # a replayed step: its last record
+    if not plane:
+        assert all(s["sent_ahead"] == (s["step"] % 20 != 0) for s in last_of.values()), \
+            [(s["step"], s["sent_ahead"]) for s in last_of.values()]
+    else:
+        assert not any(s["sent_ahead"] for s in steps)
     # both workers computed (the re-slicing may later leave one out on a busy host)
     assert {"w1", "w2"} <= {d["participant"] for d in steps[0]["layers"][0]["devices"]
                             if d["samples"] > 0}
@@ -87,7 +102,7 @@ def test_two_workers_and_the_master_reproduce_the_local_run(
     # participant, a step is one step chain; on the master, two chains; under star 2L + 2
     # rounds (SMALL_RUN: two conv layers)
     replicated = "the dense part on every participant's slice" in result.stdout
-    if not plane:
+    if plane in ((), ("--steps-in-flight", "1")):
         assert re.search(r"the dense part on (every participant|the master) \(--dense-part "
                          r"auto: predicted [0-9.]+ ms a step replicated, [0-9.]+ ms on the "
                          r"master", result.stdout), result.stdout
@@ -220,3 +235,38 @@ def test_a_worker_without_samples_keeps_its_replica_in_step(endpoint: str, worke
     assert len(idle) < 4  # the slices are the same every step: one participant sits out
     local_losses = [r["loss"] for r in _records(local_dir, "step")]
     np.testing.assert_allclose([r["loss"] for r in steps], local_losses, rtol=1e-4)
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_killed_with_a_step_in_flight_costs_one_recovery(
+        endpoint: str, workers: Any, tmp_path: Path, local_reference: Path) -> None:
+    """Under the default two steps in flight a killed worker leaves the next step sent
+    and the master's own share of it queued: the fault abandons that step (no wait for
+    the dead peer: the recovery within the liveness timeout), nothing is lost and the
+    late answers to it are dropped quietly."""
+    started = workers("w1", "w2", "w3", faults=SLOW)
+    run_dir = tmp_path / "dist"
+    master = subprocess.Popen(
+        hetconv_command("train", "--listen", endpoint, "--min-workers", "3", "--wait", "30",
+                        "--split-by", "samples", *SMALL_RUN, "--fall-back", "off",
+                        "--run-dir", str(run_dir)),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
+    try:
+        assert wait_for(lambda: steps_done(run_dir) >= 30, 90), master.stderr
+        os.kill(started[1].process.pid, signal.SIGKILL)
+        killed_at = time.time()
+        out, err = master.communicate(timeout=120)
+    finally:
+        if master.poll() is None:
+            master.kill()
+    assert master.returncode == 0, err
+    assert "Traceback" not in err and "dropped a stale" not in err, err
+    events = records(run_dir)
+    before = [r for r in events if r["type"] == "step" and r["time"] < killed_at]
+    assert any(r["sent_ahead"] for r in before[-5:]), before[-5:]
+    recoveries = [r for r in events if r["type"] == "recovery"]
+    assert len(recoveries) == 1 and recoveries[0]["participant"] == "w2", recoveries
+    assert recoveries[0]["time"] - killed_at < 5.0  # the liveness timeout, not the peers'
+    assert "restored the snapshot" in out
+    assert events[-1]["type"] == "run_end" and events[-1]["status"] == "completed"
+    assert_reproduces_all(run_dir, local_reference)
