@@ -63,7 +63,14 @@ from hetconv.bench.scale_peer import (
 )
 from hetconv.bench.scale_repeats import format_repeats_table
 from hetconv.bench.signals import terminate_as_interrupt
-from hetconv.config import BENCH_PEERS, BN_STATISTICS, DENSE_PARTS, SPLIT_MODES, check_choice
+from hetconv.config import (
+    BENCH_PEERS,
+    BN_STATISTICS,
+    DENSE_PARTS,
+    SPLIT_MODES,
+    STEPS_IN_FLIGHT,
+    check_choice,
+)
 from hetconv.errors import UserError
 from hetconv.lab import (
     CFS_PERIOD_US,
@@ -162,6 +169,7 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
                     cfs_period_ms: float = CFS_PERIOD_US / 1000,
                     bn_statistics: tuple[str, ...] = ("batch",),
                     dense_parts: tuple[str, ...] = ("auto",),
+                    steps_in_flight: tuple[int, ...] = STEPS_IN_FLIGHT[:1],
                     dilations: tuple[float, ...] = (1.0,)) -> dict[str, Any]:
     """Run every machine set with every data plane, and the baselines, ``repeats``
     times, interleaved within each repeat. ``split``: the runs' ``--split``; ``model``
@@ -175,6 +183,8 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
     and/or ``slice``: PyTorch DDP's per-rank semantics; labelled ``samples-slice``).
     ``dense_parts``: where the sample split's runs put the dense part (``auto``, the
     default a user gets, and/or ``master``: labelled with ``-dense-master``).
+    ``steps_in_flight``: the sample split's step chains sent ahead (2, the default a
+    user gets, and/or 1: labelled with ``-one-in-flight``).
     ``dilations``: run everything on each of these labs, every machine's quota and every
     link's rate times the factor (1: the plain lab; :mod:`hetconv.bench.scale_dilate`),
     interleaved within every repeat; the dilated rows are labelled with their quotas."""
@@ -197,6 +207,12 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
     if not {SAMPLES, AUTO} & set(split_by) and dense_parts != ("auto",):
         raise UserError("--dense-part applies to the sample split's runs: add "
                         "--split-by samples or --split-by auto")
+    for value in steps_in_flight:
+        if value not in STEPS_IN_FLIGHT:
+            raise UserError(f"--steps-in-flight {value}: choose 1 or 2")
+    if not {SAMPLES, AUTO} & set(split_by) and steps_in_flight != STEPS_IN_FLIGHT[:1]:
+        raise UserError("--steps-in-flight applies to the sample split's runs: add "
+                        "--split-by samples or --split-by auto")
     if peer is not None:
         check_choice("peer", peer, BENCH_PEERS)
         from hetconv.bench.step_torch import import_torch
@@ -209,9 +225,11 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
             if norm not in bn_statistics:
                 continue
             for part in dense_parts:
-                label_of = (choice + ("" if norm == "batch" else SLICE_SUFFIX)
-                            + DENSE_SUFFIXES.get(part, ""))
-                configurations += [(fractions, label_of) for fractions in machine_sets]
+                for in_flight in steps_in_flight:
+                    label_of = (choice + ("" if norm == "batch" else SLICE_SUFFIX)
+                                + DENSE_SUFFIXES.get(part, "")
+                                + (ONE_IN_FLIGHT_SUFFIX if in_flight == 1 else ""))
+                    configurations += [(fractions, label_of) for fractions in machine_sets]
     try:
         parse_rate_bits(rate)
     except ValueError as error:
@@ -371,13 +389,19 @@ default a user gets)."""
 SLICE_SUFFIX = "-slice"
 """Appended to ``samples``/``auto``: the runs with ``--bn-statistics slice``."""
 DENSE_SUFFIXES = {"master": "-dense-master", "replicas": "-dense-replicas"}
-"""Appended last: the runs with ``--dense-part master`` or ``replicas`` (none: ``auto``)."""
+"""Appended next: the runs with ``--dense-part master`` or ``replicas`` (none: ``auto``)."""
+ONE_IN_FLIGHT_SUFFIX = "-one-in-flight"
+"""Appended last: the runs with ``--steps-in-flight 1`` (none: 2, the default)."""
 
 
 def split_flags(plane: str) -> tuple[str, ...]:
     """hetconv train's flags for a configuration's plane label: ``samples``, ``auto``
     (either with ``-slice``: ``--bn-statistics slice``, then ``-dense-master`` or
-    ``-dense-replicas``: ``--dense-part``) or a kernel split's data plane."""
+    ``-dense-replicas``: ``--dense-part``, then ``-one-in-flight``:
+    ``--steps-in-flight 1``) or a kernel split's data plane."""
+    if plane.endswith(ONE_IN_FLIGHT_SUFFIX):
+        return split_flags(plane.removesuffix(ONE_IN_FLIGHT_SUFFIX)) + (
+            "--steps-in-flight", "1")
     dense = next((part for part, suffix in DENSE_SUFFIXES.items() if plane.endswith(suffix)),
                  None)
     rest = plane.removesuffix(DENSE_SUFFIXES[dense]) if dense else plane

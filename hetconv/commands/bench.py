@@ -27,6 +27,7 @@ from hetconv.config import (
     SPLIT_BY,
     SPLIT_MODES,
     STEP_OPS,
+    STEPS_IN_FLIGHT,
     WIRE_DTYPE_AUTO,
     WIRE_DTYPE_FLAGS,
 )
@@ -45,8 +46,8 @@ FLAGS: dict[str, tuple[tuple[str, str], ...]] = {
               ("--batch", "batch"), ("--limit", "limit"), ("--repeats", "repeats"),
               ("--work-dir", "work_dir"), ("--split", "split"), ("--peer", "peer"),
               ("--split-by", "split_by"), ("--bn-statistics", "bn_statistics"),
-              ("--dense-part", "dense_parts"), ("--cfs-period-ms", "cfs_period_ms"),
-              ("--dilate", "dilations")),
+              ("--dense-part", "dense_parts"), ("--steps-in-flight", "steps_in_flight"),
+              ("--cfs-period-ms", "cfs_period_ms"), ("--dilate", "dilations")),
     "chaos": (("--minutes", "minutes"), ("--interval-min", "interval_min"),
               ("--interval-max", "interval_max"), ("--faults", "faults"), ("--lab", "lab"),
               ("--rate", "rate"), ("--arch", "arch"), ("--batch", "batch"),
@@ -161,6 +162,11 @@ def add_parser(sub: Any) -> None:
                        "flag for several, interleaved; default auto: the model chooses, what "
                        "a user gets; 'replicas' and 'master' are labelled -dense-replicas "
                        "and -dense-master)")
+    scale.add_argument("--steps-in-flight", dest="steps_in_flight", action="append",
+                       type=int, default=None, choices=STEPS_IN_FLIGHT,
+                       help="the sample split's step chains sent ahead in its runs (repeat the "
+                       "flag for both, interleaved; default 2: what a user gets; 1 is "
+                       "labelled -one-in-flight)")
     scale.add_argument("--cfs-period-ms", type=float, default=10.0,
                        help="the CPU quotas' period in ms (default 10; 1 to 1000, and the smallest "
                        "machine's share of it at least 1 ms): a machine "
@@ -254,7 +260,8 @@ def command_line(args: argparse.Namespace) -> str:
             words.append(f"{flag}={value}")
             continue
         if isinstance(value, list) and (dest in ("machines", "data_plane", "split_by",
-                                                 "bn_statistics", "dense_parts", "dilations")
+                                                 "bn_statistics", "dense_parts", "dilations",
+                                                 "steps_in_flight")
                                         or args.bench == "step"):  # one flag per value
             if args.bench == "step" and dest in ("threads", "quota"):
                 continue  # written as pairs below
@@ -374,6 +381,8 @@ def run(args: argparse.Namespace) -> int:
                                  cfs_period_ms=args.cfs_period_ms,
                                  bn_statistics=tuple(args.bn_statistics or ("batch",)),
                                  dense_parts=tuple(args.dense_parts or ("auto",)),
+                                 steps_in_flight=tuple(args.steps_in_flight
+                                                       or STEPS_IN_FLIGHT[:1]),
                                  dilations=tuple(args.dilations or (1.0,)))
         table = result["table"]
     elif args.bench == "chaos":

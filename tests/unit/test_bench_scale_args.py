@@ -38,6 +38,10 @@ def test_the_slice_statistics_runs_get_their_flags() -> None:
     assert split_flags("auto-slice-dense-master") == (
         "--split-by", "auto", "--bn-statistics", "slice", "--dense-part", "master")
     assert split_flags("peer") == ("--split-by", "kernels", "--data-plane", "peer")
+    assert split_flags("auto-one-in-flight") == ("--split-by", "auto", "--steps-in-flight", "1")
+    assert split_flags("samples-slice-dense-master-one-in-flight") == (
+        "--split-by", "samples", "--bn-statistics", "slice", "--dense-part", "master",
+        "--steps-in-flight", "1")
 
 
 def test_the_figure_files_command_repeats_every_repeatable_flag() -> None:
@@ -50,11 +54,12 @@ def test_the_figure_files_command_repeats_every_repeatable_flag() -> None:
         arch="32:64", epochs=2, batch=128, limit=None, repeats=3, work_dir=None,
         split="model", peer="ddp", split_by=["samples", "auto"],
         bn_statistics=["batch", "slice"], dense_parts=["auto", "master"], cfs_period_ms=2.5,
-        dilations=[1.0, 0.5], markdown=None)
+        steps_in_flight=[2, 1], dilations=[1.0, 0.5], markdown=None)
     line = command_line(args)
     assert "--split-by samples --split-by auto" in line
     assert "--bn-statistics batch --bn-statistics slice" in line
     assert "--dense-part auto --dense-part master" in line
+    assert "--steps-in-flight 2 --steps-in-flight 1" in line
     assert "--cfs-period-ms 2.5 --dilate 1 --dilate 0.5" in line
 
 
@@ -68,7 +73,8 @@ def test_the_figure_files_command_parses_back_to_the_same_scale_options() -> Non
 
     argv = ["bench", "scale", "--machines", "0.45,0.45", "--rate", "100mbit",
             "--cfs-period-ms", "2.5", "--dilate", "1", "--dilate", "0.5", "--peer", "ddp",
-            "--split-by", "auto", "--markdown", "out.md"]
+            "--split-by", "auto", "--steps-in-flight", "2", "--steps-in-flight", "1",
+            "--markdown", "out.md"]
     args = build_parser().parse_args(argv)
     again = build_parser().parse_args(shlex.split(command_line(args))[1:])
     assert vars(again) == vars(args)
@@ -119,3 +125,11 @@ def test_every_bench_option_is_spelled_out_in_the_figure_files_command() -> None
         options = {action.dest for action in parser._actions
                    if action.option_strings and action.dest not in ("help", "markdown")}
         assert options <= {dest for _, dest in FLAGS[name]}, (name, options)
+
+
+def test_steps_in_flight_without_a_sample_split_is_one_line(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    status = main(["bench", "scale", "--machines", "0.45,0.45", "--split-by", "kernels",
+                   "--steps-in-flight", "1"])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert status != 0 and len(lines) == 1 and "--steps-in-flight applies" in lines[0], lines
