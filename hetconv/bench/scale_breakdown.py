@@ -225,7 +225,9 @@ def format_step_timeline(rows: Sequence[dict[str, Any]]) -> list[str]:
         return []
     lines = ["", "One step laid out (the sample split's barriers, traced): the run's "
              "median step (of the repeat with the median step), per participant, ms "
-             "since the master began the step (the lab's machines share one clock): "
+             "since the master turned to the step (the lab's machines share one clock; "
+             "with two steps in flight a participant that finished the step before "
+             "starts this one earlier: a negative time): "
              "when it shared its piece of each batch-norm barrier and when it held every "
              "peer's (shared / held), and when its result reached the master. Between "
              "two barriers a participant computes; a late share is a slow participant, "

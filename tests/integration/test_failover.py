@@ -93,7 +93,14 @@ def test_a_killed_worker_is_replaced_and_nothing_is_lost(endpoint: str, workers:
     assert "Traceback" not in err
     recoveries = [r for r in records(run_dir) if r["type"] == "recovery"]
     assert recoveries and recoveries[0]["participant"] == "w2", recoveries
-    assert recoveries[0]["time"] - killed_at < 5.0  # the liveness timeout, not minutes
+    # the liveness timeout, not minutes (nor the peers' timeout: under the default peer
+    # plane this network is split by samples, two steps in flight, and the step sent
+    # ahead of the failed one is abandoned at once, its late answers dropped quietly)
+    assert recoveries[0]["time"] - killed_at < 5.0
+    if plane == "peer":
+        before = [r for r in records(run_dir) if r["type"] == "step" and r["time"] < killed_at]
+        assert any(r["sent_ahead"] for r in before[-5:]), before[-5:]
+        assert "dropped a stale" not in err, err
     assert "w2" in out and "restored the snapshot" in out
     assert records(run_dir)[-1]["status"] == "completed"
     assert_reproduces_all(run_dir, local_reference)

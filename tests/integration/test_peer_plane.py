@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from hetconv.checkpoint import load_weights
+from hetconv.dataplane import PeerLost
 from hetconv.peer_sockets import PeerSockets
 from hetconv.protocol import PeerPiece, generate_curve_keypair, make_context
 from tests.conftest import SMALL_RUN, run_hetconv
@@ -117,10 +118,16 @@ def test_a_data_endpoint_admits_exactly_the_keys_the_master_handed_out() -> None
             sender = PeerSockets(ctx, "tcp://127.0.0.1:0", curve=pair, authenticate=False)
             sender.open(name, {"r": endpoint}, {"r": receiver_keys[0].decode()}, 5.0)
             senders.append(sender)
-            sender.send("r", PeerPiece(pass_id=1, step=0, layer=0, phase="forward", attempt=0,
-                                       sender=name, kernel_start=0, kernel_stop=1,
-                                       batch_start=0, batch_stop=1, batch_size=1,
-                                       data=np.ones((1, 1, 2, 2), np.float32)))
+            piece = PeerPiece(pass_id=1, step=0, layer=0, phase="forward", attempt=0,
+                              sender=name, kernel_start=0, kernel_stop=1, batch_start=0,
+                              batch_stop=1, batch_size=1, data=np.ones((1, 1, 2, 2), np.float32))
+            try:
+                sender.send("r", piece)
+            except PeerLost:
+                # the stranger's handshake may be refused before its piece is queued: then
+                # nothing is connected and the send times out (CI saw it on a busy host)
+                if name != "stranger":
+                    raise
         got = []
         deadline = time.monotonic() + 3.0
         while time.monotonic() < deadline:
