@@ -74,7 +74,6 @@ class InFlightStep:
     step: int
     x: np.ndarray  # (B, C, H, W) float32, the whole batch
     round: SentRound
-    members: tuple[str, ...]
     sent_ahead: bool = False  # sent before the step before it was gathered
 
 
@@ -290,7 +289,7 @@ class ChainedSteps:
                                 True, slices)
         self._learning_rate = learning_rate
         self._dweight = PendingUpdate(0, None, None, sync_id, tuple(members), self.layers + 1)
-        return InFlightStep(step, x, sent, tuple(members))
+        return InFlightStep(step, x, sent)
 
     def _finish_step(self, current: InFlightStep) -> tuple[float, int, float]:
         """Gather a step chain's replies. Returns (the loss summed over the batch, in
