@@ -154,6 +154,7 @@ class BetweenSteps:
     _comm_s: float
     _step_compute: dict[str, float]
     _step_latency: dict[str, float]
+    _step_waits: dict[str, float]
     _step_wall: float
     _step_dense: dict[str, float]  # participant -> its dense part's seconds (step chain)
 
@@ -350,8 +351,8 @@ class BetweenSteps:
                     - dense.get(MASTER_PARTICIPANT, 0.0)) / own * sum(samples.values()))
         self._step_dense = {}
         self._check_step_model(samples)
-        if self.setup.rebalancing and self.balance.observe(self._step_compute,
-                                                           self._step_latency, samples):
+        if self.setup.rebalancing and self.balance.observe(
+                self._step_compute, self._step_latency, samples, self._step_waits):
             names = self._names()
             self.slices = self._slice_batch(sum(samples.values()))
             counts = {p.participant: p.samples for p in self.slices}
@@ -364,6 +365,7 @@ class BetweenSteps:
                                               "samples": counts.get(n, 0)} for n in names]}
                                          for shape in self.setup.shapes])
         self._timings, self._comm_s, self._step_compute, self._step_latency = {}, 0.0, {}, {}
+        self._step_waits = {}
         self._step_wall, self._step_rounds, self._step_started = 0.0, 0, None
         sent_ahead, self._step_sent_ahead = self._step_sent_ahead, False
         return {"layers": layers, "comm_s": comm_s, "sent_ahead": sent_ahead}

@@ -19,8 +19,9 @@ Pure functions and one small sans-IO class; the socket side is
 - :class:`SampleBalance`: per-sample seconds per participant from the calibration,
   corrected from the measured rounds of recent steps (median of the last few; a
   participant's round is from the round's start to its reply: compute, wire, message
-  handling and CPU-quota throttling, what the barrier waits for) and re-weighted when
-  the measured slowest participant would finish clearly sooner.
+  handling and CPU-quota throttling, what the barrier waits for; its own waits for
+  its peers' pieces are not its cost) and re-weighted when the measured slowest
+  participant would finish clearly sooner.
 """
 from __future__ import annotations
 
@@ -40,8 +41,12 @@ SPLIT_BY = ("auto", "kernels", "samples")
 
 REBALANCE_WINDOW = 9
 """Steps of measured compute whose median corrects a participant's per-sample cost."""
-REBALANCE_GAIN = 0.10
-"""Re-weight only when the predicted slowest compute drops by at least this fraction."""
+REBALANCE_GAIN = 0.05
+"""Re-weight only when the predicted slowest compute drops by at least this fraction.
+A re-slice costs nothing but the slices (every participant holds every layer), and a
+split left 10 % off on equal machines (28 and 36 samples of 128, the calibration's
+noise under CPU quotas) cost the 4 x 0.45-core step about 6 %: 5 % is past the noise
+of the medians measured there (2-3 % from window to window on one machine)."""
 
 
 def samples_refusal(shapes: Sequence[ConvLayerShape], kernel_sizes: Sequence[int],
@@ -112,34 +117,42 @@ class SampleBalance:
 
     From the calibration: b_i its seconds per sample, o_i = 0. Measured: b_i the median
     compute per sample of the last ``REBALANCE_WINDOW`` steps, o_i the median of the
-    rest of its rounds (from each round's start to its reply, minus its compute: the
-    wire, message handling and CPU-quota throttling it pays whatever its slice), less
-    the least of the workers' (the part common to them all is the master's). The
+    rest of its rounds (from each round's start to its reply, minus its compute and
+    minus its own waits for its peers' pieces: the wire, message handling and CPU-quota
+    throttling it pays whatever its slice), less the least of the workers' (the part
+    common to them all is the master's). The waits are left out because they are the
+    others' cost: under the step chain's batch-norm barriers every participant's round
+    ends with the slowest one's, so a participant with too few samples waits for the
+    rest, and counting that as its own fixed part would justify its small slice and
+    keep any split as it is (a fixed point: o_i + b·n_i equal for all). The
     slices minimise the slowest participant's o_i + b_i·n_i (``balanced_counts``: a
     machine whose fixed part alone is too slow gets few samples or none). ``observe``
     returns True when the measured model's slices would finish at least
     ``REBALANCE_GAIN`` sooner than the current ones, and adopts them. A re-slice that
     would move samples back the way the last one moved them meets the last estimates
-    halfway (damped: under CPU quotas the measured speeds swing with the slices)."""
+    halfway (damped: under CPU quotas the measured speeds swing with the slices), and
+    needs twice the gain of the last one for every such move back in a row, so that a
+    swing settles instead of going on at a smaller size."""
 
     def __init__(self, seconds_per_sample: dict[str, float]):
         self.seconds = dict(seconds_per_sample)  # b_i
         self.overhead: dict[str, float] = {}  # o_i (0 until measured)
         self._measured: dict[str, deque[tuple[float, float]]] = {}
         self._last_moves: dict[str, int] = {}  # the last re-slice: samples gained (< 0 lost)
+        self._moves_back = 0  # re-slices in a row that moved samples back
 
     def restrict(self, names: Sequence[str]) -> None:
         """Forget participants not in ``names`` (evicted)."""
         self.seconds = {n: t for n, t in self.seconds.items() if n in names}
         self.overhead = {n: t for n, t in self.overhead.items() if n in names}
         self._measured = {n: d for n, d in self._measured.items() if n in names}
-        self._last_moves = {}
+        self._last_moves, self._moves_back = {}, 0
 
     def add(self, name: str, seconds_per_sample: float) -> None:
         self.seconds[name] = seconds_per_sample
         self.overhead.pop(name, None)
         self._measured.pop(name, None)
-        self._last_moves = {}
+        self._last_moves, self._moves_back = {}, 0
 
     def slices(self, names: Sequence[str], batch: int) -> list[Slice]:
         """Consecutive slices of ``batch`` in the order of ``names`` (empty ones kept)."""
@@ -152,12 +165,17 @@ class SampleBalance:
         return out
 
     def observe(self, compute_s: dict[str, float], latency_s: dict[str, float],
-                samples: dict[str, int]) -> bool:
+                samples: dict[str, int], waits_s: dict[str, float] | None = None) -> bool:
+        """One step's figures per participant: its compute (seconds, peer waits left
+        out), its rounds' latency (from each round's start to its reply in the master's
+        hands), its samples, and its waits for its peers' pieces (within the latency)."""
+        waits = waits_s or {}
         for name, seconds in compute_s.items():
             n = samples.get(name, 0)
             if n > 0 and name in self.seconds:
+                rest = latency_s.get(name, seconds) - seconds - waits.get(name, 0.0)
                 self._measured.setdefault(name, deque(maxlen=REBALANCE_WINDOW)).append(
-                    (seconds / n, max(0.0, latency_s.get(name, seconds) - seconds)))
+                    (seconds / n, max(0.0, rest)))
         if any(len(self._measured.get(n, ())) < REBALANCE_WINDOW for n in self.seconds
                if samples.get(n, 0) > 0):
             return False
@@ -184,7 +202,8 @@ class SampleBalance:
         batch = sum(samples.values())
         self.seconds, self.overhead = per_sample, overhead
         proposed = {s.participant: s.samples for s in self.slices(names, batch)}
-        if reverses(self._last_moves, samples, proposed):
+        back = reverses(self._last_moves, samples, proposed)
+        if back:
             # back towards where the last re-slice came from: the estimates swing with
             # the slices (a quota-throttled machine with the smaller slice idles at
             # the barriers and computes in bursts, faster per sample), so meet halfway
@@ -194,10 +213,12 @@ class SampleBalance:
                              for n in names}
             proposed = {s.participant: s.samples for s in self.slices(names, batch)}
         self._measured.clear()
-        if finish(proposed) > now * (1 - REBALANCE_GAIN):
+        gain = REBALANCE_GAIN * 2 ** (self._moves_back + 1 if back else 0)
+        if finish(proposed) > now * (1 - gain):
             self.seconds, self.overhead = before  # not worth a change: keep the slices
             return False
         self._last_moves = {n: proposed.get(n, 0) - samples.get(n, 0) for n in names}
+        self._moves_back = self._moves_back + 1 if back else 0
         return True
 
 

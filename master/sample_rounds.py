@@ -42,6 +42,7 @@ class RoundTrips:
     _comm_s: float
     _step_compute: dict[str, float]
     _step_latency: dict[str, float]
+    _step_waits: dict[str, float]
     _step_wall: float
     _step_rounds: int
 
@@ -155,6 +156,8 @@ class RoundTrips:
                     self._step_compute.get(piece.participant, 0.0) + reply.compute_s
                 self._step_latency[piece.participant] = \
                     self._step_latency.get(piece.participant, 0.0) + max(0.0, arrival - started)
+                self._step_waits[piece.participant] = \
+                    self._step_waits.get(piece.participant, 0.0) + reply.peer_wait_s
         if record:
             self._comm_s += max(0.0, time.monotonic() - started - slowest)
             self._step_wall += time.monotonic() - started

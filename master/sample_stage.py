@@ -104,6 +104,7 @@ class SampleConvStage(RoundTrips, ChainedSteps, BetweenSteps):
         self._comm_s = 0.0
         self._step_compute: dict[str, float] = {}  # participant -> its compute this step
         self._step_latency: dict[str, float] = {}  # participant -> its rounds this step
+        self._step_waits: dict[str, float] = {}  # participant -> its peer waits this step
         self._step_wall = 0.0  # the step's rounds, first request sent to last reply
         self._step_dense: dict[str, float] = {}  # participant -> its dense part (step chain)
         self._step_rounds = 0  # rounds recorded this step
