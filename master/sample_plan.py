@@ -41,12 +41,11 @@ SPLIT_BY = ("auto", "kernels", "samples")
 
 REBALANCE_WINDOW = 9
 """Steps of measured compute whose median corrects a participant's per-sample cost."""
-REBALANCE_GAIN = 0.05
+REBALANCE_GAIN = 0.10
 """Re-weight only when the predicted slowest compute drops by at least this fraction.
-A re-slice costs nothing but the slices (every participant holds every layer), and a
-split left 10 % off on equal machines (28 and 36 samples of 128, the calibration's
-noise under CPU quotas) cost the 4 x 0.45-core step about 6 %: 5 % is past the noise
-of the medians measured there (2-3 % from window to window on one machine)."""
+(5 % was tried: on the lab's quota-throttled machines a participant's compute per
+sample moves 10-20 % from one 9-step median to the next, and two equal machines
+swung 63/65 -> 73/55 -> 64/64 -> 55/73 in 35 steps.)"""
 
 
 def samples_refusal(shapes: Sequence[ConvLayerShape], kernel_sizes: Sequence[int],
@@ -130,29 +129,26 @@ class SampleBalance:
     returns True when the measured model's slices would finish at least
     ``REBALANCE_GAIN`` sooner than the current ones, and adopts them. A re-slice that
     would move samples back the way the last one moved them meets the last estimates
-    halfway (damped: under CPU quotas the measured speeds swing with the slices), and
-    needs twice the gain of the last one for every such move back in a row, so that a
-    swing settles instead of going on at a smaller size."""
+    halfway (damped: under CPU quotas the measured speeds swing with the slices)."""
 
     def __init__(self, seconds_per_sample: dict[str, float]):
         self.seconds = dict(seconds_per_sample)  # b_i
         self.overhead: dict[str, float] = {}  # o_i (0 until measured)
         self._measured: dict[str, deque[tuple[float, float]]] = {}
         self._last_moves: dict[str, int] = {}  # the last re-slice: samples gained (< 0 lost)
-        self._moves_back = 0  # re-slices in a row that moved samples back
 
     def restrict(self, names: Sequence[str]) -> None:
         """Forget participants not in ``names`` (evicted)."""
         self.seconds = {n: t for n, t in self.seconds.items() if n in names}
         self.overhead = {n: t for n, t in self.overhead.items() if n in names}
         self._measured = {n: d for n, d in self._measured.items() if n in names}
-        self._last_moves, self._moves_back = {}, 0
+        self._last_moves = {}
 
     def add(self, name: str, seconds_per_sample: float) -> None:
         self.seconds[name] = seconds_per_sample
         self.overhead.pop(name, None)
         self._measured.pop(name, None)
-        self._last_moves, self._moves_back = {}, 0
+        self._last_moves = {}
 
     def slices(self, names: Sequence[str], batch: int) -> list[Slice]:
         """Consecutive slices of ``batch`` in the order of ``names`` (empty ones kept)."""
@@ -202,8 +198,7 @@ class SampleBalance:
         batch = sum(samples.values())
         self.seconds, self.overhead = per_sample, overhead
         proposed = {s.participant: s.samples for s in self.slices(names, batch)}
-        back = reverses(self._last_moves, samples, proposed)
-        if back:
+        if reverses(self._last_moves, samples, proposed):
             # back towards where the last re-slice came from: the estimates swing with
             # the slices (a quota-throttled machine with the smaller slice idles at
             # the barriers and computes in bursts, faster per sample), so meet halfway
@@ -213,12 +208,10 @@ class SampleBalance:
                              for n in names}
             proposed = {s.participant: s.samples for s in self.slices(names, batch)}
         self._measured.clear()
-        gain = REBALANCE_GAIN * 2 ** (self._moves_back + 1 if back else 0)
-        if finish(proposed) > now * (1 - gain):
+        if finish(proposed) > now * (1 - REBALANCE_GAIN):
             self.seconds, self.overhead = before  # not worth a change: keep the slices
             return False
         self._last_moves = {n: proposed.get(n, 0) - samples.get(n, 0) for n in names}
-        self._moves_back = self._moves_back + 1 if back else 0
         return True
 
 
