@@ -128,7 +128,20 @@ class SampleSetup:
     steps_in_flight: int = 1  # step chains sent before the last one's replies (2: ahead)
 
 
-class BetweenSteps:
+class StepFigures:
+    """The step's figures as the rounds fill them and ``take_step_timings`` reads them
+    (attributes of the stage, set in its ``__init__``; declared once for its mixins)."""
+
+    _timings: dict[int, dict[str, dict[str, Any]]]  # layer -> participant -> its entry
+    _comm_s: float
+    _step_compute: dict[str, float]  # participant -> its compute this step
+    _step_latency: dict[str, float]  # participant -> its rounds this step
+    _step_waits: dict[str, float]  # participant -> its waits for peers' pieces this step
+    _step_wall: float
+    _step_rounds: int
+
+
+class BetweenSteps(StepFigures):
     """Snapshots, audits, restores and the run state machine's commands (the module
     doc); the step's rounds are the subclass's."""
 
@@ -141,7 +154,6 @@ class BetweenSteps:
     runner: SampleRunner
     step: int
     step_model: InPlaceModel
-    _step_rounds: int
     _step_started: float | None
     _step_sent_ahead: bool
     _sums: dict[int, tuple[np.ndarray, np.ndarray]]
@@ -150,12 +162,6 @@ class BetweenSteps:
     dense: DenseReplica | None  # the master's replica of the dense part, when replicated
     alone_check: AloneCheck  # never slower than the master alone (``--fall-back``)
     slices: list[Slice]
-    _timings: dict[int, dict[str, dict[str, Any]]]
-    _comm_s: float
-    _step_compute: dict[str, float]
-    _step_latency: dict[str, float]
-    _step_waits: dict[str, float]
-    _step_wall: float
     _step_dense: dict[str, float]  # participant -> its dense part's seconds (step chain)
 
     @property

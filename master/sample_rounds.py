@@ -16,7 +16,7 @@ from hetconv.master.cluster import Cluster, WorkerHandle, WorkerLost
 from hetconv.master.own_share import OwnJob, OwnShare
 from hetconv.master.plan import Participant
 from hetconv.master.run import RunControl
-from hetconv.master.sample_between import SampleSetup, timing_entry
+from hetconv.master.sample_between import SampleSetup, StepFigures, timing_entry
 from hetconv.master.sample_chains import InFlightStep, SentRound
 from hetconv.master.sample_plan import Slice
 from hetconv.protocol import SampleForwardRequest
@@ -24,7 +24,7 @@ from hetconv.sample_runner import SampleRunner
 from hetconv.shard import ConvShard
 
 
-class RoundTrips:
+class RoundTrips(StepFigures):
     """Send a round, collect it; the step's timing entries it fills."""
 
     cluster: Cluster
@@ -38,13 +38,6 @@ class RoundTrips:
     slices: list[Slice]
     _collected_at: float
     _ahead: InFlightStep | None
-    _timings: dict[int, dict[str, dict[str, Any]]]
-    _comm_s: float
-    _step_compute: dict[str, float]
-    _step_latency: dict[str, float]
-    _step_waits: dict[str, float]
-    _step_wall: float
-    _step_rounds: int
 
     # --- one round ---------------------------------------------------------------------
     def _round(self, what: str, layer: int, phase: str, make: Callable[[Slice], Any],
