@@ -22,10 +22,12 @@ import errno
 import math
 from collections.abc import Callable, Container
 from dataclasses import dataclass
-from typing import Literal, overload
+from typing import TYPE_CHECKING, Literal, overload
 
 import zmq
-from zmq.auth.thread import ThreadAuthenticator
+
+if TYPE_CHECKING:  # imported when a CURVE run starts one: it pulls in asyncio (~80 ms a start)
+    from zmq.auth.thread import ThreadAuthenticator
 
 from . import admission, limits
 from .codec import decode, encode
@@ -87,6 +89,8 @@ def start_curve_authenticator(
     Call before ``master_socket(..., curve=...)``; call ``.stop()`` on the result
     after closing the socket and before terminating the context.
     """
+    from zmq.auth.thread import ThreadAuthenticator
+
     authenticator = ThreadAuthenticator(ctx)
     authenticator.start()
     authenticator.configure_curve_callback(

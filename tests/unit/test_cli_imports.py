@@ -41,3 +41,16 @@ def test_a_worker_start_does_not_import_the_other_subcommands() -> None:
     assert "worker" in loaded
     assert not loaded & {"bench", "report", "export", "evaluate", "predict"}, loaded
     assert set(SUBCOMMANDS) >= {"train", "worker", "bench"}
+
+
+def test_a_run_without_curve_does_not_import_asyncio() -> None:
+    """pyzmq's ZAP authenticator thread pulls in asyncio (about 80 ms of every process
+    start); only a CURVE run starts one, so the daemons' and the master's modules import
+    it when it starts, not at their own import."""
+    probe = ("import sys\nimport worker.daemon, worker.service, master.run, "
+             "hetconv.peer_sockets, hetconv.keys\n"
+             "print('asyncio' in sys.modules, 'zmq.auth.thread' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                            env=child_env(), cwd=REPO, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "False"], result.stdout
