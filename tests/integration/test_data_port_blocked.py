@@ -186,8 +186,13 @@ def test_workers_that_cannot_reach_the_masters_data_port_stop_the_run_with_that_
     last = err.strip().splitlines()[-1]
     assert last.startswith("hetconv: error: ") and line.search(last), err[-3000:]
     assert "--data-plane star" in last, last
-    assert all(line.search(w.output()) for w in started.values()), \
-        {name: w.output() for name, w in started.items()}
+    # every worker that got to probe says so; one whose probe the run's end overtook (the
+    # master stops at the first report: under load a worker's AssignPeers or probe can
+    # come later than another's whole report) says the run is over instead
+    outputs = {name: w.output() for name, w in started.items()}
+    assert any(line.search(text) for text in outputs.values()), outputs
+    assert all(line.search(text) or "run over: master failed during setup" in text
+               for text in outputs.values()), outputs
     assert seconds < 60, f"the run took {seconds:.0f} s to stop"
 
 
