@@ -155,12 +155,21 @@ def pool_max(ops: Ops, four: list[Array], gamma: Array | None, pooled: Array,
         pooled[...] = xp.where(positive, largest, xp.where(zero, four[0], pooled))
         winners[...] = xp.where(positive, first, xp.where(zero, np.uint8(0), winners))
         return
-    for k in range(gamma.shape[0]):
-        row = [view[k:k + 1] for view in four]
-        if gamma[k] == 0:  # constant: every position ties, the first wins
-            pooled[k], winners[k] = row[0][0], 0
-        else:
-            max_windows(ops, row, pooled[k:k + 1], winners[k:k + 1], bool(gamma[k] < 0))
+    # numpy: every channel as if gamma > 0, then the channels of gamma < 0 (the first
+    # minimum) and gamma == 0 (every position ties, the first wins) again, together: the
+    # same numbers as channel by channel, in a few calls however many channels there are
+    # (one call per channel made a layer with a negative gamma pay ~4x for its pooling)
+    max_windows(ops, four, pooled, winners, False)
+    negative = np.flatnonzero(gamma < 0)
+    if negative.size:
+        shape = (negative.size,) + pooled.shape[1:]
+        low = ops.empty("pooled of gamma < 0", shape, pooled.dtype)
+        low_winners = ops.empty("winners of gamma < 0", shape, winners.dtype)
+        max_windows(ops, [view[negative] for view in four], low, low_winners, True)
+        pooled[negative], winners[negative] = low, low_winners
+    zero = np.flatnonzero(gamma == 0)
+    if zero.size:
+        pooled[zero], winners[zero] = four[0][zero], 0
 
 
 def normalise(ops: Ops, values: Array, out: Array, mean: Array, inv_std: Array,

@@ -308,3 +308,26 @@ def test_winograd_is_the_default_for_wide_5x5_layers_cached_or_not(
     for grads in (conv.conv2d_backward_cached(cache, dy), conv.conv2d_backward(x, w, dy, 1, 1)):
         for got, want in zip(grads, (dx_ref, dw_ref, db_ref), strict=True):
             np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-10)
+
+
+def test_pool_with_mixed_gamma_signs_equals_pooling_channel_by_channel() -> None:
+    """The fused pool takes the channels of gamma < 0 and == 0 together (a few calls);
+    channel by channel (``max_windows`` per channel, how it was done) gives the same bits,
+    ties included."""
+    from hetconv.ops.block_kernels import Ops, max_windows, pool_max
+    rng = np.random.default_rng(11)
+    gamma = np.array([1.0, -0.5, 0.0, 2.0, -1.0, -0.0, 0.3, -2.0], np.float32)
+    conv = rng.integers(-3, 4, (8, 6, 6, 5)).astype(np.float32)  # small integers: ties
+    four = [conv[:, i::2, j::2] for i in (0, 1) for j in (0, 1)]
+    ops = Ops(np)
+    pooled, winners = np.empty((8, 3, 3, 5), np.float32), np.empty((8, 3, 3, 5), np.uint8)
+    pool_max(ops, four, gamma, pooled, winners)
+    for k in range(8):
+        want, want_winners = np.empty((1, 3, 3, 5), np.float32), np.empty((1, 3, 3, 5), np.uint8)
+        if gamma[k] == 0:
+            want[0], want_winners[0] = four[0][k], 0
+        else:
+            max_windows(Ops(np), [view[k:k + 1] for view in four], want, want_winners,
+                        bool(gamma[k] < 0))
+        np.testing.assert_array_equal(pooled[k:k + 1], want)
+        np.testing.assert_array_equal(winners[k:k + 1], want_winners)
