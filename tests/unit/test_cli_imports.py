@@ -13,6 +13,14 @@ from hetconv.commands.cli import SUBCOMMANDS, build_parser, chosen
 from tests.conftest import REPO, child_env
 
 
+def fresh_interpreter(probe: str) -> str:
+    """What ``probe`` prints, run by a new interpreter as the commands' children are."""
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                            env=child_env(), cwd=REPO, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
 def test_chosen_is_the_first_word_that_is_not_an_option() -> None:
     assert chosen(["worker", "--connect", "tcp://x:1"]) == "worker"
     assert chosen(["-v", "train", "--local"]) == "train"
@@ -33,10 +41,8 @@ def test_a_worker_start_does_not_import_the_other_subcommands() -> None:
     probe = ("import sys\nfrom hetconv.commands import cli\n"
              "try:\n    cli.main(['worker', '--help'])\nexcept SystemExit:\n    pass\n"
              "print(sorted(m for m in sys.modules if m.startswith('hetconv.commands.')))")
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                            env=child_env(), cwd=REPO, timeout=60)
-    assert result.returncode == 0, result.stderr
-    modules = ast.literal_eval(result.stdout.strip().splitlines()[-1])
+    printed = fresh_interpreter(probe)
+    modules = ast.literal_eval(printed.strip().splitlines()[-1])
     loaded = {name.rsplit(".", 1)[1] for name in modules}
     assert "worker" in loaded
     assert not loaded & {"bench", "report", "export", "evaluate", "predict"}, loaded
@@ -50,7 +56,5 @@ def test_a_run_without_curve_does_not_import_asyncio() -> None:
     probe = ("import sys\nimport worker.daemon, worker.service, master.run, "
              "hetconv.peer_sockets, hetconv.keys\n"
              "print('asyncio' in sys.modules, 'zmq.auth.thread' in sys.modules)")
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                            env=child_env(), cwd=REPO, timeout=60)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["False", "False"], result.stdout
+    printed = fresh_interpreter(probe)
+    assert printed.split() == ["False", "False"], printed
