@@ -52,7 +52,7 @@ class MembershipEvent:
     seconds: float | None = None  # recovery: the recovery itself; re-split: applying it
     failed_step: int | None = None  # recovery only
     resumed_step: int | None = None  # recovery: the snapshot's step; resume: resumed_from
-    split: str = ""  # re-plan / re-split: kernels per participant afterwards, per layer
+    split: str = ""  # re-plan / re-split: kernels (or samples) per participant afterwards
 
 
 @dataclass(frozen=True)
@@ -78,8 +78,15 @@ def _holders(counts: Sequence[dict[str, Any]]) -> dict[str, int]:
 
 
 def split_text(counts: Sequence[dict[str, Any]]) -> str:
-    """``"layer 1: master 1, w1 3; layer 2: ..."`` (layers numbered from 1), zeros left
-    out."""
+    """``"layer 1: master 1, w1 3; layer 2: ..."`` (kernels, layers numbered from 1), zeros
+    left out; a sample split's record (every entry has ``samples``: every participant
+    holds every layer whole, the slices are the same on every layer) is
+    ``"samples of every batch: master 30, w1 34"``."""
+    entries = [entry for layer in counts for entry in layer["devices"]]
+    if entries and all("samples" in entry for entry in entries):
+        return "samples of every batch: " + ", ".join(
+            f"{participant_of(entry)} {int(entry['samples'])}"
+            for entry in counts[0]["devices"] if int(entry["samples"]) > 0)
     return "; ".join(
         f"layer {int(layer['layer']) + 1}: " + ", ".join(
             f"{participant_of(entry)} {int(entry['kernels'])}" for entry in layer["devices"]

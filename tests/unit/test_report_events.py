@@ -10,7 +10,16 @@ import pytest
 
 from hetconv.commands.report import run_report
 from hetconv.master.report.analysis import summarize
-from hetconv.master.report.events import JOIN, LOSS, RECOVERY, REPLAN, RESPLIT, RESUME
+from hetconv.master.report.events import (
+    JOIN,
+    LOSS,
+    RECOVERY,
+    REPLAN,
+    RESPLIT,
+    RESUME,
+    membership_events,
+    split_text,
+)
 from hetconv.master.report.json_out import render_json
 from hetconv.master.report.plots import event_marks
 from hetconv.master.report.records import parse_run
@@ -220,3 +229,23 @@ def test_a_resumed_run_in_progress_is_not_ended_by_the_killed_runs_run_end(
                              "error": None}, {**run_start(), "time": 1001.0, "resumed_from": 0}]
     summary = summarize(parse_run(write_run(tmp_path / "run", records)))
     assert summary.status == "in progress"
+
+
+def test_a_sample_split_re_slice_names_the_samples_not_the_kernels() -> None:
+    """A sample split's records list every layer whole (all its kernels) on every
+    participant; what changed is the slices, and that is what the event says."""
+    rebalance = {"type": "rebalance", "time": 1002.0, "split_by": "samples", "step": 3,
+                 "reason": "measured compute per sample",
+                 "counts": [{"layer": layer, "devices": [
+                     {"participant": "worker-a", "kernels": kernels, "samples": 71},
+                     {"participant": "worker-b", "kernels": kernels, "samples": 57},
+                     {"participant": "worker-c", "kernels": kernels, "samples": 0}]}
+                     for layer, kernels in ((0, 32), (1, 64))]}
+    events, _ = membership_events([step(n, 0.1, 0.08, 0.01, 0.02, layers("w1"))
+                                   for n in range(4)] + [rebalance])
+    (event,) = events
+    assert event.kind == RESPLIT and event.step == 4
+    assert event.split == "samples of every batch: worker-a 71, worker-b 57"
+    kernel_split = [{"layer": 0, "devices": [{"participant": "w1", "kernels": 3},
+                                             {"participant": "w2", "kernels": 0}]}]
+    assert split_text(kernel_split) == "layer 1: w1 3"
