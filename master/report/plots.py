@@ -93,7 +93,9 @@ def time_breakdown(records: RunRecords) -> bytes | None:
 
 
 def kernel_vs_throughput(summary: RunSummary) -> bytes | None:
-    """Per layer, each participant's kernel share next to its measured throughput share (%)."""
+    """Per layer, each participant's kernel share (its sample share under the sample
+    split) next to its measured throughput share (%)."""
+    unit = "samples" if summary.split_by == "samples" else "kernels"
     layers = [row.layer for row in summary.layers]
     participants = [d for d in summary.devices if any(r.kernels for r in d.layers)]
     if not layers or not participants or summary.steps_used == 0:
@@ -108,12 +110,12 @@ def kernel_vs_throughput(summary: RunSummary) -> bytes | None:
         kernel = [100 * d.layers[index].kernel_share for d in participants]
         throughput = [100 * (d.layers[index].throughput_share or 0.0) for d in participants]
         axes.bar([p - width / 2 for p in positions], kernel, width, color=COLOURS["kernels"],
-                 label="kernel share")
+                 label=f"{unit[:-1]} share")
         axes.bar([p + width / 2 for p in positions], throughput, width,
                  color=COLOURS["throughput"], label="measured throughput share")
         axes.set_xticks(positions, [d.id for d in participants],
                         rotation=20 if len(participants) > 3 else 0)
-        axes.set_title(f"layer {layer + 1} ({summary.layers[index].kernels} kernels)")
+        axes.set_title(f"layer {layer + 1} ({summary.layers[index].kernels} {unit})")
         axes.set_xlabel("participant")
         axes.set_ylabel("share of the layer (%)")
         axes.set_ylim(0, 105)

@@ -140,11 +140,13 @@ def run_body(records: RunRecords, summary: RunSummary, level: int = 2) -> str:
                      "<em>Membership and re-plans</em>; a replayed step is drawn once, with "
                      "its last record.</p>")
     parts += [f"<{h}>Participants</{h}>", _table(devices, caption=True)]
-    parts += [f"<{h}>Kernel split against measured throughput</{h}>",
-              ("<p>Balanced when each participant's kernel share equals its share of the layer's "
-              "measured throughput (kernels per second).</p>"),
+    unit = "sample" if summary.split_by == "samples" else "kernel"
+    parts += [f"<{h}>{unit.capitalize()} split against measured throughput</{h}>",
+              (f"<p>Balanced when each participant's {unit} share equals its share of the "
+               f"layer's measured throughput ({unit}s per second).</p>"),
               _image(plots.kernel_vs_throughput(summary),
-                     "per layer, kernel share and measured throughput share of each participant"),
+                     f"per layer, {unit} share and measured throughput share of each "
+                     "participant"),
               _table(layers, caption=True), _table(balance, caption=True)]
     parts += [f"<{h}>Timeline</{h}>",
               ("<p>Each step laid out phase by phase (forward layers, the dense part, backward "

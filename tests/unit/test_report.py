@@ -369,3 +369,17 @@ def test_under_the_sample_split_the_fastest_alone_scales_each_step_by_its_sample
     assert summary.split is not None
     assert summary.single_device_step_s == pytest.approx(alone["a"] + summary.split.dense_s)
     assert "(est., per sample)" in " ".join(render_run(summary).split())
+
+
+def test_the_html_report_of_a_sample_split_speaks_of_samples(tmp_path: Path) -> None:
+    """The share chart of a sample-split run compares sample shares (the layer's batch,
+    not its kernels: a demo's page said 'Kernel split' and 'layer 1 (128 kernels)')."""
+    sample_run = write_run(tmp_path / "samples", sample_split_records())
+    kernel_run = write_run(tmp_path / "kernels", two_device_records())
+    run_report([str(sample_run)], json_output=False, out=lambda _: None)
+    run_report([str(kernel_run)], json_output=False, out=lambda _: None)
+    page = (sample_run / "report.html").read_text(encoding="utf-8")
+    assert "Sample split against measured throughput" in page
+    assert "Kernel split" not in page and "kernel share" not in page
+    assert "Kernel split against measured throughput" in (
+        kernel_run / "report.html").read_text(encoding="utf-8")
