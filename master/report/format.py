@@ -126,9 +126,11 @@ def overview_table(summary: RunSummary) -> Table:
 def devices_table(summary: RunSummary) -> Table:
     rows = tuple((d.id, d.kind, d.name, ms(d.compute_s), ms(d.wait_s), kib(d.bytes_sent),
                   kib(d.bytes_received), kib(d.peer_bytes)) for d in summary.devices)
-    return Table("Participants (medians per step; sent/received: with the master)",
-                 ("participant", "kind", "name", "compute\nms", "waited on\nms", "sent\nKiB",
-                  "received\nKiB", "with peers\nKiB"), rows, left_columns=3)
+    return Table("Participants (medians per step; KiB over its link to the master and "
+                 "to its peers)",
+                 ("participant", "kind", "name", "compute\nms", "waited on\nms",
+                  "from master\nKiB", "to master\nKiB", "with peers\nKiB"), rows,
+                 left_columns=3)
 
 
 def layers_table(summary: RunSummary) -> Table:
