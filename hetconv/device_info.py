@@ -11,6 +11,22 @@ import psutil
 from hetconv.backend import cupy_or_none, gpu_index
 
 
+def blas_note() -> str:
+    """Which BLAS numpy uses, with its kernels and what chose them, e.g. ``numpy BLAS:
+    openblas 0.3.30, SkylakeX kernels`` (one machine's speed can differ twofold by the
+    kernels alone: docs/step-speed.md)."""
+    from threadpoolctl import threadpool_info
+
+    found = [info for info in threadpool_info() if info.get("user_api") == "blas"]
+    if not found:
+        return "numpy BLAS: unknown"
+    info = found[0]
+    chosen = os.environ.get("OPENBLAS_CORETYPE")
+    how = f" (OPENBLAS_CORETYPE={chosen})" if chosen else ""
+    return (f"numpy BLAS: {info.get('internal_api')} {info.get('version')}, "
+            f"{info.get('architecture', '?')} kernels{how}")
+
+
 def cpu_model_name() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as handle:

@@ -44,6 +44,7 @@ from hetconv.bench.step_torch import torch_network as torch_network
 from hetconv.bench.step_torch import torch_row as torch_row
 from hetconv.bench.step_torch import torch_step as torch_step
 from hetconv.config import STEP_OPS
+from hetconv.device_info import blas_note
 from hetconv.errors import UserError
 from hetconv.model import (
     ModelConfig,
@@ -386,20 +387,6 @@ def markdown_lines(results: list[StepResult], notes: list[str]) -> list[str]:
                       f"`{name}` {_ms(seconds)}" for name, seconds in r.torch_top[:6]) + ".",
                   "", *breakdown_table(r), ""]
     return lines
-
-
-def blas_note() -> str:
-    """Which BLAS numpy uses, with its kernels and what chose them."""
-    from threadpoolctl import threadpool_info
-
-    found = [info for info in threadpool_info() if info.get("user_api") == "blas"]
-    if not found:
-        return "numpy BLAS: unknown"
-    info = found[0]
-    chosen = os.environ.get("OPENBLAS_CORETYPE")
-    how = f" (OPENBLAS_CORETYPE={chosen})" if chosen else ""
-    return (f"numpy BLAS: {info.get('internal_api')} {info.get('version')}, "
-            f"{info.get('architecture', '?')} kernels{how}")
 
 
 def run_step_bench(archs: list[str], settings: list[Setting], batch: int = 128,

@@ -282,18 +282,20 @@ def command_line(args: argparse.Namespace) -> str:
 
 
 def machine_description() -> str:
-    """CPU model, cores, OS, Python, numpy and the load average right now."""
+    """CPU model, cores, OS, Python, numpy with its BLAS kernels, and the load average
+    right now."""
     import numpy as np
     import psutil
 
-    from hetconv.device_info import cpu_model_name
+    from hetconv.device_info import blas_note, cpu_model_name
 
     physical = psutil.cpu_count(logical=False)
     logical = psutil.cpu_count(logical=True) or os.cpu_count()
     load = " ".join(f"{value:.2f}" for value in os.getloadavg())
     return (f"{cpu_model_name()}, {physical or '?'} cores / {logical} logical CPUs, "
             f"{platform.system()} {platform.machine()}, Python {platform.python_version()}, "
-            f"numpy {np.__version__}; load average {load} when it started")
+            f"numpy {np.__version__} ({blas_note().removeprefix('numpy BLAS: ')}); "
+            f"load average {load} when it started")
 
 
 def figure_header(args: argparse.Namespace) -> list[str]:
