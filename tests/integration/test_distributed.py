@@ -36,12 +36,17 @@ def assert_reproduces(run_dir: Path, reference: Path) -> None:
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("split", ["model", "equal"])
 def test_two_workers_reproduce_local_run(endpoint: str, workers: Any, tmp_path: Path,
-                                         local_reference: Path) -> None:
+                                         local_reference: Path, split: str) -> None:
+    """Under the default split (``model``) the planner may leave workers out that it
+    measures slower than they pay (the suite's load on two cores can make them so: CI
+    saw the master alone once), so there the steps are held by whom the plan chose;
+    ``equal`` always gives both workers kernels."""
     workers("w1", "w2")
     run_dir = tmp_path / "dist"
     result = run_hetconv("train", "--listen", endpoint, "--split-by", "kernels", "--min-workers", "2", "--wait", "30",
-                         *SMALL_RUN, "--run-dir", str(run_dir))
+                         "--split", split, *SMALL_RUN, "--run-dir", str(run_dir))
     assert result.returncode == 0, result.stderr
     assert "split of 8 kernels" in result.stdout
     assert_reproduces(run_dir, local_reference)
@@ -56,8 +61,16 @@ def test_two_workers_reproduce_local_run(endpoint: str, workers: Any, tmp_path: 
     assert len(calibrations) == 2
     assert all(sum(d["kernels"] for d in c["devices"]) == c["kernels"] for c in calibrations)
     steps = [r for r in records if r["type"] == "step"]
-    devices = {d["participant"] for s in steps for layer in s["layers"] for d in layer["devices"]}
-    assert devices <= {"master", "w1", "w2"} and {"w1", "w2"} & devices
+    devices = {d["participant"] for s in steps for layer in s["layers"] for d in layer["devices"]
+               if d["kernels"] > 0}
+    assert devices <= {"master", "w1", "w2"}
+    first = {d["participant"] for layer in steps[0]["layers"] for d in layer["devices"]
+             if d["kernels"] > 0}
+    if split == "model":  # the planner's choice, recorded
+        (plan,) = [r for r in records if r["type"] == "plan"]
+        assert first == set(plan["chosen"]), (first, plan["chosen"])
+    else:
+        assert first == {"master", "w1", "w2"}, first
 
 
 @pytest.mark.timeout(180)
