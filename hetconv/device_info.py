@@ -27,6 +27,22 @@ def blas_note() -> str:
             f"{info.get('architecture', '?')} kernels{how}")
 
 
+def blas_kernels() -> str:
+    """numpy's BLAS and the kernels it runs, short: ``"openblas SkylakeX"`` (``""`` when
+    unknown). Two machines with the same CPU can differ about twofold by these alone
+    (OPENBLAS_CORETYPE), so a CPU participant's description names them."""
+    try:
+        from threadpoolctl import threadpool_info
+
+        found = [info for info in threadpool_info() if info.get("user_api") == "blas"]
+    except Exception:  # threadpoolctl is a dependency; a library it cannot read is not fatal
+        return ""
+    if not found:
+        return ""
+    info = found[0]
+    return f"{info.get('internal_api', '?')} {info.get('architecture') or '?'}"
+
+
 def cpu_model_name() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as handle:
@@ -39,7 +55,8 @@ def cpu_model_name() -> str:
 
 
 def describe_device(device: str, threads: int | None = None) -> dict[str, Any]:
-    """A JSON-able description: kind, name, cores, memory, host, pid, threads."""
+    """A JSON-able description: kind, name, cores, memory, host, pid, threads; for a
+    CPU, numpy's BLAS kernels (``blas``)."""
     info: dict[str, Any] = {
         "device": device, "hostname": socket.gethostname(), "pid": os.getpid(),
         "cores": psutil.cpu_count(logical=True) or 1, "threads": threads,
@@ -59,4 +76,5 @@ def describe_device(device: str, threads: int | None = None) -> dict[str, Any]:
     else:
         info["kind"] = "cpu"
         info["name"] = cpu_model_name()
+        info["blas"] = blas_kernels()
     return info

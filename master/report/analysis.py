@@ -326,6 +326,7 @@ def device_summaries(records: RunRecords, steps: Sequence[StepRecord],
         meta = info.get(participant)
         out.append(DeviceSummary(
             id=participant, kind=meta.kind if meta else "?", name=meta.name if meta else "?",
+            blas=meta.blas if meta else "",
             layers=_participant_layers(records, participant, timings, layer_kernels, counts,
                                        by_samples),
             compute_s=_per_step(steps, participant, "compute_s"),

@@ -124,13 +124,14 @@ def overview_table(summary: RunSummary) -> Table:
 
 
 def devices_table(summary: RunSummary) -> Table:
-    rows = tuple((d.id, d.kind, d.name, ms(d.compute_s), ms(d.wait_s), kib(d.bytes_sent),
+    rows = tuple((d.id, d.kind, f"{d.name} ({d.blas})" if d.blas else d.name, ms(d.compute_s),
+                  ms(d.wait_s), kib(d.bytes_sent),
                   kib(d.bytes_received), kib(d.peer_bytes)) for d in summary.devices)
     return Table("Participants (medians per step; KiB over its link to the master and "
                  "to its peers)",
                  ("participant", "kind", "name", "compute\nms", "waited on\nms",
                   "from master\nKiB", "to master\nKiB", "with peers\nKiB"), rows,
-                 left_columns=3)
+                 text_columns=(0, 1, 2), wrap=True)
 
 
 def layers_table(summary: RunSummary) -> Table:

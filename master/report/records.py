@@ -48,6 +48,7 @@ class ParticipantInfo:
     hostname: str = "?"
     cores: int | None = None
     threads: int | None = None
+    blas: str = ""  # numpy's BLAS kernels of a CPU participant ("openblas SkylakeX")
 
 
 @dataclass(frozen=True)
@@ -231,7 +232,8 @@ def _participant_info(raw: dict[str, Any]) -> ParticipantInfo:
                            device=str(raw.get("device") or "?"),
                            hostname=str(raw.get("hostname") or "?"),
                            cores=_opt_int(raw.get("cores")),
-                           threads=_opt_int(raw.get("threads")))
+                           threads=_opt_int(raw.get("threads")),
+                           blas=str(raw.get("blas") or ""))
 
 
 def _calibration(raw: dict[str, Any]) -> LayerCalibration:

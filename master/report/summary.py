@@ -45,6 +45,7 @@ class DeviceSummary:
     bytes_received: float | None  # median per step, participant -> master
     single_device_conv_s: float | None  # alone, est. from the cost fit or per sample (None: not in every layer)
     peer_bytes: float | None = None  # median per step, worker <-> worker (peer plane)
+    blas: str = ""  # a CPU's numpy BLAS kernels ("openblas SkylakeX"; "" unknown)
 
 
 @dataclass(frozen=True)

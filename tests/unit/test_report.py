@@ -383,3 +383,22 @@ def test_the_html_report_of_a_sample_split_speaks_of_samples(tmp_path: Path) -> 
     assert "Kernel split" not in page and "kernel share" not in page
     assert "Kernel split against measured throughput" in (
         kernel_run / "report.html").read_text(encoding="utf-8")
+
+
+def test_a_cpu_participant_names_numpys_blas_kernels(tmp_path: Path) -> None:
+    """The same CPU model can run twice as fast with other BLAS kernels: the report's
+    participants table says which each CPU ran (a devices record from before the field
+    existed shows the model alone)."""
+    from hetconv.device_info import describe_device
+
+    records = sample_split_records()
+    records[1]["devices"][0]["blas"] = "openblas SkylakeX"
+    summary = summarize(parse_run(write_run(tmp_path / "run", records)))
+    table = render_run(summary)
+    table = table[table.index("Participants (medians"):].split("\n\n")[0]
+    assert re.search(r"^a\s+cpu\s+CPU model \(openblas\s", table, re.M), table
+    assert "SkylakeX)" in table and "~" not in table, table
+    assert re.search(r"^b\s+cpu\s+CPU model\s+\d", table, re.M), table
+    described = describe_device("cpu")
+    assert described["kind"] == "cpu" and isinstance(described["blas"], str)
+    assert described["blas"] == "" or len(described["blas"].split()) == 2, described
