@@ -11,35 +11,41 @@ import psutil
 from hetconv.backend import cupy_or_none, gpu_index
 
 
-def blas_note() -> str:
-    """Which BLAS numpy uses, with its kernels and what chose them, e.g. ``numpy BLAS:
-    openblas 0.3.30, SkylakeX kernels`` (one machine's speed can differ twofold by the
-    kernels alone: docs/step-speed.md)."""
-    from threadpoolctl import threadpool_info
-
-    found = [info for info in threadpool_info() if info.get("user_api") == "blas"]
-    if not found:
-        return "numpy BLAS: unknown"
-    info = found[0]
-    chosen = os.environ.get("OPENBLAS_CORETYPE")
-    how = f" (OPENBLAS_CORETYPE={chosen})" if chosen else ""
-    return (f"numpy BLAS: {info.get('internal_api')} {info.get('version')}, "
-            f"{info.get('architecture', '?')} kernels{how}")
-
-
-def blas_kernels() -> str:
-    """numpy's BLAS and the kernels it runs, short: ``"openblas SkylakeX"`` (``""`` when
-    unknown). Two machines with the same CPU can differ about twofold by these alone
-    (OPENBLAS_CORETYPE), so a CPU participant's description names them."""
+def _numpy_blas() -> dict[str, Any] | None:
+    """threadpoolctl's description of the BLAS numpy loaded, or None when unknown."""
     try:
         from threadpoolctl import threadpool_info
 
         found = [info for info in threadpool_info() if info.get("user_api") == "blas"]
     except Exception:  # threadpoolctl is a dependency; a library it cannot read is not fatal
+        return None
+    return found[0] if found else None
+
+
+def blas_description() -> str:
+    """``openblas 0.3.30, SkylakeX kernels`` (with ``(OPENBLAS_CORETYPE=...)`` when the
+    environment chose them), or ``unknown``: one machine's speed can differ twofold by
+    the kernels alone (docs/step-speed.md)."""
+    info = _numpy_blas()
+    if info is None:
+        return "unknown"
+    chosen = os.environ.get("OPENBLAS_CORETYPE")
+    how = f" (OPENBLAS_CORETYPE={chosen})" if chosen else ""
+    return (f"{info.get('internal_api')} {info.get('version')}, "
+            f"{info.get('architecture', '?')} kernels{how}")
+
+
+def blas_note() -> str:
+    """``numpy BLAS: `` and :func:`blas_description`."""
+    return f"numpy BLAS: {blas_description()}"
+
+
+def blas_kernels() -> str:
+    """numpy's BLAS and the kernels it runs, short: ``"openblas SkylakeX"`` (``""`` when
+    unknown), for a CPU participant's description."""
+    info = _numpy_blas()
+    if info is None:
         return ""
-    if not found:
-        return ""
-    info = found[0]
     return f"{info.get('internal_api', '?')} {info.get('architecture') or '?'}"
 
 

@@ -287,14 +287,14 @@ def machine_description() -> str:
     import numpy as np
     import psutil
 
-    from hetconv.device_info import blas_note, cpu_model_name
+    from hetconv.device_info import blas_description, cpu_model_name
 
     physical = psutil.cpu_count(logical=False)
     logical = psutil.cpu_count(logical=True) or os.cpu_count()
     load = " ".join(f"{value:.2f}" for value in os.getloadavg())
     return (f"{cpu_model_name()}, {physical or '?'} cores / {logical} logical CPUs, "
             f"{platform.system()} {platform.machine()}, Python {platform.python_version()}, "
-            f"numpy {np.__version__} ({blas_note().removeprefix('numpy BLAS: ')}); "
+            f"numpy {np.__version__} ({blas_description()}); "
             f"load average {load} when it started")
 
 
