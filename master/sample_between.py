@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import numpy as np
@@ -126,6 +126,12 @@ class SampleSetup:
     slice_statistics: bool = False  # batch norm per slice (``--bn-statistics slice``)
     dense_replicas: bool = False  # the dense part on every participant (``--dense-part``)
     steps_in_flight: int = 1  # step chains sent before the last one's replies (2: ahead)
+    link_wires: Mapping[str, str] = field(default_factory=dict)  # worker -> its link's dtype
+
+    def wire_for(self, participant: str) -> str:
+        """The wire dtype of ``participant``'s activations: its link's
+        (``choose_link_wires``), else ``wire_dtype`` (a worker that joined later)."""
+        return self.link_wires.get(participant, self.wire_dtype)
 
 
 class StepFigures:
@@ -198,8 +204,9 @@ class BetweenSteps(StepFigures):
         differently is evicted (WorkerLost) before the snapshot is kept."""
         asked: list[tuple[Shard, int, np.ndarray]] = []
         for layer, shape in enumerate(self.setup.shapes):
-            x = to_wire(audit_input(shape, self.step, layer), self.setup.wire_dtype)
-            asked += [(Shard(name, member.worker, 0, shape.kernels), layer, x)
+            x = audit_input(shape, self.step, layer)
+            asked += [(Shard(name, member.worker, 0, shape.kernels), layer,
+                       to_wire(x, self.setup.wire_for(name)))
                       for name, member in self.workers.items()
                       if name in self.balance.seconds and member.worker is not None]
         dense = self.dense

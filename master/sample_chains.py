@@ -224,7 +224,6 @@ class ChainedSteps:
     def _forward_chain(self, step: int, update: PendingUpdate | None) -> np.ndarray:
         """Every layer's forward in one request per participant, the statistics
         exchanged among the peers (hetconv/sample_chain.py); the output joined."""
-        wire = self.setup.wire_dtype
         total = self._x.shape[0]
         chain = self._chain_fields()
 
@@ -232,7 +231,8 @@ class ChainedSteps:
             x = None
             if piece.samples:
                 x = self._x[piece.start:piece.stop]
-                x = x if piece.participant == MASTER_PARTICIPANT else to_wire(x, wire)
+                x = x if piece.participant == MASTER_PARTICIPANT \
+                    else to_wire(x, self.setup.wire_for(piece.participant))
             return SampleForwardRequest(
                 request_id=self.cluster.request_id(), step=step, attempt=0, train=True,
                 total_batch=total, finish_layer=NO_LAYER, start_layer=0,
@@ -257,7 +257,6 @@ class ChainedSteps:
         each slice, the backward chain; the update pending from the step before rides
         with it, and this step's (the conv layers' and the dense part's, layer L of the
         reduction) is left pending, to ride with the next step."""
-        wire = self.setup.wire_dtype
         x = np.ascontiguousarray(x, dtype=np.float32)
         total = x.shape[0]
         slices = self._slice_batch(total)
@@ -276,7 +275,7 @@ class ChainedSteps:
                 part = x[piece.start:piece.stop]
                 part_labels = labels[piece.start:piece.stop]
                 if piece.participant != MASTER_PARTICIPANT:
-                    part = to_wire(part, wire)
+                    part = to_wire(part, self.setup.wire_for(piece.participant))
                     part_labels = part_labels.astype(np.int32)
             return SampleForwardRequest(
                 request_id=self.cluster.request_id(), step=step, attempt=0, train=True,
@@ -348,7 +347,6 @@ class ChainedSteps:
         """Every layer's backward in one request per participant (hetconv/sample_chain.py);
         the update of every layer is left pending, to ride with the next forward chain."""
         self._learning_rate = learning_rate
-        wire = self.setup.wire_dtype
         reduce_id = self.cluster.request_id()
         members = self._members()
 
@@ -357,7 +355,8 @@ class ChainedSteps:
             if piece.samples:
                 part = dy[piece.start:piece.stop]
                 part = np.ascontiguousarray(part, np.float32) \
-                    if piece.participant == MASTER_PARTICIPANT else to_wire(part, wire)
+                    if piece.participant == MASTER_PARTICIPANT \
+                    else to_wire(part, self.setup.wire_for(piece.participant))
             return SampleBackwardRequest(
                 request_id=self.cluster.request_id(), step=step, attempt=0,
                 learning_rate=learning_rate, finish_layer=NO_LAYER,

@@ -12,10 +12,11 @@ Pure functions and one small sans-IO class; the socket side is
 - :func:`sample_slices`: consecutive samples per participant, in proportion to its
   speed (equation 1 of the paper applied to samples: n_i ∝ 1/t_i), whole samples by
   largest remainder.
-- :func:`choose_sample_wire`: ``--wire-dtype auto`` under the sample split: float16
-  for what the master sends and receives per sample (x, and y and dy with the dense
-  part on the master) when the model predicts a step at least WIRE_FLOAT16_GAIN
-  shorter with it; the weight gradients are reduced in float32 either way.
+- :func:`choose_link_wires`: ``--wire-dtype auto`` under the sample split, per worker's
+  link: float16 for what the master sends and receives per sample (x, and y and dy
+  with the dense part on the master) on the slowest links, where the model predicts a
+  step at least WIRE_FLOAT16_GAIN shorter with it; the weight gradients are reduced in
+  float32 either way.
 - :class:`SampleBalance`: per-sample seconds per participant from the calibration,
   corrected from the measured rounds of recent steps (median of the last few; a
   participant's round is from the round's start to its reply: compute, wire, message
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from hetconv.config import MASTER_PARTICIPANT, WIRE_FLOAT16_GAIN
@@ -257,36 +258,45 @@ def chain_hops(layers: int, slice_statistics: bool = False, step_chain: bool = F
 def predict_sample_step(slices: Sequence[Slice], seconds_per_sample: dict[str, float],
                         links: dict[str, Link | None], shapes: Sequence[ConvLayerShape],
                         weights: int, wire_itemsize: int, reduce: str = "master",
-                        slice_statistics: bool = False, dense_values: int = 0) -> float:
+                        slice_statistics: bool = False, dense_values: int = 0,
+                        link_itemsizes: Mapping[str, int] | None = None) -> float:
     """Predicted seconds of one step's conv part under the sample split: the slowest
-    slice's compute, plus the master's link (each direction at the fastest measured
-    worker link rate: the master's own port), plus the round trips at the slowest
-    worker's rtt: ``sample_rounds`` under the rounds (``reduce`` "master"), the two
-    chains' ``chain_hops`` with the weight gradients reduced among the peers.
+    slice's compute, plus the transfers (the master's link, each direction at the
+    fastest measured worker link rate: the master's own port; or a worker's own link
+    where its slice takes longer on it), plus the round trips at the slowest worker's
+    rtt: ``sample_rounds`` under the rounds (``reduce`` "master"), the two chains'
+    ``chain_hops`` with the weight gradients reduced among the peers.
 
-    Bytes per worker with samples on the master's link: its x slice and dy slice down,
-    its y slice up. The weight gradients (``weights`` float32 values): with ``reduce``
-    "master" (``--data-plane star``) each worker's goes up and the sum comes down to
-    every worker, on the master's link; with "peer" (hetconv/weight_reduce.py) every
-    participant's link carries 2·(P-1)/P of them each way, at the slowest link's rate,
-    waited for where they take longer than the compute (``reduction_wait``), plus one
-    more round trip (the reduce-scatter, then the all-gather).
+    Bytes per worker with samples: its x slice and dy slice down, its y slice up, in
+    ``wire_itemsize`` bytes a value, or ``link_itemsizes[worker]`` where given (the wire
+    dtype chosen per link: ``choose_link_wires``). The weight gradients (``weights``
+    float32 values): with ``reduce`` "master" (``--data-plane star``) each worker's goes
+    up and the sum comes down to every worker, on the master's link; with "peer"
+    (hetconv/weight_reduce.py) every participant's link carries 2·(P-1)/P of them each
+    way, at the slowest link's rate, waited for where they take longer than the compute
+    (``reduction_wait``), plus one more round trip (the reduce-scatter, then the
+    all-gather).
 
     ``dense_values`` > 0 (the dense part replicated, its N values; peer reduction
     only): one step chain, no y or dy slice on the master's link, and the dense part's
     gradients reduced with the conv layers' (docs/dense-replica.md)."""
     compute = max((seconds_per_sample[s.participant] * s.samples for s in slices), default=0.0)
-    x_bytes, y_bytes = sample_bytes(shapes, wire_itemsize)
     hub = reduce != "peer"
     replicated = dense_values > 0 and not hub
     gradient = 4 * (weights + (dense_values if replicated else 0))
-    if replicated:
-        y_bytes = 0
-    down = up = 0.0
+    down = up = own = 0.0
     workers = [s for s in slices if links.get(s.participant) is not None]
     for piece in workers:
-        down += piece.samples * (x_bytes + y_bytes) + (gradient if hub else 0)
-        up += piece.samples * y_bytes + (gradient if hub and piece.samples else 0)
+        itemsize = (link_itemsizes or {}).get(piece.participant, wire_itemsize)
+        x_bytes, y_bytes = sample_bytes(shapes, itemsize)
+        if replicated:
+            y_bytes = 0
+        piece_down = piece.samples * (x_bytes + y_bytes) + (gradient if hub else 0)
+        piece_up = piece.samples * y_bytes + (gradient if hub and piece.samples else 0)
+        down, up = down + piece_down, up + piece_up
+        link = links[piece.participant]
+        assert link is not None
+        own = max(own, piece_down / link.down_bytes_per_s, piece_up / link.up_bytes_per_s)
     rates = [link for link in links.values() if link is not None]
     if not rates:
         return compute
@@ -295,7 +305,7 @@ def predict_sample_step(slices: Sequence[Slice], seconds_per_sample: dict[str, f
     rtt = max(link.rtt_s for link in rates)
     trips = chain_hops(len(shapes), slice_statistics, replicated) if not hub \
         else sample_rounds(len(shapes))
-    predicted = compute + max(down / down_rate, up / up_rate) + trips * rtt
+    predicted = compute + max(down / down_rate, up / up_rate, own) + trips * rtt
     if not hub and workers:
         participants = len(workers) + 1  # and the master, always in the reduction
         per_link = 2 * (participants - 1) / participants * gradient
@@ -330,9 +340,46 @@ def choose_dense_part(flag: str, on_master_s: float, replicated_s: float,
     return replicate, (replicated if replicate else on_master_s)
 
 
-def choose_sample_wire(float32_s: float, float16_s: float) -> str:
-    """``--wire-dtype auto`` under the sample split, from ``predict_sample_step`` with a
-    4-byte and a 2-byte wire: ``"float16"`` when that step is at least
-    WIRE_FLOAT16_GAIN shorter (a slow link to the master), else ``"float32"`` (the
-    default on a fast link: what travels per sample is then a small part of the step)."""
-    return "float16" if float16_s < float32_s * (1 - WIRE_FLOAT16_GAIN) else "float32"
+LINK_WIRE_TOLERANCE = 0.01
+"""``choose_link_wires`` keeps float16 off a link whose float16 would shorten the
+predicted step by less than this share (its casts are CPU for nothing)."""
+
+
+@dataclass(frozen=True)
+class LinkWires:
+    """The wire dtype of every worker's link (``--wire-dtype auto`` under the sample
+    split) and the predictions it was chosen from (seconds)."""
+
+    dtypes: dict[str, str]  # worker -> "float32" | "float16"
+    float32_s: float  # the step predicted with float32 on every link
+    chosen_s: float  # with ``dtypes``
+
+    @property
+    def default(self) -> str:
+        """The dtype of a link not in ``dtypes`` (a worker that joins later, unprobed):
+        float16 only when every link is float16 (a uniformly slow LAN)."""
+        return "float16" if self.dtypes and set(self.dtypes.values()) == {"float16"} \
+            else "float32"
+
+
+def choose_link_wires(predict: Callable[[Mapping[str, str]], float],
+                      links: Mapping[str, Link | None]) -> LinkWires:
+    """Float16 on the slowest links, where it pays: ``predict`` maps a dtype per worker
+    to the predicted step (``predict_sample_step`` with ``link_itemsizes``). The
+    candidates put float16 on the k slowest links (by their slower direction; k in
+    0..W, ties by name), so that a link never gets float16 while a slower one keeps
+    float32; the fewest float16 links within LINK_WIRE_TOLERANCE of the best candidate's
+    step win, and only when that step is WIRE_FLOAT16_GAIN shorter than float32's
+    everywhere (the casts' CPU is not in the model; the rule the kernel split's
+    ``choose_wire_dtype`` applies to the whole run)."""
+    rates = {name: min(link.down_bytes_per_s, link.up_bytes_per_s)
+             for name, link in links.items() if link is not None}
+    order = sorted(rates, key=lambda name: (rates[name], name))
+    candidates = [{name: "float16" if rank < k else "float32"
+                   for rank, name in enumerate(order)} for k in range(len(order) + 1)]
+    predicted = [predict(dtypes) for dtypes in candidates]
+    best = min(predicted)
+    k = next(i for i, step in enumerate(predicted) if step <= best * (1 + LINK_WIRE_TOLERANCE))
+    if predicted[k] >= predicted[0] * (1 - WIRE_FLOAT16_GAIN):
+        k = 0
+    return LinkWires(candidates[k], predicted[0], predicted[k])

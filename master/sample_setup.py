@@ -8,7 +8,7 @@ hands every participant every whole layer (the seeded initial weights) and build
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -17,7 +17,6 @@ import numpy as np
 from hetconv.config import (
     MASTER_PARTICIPANT,
     WIRE_DTYPE_AUTO,
-    WIRE_DTYPES,
     WIRE_FLOAT16_GAIN,
     MasterConfig,
 )
@@ -31,7 +30,7 @@ from hetconv.master.sample_peers import SamplePeers
 from hetconv.master.sample_plan import (
     SampleBalance,
     choose_dense_part,
-    choose_sample_wire,
+    choose_link_wires,
     choose_split_by,
     conv_weights,
     predict_sample_step,
@@ -65,10 +64,12 @@ def _seconds(config: MasterConfig, per_sample: list[float]) -> list[float]:
 
 def predict_samples(config: MasterConfig, participants: list[Participant],
                     per_sample: list[float], shapes: list[ConvLayerShape], batch: int,
-                    links: dict[str, Link | None], dense_values: int = 0) -> float:
+                    links: dict[str, Link | None], dense_values: int = 0,
+                    link_wires: Mapping[str, str] | None = None) -> float:
     """The predicted conv + transfer seconds of a step split by samples
     (``predict_sample_step`` over the slices of ``per_sample``, each participant's
-    seconds per sample timed in place (``calibrate_samples``), and the probed links)."""
+    seconds per sample timed in place (``calibrate_samples``), and the probed links);
+    ``link_wires``: a wire dtype per worker's link, over ``config``'s."""
     real = per_sample
     seconds = _seconds(config, per_sample)
     names = [p.participant for p in participants]
@@ -79,7 +80,9 @@ def predict_samples(config: MasterConfig, participants: list[Participant],
                                         else "float32").itemsize,
                                "peer" if config.data_plane == "peer" else "master",
                                slice_statistics=config.bn_statistics == "slice",
-                               dense_values=dense_values if config.dense_part != "master" else 0)
+                               dense_values=dense_values if config.dense_part != "master" else 0,
+                               link_itemsizes={name: np.dtype(dtype).itemsize
+                                               for name, dtype in (link_wires or {}).items()})
 
 
 def largest_slice(config: MasterConfig, participants: list[Participant],
@@ -152,24 +155,36 @@ def sample_wire_for(config: MasterConfig, participants: list[Participant],
                     per_sample: list[float], shapes: list[ConvLayerShape], batch: int,
                     links: dict[str, Link | None], model: ModelConfig,
                     params: dict[str, np.ndarray], report: Callable[[str], None] = print
-                    ) -> tuple[MasterConfig, float]:
-    """``--wire-dtype auto`` settled for the sample split (``choose_sample_wire``): the
-    step predicted with float32 and with float16 for what crosses the master's link per
-    sample, for the dense placement ``config`` has settled; the config with the chosen
-    dtype and the seconds it saves on the prediction (0 with float32 or a given dtype)."""
+                    ) -> tuple[MasterConfig, float, dict[str, str]]:
+    """``--wire-dtype auto`` settled for the sample split, per worker's link
+    (``choose_link_wires``: float16 on the slowest links where the step predicted for
+    the dense placement ``config`` has settled is shorter with it); the config with the
+    dtype of links not chosen for (``LinkWires.default``: joiners), the seconds the
+    choice saves on the prediction (0 with float32 or a given dtype) and the dtype of
+    every worker's link (empty for a given dtype: every link carries it)."""
     if config.wire_dtype != WIRE_DTYPE_AUTO:
-        return config, 0.0
+        return config, 0.0, {}
     values = dense_values(model, params)
-    predicted = {dtype: predict_samples(replace(config, wire_dtype=dtype), participants,
-                                        per_sample, shapes, batch, links, values)
-                 for dtype in WIRE_DTYPES}
-    chosen = choose_sample_wire(predicted["float32"], predicted["float16"])
-    report(f"hetconv: wire dtype {chosen} for the samples' inputs"
+    wired = replace(config, wire_dtype="float32")
+    chosen = choose_link_wires(
+        lambda dtypes: predict_samples(wired, participants, per_sample, shapes, batch, links,
+                                       values, dtypes), links)
+    float16 = sorted(name for name, dtype in chosen.dtypes.items() if dtype == "float16")
+    if not float16:
+        what = "float32 on every link"
+    elif len(float16) == len(chosen.dtypes):
+        what = "float16 on every link"
+    else:
+        what = (f"float16 on the link{'s' if len(float16) > 1 else ''} of "
+                f"{', '.join(float16)}, float32 on the others")
+    report("hetconv: wire dtype for the samples' inputs"
            + ("" if config.dense_part == "replicas" else " and the dense part's features")
-           + f" (--wire-dtype auto: predicted {predicted['float32'] * 1e3:.1f} ms a step "
-           f"with float32, {predicted['float16'] * 1e3:.1f} ms with float16; float16 when "
-           f"{WIRE_FLOAT16_GAIN:.0%} shorter; the weight gradients are reduced in float32)")
-    return replace(config, wire_dtype=chosen), predicted["float32"] - predicted[chosen]
+           + f": {what} (--wire-dtype auto: predicted {chosen.chosen_s * 1e3:.1f} ms a step "
+           f"so, {chosen.float32_s * 1e3:.1f} ms with float32 everywhere; float16 on the "
+           f"slowest links when {WIRE_FLOAT16_GAIN:.0%} shorter; the weight gradients are "
+           "reduced in float32)")
+    return (replace(config, wire_dtype=chosen.default), chosen.float32_s - chosen.chosen_s,
+            chosen.dtypes)
 
 
 def open_sample_stage(cluster: Cluster, config: MasterConfig, participants: list[Participant],
@@ -180,7 +195,8 @@ def open_sample_stage(cluster: Cluster, config: MasterConfig, participants: list
                       local_stage: Callable[[], ConvStage],
                       report: Callable[[str], None] = print,
                       predicted_s: float | None = None,
-                      links: dict[str, Link | None] | None = None) -> SampleConvStage:
+                      links: dict[str, Link | None] | None = None,
+                      link_wires: Mapping[str, str] | None = None) -> SampleConvStage:
     """Hand out the whole layers and build the stage (see the module doc)."""
     seconds = _seconds(config, per_sample)
     balance = SampleBalance({p.participant: t for p, t in zip(participants, seconds)})
@@ -201,7 +217,8 @@ def open_sample_stage(cluster: Cluster, config: MasterConfig, participants: list
                         and config.data_plane == "peer",
                         dense_replicas=config.dense_part != "master"
                         and config.data_plane == "peer",
-                        steps_in_flight=config.steps_in_flight)
+                        steps_in_flight=config.steps_in_flight,
+                        link_wires=dict(link_wires or {}))
     control = RunControl((p.participant for p in workers),
                          stop_on_worker_loss=config.on_worker_loss == "stop")
 
@@ -249,6 +266,8 @@ def open_sample_stage(cluster: Cluster, config: MasterConfig, participants: list
                   samples=[{"participant": s.participant, "samples": s.samples} for s in slices],
                   seconds_per_sample={p.participant: t for p, t in zip(participants, per_sample)},
                   wire_dtype=setup.wire_dtype,
+                  link_wire_dtypes={p.participant: setup.wire_for(p.participant)
+                                    for p in workers},
                   links=[{"participant": name, "down_bytes_per_s": link.down_bytes_per_s,
                           "up_bytes_per_s": link.up_bytes_per_s, "rtt_s": link.rtt_s}
                          for name, link in (links or {}).items() if link is not None])

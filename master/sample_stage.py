@@ -218,7 +218,6 @@ class SampleConvStage(RoundTrips, ChainedSteps, BetweenSteps):
     def _forward_round(self, step: int, finish: int, start: int, output: bool,
                        update: PendingUpdate | None = None) -> dict[str, Any]:
         statistics = self._statistics if finish >= 0 else None
-        wire = self.setup.wire_dtype
         total = self._x.shape[0]
 
         def make(piece: Slice) -> SampleForwardRequest:
@@ -226,7 +225,7 @@ class SampleConvStage(RoundTrips, ChainedSteps, BetweenSteps):
             x = None
             if start == 0:
                 x = self._x[piece.start:piece.stop]
-                x = x if local else to_wire(x, wire)
+                x = x if local else to_wire(x, self.setup.wire_for(piece.participant))
             return SampleForwardRequest(
                 request_id=self.cluster.request_id(), step=step, attempt=0, train=True,
                 total_batch=total, finish_layer=finish, start_layer=start,
@@ -267,7 +266,6 @@ class SampleConvStage(RoundTrips, ChainedSteps, BetweenSteps):
         x = np.ascontiguousarray(x, dtype=np.float32)
         self.flush()
         self.slices = self._slice_batch(x.shape[0])
-        wire = self.setup.wire_dtype
 
         def make(piece: Slice) -> SampleForwardRequest:
             part = x[piece.start:piece.stop]
@@ -276,7 +274,8 @@ class SampleConvStage(RoundTrips, ChainedSteps, BetweenSteps):
                 total_batch=x.shape[0], finish_layer=NO_LAYER, start_layer=0,
                 stop_layer=self.layers, return_output=True, learning_rate=0.0,
                 total_count=0, mean=None, var=None,
-                x=part if piece.participant == MASTER_PARTICIPANT else to_wire(part, wire),
+                x=part if piece.participant == MASTER_PARTICIPANT
+                else to_wire(part, self.setup.wire_for(piece.participant)),
                 **_update_fields(None))
 
         replies = self._round("evaluation forward", 0, "forward", make, False)
@@ -311,7 +310,6 @@ class SampleConvStage(RoundTrips, ChainedSteps, BetweenSteps):
         self._learning_rate = learning_rate
         update = self._take_update()
         sums = self._sums.get(finish) if finish >= 0 else None
-        wire = self.setup.wire_dtype
         reduce_id = self.cluster.request_id() if finish >= 0 and self.peers is not None else 0
 
         def make(piece: Slice) -> SampleBackwardRequest:
@@ -319,7 +317,8 @@ class SampleConvStage(RoundTrips, ChainedSteps, BetweenSteps):
             part = None
             if dy is not None:
                 part = dy[piece.start:piece.stop]
-                part = np.ascontiguousarray(part, np.float32) if local else to_wire(part, wire)
+                part = np.ascontiguousarray(part, np.float32) if local \
+                    else to_wire(part, self.setup.wire_for(piece.participant))
             return SampleBackwardRequest(
                 request_id=self.cluster.request_id(), step=step, attempt=0,
                 learning_rate=learning_rate, finish_layer=finish, start_layer=start,

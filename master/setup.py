@@ -260,9 +260,9 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
             compared, predicted, sample_config = dense_part_for(
                 sample_config, participants, per_sample, shapes, batch, links, model, params,
                 report)
-            sample_config, gained = sample_wire_for(sample_config, participants, per_sample,
-                                                    shapes, batch, links, model, params,
-                                                    report)
+            sample_config, gained, link_wires = sample_wire_for(
+                sample_config, participants, per_sample, shapes, batch, links, model, params,
+                report)
             compared, predicted = compared - gained, predicted - gained
             if config.split_by == "auto" and first.plan is not None \
                     and compared > first.plan.predicted_step_s:
@@ -277,7 +277,7 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
                     params, settings,
                     metrics, batch, device,
                     lambda: LocalConvStage(model, params, settings, device=device), report,
-                    predicted, links)
+                    predicted, links, link_wires)
         report(f"hetconv: split by kernels ({why})")
         if config.bn_statistics == "slice":
             report("hetconv: --bn-statistics slice does not apply to the kernel split: "

@@ -101,6 +101,7 @@ class MeasuredRun:
     plan_predicted_step_s: float | None  # the planner's own prediction at the run's start
     slice_statistics: bool = False  # the sample split with ``--bn-statistics slice``
     dense_replicas: bool = False  # the dense part on every participant (docs/dense-replica.md)
+    link_itemsizes: tuple[tuple[str, int], ...] = ()  # (worker, bytes) where its link's differ
 
     @property
     def arch(self) -> tuple[int, ...]:
@@ -190,6 +191,17 @@ def run_wire_dtype(run_dir: str | Path, config: dict[str, object]) -> str:
     return chosen
 
 
+def run_link_itemsizes(run_dir: str | Path) -> tuple[tuple[str, int], ...]:
+    """(worker, bytes per element) of each worker's link as the sample split chose it
+    (the ``plan`` record's ``link_wire_dtypes``; empty in runs from before it)."""
+    chosen: dict[str, object] = {}
+    for record in iter_metrics(Path(run_dir) / METRICS_FILE):
+        if record["type"] == "plan" and isinstance(record.get("link_wire_dtypes"), dict):
+            chosen = record["link_wire_dtypes"]
+    return tuple((str(name), int(np.dtype(str(dtype)).itemsize))
+                 for name, dtype in sorted(chosen.items()) if dtype in WIRE_DTYPES)
+
+
 def measured_run(records: RunRecords, links: dict[str, Link]) -> MeasuredRun:
     """The model's inputs from a parsed run directory; a :class:`UserError` when the run
     has no cost fits to start from (a local run, or one from before the fits)."""
@@ -234,7 +246,8 @@ def measured_run(records: RunRecords, links: dict[str, Link]) -> MeasuredRun:
                        measured_step_s=median(s.step_s for s in steps), steps_used=len(steps),
                        plan_predicted_step_s=records.plan_predicted_step_s,
                        slice_statistics=config.get("bn_statistics") == "slice",
-                       dense_replicas=records.dense_part == "replicas")
+                       dense_replicas=records.dense_part == "replicas",
+                       link_itemsizes=run_link_itemsizes(where))
 
 
 # --- scaling the measured costs -------------------------------------------------------------

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from hetconv.errors import UserError
+from hetconv.master.planner import ParticipantProfile
 from hetconv.master.report.records import METRICS_FILE
 from hetconv.master.sample_plan import (
     conv_weights,
@@ -123,7 +124,8 @@ def predict_sample_scenarios(run: MeasuredRun, seconds_per_sample: dict[str, flo
         conv = predict_sample_step(slices, per_sample, links, shapes, conv_weights(shapes),
                                    run.wire_itemsize,
                                    "peer" if run.data_plane == "peer" else "master",
-                                   slice_statistics=run.slice_statistics, dense_values=values)
+                                   slice_statistics=run.slice_statistics, dense_values=values,
+                                   link_itemsizes=_link_itemsizes(run, machines, sources))
         dense = alone_dense = scaled_dense_s(run, scenario.arch, scenario.batch)
         if replicated:  # measured on the largest slice; runs on the scenario's largest
             per_sample_dense = dense / scenario.batch * run.batch / measured_largest
@@ -146,6 +148,14 @@ def predict_sample_scenarios(run: MeasuredRun, seconds_per_sample: dict[str, flo
 def dense_values(model: ModelConfig) -> int:
     """Values in the dense part's arrays (N: every weight and bias)."""
     return sum(out * (features + 1) for _, features, out in dense_shapes(model))
+
+
+def _link_itemsizes(run: MeasuredRun, machines: list[ParticipantProfile],
+                    sources: list[str]) -> dict[str, int]:
+    """Each machine's wire bytes per element: its source's link's, as the run chose."""
+    chosen = dict(run.link_itemsizes)
+    return {machine.participant: chosen[source]
+            for machine, source in zip(machines, sources) if source in chosen}
 
 
 def _sources(run: MeasuredRun, scenario: Scenario) -> list[str]:

@@ -159,6 +159,22 @@ def _run_ddp(lan: SwitchedLan, fractions: tuple[float, ...], arch: str, batch: i
             [float(value) for value in figures.get("compute_s", [])])
 
 
+def machine_rates(rate: str, machines: int) -> list[str]:
+    """``--rate``: one cap for every link (``1gbit``), or one per machine, the master's
+    first (``1gbit,1gbit,20mbit``: as many as ``machines``); the caps, one per link
+    or one for all. UserError naming what is wrong."""
+    parts = [part.strip() for part in rate.split(",")]
+    for part in parts:
+        try:
+            parse_rate_bits(part)
+        except ValueError as error:
+            raise UserError(f"--rate: {error}") from None
+    if len(parts) > 1 and len(parts) != machines:
+        raise UserError(f"--rate: {len(parts)} rates for {machines} machines (give one for "
+                        "every link, or one per machine of the largest --machines set)")
+    return parts
+
+
 def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
                     arch: str = "32:64", batch: int = 128, limit: int | None = None,
                     repeats: int = 3, work_dir: str | None = None,
@@ -230,11 +246,10 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
                                 + DENSE_SUFFIXES.get(part, "")
                                 + (ONE_IN_FLIGHT_SUFFIX if in_flight == 1 else ""))
                     configurations += [(fractions, label_of) for fractions in machine_sets]
-    try:
-        parse_rate_bits(rate)
-    except ValueError as error:
-        raise UserError(f"--rate: {error}") from None
-    rates = {factor: dilated_rate(rate, factor) for factor in factors}
+    size = max(len(fractions) for fractions in machine_sets)
+    link_rates = machine_rates(rate, size)
+    rates = {factor: ",".join(dilated_rate(part, factor) for part in link_rates)
+             for factor in factors}
     sets_of = {factor: [dilated_fractions(fractions, factor) for fractions in machine_sets]
                for factor in factors}
     all_sets = [fractions for factor in factors for fractions in sets_of[factor]]
@@ -280,7 +295,7 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
         """One repeat on one lab (``lan``, its links at ``link_rate``): the baselines,
         every configuration, then the peer."""
         master = lan.machines[0]
-        link_bytes_per_s = parse_rate_bits(link_rate) / 8
+        link_bytes_per_s = parse_rate_bits(link_rate.split(",")[0]) / 8  # the master's
         baselines = sorted({max(fractions) for fractions in lab_sets})
         for fraction in baselines:
             name = f"baseline-{fraction:g}"
@@ -347,10 +362,9 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
     out(f"hetconv bench scale: rate {rate}, arch {arch}, batch {batch}, {repeats} repeat(s), "
         + (f"dilated by {', '.join(f'{f:g}' for f in factors)}, " if factors != (1.0,) else "")
         + f"runs in {root}")
-    size = max(len(fractions) for fractions in machine_sets)
     with terminate_as_interrupt():
         for repeat, factor in ((r, f) for r in range(repeats) for f in factors):
-            with SwitchedLan(size, rates[factor]) as lan:
+            with SwitchedLan(size, rates[factor].split(",")) as lan:
                 run_repeat(repeat, lan, rates[factor], sets_of[factor], by_factor[factor])
     summary = summarize(configurations, results, label)
     for row, (factor, fractions, plane) in zip(summary, factor_rows):

@@ -127,7 +127,8 @@ def add_parser(sub: Any) -> None:
                        help="data plane(s) to run every machine set with (repeat the flag "
                        "to compare; default peer)")
     scale.add_argument("--rate", default="1gbit", help="every link's cap (tc units: 1gbit, "
-                       "100mbit, ...; default 1gbit)")
+                       "100mbit, ...; default 1gbit), or one per machine, the master's "
+                       "first (R1,R2,...: as many as the largest --machines set)")
     scale.add_argument("--arch", default="32:64")
     scale.add_argument("--batch", type=positive_int, default=128)
     scale.add_argument("--limit", type=positive_int, default=None,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from collections.abc import Sequence
 
 
 def netns_unavailable_reason() -> str | None:
@@ -141,16 +142,21 @@ class LanMachine:
 
 
 class SwitchedLan:
-    """``machines`` namespaces on one Linux bridge, each link capped at ``rate`` both ways.
+    """``machines`` namespaces on one Linux bridge, each link capped at ``rate`` both ways
+    (one cap for all, or one per machine).
 
     Machine ``i`` has address ``10.78.<lan>.<i + 1>/24``. ``remove()`` (or leaving the
     ``with`` block, also on Ctrl-C) deletes the namespaces, the veths and the bridge.
     """
 
-    def __init__(self, machines: int, rate: str | None = None, lan: int = 1):
+    def __init__(self, machines: int, rate: str | Sequence[str] | None = None, lan: int = 1):
         if not 1 <= machines <= 200 or not 1 <= lan <= 250:
             raise ValueError("machines must be within 1..200 and lan within 1..250")
-        tbf = tbf_arguments(rate) if rate else None
+        rates = [rate] * machines if rate is None or isinstance(rate, str) else list(rate)
+        if len(rates) == 1:
+            rates *= machines
+        if len(rates) != machines:
+            raise ValueError(f"{len(rates)} link rates for {machines} machines")
         tag = f"{os.getpid() % 10000}{lan}"
         self.bridge = f"hcbr{tag}"
         self.machines: list[LanMachine] = []
@@ -176,6 +182,8 @@ class SwitchedLan:
                     machine.command(["ip", "link", "set", inner, "up"]),
                     machine.command(["ip", "link", "set", "lo", "up"]),
                 ]
+                cap = rates[index]
+                tbf = tbf_arguments(cap) if cap else None
                 if tbf:  # switch -> machine at the port, machine -> switch inside
                     commands += [["tc", "qdisc", "add", "dev", port, "root", *tbf],
                                  machine.command(["tc", "qdisc", "add", "dev", inner, "root",

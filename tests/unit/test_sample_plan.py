@@ -2,6 +2,9 @@
 slices by speed, and re-weighting from measured compute. Pure functions, no sockets."""
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import pytest
 
 from hetconv.master.sample_plan import (
@@ -217,27 +220,66 @@ def test_the_dense_part_is_replicated_where_the_whole_step_is_predicted_shorter(
     assert not choose_dense_part("master", 0.190, 0.109, 0.004, 0.001)[0]
 
 
-@pytest.mark.parametrize("rate,expected", [(100e6 / 8, "float16"), (10e9 / 8, "float32")],
-                         ids=["100mbit", "loopback"])
-def test_auto_wire_is_float16_only_where_the_samples_inputs_cost_the_step(
-        rate: float, expected: str) -> None:
-    """``--wire-dtype auto`` under the sample split: the model with a 4- and a 2-byte wire
-    (the x slices of 3 workers of 32 samples at 100 Mbit: 24 ms of a ~40 ms step, half
-    of it saved; on a fast link well under the 3 % it takes)."""
-    from hetconv.master.sample_plan import Slice, choose_sample_wire, predict_sample_step
+def _three_workers(rates: dict[str, float]) -> tuple[Any, Any]:
+    """32:64 at batch 128 over the master and workers a, b, c (32 samples each, the
+    dense part replicated), with each worker's link at ``rates[name]`` bytes/s: the
+    model's step for a dtype per link, and the links."""
+    from hetconv.master.sample_plan import Slice, predict_sample_step
     from hetconv.perf_model import Link
 
     shapes = _shapes((32, 64))
     names = ["master", "a", "b", "c"]
     slices = [Slice(name, 32 * i, 32 * (i + 1)) for i, name in enumerate(names)]
-    link = Link(down_bytes_per_s=rate, up_bytes_per_s=rate, rtt_s=0.0003)
-    links = {"master": None, "a": link, "b": link, "c": link}
+    links = {"master": None, **{name: Link(down_bytes_per_s=rate, up_bytes_per_s=rate,
+                                           rtt_s=0.0003) for name, rate in rates.items()}}
 
-    def step(itemsize: int) -> float:
+    def step(dtypes: Mapping[str, str]) -> float:
         return predict_sample_step(slices, dict.fromkeys(names, 0.0005), links, shapes,
-                                   19_000, itemsize, reduce="peer", dense_values=31_370)
+                                   19_000, 4, reduce="peer", dense_values=31_370,
+                                   link_itemsizes={n: 2 if d == "float16" else 4
+                                                   for n, d in dtypes.items()})
+    return step, links
 
-    assert step(2) < step(4)
-    assert choose_sample_wire(step(4), step(2)) == expected
-    assert choose_sample_wire(0.100, 0.0975) == "float32"  # 2.5 % shorter: not enough
-    assert choose_sample_wire(0.100, 0.0965) == "float16"
+
+@pytest.mark.parametrize("rate,expected", [(100e6 / 8, "float16"), (10e9 / 8, "float32")],
+                         ids=["100mbit", "loopback"])
+def test_auto_wire_is_float16_only_where_the_samples_inputs_cost_the_step(
+        rate: float, expected: str) -> None:
+    """``--wire-dtype auto`` under the sample split, equal links: the x slices of 3
+    workers of 32 samples at 100 Mbit (24 ms of a ~40 ms step on the master's port)
+    go float16 on every link; on a fast link they cost well under the 3 % it takes."""
+    from hetconv.master.sample_plan import choose_link_wires
+
+    step, links = _three_workers(dict.fromkeys("abc", rate))
+    chosen = choose_link_wires(step, links)
+    assert chosen.dtypes == dict.fromkeys("abc", expected)
+    assert chosen.default == expected  # a joiner's, unprobed: as every link's
+    assert chosen.float32_s == pytest.approx(step(dict.fromkeys("abc", "float32")))
+    assert chosen.chosen_s == pytest.approx(step(chosen.dtypes))
+    if expected == "float16":
+        assert chosen.chosen_s < chosen.float32_s * 0.97
+
+
+def test_auto_wire_is_float16_on_the_slow_link_alone() -> None:
+    """One worker behind 20 Mbit (a Wi-Fi laptop), two at 1 Gbit: its 32 samples take
+    longer on its own link than every slice on the master's port, so float16 goes on
+    its link only; the fast links keep float32 (no casts for nothing)."""
+    from hetconv.master.sample_plan import choose_link_wires
+
+    step, links = _three_workers({"a": 1e9 / 8, "b": 20e6 / 8, "c": 1e9 / 8})
+    chosen = choose_link_wires(step, links)
+    assert chosen.dtypes == {"a": "float32", "b": "float16", "c": "float32"}
+    assert chosen.default == "float32"
+    assert chosen.chosen_s < chosen.float32_s * 0.97
+    # float16 everywhere is no shorter than on the slow link alone
+    assert step(dict.fromkeys("abc", "float16")) == pytest.approx(chosen.chosen_s, rel=0.01)
+
+
+def test_the_model_charges_a_slow_worker_link_its_own_slice() -> None:
+    """The master's port carries every slice at the fastest link's rate; a worker's own
+    link carries its slice at its rate, and the slower of the two bounds the transfer."""
+    step, _ = _three_workers({"a": 1e9 / 8, "b": 20e6 / 8, "c": 1e9 / 8})
+    even, _ = _three_workers(dict.fromkeys("abc", 1e9 / 8))
+    x_slice = 32 * 1 * 28 * 28 * 4  # b's x slice, float32
+    assert step(dict.fromkeys("abc", "float32")) - even(dict.fromkeys("abc", "float32")) \
+        >= x_slice / (20e6 / 8) - 3 * x_slice / (1e9 / 8) - 1e-9
