@@ -69,6 +69,9 @@ from hetconv.config import (
     DENSE_PARTS,
     SPLIT_MODES,
     STEPS_IN_FLIGHT,
+    WIRE_DTYPE_AUTO,
+    WIRE_DTYPE_FLAGS,
+    WIRE_DTYPES,
     check_choice,
 )
 from hetconv.errors import UserError
@@ -186,7 +189,8 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
                     bn_statistics: tuple[str, ...] = ("batch",),
                     dense_parts: tuple[str, ...] = ("auto",),
                     steps_in_flight: tuple[int, ...] = STEPS_IN_FLIGHT[:1],
-                    dilations: tuple[float, ...] = (1.0,)) -> dict[str, Any]:
+                    dilations: tuple[float, ...] = (1.0,),
+                    wire_dtypes: tuple[str, ...] = (WIRE_DTYPE_AUTO,)) -> dict[str, Any]:
     """Run every machine set with every data plane, and the baselines, ``repeats``
     times, interleaved within each repeat. ``split``: the runs' ``--split``; ``model``
     (the default) lets the link-aware planner choose the machines from its timings,
@@ -203,7 +207,9 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
     user gets, and/or 1: labelled with ``-one-in-flight``).
     ``dilations``: run everything on each of these labs, every machine's quota and every
     link's rate times the factor (1: the plain lab; :mod:`hetconv.bench.scale_dilate`),
-    interleaved within every repeat; the dilated rows are labelled with their quotas."""
+    interleaved within every repeat; the dilated rows are labelled with their quotas.
+    ``wire_dtypes``: the distributed runs' ``--wire-dtype`` (``auto``, the default a user
+    gets, and/or ``float32``/``float16``: labelled with ``-wire-float32``...)."""
     period_us = int(round(cfs_period_ms * 1000))
     factors = check_dilations(dilations)
     refusal = quota_refusal(min(min(fractions) for fractions in machine_sets) * min(factors),
@@ -229,6 +235,8 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
     if not {SAMPLES, AUTO} & set(split_by) and steps_in_flight != STEPS_IN_FLIGHT[:1]:
         raise UserError("--steps-in-flight applies to the sample split's runs: add "
                         "--split-by samples or --split-by auto")
+    for wire in wire_dtypes:
+        check_choice("--wire-dtype", wire, WIRE_DTYPE_FLAGS)
     if peer is not None:
         check_choice("peer", peer, BENCH_PEERS)
         from hetconv.bench.step_torch import import_torch
@@ -246,6 +254,8 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
                                 + DENSE_SUFFIXES.get(part, "")
                                 + (ONE_IN_FLIGHT_SUFFIX if in_flight == 1 else ""))
                     configurations += [(fractions, label_of) for fractions in machine_sets]
+    configurations = [(fractions, plane + WIRE_SUFFIXES.get(wire, ""))
+                      for fractions, plane in configurations for wire in wire_dtypes]
     size = max(len(fractions) for fractions in machine_sets)
     link_rates = machine_rates(rate, size)
     rates = {factor: ",".join(dilated_rate(part, factor) for part in link_rates)
@@ -405,14 +415,21 @@ SLICE_SUFFIX = "-slice"
 DENSE_SUFFIXES = {"master": "-dense-master", "replicas": "-dense-replicas"}
 """Appended next: the runs with ``--dense-part master`` or ``replicas`` (none: ``auto``)."""
 ONE_IN_FLIGHT_SUFFIX = "-one-in-flight"
-"""Appended last: the runs with ``--steps-in-flight 1`` (none: 2, the default)."""
+"""Appended next: the runs with ``--steps-in-flight 1`` (none: 2, the default)."""
+WIRE_SUFFIXES = {dtype: f"-wire-{dtype}" for dtype in WIRE_DTYPES}
+"""Appended last, to every distributed run's label: ``--wire-dtype`` (none: auto)."""
 
 
 def split_flags(plane: str) -> tuple[str, ...]:
     """hetconv train's flags for a configuration's plane label: ``samples``, ``auto``
     (either with ``-slice``: ``--bn-statistics slice``, then ``-dense-master`` or
     ``-dense-replicas``: ``--dense-part``, then ``-one-in-flight``:
-    ``--steps-in-flight 1``) or a kernel split's data plane."""
+    ``--steps-in-flight 1``) or a kernel split's data plane; either ending in
+    ``-wire-float32`` or ``-wire-float16``: ``--wire-dtype``."""
+    wire = next((dtype for dtype, suffix in WIRE_SUFFIXES.items() if plane.endswith(suffix)),
+                None)
+    if wire is not None:
+        return split_flags(plane.removesuffix(WIRE_SUFFIXES[wire])) + ("--wire-dtype", wire)
     if plane.endswith(ONE_IN_FLIGHT_SUFFIX):
         return split_flags(plane.removesuffix(ONE_IN_FLIGHT_SUFFIX)) + (
             "--steps-in-flight", "1")

@@ -47,6 +47,7 @@ FLAGS: dict[str, tuple[tuple[str, str], ...]] = {
               ("--work-dir", "work_dir"), ("--split", "split"), ("--peer", "peer"),
               ("--split-by", "split_by"), ("--bn-statistics", "bn_statistics"),
               ("--dense-part", "dense_parts"), ("--steps-in-flight", "steps_in_flight"),
+              ("--wire-dtype", "wire_dtypes"),
               ("--cfs-period-ms", "cfs_period_ms"), ("--dilate", "dilations")),
     "chaos": (("--minutes", "minutes"), ("--interval-min", "interval_min"),
               ("--interval-max", "interval_max"), ("--faults", "faults"), ("--lab", "lab"),
@@ -168,6 +169,11 @@ def add_parser(sub: Any) -> None:
                        help="the sample split's step chains sent ahead in its runs (repeat the "
                        "flag for both, interleaved; default 2: what a user gets; 1 is "
                        "labelled -one-in-flight)")
+    scale.add_argument("--wire-dtype", dest="wire_dtypes", action="append", default=None,
+                       choices=WIRE_DTYPE_FLAGS,
+                       help="hetconv's --wire-dtype in the distributed runs (repeat the flag "
+                       "for several, interleaved; default auto: what a user gets; the others "
+                       "are labelled -wire-float32 and -wire-float16)")
     scale.add_argument("--cfs-period-ms", type=float, default=10.0,
                        help="the CPU quotas' period in ms (default 10; 1 to 1000, and the smallest "
                        "machine's share of it at least 1 ms): a machine "
@@ -262,7 +268,7 @@ def command_line(args: argparse.Namespace) -> str:
             continue
         if isinstance(value, list) and (dest in ("machines", "data_plane", "split_by",
                                                  "bn_statistics", "dense_parts", "dilations",
-                                                 "steps_in_flight")
+                                                 "steps_in_flight", "wire_dtypes")
                                         or args.bench == "step"):  # one flag per value
             if args.bench == "step" and dest in ("threads", "quota"):
                 continue  # written as pairs below
@@ -386,7 +392,8 @@ def run(args: argparse.Namespace) -> int:
                                  dense_parts=tuple(args.dense_parts or ("auto",)),
                                  steps_in_flight=tuple(args.steps_in_flight
                                                        or STEPS_IN_FLIGHT[:1]),
-                                 dilations=tuple(args.dilations or (1.0,)))
+                                 dilations=tuple(args.dilations or (1.0,)),
+                                 wire_dtypes=tuple(args.wire_dtypes or (WIRE_DTYPE_AUTO,)))
         table = result["table"]
     elif args.bench == "chaos":
         from hetconv.bench.chaos import run_chaos_bench

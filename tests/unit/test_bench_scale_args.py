@@ -42,6 +42,13 @@ def test_the_slice_statistics_runs_get_their_flags() -> None:
     assert split_flags("samples-slice-dense-master-one-in-flight") == (
         "--split-by", "samples", "--bn-statistics", "slice", "--dense-part", "master",
         "--steps-in-flight", "1")
+    # --wire-dtype, last, on any distributed run's label (auto: no suffix)
+    assert split_flags("auto-wire-float32") == ("--split-by", "auto", "--wire-dtype", "float32")
+    assert split_flags("peer-wire-float16") == ("--split-by", "kernels", "--data-plane", "peer",
+                                                "--wire-dtype", "float16")
+    assert split_flags("samples-dense-master-one-in-flight-wire-float32") == (
+        "--split-by", "samples", "--dense-part", "master", "--steps-in-flight", "1",
+        "--wire-dtype", "float32")
 
 
 def test_the_figure_files_command_repeats_every_repeatable_flag() -> None:
@@ -54,13 +61,15 @@ def test_the_figure_files_command_repeats_every_repeatable_flag() -> None:
         arch="32:64", epochs=2, batch=128, limit=None, repeats=3, work_dir=None,
         split="model", peer="ddp", split_by=["samples", "auto"],
         bn_statistics=["batch", "slice"], dense_parts=["auto", "master"], cfs_period_ms=2.5,
-        steps_in_flight=[2, 1], dilations=[1.0, 0.5], markdown=None)
+        steps_in_flight=[2, 1], dilations=[1.0, 0.5], wire_dtypes=["auto", "float32"],
+        markdown=None)
     line = command_line(args)
     assert "--split-by samples --split-by auto" in line
     assert "--bn-statistics batch --bn-statistics slice" in line
     assert "--dense-part auto --dense-part master" in line
     assert "--steps-in-flight 2 --steps-in-flight 1" in line
     assert "--cfs-period-ms 2.5 --dilate 1 --dilate 0.5" in line
+    assert "--wire-dtype auto --wire-dtype float32" in line
 
 
 def test_the_figure_files_command_parses_back_to_the_same_scale_options() -> None:
@@ -74,6 +83,7 @@ def test_the_figure_files_command_parses_back_to_the_same_scale_options() -> Non
     argv = ["bench", "scale", "--machines", "0.45,0.45", "--rate", "100mbit",
             "--cfs-period-ms", "2.5", "--dilate", "1", "--dilate", "0.5", "--peer", "ddp",
             "--split-by", "auto", "--steps-in-flight", "2", "--steps-in-flight", "1",
+            "--wire-dtype", "auto", "--wire-dtype", "float32", "--rate", "1gbit,100mbit",
             "--markdown", "out.md"]
     args = build_parser().parse_args(argv)
     again = build_parser().parse_args(shlex.split(command_line(args))[1:])
