@@ -82,7 +82,8 @@ def predict_samples(config: MasterConfig, participants: list[Participant],
                                slice_statistics=config.bn_statistics == "slice",
                                dense_values=dense_values if config.dense_part != "master" else 0,
                                link_itemsizes={name: np.dtype(dtype).itemsize
-                                               for name, dtype in (link_wires or {}).items()})
+                                               for name, dtype in (link_wires or {}).items()},
+                               ahead=config.steps_in_flight > 1)
 
 
 def largest_slice(config: MasterConfig, participants: list[Participant],

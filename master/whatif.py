@@ -102,6 +102,7 @@ class MeasuredRun:
     slice_statistics: bool = False  # the sample split with ``--bn-statistics slice``
     dense_replicas: bool = False  # the dense part on every participant (docs/dense-replica.md)
     link_itemsizes: tuple[tuple[str, int], ...] = ()  # (worker, bytes) where its link's differ
+    steps_in_flight: int = 1  # the sample split's step chains sent ahead (config; 1: older)
 
     @property
     def arch(self) -> tuple[int, ...]:
@@ -247,7 +248,8 @@ def measured_run(records: RunRecords, links: dict[str, Link]) -> MeasuredRun:
                        plan_predicted_step_s=records.plan_predicted_step_s,
                        slice_statistics=config.get("bn_statistics") == "slice",
                        dense_replicas=records.dense_part == "replicas",
-                       link_itemsizes=run_link_itemsizes(where))
+                       link_itemsizes=run_link_itemsizes(where),
+                       steps_in_flight=2 if config.get("steps_in_flight") == 2 else 1)
 
 
 # --- scaling the measured costs -------------------------------------------------------------

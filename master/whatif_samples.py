@@ -125,7 +125,8 @@ def predict_sample_scenarios(run: MeasuredRun, seconds_per_sample: dict[str, flo
                                    run.wire_itemsize,
                                    "peer" if run.data_plane == "peer" else "master",
                                    slice_statistics=run.slice_statistics, dense_values=values,
-                                   link_itemsizes=_link_itemsizes(run, machines, sources))
+                                   link_itemsizes=_link_itemsizes(run, machines, sources),
+                                   ahead=run.steps_in_flight > 1)
         dense = alone_dense = scaled_dense_s(run, scenario.arch, scenario.batch)
         if replicated:  # measured on the largest slice; runs on the scenario's largest
             per_sample_dense = dense / scenario.batch * run.batch / measured_largest

@@ -93,6 +93,11 @@ def overview_table(summary: RunSummary) -> Table:
          MISSING if summary.predicted_step_s is None or split is None
          else f"measured / predicted {split.step_s / summary.predicted_step_s:.2f}"),
         *([] if summary.step_model is None else [_step_model_row(summary.step_model)]),
+        *([] if not summary.wire else [
+            ("wire dtype", summary.wire,
+             "of the activations on the links; the batch-norm sums and weight gradients "
+             "float32" if summary.split_by == "samples"
+             else "of the activations and their gradients on the links")]),
         *([] if summary.split_by != "samples" else [
             ("batch-norm statistics",
              "each slice's" if summary.bn_statistics == "slice" else "whole batch's",

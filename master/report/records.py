@@ -183,6 +183,7 @@ class RunRecords:
     replayed_steps: int = 0  # step records left out: an earlier record of a replayed step
     start_time: float | None = None  # Unix time of the first record
     seconds_per_sample: dict[str, float] = field(default_factory=dict)
+    wire: str = ""  # the wire dtype(s) the plan chose (``wire_text``); "" without a plan
     """The sample split's calibration (the last ``plan`` record): per participant,
     seconds per sample of the whole conv chain, forward and backward."""
 
@@ -400,7 +401,8 @@ def parse_run(run_dir: str | Path) -> RunRecords:
                       events=events, checkpoints=checkpoints,
                       replayed_steps=step_records - len(ordered),
                       start_time=_first_time(raw_records), dense_part=_dense_part(raw_records),
-                      seconds_per_sample=_seconds_per_sample(raw_records))
+                      seconds_per_sample=_seconds_per_sample(raw_records),
+                      wire=wire_text(raw_records))
 
 
 def _dense_part(records: list[dict[str, Any]]) -> str:
@@ -410,6 +412,26 @@ def _dense_part(records: list[dict[str, Any]]) -> str:
         if record.get("type") == "plan":
             return "replicas" if record.get("dense_part") == "replicas" else "master"
     return "master"
+
+
+def wire_text(records: list[dict[str, Any]]) -> str:
+    """The wire dtype(s) of the last ``plan`` record: ``float32``, or under the sample
+    split's choice link by link ``float16 on the link of m3, float32 on the others``
+    (``float16 on every link``); "" without a plan record (a local run)."""
+    plan = next((r for r in reversed(records) if r.get("type") == "plan"), None)
+    if plan is None:
+        return ""
+    links = plan.get("link_wire_dtypes")
+    if isinstance(links, dict) and links:
+        by_dtype: dict[str, list[str]] = {}
+        for name, dtype in sorted(links.items()):
+            by_dtype.setdefault(str(dtype), []).append(str(name))
+        if len(by_dtype) == 1:
+            return f"{next(iter(by_dtype))} on every link"
+        float16 = by_dtype.get("float16", [])
+        return (f"float16 on the link{'s' if len(float16) > 1 else ''} of "
+                f"{', '.join(float16)}, float32 on the others")
+    return str(plan.get("wire_dtype") or "float32")
 
 
 def _seconds_per_sample(records: list[dict[str, Any]]) -> dict[str, float]:

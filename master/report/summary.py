@@ -153,3 +153,4 @@ class RunSummary:
     split_by: str = "kernels"  # what the layers were cut into: kernels or samples
     bn_statistics: str = "batch"  # split by samples: the whole batch's or each slice's own
     dense_part: str = "master"  # where the dense part ran: "master" or "replicas"
+    wire: str = ""  # the wire dtype(s) the plan chose; "" for a local run

@@ -402,3 +402,28 @@ def test_a_cpu_participant_names_numpys_blas_kernels(tmp_path: Path) -> None:
     described = describe_device("cpu")
     assert described["kind"] == "cpu" and isinstance(described["blas"], str)
     assert described["blas"] == "" or len(described["blas"].split()) == 2, described
+
+
+@pytest.mark.parametrize("links,expected", [
+    (None, "float32"),  # a run from before the choice link by link: the plan's wire_dtype
+    ({"a": "float32", "b": "float32"}, "float32 on every link"),
+    ({"a": "float32", "b": "float16"}, "float16 on the link of b, float32 on the others"),
+    ({"a": "float16", "b": "float16"}, "float16 on every link"),
+], ids=["before", "float32", "b-slow", "float16"])
+def test_the_overview_names_the_wire_dtype_of_every_link(
+        tmp_path: Path, links: dict[str, str] | None, expected: str) -> None:
+    """Which links carried float16 (the sample split chooses it link by link): one row
+    of the overview, from the plan record."""
+    records = sample_split_records()
+    plan = next(r for r in records if r["type"] == "plan")
+    plan["wire_dtype"] = "float32"
+    if links is not None:
+        plan["link_wire_dtypes"] = links
+    text = render_run(summarize(parse_run(write_run(tmp_path / "run", records))))
+    assert re.search(rf"^wire dtype\s+{re.escape(expected)}", text, re.M), text[:3000]
+
+
+def test_a_local_run_has_no_wire_row(tmp_path: Path) -> None:
+    records = [r for r in sample_split_records() if r["type"] != "plan"]
+    text = render_run(summarize(parse_run(write_run(tmp_path / "run", records))))
+    assert "wire dtype" not in text

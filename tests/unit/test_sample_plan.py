@@ -220,7 +220,8 @@ def test_the_dense_part_is_replicated_where_the_whole_step_is_predicted_shorter(
     assert not choose_dense_part("master", 0.190, 0.109, 0.004, 0.001)[0]
 
 
-def _three_workers(rates: dict[str, float]) -> tuple[Any, Any]:
+def _three_workers(rates: dict[str, float], ahead: bool = False,
+                   per_sample: float = 0.0005) -> tuple[Any, Any]:
     """32:64 at batch 128 over the master and workers a, b, c (32 samples each, the
     dense part replicated), with each worker's link at ``rates[name]`` bytes/s: the
     model's step for a dtype per link, and the links."""
@@ -234,10 +235,10 @@ def _three_workers(rates: dict[str, float]) -> tuple[Any, Any]:
                                            rtt_s=0.0003) for name, rate in rates.items()}}
 
     def step(dtypes: Mapping[str, str]) -> float:
-        return predict_sample_step(slices, dict.fromkeys(names, 0.0005), links, shapes,
+        return predict_sample_step(slices, dict.fromkeys(names, per_sample), links, shapes,
                                    19_000, 4, reduce="peer", dense_values=31_370,
                                    link_itemsizes={n: 2 if d == "float16" else 4
-                                                   for n, d in dtypes.items()})
+                                                   for n, d in dtypes.items()}, ahead=ahead)
     return step, links
 
 
@@ -283,3 +284,27 @@ def test_the_model_charges_a_slow_worker_link_its_own_slice() -> None:
     x_slice = 32 * 1 * 28 * 28 * 4  # b's x slice, float32
     assert step(dict.fromkeys("abc", "float32")) - even(dict.fromkeys("abc", "float32")) \
         >= x_slice / (20e6 / 8) - 3 * x_slice / (1e9 / 8) - 1e-9
+
+
+def test_two_steps_in_flight_hide_the_slices_transfer_behind_the_compute() -> None:
+    """With the next step's x slices sent during this step (``ahead``: two steps in
+    flight) only the transfer beyond the compute is waited for: at 100 Mbit the 32
+    samples' slices (8 ms on each link, 24 ms on the master's port) hide behind the
+    chain's 32 ms of compute (1 ms a sample: 0.45 core on 32:64) and float16 saves
+    nothing, so every link keeps float32; behind a 10 Mbit link a slice takes 80 ms,
+    longer than the compute, and goes float16."""
+    from hetconv.master.sample_plan import choose_link_wires
+
+    step, links = _three_workers(dict.fromkeys("abc", 100e6 / 8), ahead=True, per_sample=0.001)
+    plain, _ = _three_workers(dict.fromkeys("abc", 100e6 / 8), per_sample=0.001)
+    float32 = dict.fromkeys("abc", "float32")
+    compute = 32 * 0.001
+    assert step(float32) < plain(float32)
+    assert choose_link_wires(step, links).dtypes == float32
+    slow, slow_links = _three_workers({"a": 1e9 / 8, "b": 10e6 / 8, "c": 1e9 / 8}, ahead=True,
+                                      per_sample=0.001)
+    chosen = choose_link_wires(slow, slow_links)
+    assert chosen.dtypes == {"a": "float32", "b": "float16", "c": "float32"}
+    x_slice = 32 * 1 * 28 * 28
+    assert chosen.float32_s - chosen.chosen_s == pytest.approx(
+        (4 * x_slice / (10e6 / 8) - compute) - (2 * x_slice / (10e6 / 8) - compute), rel=0.05)
