@@ -127,6 +127,7 @@ class SampleSetup:
     dense_replicas: bool = False  # the dense part on every participant (``--dense-part``)
     steps_in_flight: int = 1  # step chains sent before the last one's replies (2: ahead)
     link_wires: Mapping[str, str] = field(default_factory=dict)  # worker -> its link's dtype
+    left_out: frozenset[str] = frozenset()  # workers the plan does not use (their links)
 
     def wire_for(self, participant: str) -> str:
         """The wire dtype of ``participant``'s activations: its link's
@@ -290,6 +291,7 @@ class BetweenSteps(StepFigures):
         holding = {id(p.worker) for n, p in self.workers.items() if n in self.balance.seconds}
         joinable = sorted(w.worker_id for w in self.cluster.known_workers()
                           if not w.gone and id(w) not in holding
+                          and w.worker_id not in self.setup.left_out
                           and self.control.may_rejoin(w.worker_id))
         if not joinable:
             return cast(ConvStage, self)  # the subclass is the whole stage

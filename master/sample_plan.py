@@ -391,3 +391,38 @@ def choose_link_wires(predict: Callable[[Mapping[str, str]], float],
     if predicted[k] >= predicted[0] * (1 - WIRE_FLOAT16_GAIN):
         k = 0
     return LinkWires(candidates[k], predicted[0], predicted[k])
+
+
+MEMBER_GAIN = 0.10
+"""``choose_sample_members`` leaves workers out only for a predicted step this much
+shorter without them (a prediction, not a measurement: a margin like the rebalancer's)."""
+
+
+@dataclass(frozen=True)
+class SampleMembers:
+    """Who takes part in the sample split (``choose_sample_members``), and the
+    predictions it was chosen from (seconds)."""
+
+    left_out: tuple[str, ...]  # workers not used, slowest link first
+    all_s: float  # the step predicted with every worker
+    chosen_s: float  # without ``left_out``
+
+
+def choose_sample_members(predict: Callable[[Sequence[str]], float],
+                          links: Mapping[str, Link | None]) -> SampleMembers:
+    """Leave out the workers whose links cost the step more than their compute saves:
+    ``predict`` maps the workers left out to the predicted step (``predict_sample_step``
+    over the rest: every worker's link carries its share of the weight reduction at the
+    slowest link's rate, so one slow link slows every participant). The candidates
+    leave out the k slowest links (by their slower direction; k in 0..W-1: one worker at
+    least stays, the master alone is the fall-back's to try); the shortest prediction
+    wins when it is MEMBER_GAIN shorter than with every worker."""
+    rates = {name: min(link.down_bytes_per_s, link.up_bytes_per_s)
+             for name, link in links.items() if link is not None}
+    order = sorted(rates, key=lambda name: (rates[name], name))
+    candidates = [tuple(order[:k]) for k in range(max(1, len(order)))]
+    predicted = [predict(left_out) for left_out in candidates]
+    best = min(range(len(candidates)), key=lambda k: (predicted[k], k))
+    if predicted[best] > predicted[0] * (1 - MEMBER_GAIN):
+        best = 0
+    return SampleMembers(candidates[best], predicted[0], predicted[best])

@@ -8,7 +8,7 @@ hands every participant every whole layer (the seeded initial weights) and build
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -31,6 +31,7 @@ from hetconv.master.sample_plan import (
     SampleBalance,
     choose_dense_part,
     choose_link_wires,
+    choose_sample_members,
     choose_split_by,
     conv_weights,
     predict_sample_step,
@@ -152,6 +153,47 @@ def dense_part_for(config: MasterConfig, participants: list[Participant],
         replace(config, dense_part="replicas" if replicate else "master")
 
 
+def sample_members_for(config: MasterConfig, participants: list[Participant],
+                       per_sample: list[float], shapes: list[ConvLayerShape], batch: int,
+                       links: dict[str, Link | None], model: ModelConfig,
+                       params: dict[str, np.ndarray], report: Callable[[str], None] = print
+                       ) -> tuple[list[Participant], list[float], dict[str, Link | None],
+                                  tuple[str, ...]]:
+    """Under ``--split model``, the workers the sample split leaves out for their links
+    (``choose_sample_members``, each candidate predicted with the dense part replicated
+    unless it is pinned to the master, and with its own wire dtypes under
+    ``--wire-dtype auto``: ``choose_link_wires``); the participants, seconds per sample
+    and links of the rest, and the names left out."""
+    if config.split != "model" or not any(link is not None for link in links.values()):
+        return participants, per_sample, links, ()
+    values = dense_values(model, params)
+    wired = config if config.wire_dtype != WIRE_DTYPE_AUTO \
+        else replace(config, wire_dtype="float32")
+
+    def without(left_out: Sequence[str]) -> tuple[list[Participant], list[float],
+                                                  dict[str, Link | None]]:
+        kept = [i for i, p in enumerate(participants) if p.participant not in left_out]
+        return ([participants[i] for i in kept], [per_sample[i] for i in kept],
+                {name: link for name, link in links.items() if name not in left_out})
+
+    def predict(left_out: Sequence[str]) -> float:
+        used, seconds, used_links = without(left_out)
+        if config.wire_dtype != WIRE_DTYPE_AUTO:
+            return predict_samples(wired, used, seconds, shapes, batch, used_links, values)
+        return choose_link_wires(
+            lambda dtypes: predict_samples(wired, used, seconds, shapes, batch, used_links,
+                                           values, dtypes), used_links).chosen_s
+
+    chosen = choose_sample_members(predict, links)
+    if not chosen.left_out:
+        return participants, per_sample, links, ()
+    report(f"hetconv: not used: {', '.join(chosen.left_out)} (split by samples, every "
+           "participant's link carries its share of the weight reduction: predicted "
+           f"{chosen.chosen_s * 1e3:.1f} ms a step without, {chosen.all_s * 1e3:.1f} ms "
+           f"with; --split equal uses every worker)")
+    return (*without(chosen.left_out), chosen.left_out)
+
+
 def sample_wire_for(config: MasterConfig, participants: list[Participant],
                     per_sample: list[float], shapes: list[ConvLayerShape], batch: int,
                     links: dict[str, Link | None], model: ModelConfig,
@@ -197,11 +239,15 @@ def open_sample_stage(cluster: Cluster, config: MasterConfig, participants: list
                       report: Callable[[str], None] = print,
                       predicted_s: float | None = None,
                       links: dict[str, Link | None] | None = None,
-                      link_wires: Mapping[str, str] | None = None) -> SampleConvStage:
-    """Hand out the whole layers and build the stage (see the module doc)."""
+                      link_wires: Mapping[str, str] | None = None,
+                      left_out: Sequence[str] = ()) -> SampleConvStage:
+    """Hand out the whole layers and build the stage (see the module doc). ``left_out``:
+    workers of ``participants`` (and of ``per_sample``) the run does not use
+    (``sample_members_for``): no layers, no samples, never taken in as joiners."""
     seconds = _seconds(config, per_sample)
-    balance = SampleBalance({p.participant: t for p, t in zip(participants, seconds)})
-    workers = [p for p in participants if p.worker is not None]
+    balance = SampleBalance({p.participant: t for p, t in zip(participants, seconds)
+                             if p.participant not in left_out})
+    workers = [p for p in participants if p.worker is not None and p.participant not in left_out]
     rows = [[Shard(p.participant, p.worker, 0, shape.kernels) for p in workers]
             for shape in shapes]
     assign(cluster, rows, params, settings, {}, device, "first")
@@ -219,7 +265,7 @@ def open_sample_stage(cluster: Cluster, config: MasterConfig, participants: list
                         dense_replicas=config.dense_part != "master"
                         and config.data_plane == "peer",
                         steps_in_flight=config.steps_in_flight,
-                        link_wires=dict(link_wires or {}))
+                        link_wires=dict(link_wires or {}), left_out=frozenset(left_out))
     control = RunControl((p.participant for p in workers),
                          stop_on_worker_loss=config.on_worker_loss == "stop")
 
@@ -265,6 +311,7 @@ def open_sample_stage(cluster: Cluster, config: MasterConfig, participants: list
                   dense_part="replicas" if setup.dense_replicas else "master",
                   predicted_step_s=predicted_s,
                   samples=[{"participant": s.participant, "samples": s.samples} for s in slices],
+                  not_used=list(left_out),
                   seconds_per_sample={p.participant: t for p, t in zip(participants, per_sample)},
                   wire_dtype=setup.wire_dtype,
                   link_wire_dtypes={p.participant: setup.wire_for(p.participant)

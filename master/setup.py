@@ -45,6 +45,7 @@ from hetconv.master.run import RunControl
 from hetconv.master.sample_setup import (
     dense_part_for,
     open_sample_stage,
+    sample_members_for,
     sample_wire_for,
     split_by_for,
 )
@@ -257,12 +258,15 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
         if split_by == "samples" and participants:
             links = {p.participant: profile.link for p, profile in zip(participants, profiles)}
             per_sample = calibrate_samples(cluster, participants, shapes, batch, report=report)
+            used, used_per_sample, used_links, left_out = sample_members_for(
+                sample_config, participants, per_sample, shapes, batch, links, model, params,
+                report)
             compared, predicted, sample_config = dense_part_for(
-                sample_config, participants, per_sample, shapes, batch, links, model, params,
-                report)
+                sample_config, used, used_per_sample, shapes, batch, used_links, model,
+                params, report)
             sample_config, gained, link_wires = sample_wire_for(
-                sample_config, participants, per_sample, shapes, batch, links, model, params,
-                report)
+                sample_config, used, used_per_sample, shapes, batch, used_links, model,
+                params, report)
             compared, predicted = compared - gained, predicted - gained
             if config.split_by == "auto" and first.plan is not None \
                     and compared > first.plan.predicted_step_s:
@@ -277,7 +281,7 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
                     params, settings,
                     metrics, batch, device,
                     lambda: LocalConvStage(model, params, settings, device=device), report,
-                    predicted, links, link_wires)
+                    predicted, links, link_wires, left_out)
         report(f"hetconv: split by kernels ({why})")
         if config.bn_statistics == "slice":
             report("hetconv: --bn-statistics slice does not apply to the kernel split: "

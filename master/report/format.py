@@ -93,6 +93,9 @@ def overview_table(summary: RunSummary) -> Table:
          MISSING if summary.predicted_step_s is None or split is None
          else f"measured / predicted {split.step_s / summary.predicted_step_s:.2f}"),
         *([] if summary.step_model is None else [_step_model_row(summary.step_model)]),
+        *([] if not summary.not_used else [
+            ("not used", ", ".join(summary.not_used),
+             "left out by the plan: predicted to lengthen the step (its link or its speed)")]),
         *([] if not summary.wire else [
             ("wire dtype", summary.wire,
              "of the activations on the links; the batch-norm sums and weight gradients "

@@ -184,6 +184,7 @@ class RunRecords:
     start_time: float | None = None  # Unix time of the first record
     seconds_per_sample: dict[str, float] = field(default_factory=dict)
     wire: str = ""  # the wire dtype(s) the plan chose (``wire_text``); "" without a plan
+    not_used: tuple[str, ...] = ()  # participants the last plan left out (``not_chosen``)
     """The sample split's calibration (the last ``plan`` record): per participant,
     seconds per sample of the whole conv chain, forward and backward."""
 
@@ -402,7 +403,8 @@ def parse_run(run_dir: str | Path) -> RunRecords:
                       replayed_steps=step_records - len(ordered),
                       start_time=_first_time(raw_records), dense_part=_dense_part(raw_records),
                       seconds_per_sample=_seconds_per_sample(raw_records),
-                      wire=wire_text(raw_records))
+                      wire=wire_text(raw_records),
+                      not_used=not_chosen(raw_records, devices))
 
 
 def _dense_part(records: list[dict[str, Any]]) -> str:
@@ -412,6 +414,18 @@ def _dense_part(records: list[dict[str, Any]]) -> str:
         if record.get("type") == "plan":
             return "replicas" if record.get("dense_part") == "replicas" else "master"
     return "master"
+
+
+def not_chosen(records: list[dict[str, Any]],
+               devices: tuple[ParticipantInfo, ...]) -> tuple[str, ...]:
+    """The participants of the ``devices`` record that the last ``plan`` record's
+    ``chosen`` leaves out (the planner found they would lengthen the step: a slow link,
+    a slow machine); () without a plan record."""
+    plan = next((r for r in reversed(records) if r.get("type") == "plan"), None)
+    chosen = plan.get("chosen") if plan is not None else None
+    if not isinstance(chosen, list):
+        return ()
+    return tuple(d.id for d in devices if d.id not in chosen)
 
 
 def wire_text(records: list[dict[str, Any]]) -> str:

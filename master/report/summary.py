@@ -154,3 +154,4 @@ class RunSummary:
     bn_statistics: str = "batch"  # split by samples: the whole batch's or each slice's own
     dense_part: str = "master"  # where the dense part ran: "master" or "replicas"
     wire: str = ""  # the wire dtype(s) the plan chose; "" for a local run
+    not_used: tuple[str, ...] = ()  # participants the plan left out

@@ -427,3 +427,16 @@ def test_a_local_run_has_no_wire_row(tmp_path: Path) -> None:
     records = [r for r in sample_split_records() if r["type"] != "plan"]
     text = render_run(summarize(parse_run(write_run(tmp_path / "run", records))))
     assert "wire dtype" not in text
+
+
+def test_the_overview_names_the_participants_the_plan_left_out(tmp_path: Path) -> None:
+    """A worker the plan did not use (the sample split leaves out one whose link would
+    lengthen the step) is named in the overview, not only shown empty in the tables."""
+    records = sample_split_records()
+    plan = next(r for r in records if r["type"] == "plan")
+    plan["chosen"], plan["not_used"] = ["a"], ["b"]
+    text = render_run(summarize(parse_run(write_run(tmp_path / "run", records))))
+    assert re.search(r"^not used\s+b\s+left out by the plan", text, re.M), text[:3000]
+    plan["chosen"] = ["a", "b"]
+    text = render_run(summarize(parse_run(write_run(tmp_path / "every", records))))
+    assert "not used" not in text

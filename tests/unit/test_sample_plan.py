@@ -2,7 +2,7 @@
 slices by speed, and re-weighting from measured compute. Pure functions, no sockets."""
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pytest
@@ -308,3 +308,44 @@ def test_two_steps_in_flight_hide_the_slices_transfer_behind_the_compute() -> No
     x_slice = 32 * 1 * 28 * 28
     assert chosen.float32_s - chosen.chosen_s == pytest.approx(
         (4 * x_slice / (10e6 / 8) - compute) - (2 * x_slice / (10e6 / 8) - compute), rel=0.05)
+
+
+def test_a_worker_whose_link_costs_more_than_its_compute_saves_is_left_out() -> None:
+    """Every participant's link carries its share of the weight reduction at the slowest
+    link's rate: behind 10 Mbit, 32:64's (and its dense part's) 0.3 MB a link take
+    240 ms, far more than a quarter of the batch's compute saves; left out, the three
+    others share the batch. On equal 1 Gbit links nobody is left out."""
+    from hetconv.master.sample_plan import (
+        MEMBER_GAIN,
+        Slice,
+        choose_sample_members,
+        predict_sample_step,
+    )
+    from hetconv.perf_model import Link
+
+    shapes = _shapes((32, 64))
+
+    def lan(rates: dict[str, float]) -> tuple[Any, dict[str, Link | None]]:
+        links: dict[str, Link | None] = {"master": None, **{
+            n: Link(down_bytes_per_s=r, up_bytes_per_s=r, rtt_s=0.0003)
+            for n, r in rates.items()}}
+
+        def step(left_out: Sequence[str]) -> float:
+            names = [n for n in ["master", *rates] if n not in left_out]
+            each = 128 // len(names)
+            slices = [Slice(n, each * i, each * (i + 1)) for i, n in enumerate(names)]
+            return predict_sample_step(slices, dict.fromkeys(names, 0.001),
+                                       {n: links[n] for n in names}, shapes, 19_000, 4,
+                                       reduce="peer", dense_values=31_370, ahead=True)
+        return step, links
+
+    step, links = lan({"a": 1e9 / 8, "b": 10e6 / 8, "c": 1e9 / 8})
+    chosen = choose_sample_members(step, links)
+    assert chosen.left_out == ("b",)
+    assert chosen.chosen_s < chosen.all_s * (1 - MEMBER_GAIN)
+    assert chosen.all_s == pytest.approx(step(()))
+    step, links = lan(dict.fromkeys("abc", 1e9 / 8))
+    assert choose_sample_members(step, links).left_out == ()
+    # one worker stays whatever its link: the master alone is the fall-back's to try
+    step, links = lan({"a": 1e6 / 8})
+    assert choose_sample_members(step, links).left_out == ()
