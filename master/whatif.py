@@ -103,6 +103,7 @@ class MeasuredRun:
     dense_replicas: bool = False  # the dense part on every participant (docs/dense-replica.md)
     link_itemsizes: tuple[tuple[str, int], ...] = ()  # (worker, bytes) where its link's differ
     steps_in_flight: int = 1  # the sample split's step chains sent ahead (config; 1: older)
+    left_out: tuple[str, ...] = ()  # workers the sample split's plan left out (not modelled)
 
     @property
     def arch(self) -> tuple[int, ...]:
@@ -203,6 +204,16 @@ def run_link_itemsizes(run_dir: str | Path) -> tuple[tuple[str, int], ...]:
                  for name, dtype in sorted(chosen.items()) if dtype in WIRE_DTYPES)
 
 
+def run_left_out(run_dir: str | Path) -> tuple[str, ...]:
+    """The workers the sample split's ``plan`` record left out (``not_used``): they did
+    not take part, so the model of the run leaves them out too."""
+    left_out: list[str] = []
+    for record in iter_metrics(Path(run_dir) / METRICS_FILE):
+        if record["type"] == "plan" and isinstance(record.get("not_used"), list):
+            left_out = [str(name) for name in record["not_used"]]
+    return tuple(left_out)
+
+
 def measured_run(records: RunRecords, links: dict[str, Link]) -> MeasuredRun:
     """The model's inputs from a parsed run directory; a :class:`UserError` when the run
     has no cost fits to start from (a local run, or one from before the fits)."""
@@ -211,10 +222,14 @@ def measured_run(records: RunRecords, links: dict[str, Link]) -> MeasuredRun:
         raise UserError(f"{where}: no calibration records, so no measured profiles to "
                         "predict from (only a distributed run, 'hetconv train --listen', "
                         "calibrates its participants)")
-    ids = [d.participant for d in records.calibration[0].devices]
+    left_out = run_left_out(where)
+    ids = [d.participant for d in records.calibration[0].devices
+           if d.participant not in left_out]
     costs: dict[str, list[tuple[float, float]]] = {i: [] for i in ids}
     for layer in records.calibration:
         for entry in layer.devices:
+            if entry.participant in left_out:
+                continue
             if entry.fixed_s is None or entry.per_kernel_s is None or entry.participant not in costs:
                 raise UserError(f"{where}: calibration of layer {layer.layer + 1} has no cost "
                                 f"fit for {entry.participant} (a run from an older hetconv?)")
@@ -249,7 +264,8 @@ def measured_run(records: RunRecords, links: dict[str, Link]) -> MeasuredRun:
                        slice_statistics=config.get("bn_statistics") == "slice",
                        dense_replicas=records.dense_part == "replicas",
                        link_itemsizes=run_link_itemsizes(where),
-                       steps_in_flight=2 if config.get("steps_in_flight") == 2 else 1)
+                       steps_in_flight=2 if config.get("steps_in_flight") == 2 else 1,
+                       left_out=left_out)
 
 
 # --- scaling the measured costs -------------------------------------------------------------

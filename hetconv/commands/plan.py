@@ -160,8 +160,10 @@ def markdown_table(predictions: Sequence[Prediction]) -> list[str]:
 
 def describe(run: MeasuredRun) -> str:
     names = ", ".join(p.participant for p in run.profiles)
-    return (f"run {run.run_dir}: {len(run.profiles)} participants ({names}), data plane "
-            f"{run.data_plane}, batch {run.batch}, arch {_arch(run.arch)}")
+    left_out = (f"; left out by the plan for their links, not modelled: "
+                f"{', '.join(run.left_out)}" if run.left_out else "")
+    return (f"run {run.run_dir}: {len(run.profiles)} participants ({names}){left_out}, data "
+            f"plane {run.data_plane}, batch {run.batch}, arch {_arch(run.arch)}")
 
 
 def measured_lines(run: MeasuredRun, prediction: Prediction | None,

@@ -83,3 +83,9 @@ def test_a_worker_behind_a_slow_link_is_left_out_of_the_sample_split(tmp_path: P
             for layer in r["layers"] for d in layer["devices"] if d.get("samples", 0) > 0}
     assert "w3" not in held, held
     assert records[-1]["type"] == "run_end" and records[-1]["status"] == "completed"
+    # the model of the run (`hetconv plan`) leaves it out too, and says so
+    modelled = subprocess.run([sys.executable, "-m", "hetconv", "plan", str(run_dir)],
+                              capture_output=True, text=True, timeout=60, env=child_env())
+    assert modelled.returncode == 0, modelled.stderr[-2000:]
+    assert "3 participants (master, w1, w2); left out by the plan for their links, not " \
+        "modelled: w3" in modelled.stdout, modelled.stdout[:2000]

@@ -74,3 +74,14 @@ def test_the_plan_record_says_whether_the_run_was_split_by_samples(tmp_path: Pat
                                             + "\n")
     with pytest.raises(UserError, match="seconds_per_sample"):
         read_sample_plan(tmp_path)
+
+
+def test_workers_the_plan_left_out_are_read_from_its_record(tmp_path: Path) -> None:
+    """The sample split's plan record names the workers it left out (``not_used``);
+    the model of the run leaves them out as the run did (``measured_run``)."""
+    lines = [{"type": "plan", "split_by": "samples", "seconds_per_sample": PER_SAMPLE,
+              "chosen": ["master", "fast"], "not_used": ["slow"]}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert whatif.run_left_out(tmp_path) == ("slow",)
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"type": "plan", "chosen": []}) + "\n")
+    assert whatif.run_left_out(tmp_path) == ()
