@@ -348,6 +348,24 @@ def choose_dense_part(flag: str, on_master_s: float, replicated_s: float,
     return replicate, (replicated if replicate else on_master_s)
 
 
+def slowest_links_first(links: Mapping[str, Link | None]) -> list[str]:
+    """The workers with a measured link, the slowest first (by its slower direction;
+    ties by name)."""
+    rates = {name: min(link.down_bytes_per_s, link.up_bytes_per_s)
+             for name, link in links.items() if link is not None}
+    return sorted(rates, key=lambda name: (rates[name], name))
+
+
+def link_wires_text(dtypes: Mapping[str, str]) -> str:
+    """``float32 on every link``, ``float16 on the link of m3, float32 on the others``:
+    the wire dtype of every worker's link in a few words (the console, the report)."""
+    float16 = sorted(name for name, dtype in dtypes.items() if dtype == "float16")
+    if not float16 or len(float16) == len(dtypes):
+        return f"{'float16' if float16 else 'float32'} on every link"
+    return (f"float16 on the link{'s' if len(float16) > 1 else ''} of {', '.join(float16)}, "
+            "float32 on the others")
+
+
 LINK_WIRE_TOLERANCE = 0.01
 """``choose_link_wires`` keeps float16 off a link whose float16 would shorten the
 predicted step by less than this share (its casts are CPU for nothing)."""
@@ -380,9 +398,7 @@ def choose_link_wires(predict: Callable[[Mapping[str, str]], float],
     step win, and only when that step is WIRE_FLOAT16_GAIN shorter than float32's
     everywhere (the casts' CPU is not in the model; the rule the kernel split's
     ``choose_wire_dtype`` applies to the whole run)."""
-    rates = {name: min(link.down_bytes_per_s, link.up_bytes_per_s)
-             for name, link in links.items() if link is not None}
-    order = sorted(rates, key=lambda name: (rates[name], name))
+    order = slowest_links_first(links)
     candidates = [{name: "float16" if rank < k else "float32"
                    for rank, name in enumerate(order)} for k in range(len(order) + 1)]
     predicted = [predict(dtypes) for dtypes in candidates]
@@ -417,9 +433,7 @@ def choose_sample_members(predict: Callable[[Sequence[str]], float],
     leave out the k slowest links (by their slower direction; k in 0..W-1: one worker at
     least stays, the master alone is the fall-back's to try); the shortest prediction
     wins when it is MEMBER_GAIN shorter than with every worker."""
-    rates = {name: min(link.down_bytes_per_s, link.up_bytes_per_s)
-             for name, link in links.items() if link is not None}
-    order = sorted(rates, key=lambda name: (rates[name], name))
+    order = slowest_links_first(links)
     candidates = [tuple(order[:k]) for k in range(max(1, len(order)))]
     predicted = [predict(left_out) for left_out in candidates]
     best = min(range(len(candidates)), key=lambda k: (predicted[k], k))

@@ -34,6 +34,7 @@ from hetconv.master.sample_plan import (
     choose_sample_members,
     choose_split_by,
     conv_weights,
+    link_wires_text,
     predict_sample_step,
     sample_slices,
     samples_refusal,
@@ -212,14 +213,7 @@ def sample_wire_for(config: MasterConfig, participants: list[Participant],
     chosen = choose_link_wires(
         lambda dtypes: predict_samples(wired, participants, per_sample, shapes, batch, links,
                                        values, dtypes), links)
-    float16 = sorted(name for name, dtype in chosen.dtypes.items() if dtype == "float16")
-    if not float16:
-        what = "float32 on every link"
-    elif len(float16) == len(chosen.dtypes):
-        what = "float16 on every link"
-    else:
-        what = (f"float16 on the link{'s' if len(float16) > 1 else ''} of "
-                f"{', '.join(float16)}, float32 on the others")
+    what = link_wires_text(chosen.dtypes)
     report("hetconv: wire dtype for the samples' inputs"
            + ("" if config.dense_part == "replicas" else " and the dense part's features")
            + f": {what} (--wire-dtype auto: predicted {chosen.chosen_s * 1e3:.1f} ms a step "

@@ -50,7 +50,7 @@ pure.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -180,26 +180,29 @@ def read_plan_links(run_dir: str | Path) -> dict[str, Link]:
     return links
 
 
+def last_plan_value(run_dir: str | Path, key: str, valid: Callable[[Any], bool]) -> Any:
+    """The last ``plan`` record's ``key`` among those where ``valid`` holds; None
+    without one (a run from before the field)."""
+    value = None
+    for record in iter_metrics(Path(run_dir) / METRICS_FILE):
+        if record["type"] == "plan" and valid(record.get(key)):
+            value = record[key]
+    return value
+
+
 def run_wire_dtype(run_dir: str | Path, config: dict[str, object]) -> str:
     """The dtype the run's wire carried: its ``--wire-dtype``, or under ``auto`` the one
     the planner chose (the ``plan`` record's ``wire_dtype``; float32 without one)."""
     flag = str(config.get("wire_dtype") or "float32")
     if flag in WIRE_DTYPES:
         return flag
-    chosen = "float32"
-    for record in iter_metrics(Path(run_dir) / METRICS_FILE):
-        if record["type"] == "plan" and record.get("wire_dtype") in WIRE_DTYPES:
-            chosen = str(record["wire_dtype"])
-    return chosen
+    return str(last_plan_value(run_dir, "wire_dtype", lambda v: v in WIRE_DTYPES) or "float32")
 
 
 def run_link_itemsizes(run_dir: str | Path) -> tuple[tuple[str, int], ...]:
     """(worker, bytes per element) of each worker's link as the sample split chose it
     (the ``plan`` record's ``link_wire_dtypes``; empty in runs from before it)."""
-    chosen: dict[str, object] = {}
-    for record in iter_metrics(Path(run_dir) / METRICS_FILE):
-        if record["type"] == "plan" and isinstance(record.get("link_wire_dtypes"), dict):
-            chosen = record["link_wire_dtypes"]
+    chosen = last_plan_value(run_dir, "link_wire_dtypes", lambda v: isinstance(v, dict)) or {}
     return tuple((str(name), int(np.dtype(str(dtype)).itemsize))
                  for name, dtype in sorted(chosen.items()) if dtype in WIRE_DTYPES)
 
@@ -207,11 +210,8 @@ def run_link_itemsizes(run_dir: str | Path) -> tuple[tuple[str, int], ...]:
 def run_left_out(run_dir: str | Path) -> tuple[str, ...]:
     """The workers the sample split's ``plan`` record left out (``not_used``): they did
     not take part, so the model of the run leaves them out too."""
-    left_out: list[str] = []
-    for record in iter_metrics(Path(run_dir) / METRICS_FILE):
-        if record["type"] == "plan" and isinstance(record.get("not_used"), list):
-            left_out = [str(name) for name in record["not_used"]]
-    return tuple(left_out)
+    left_out = last_plan_value(run_dir, "not_used", lambda v: isinstance(v, list)) or []
+    return tuple(str(name) for name in left_out)
 
 
 def measured_run(records: RunRecords, links: dict[str, Link]) -> MeasuredRun:

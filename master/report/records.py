@@ -30,6 +30,7 @@ from typing import Any
 
 from hetconv.errors import UserError
 from hetconv.master.report.events import CheckpointRecord, MembershipEvent, membership_events
+from hetconv.master.sample_plan import link_wires_text
 from hetconv.metrics import iter_metrics, participant_of
 
 METRICS_FILE = "metrics.jsonl"
@@ -437,14 +438,7 @@ def wire_text(records: list[dict[str, Any]]) -> str:
         return ""
     links = plan.get("link_wire_dtypes")
     if isinstance(links, dict) and links:
-        by_dtype: dict[str, list[str]] = {}
-        for name, dtype in sorted(links.items()):
-            by_dtype.setdefault(str(dtype), []).append(str(name))
-        if len(by_dtype) == 1:
-            return f"{next(iter(by_dtype))} on every link"
-        float16 = by_dtype.get("float16", [])
-        return (f"float16 on the link{'s' if len(float16) > 1 else ''} of "
-                f"{', '.join(float16)}, float32 on the others")
+        return link_wires_text({str(name): str(dtype) for name, dtype in links.items()})
     return str(plan.get("wire_dtype") or "float32")
 
 
