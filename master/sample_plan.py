@@ -9,6 +9,9 @@ Pure functions and one small sans-IO class; the socket side is
   gradient (∝ K·k² per input channel), so samples win where K·k² < B·H·W on every
   layer (the chain is all-sample or all-kernel: a switch between them would move the
   activations anyway).
+- :func:`model_split_by`: under ``--split model`` the predicted steps of the two splits
+  decide instead (the rule weighs bytes layer by layer, not what they cost on the
+  step's path: a wide late layer's weight gradient is reduced beside the compute).
 - :func:`sample_slices`: consecutive samples per participant, in proportion to its
   speed (equation 1 of the paper applied to samples: n_i ∝ 1/t_i), whole samples by
   largest remainder.
@@ -77,6 +80,25 @@ def choose_split_by(requested: str, shapes: Sequence[ConvLayerShape], batch: int
                                f"(K*k^2 = {shape.kernels * k * k} >= B*H*W = "
                                f"{batch * shape.height * shape.width})")
     return "samples", "every layer moves fewer bytes split by samples (K*k^2 < B*H*W)"
+
+
+def model_split_by(rule: str, rule_why: str, samples_s: float, kernels_s: float
+                   ) -> tuple[str, str]:
+    """``--split-by auto`` with a model (``--split model``): (``"samples"`` or
+    ``"kernels"``, why) from the predicted seconds of a step split by samples and of
+    the kernel planner's best plan, the shorter; a tie keeps the byte rule's choice
+    (``rule``, ``rule_why``: :func:`choose_split_by`). The rule alone looks at one
+    layer at a time and cannot weigh that the sample split moves weight gradients
+    beside the compute while the kernel split moves every layer's activations on the
+    step's path."""
+    if samples_s == kernels_s:
+        return rule, rule_why
+    choice = "samples" if samples_s < kernels_s else "kernels"
+    why = (f"predicted {samples_s * 1e3:.1f} ms per step split by samples, "
+           f"{kernels_s * 1e3:.1f} ms by kernels")
+    if choice != rule:
+        why += f"; the byte rule alone would take {rule}: {rule_why}"
+    return choice, why
 
 
 @dataclass(frozen=True)

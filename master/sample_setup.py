@@ -59,6 +59,13 @@ def split_by_for(config: MasterConfig, model: ModelConfig, shapes: list[ConvLaye
                            refusal)
 
 
+def samples_possible(model: ModelConfig, shapes: list[ConvLayerShape]) -> bool:
+    """Whether every conv layer of ``model`` can be split by samples."""
+    specs = model.conv_specs()
+    return samples_refusal(shapes, [s.kernel_size for s in specs], [s.stride for s in specs],
+                           [s.padding for s in specs], [s.pool for s in specs]) is None
+
+
 def _seconds(config: MasterConfig, per_sample: list[float]) -> list[float]:
     """Per participant: its share's weight (all equal under ``--split equal``)."""
     return [1.0] * len(per_sample) if config.split == "equal" else list(per_sample)

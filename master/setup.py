@@ -42,11 +42,13 @@ from hetconv.master.planes import DataPlane, StarPlane
 from hetconv.master.planner import ParticipantProfile, Plan, choose_plan
 from hetconv.master.rebalance import RebalanceDecision, Rebalancer, measured_compute
 from hetconv.master.run import RunControl
+from hetconv.master.sample_plan import model_split_by
 from hetconv.master.sample_setup import (
     dense_part_for,
     open_sample_stage,
     sample_members_for,
     sample_wire_for,
+    samples_possible,
     split_by_for,
 )
 from hetconv.master.split import SplitRule, layer_traffic
@@ -255,25 +257,30 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
         rule = SplitRule(config.split, config.data_plane,
                          tuple(cal.calibrated_kernels for cal in calibration))
         first = rule.split(profiles, traffic, {p.participant for p in participants})
-        if split_by == "samples" and participants:
+        # under --split model the planner's prediction decides between the two splits,
+        # the per-layer byte rule only where there is no model (or the rule agrees)
+        by_model = config.split_by == "auto" and config.split == "model" \
+            and first.plan is not None and samples_possible(model, shapes)
+        if (split_by == "samples" or by_model) and participants:
             links = {p.participant: profile.link for p, profile in zip(participants, profiles)}
             per_sample = calibrate_samples(cluster, participants, shapes, batch, report=report)
+            chosen_lines: list[str] = []  # the sample split's choices: said if it is taken
             used, used_per_sample, used_links, left_out = sample_members_for(
                 sample_config, participants, per_sample, shapes, batch, links, model, params,
-                report)
+                chosen_lines.append)
             compared, predicted, sample_config = dense_part_for(
                 sample_config, used, used_per_sample, shapes, batch, used_links, model,
-                params, report)
+                params, chosen_lines.append)
             sample_config, gained, link_wires = sample_wire_for(
                 sample_config, used, used_per_sample, shapes, batch, used_links, model,
-                params, report)
+                params, chosen_lines.append)
             compared, predicted = compared - gained, predicted - gained
-            if config.split_by == "auto" and first.plan is not None \
-                    and compared > first.plan.predicted_step_s:
-                split_by, why = "kernels", (
-                    f"predicted {compared * 1e3:.1f} ms per step split by samples, "
-                    f"{first.plan.predicted_step_s * 1e3:.1f} ms by kernels")
-            else:
+            if by_model and first.plan is not None:
+                split_by, why = model_split_by(split_by, why, compared,
+                                               first.plan.predicted_step_s)
+            if split_by == "samples":
+                for line in chosen_lines:
+                    report(line)
                 report(f"hetconv: split by samples ({why}; predicted conv + transfer "
                        f"{predicted * 1e3:.1f} ms per step)")
                 return open_sample_stage(

@@ -99,8 +99,9 @@ def add_parser(sub: Any) -> None:
                    help="distributed: cut every conv layer into kernel ranges ('kernels', "
                    "the paper's method) or the batch into sample slices, every participant "
                    "holding whole layers ('samples': only weight gradients and batch-norm "
-                   "sums travel between layers); 'auto' (default) takes samples where every "
-                   "layer moves fewer bytes that way (docs/sample-split.md)")
+                   "sums travel between layers); 'auto' (default) takes the one the model "
+                   "predicts shorter (without a model, --split equal|calibrated: samples "
+                   "where every layer moves fewer bytes that way; docs/sample-split.md)")
     p.add_argument("--device", default=env("DEVICE", "cpu"),
                    help="the master's own device: cpu or gpu:N (default cpu)")
     p.add_argument("--wire-dtype", choices=WIRE_DTYPE_FLAGS, default=WIRE_DTYPE_AUTO,

@@ -11,6 +11,7 @@ from hetconv.master.sample_plan import (
     REBALANCE_WINDOW,
     SampleBalance,
     choose_split_by,
+    model_split_by,
     sample_slices,
     samples_refusal,
 )
@@ -27,6 +28,24 @@ def test_auto_takes_samples_where_every_layer_moves_fewer_bytes_that_way() -> No
     # a wide layer on a small batch: 64 * 25 = 1600 >= 2 * 12 * 12 = 288
     choice, why = choose_split_by("auto", shapes, 2, [5, 5], None)
     assert choice == "kernels" and "layer 2" in why
+
+
+def test_with_a_model_the_shorter_predicted_step_decides_over_the_byte_rule() -> None:
+    shapes = _shapes((32, 64))
+    rule, rule_why = choose_split_by("auto", shapes, 2, [5, 5], None)
+    assert rule == "kernels"
+    # one wide layer fails the rule, yet the whole step is shorter split by samples
+    choice, why = model_split_by(rule, rule_why, 0.118, 0.243)
+    assert choice == "samples"
+    assert "118.0 ms per step split by samples, 243.0 ms by kernels" in why
+    assert "byte rule alone would take kernels" in why and "layer 2" in why
+    # the rule's choice confirmed: no mention of it; a longer sample step: kernels
+    choice, why = model_split_by("samples", "every layer ...", 0.3, 0.2)
+    assert choice == "kernels" and "byte rule alone would take samples" in why
+    choice, why = model_split_by("samples", "every layer ...", 0.1, 0.2)
+    assert choice == "samples" and "byte rule" not in why
+    # a tie keeps the rule's choice and reason
+    assert model_split_by(rule, rule_why, 0.2, 0.2) == (rule, rule_why)
 
 
 def test_the_flag_wins_and_a_refused_sample_split_says_why() -> None:
