@@ -232,6 +232,10 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
             split_by, why = split_by_for(config, model, shapes, batch)
         except ValueError as error:
             raise UserError(str(error)) from None
+        # under --split model the planner's prediction decides between the two splits,
+        # the per-layer byte rule only where there is no model (or the rule agrees)
+        by_model = config.split_by == "auto" and config.split == "model" \
+            and samples_possible(model, shapes)
         # the sample split chooses its own wire from its own model (sample_wire_for);
         # without a link model (--split equal): float32 unless asked otherwise
         sample_config = replace(config, wire_dtype="float32") \
@@ -248,7 +252,7 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
                 chosen, step32, step16 = choose_wire_dtype(profiles, shapes, batch,
                                                            config.data_plane)
                 report(f"hetconv: wire dtype {chosen}"
-                       + (" if split by kernels" if split_by == "samples" else "")
+                       + (" if split by kernels" if split_by == "samples" or by_model else "")
                        + f" (--wire-dtype auto: predicted step {step32 * 1e3:.1f} ms with "
                        f"float32, {step16 * 1e3:.1f} ms with float16; float16 when "
                        f"{WIRE_FLOAT16_GAIN:.0%} shorter)")
@@ -257,10 +261,7 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
         rule = SplitRule(config.split, config.data_plane,
                          tuple(cal.calibrated_kernels for cal in calibration))
         first = rule.split(profiles, traffic, {p.participant for p in participants})
-        # under --split model the planner's prediction decides between the two splits,
-        # the per-layer byte rule only where there is no model (or the rule agrees)
-        by_model = config.split_by == "auto" and config.split == "model" \
-            and first.plan is not None and samples_possible(model, shapes)
+        by_model = by_model and first.plan is not None
         if (split_by == "samples" or by_model) and participants:
             links = {p.participant: profile.link for p, profile in zip(participants, profiles)}
             per_sample = calibrate_samples(cluster, participants, shapes, batch, report=report)

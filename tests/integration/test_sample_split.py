@@ -230,3 +230,28 @@ def test_a_worker_without_samples_keeps_its_replica_in_step(endpoint: str, worke
     local_losses = [r["loss"] for r in _records(local_dir, "step")]
     np.testing.assert_allclose([r["loss"] for r in steps], local_losses, rtol=1e-4)
 
+
+
+@pytest.mark.timeout(180)
+def test_by_default_the_shorter_predicted_step_chooses_the_split(
+        endpoint: str, workers: Any, tmp_path: Path) -> None:
+    """A wide layer on a small batch fails the per-layer byte rule (K*k^2 >= B*H*W);
+    under train's defaults the model predicts both splits' steps and takes the shorter,
+    whichever it is on this host, and says so; the run completes on it."""
+    workers("w1", "w2")
+    run_dir = tmp_path / "run"
+    result = run_hetconv("train", "--listen", endpoint, "--min-workers", "2", "--wait", "30",
+                         "--data", "synthetic", "--limit", "256", "--test-limit", "64",
+                         "--arch", "4:64", "--epochs", "1", "--batch", "4", "--threads", "1",
+                         "--no-progress", "--seed", "3", "--run-dir", str(run_dir))
+    assert result.returncode == 0, result.stderr
+    found = re.search(r"split by (samples|kernels) \(predicted ([0-9.]+) ms per step split by "
+                      r"samples, ([0-9.]+) ms by kernels(; the byte rule alone would take "
+                      r"kernels: layer 2 moves fewer bytes split by kernels)?", result.stdout)
+    assert found, result.stdout
+    choice, samples_ms, kernels_ms, overruled = found.groups()
+    assert choice == ("samples" if float(samples_ms) < float(kernels_ms) else "kernels")
+    assert (overruled is not None) == (choice == "samples")
+    plans = _records(run_dir, "plan")
+    assert plans and (plans[0].get("split_by") == "samples") == (choice == "samples")
+    assert _records(run_dir, "step")
