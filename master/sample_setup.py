@@ -241,10 +241,11 @@ def open_sample_stage(cluster: Cluster, config: MasterConfig, participants: list
                       predicted_s: float | None = None,
                       links: dict[str, Link | None] | None = None,
                       link_wires: Mapping[str, str] | None = None,
-                      left_out: Sequence[str] = ()) -> SampleConvStage:
+                      left_out: Sequence[str] = (), split_why: str = "") -> SampleConvStage:
     """Hand out the whole layers and build the stage (see the module doc). ``left_out``:
     workers of ``participants`` (and of ``per_sample``) the run does not use
-    (``sample_members_for``): no layers, no samples, never taken in as joiners."""
+    (``sample_members_for``): no layers, no samples, never taken in as joiners.
+    ``split_why``: why the run is split by samples (the ``plan`` record's)."""
     seconds = _seconds(config, per_sample)
     balance = SampleBalance({p.participant: t for p, t in zip(participants, seconds)
                              if p.participant not in left_out})
@@ -307,7 +308,7 @@ def open_sample_stage(cluster: Cluster, config: MasterConfig, participants: list
            if setup.slice_statistics else "with the whole batch's statistics")
         + ("; the dense part on every participant's slice (--dense-part)"
            if setup.dense_replicas else "; the dense part on the master"))
-    metrics.write("plan", split_by="samples", chosen=[s.participant for s in slices],
+    metrics.write("plan", split_by="samples", split_by_why=split_why, chosen=[s.participant for s in slices],
                   bn_statistics="slice" if setup.slice_statistics else "batch",
                   dense_part="replicas" if setup.dense_replicas else "master",
                   predicted_step_s=predicted_s,

@@ -109,15 +109,18 @@ def planner_inputs(cluster: Cluster, participants: list[Participant],
 
 def report_plan(choice: Plan, participants: list[Participant],
                 profiles: list[ParticipantProfile], metrics: MetricsWriter,
-                report: Callable[[str], None] = print, wire_dtype: str = "float32") -> None:
-    """Print and record the planner's choice of participants and its prediction."""
+                report: Callable[[str], None] = print, wire_dtype: str = "float32",
+                split_why: str = "") -> None:
+    """Print and record the planner's choice of participants and its prediction
+    (``split_why``: why the run is split by kernels, the ``split by kernels`` line's)."""
     unused = [p.participant for p in participants if p.participant not in choice.chosen]
     report(f"hetconv: plan: {', '.join(choice.chosen)} (predicted conv + transfer "
            f"{choice.predicted_step_s * 1e3:.1f} ms per step; {choice.best_single} alone "
            f"{choice.best_single_step_s * 1e3:.1f} ms, all participants "
            f"{choice.all_step_s * 1e3:.1f} ms)"
            + (f"; not used: {', '.join(unused)}" if unused else ""))
-    metrics.write("plan", chosen=list(choice.chosen), predicted_step_s=choice.predicted_step_s,
+    metrics.write("plan", split_by="kernels", split_by_why=split_why,
+                  chosen=list(choice.chosen), predicted_step_s=choice.predicted_step_s,
                   best_single=choice.best_single, best_single_step_s=choice.best_single_step_s,
                   all_step_s=choice.all_step_s, wire_dtype=wire_dtype,
                   links=[{"participant": p.participant,
@@ -289,13 +292,14 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
                     params, settings,
                     metrics, batch, device,
                     lambda: LocalConvStage(model, params, settings, device=device), report,
-                    predicted, links, link_wires, left_out)
+                    predicted, links, link_wires, left_out, why)
         report(f"hetconv: split by kernels ({why})")
         if config.bn_statistics == "slice":
             report("hetconv: --bn-statistics slice does not apply to the kernel split: "
                    "every participant normalises with the whole batch's statistics")
         if first.plan is not None:  # link-aware: which participants, how many kernels
-            report_plan(first.plan, participants, profiles, metrics, report, config.wire_dtype)
+            report_plan(first.plan, participants, profiles, metrics, report, config.wire_dtype,
+                        why)
         plan = shards_from_counts(participants, first.counts)
         for shape, cal, shards in zip(shapes, calibration, plan):
             metrics.write("calibration", layer=shape.index, split=config.split,

@@ -458,7 +458,8 @@ def summarize(records: RunRecords) -> RunSummary:
         split_by="samples" if steps and any(t.by_samples for layer in steps[-1].layers
                                             for t in layer.devices) else "kernels",
         bn_statistics="slice" if config.get("bn_statistics") == "slice" else "batch",
-        dense_part=records.dense_part, wire=records.wire, not_used=records.not_used)
+        dense_part=records.dense_part, wire=records.wire, not_used=records.not_used,
+        split_choice=records.split)
 
 
 def _opt_int(value: object) -> int | None:

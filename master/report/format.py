@@ -93,6 +93,8 @@ def overview_table(summary: RunSummary) -> Table:
          MISSING if summary.predicted_step_s is None or split is None
          else f"measured / predicted {split.step_s / summary.predicted_step_s:.2f}"),
         *([] if summary.step_model is None else [_step_model_row(summary.step_model)]),
+        *([] if not summary.split_choice[0] else [
+            ("split by (the plan's)", *summary.split_choice)]),
         *([] if not summary.not_used else [
             ("not used", ", ".join(summary.not_used),
              "left out by the plan: predicted to lengthen the step (its link or its speed)")]),

@@ -185,6 +185,7 @@ class RunRecords:
     start_time: float | None = None  # Unix time of the first record
     seconds_per_sample: dict[str, float] = field(default_factory=dict)
     wire: str = ""  # the wire dtype(s) the plan chose (``wire_text``); "" without a plan
+    split: tuple[str, str] = ("", "")  # the plan's split and why (``split_choice``)
     not_used: tuple[str, ...] = ()  # participants the last plan left out (``not_chosen``)
     """The sample split's calibration (the last ``plan`` record): per participant,
     seconds per sample of the whole conv chain, forward and backward."""
@@ -404,7 +405,7 @@ def parse_run(run_dir: str | Path) -> RunRecords:
                       replayed_steps=step_records - len(ordered),
                       start_time=_first_time(raw_records), dense_part=_dense_part(raw_records),
                       seconds_per_sample=_seconds_per_sample(raw_records),
-                      wire=wire_text(raw_records),
+                      wire=wire_text(raw_records), split=split_choice(raw_records),
                       not_used=not_chosen(raw_records, devices))
 
 
@@ -427,6 +428,19 @@ def not_chosen(records: list[dict[str, Any]],
     if not isinstance(chosen, list):
         return ()
     return tuple(d.id for d in devices if d.id not in chosen)
+
+
+def split_choice(records: list[dict[str, Any]]) -> tuple[str, str]:
+    """The last ``plan`` record's split (``kernels`` or ``samples``) and why (its
+    ``split_by_why``: the byte rule, the flag, or both splits' predicted steps);
+    ("", "") without one (a local run, ``--split equal``, older runs)."""
+    plan = next((r for r in reversed(records) if r.get("type") == "plan"), None)
+    if plan is None:
+        return "", ""
+    split, why = plan.get("split_by"), plan.get("split_by_why")
+    if split not in ("kernels", "samples") or not isinstance(why, str) or not why:
+        return "", ""
+    return str(split), why
 
 
 def wire_text(records: list[dict[str, Any]]) -> str:

@@ -154,4 +154,5 @@ class RunSummary:
     bn_statistics: str = "batch"  # split by samples: the whole batch's or each slice's own
     dense_part: str = "master"  # where the dense part ran: "master" or "replicas"
     wire: str = ""  # the wire dtype(s) the plan chose; "" for a local run
+    split_choice: tuple[str, str] = ("", "")  # the plan's split and why; empty: unknown
     not_used: tuple[str, ...] = ()  # participants the plan left out

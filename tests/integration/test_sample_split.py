@@ -253,5 +253,11 @@ def test_by_default_the_shorter_predicted_step_chooses_the_split(
     assert choice == ("samples" if float(samples_ms) < float(kernels_ms) else "kernels")
     assert (overruled is not None) == (choice == "samples")
     plans = _records(run_dir, "plan")
-    assert plans and (plans[0].get("split_by") == "samples") == (choice == "samples")
+    assert plans and plans[0]["split_by"] == choice
+    assert plans[0]["split_by_why"].startswith(f"predicted {samples_ms} ms per step")
     assert _records(run_dir, "step")
+    # the report's overview says it too
+    report = run_hetconv("report", str(run_dir))
+    assert report.returncode == 0, report.stderr
+    assert re.search(rf"^split by \(the plan's\)\s+{choice}\s+predicted {samples_ms} ms",
+                     report.stdout, re.M), report.stdout[:3000]

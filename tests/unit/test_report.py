@@ -440,3 +440,22 @@ def test_the_overview_names_the_participants_the_plan_left_out(tmp_path: Path) -
     plan["chosen"] = ["a", "b"]
     text = render_run(summarize(parse_run(write_run(tmp_path / "every", records))))
     assert "not used" not in text
+
+
+def test_the_overview_says_how_the_plan_split_the_layers_and_why(tmp_path: Path) -> None:
+    """The plan record's split and its reason (``split_by_why``, the console's) make one
+    overview row; a record without them (older runs, --split equal) makes none."""
+    records = sample_split_records()
+    plan = next(r for r in records if r["type"] == "plan")
+    why = ("predicted 118.0 ms per step split by samples, 243.0 ms by kernels; the byte "
+           "rule alone would take kernels: layer 2 moves fewer bytes split by kernels")
+    plan["split_by_why"] = why
+    text = render_run(summarize(parse_run(write_run(tmp_path / "run", records))))
+    assert re.search(r"^split by \(the plan's\)\s+samples\s+predicted 118\.0 ms per step",
+                     text, re.M), text[:3000]
+    plan["split_by_why"] = 3  # hostile or garbled: no row, no crash
+    text = render_run(summarize(parse_run(write_run(tmp_path / "garbled", records))))
+    assert "split by (the plan's)" not in text
+    del plan["split_by_why"]
+    text = render_run(summarize(parse_run(write_run(tmp_path / "older", records))))
+    assert "split by (the plan's)" not in text
