@@ -5,7 +5,7 @@ workers may hold kernels, which were evicted (how often, and at which good step)
 which are quarantined for wrong results, the faults of each since the last good
 step, whether a re-plan is being applied, and the recent good-step durations behind
 the request deadline. Events come in (:class:`StepDone`, :class:`Fault`,
-:class:`ReplanPoint`, :class:`ReplanDone`), commands go out (:class:`Evict`,
+:class:`ReplanPoint`, :class:`ReplanDone`, :class:`SetAside`), commands go out (:class:`Evict`,
 :class:`Admit`, :class:`Resplit`, :class:`FallBackLocal`, :class:`Stop`); the stage
 (``master/stage.py``) carries them out over its sockets and reports back. No
 sockets, no threads, no clock: time comes in with the events (monotonic seconds), so
@@ -71,7 +71,17 @@ class ReplanDone:
     """The last :class:`Resplit` was carried out."""
 
 
-Event = StepDone | Fault | ReplanPoint | ReplanDone
+@dataclass(frozen=True)
+class SetAside:
+    """At a snapshot: run on without ``worker``, alive and well but measured or
+    suspected to slow the step (``master/trial_without.py``); not an eviction: it may
+    be taken back as a joiner, at once."""
+
+    worker: str
+    reason: str
+
+
+Event = StepDone | Fault | ReplanPoint | ReplanDone | SetAside
 
 
 # --- commands out ----------------------------------------------------------------------------
@@ -173,6 +183,8 @@ class RunControl:
                 self.replanning = False
                 self.replan_faults = 0
                 return []
+            case SetAside():
+                return self._set_aside(event)
 
     def _step_done(self, now: float) -> list[Command]:
         if not self._fault_since_step and self._last_step_end is not None:
@@ -223,6 +235,13 @@ class RunControl:
         self.evictions[worker] = self.evictions.get(worker, 0) + 1
         self.evicted_at[worker] = self.steps_done
         return Evict(worker, reason, drop)
+
+    def _set_aside(self, event: SetAside) -> list[Command]:
+        if event.worker not in self.active or len(self.active) < 2:
+            return []  # gone meanwhile, or the last worker: the fall-back's to decide
+        self.active.discard(event.worker)
+        self.replanning = True
+        return [Resplit(frozenset(self.active), event.reason)]
 
     def _replan_point(self, joinable: tuple[str, ...]) -> list[Command]:
         joined = tuple(sorted(name for name in set(joinable) if self.may_rejoin(name)))

@@ -42,6 +42,7 @@ from hetconv.master.sample_peers import SamplePeers
 from hetconv.master.sample_plan import SampleBalance, Slice
 from hetconv.master.step_model import InPlaceModel, StepSample
 from hetconv.master.trial_alone import TrialAloneStage
+from hetconv.master.trial_without import WithoutCheck
 from hetconv.metrics import MetricsWriter
 from hetconv.model import ConvLayerShape
 from hetconv.names import layer_key
@@ -168,6 +169,7 @@ class BetweenSteps(StepFigures):
     peers: SamplePeers | None  # the weight reduction among the peers; None: via the master
     dense: DenseReplica | None  # the master's replica of the dense part, when replicated
     alone_check: AloneCheck  # never slower than the master alone (``--fall-back``)
+    without_check: WithoutCheck  # ... nor than with one worker fewer (trial_without.py)
     slices: list[Slice]
     _step_dense: dict[str, float]  # participant -> its dense part's seconds (step chain)
 
@@ -273,6 +275,7 @@ class BetweenSteps(StepFigures):
         self.runner.exchange = self.peers.assign(self._run_workers(), self._names(), kernels)
 
     def recover(self, fault: StageFault, state: dict[str, np.ndarray]) -> ConvStage:
+        self.without_check.reset()  # other participants: a trial under way is over
         return self._carry_out(self.control.handle(self.fault_event(fault)), state)
 
     def fault_event(self, fault: StageFault) -> Fault:
@@ -284,14 +287,24 @@ class BetweenSteps(StepFigures):
         verdict = self.alone_check.at_snapshot() if self.setup.fall_back else None
         if isinstance(verdict, TryAlone):
             return self._try_alone(verdict, state)
+        if self.setup.fall_back:  # never slower than with one worker fewer either
+            changed = self.without_verdict(state)
+            if changed is not None:
+                return changed
         return self._take_in_joiners(state)
+
+    def without_verdict(self, state: dict[str, np.ndarray]) -> ConvStage | None:
+        raise NotImplementedError  # master/sample_without.py
+
+    def kept_out(self) -> set[str]:
+        raise NotImplementedError  # master/sample_without.py
 
     def _take_in_joiners(self, state: dict[str, np.ndarray]) -> ConvStage:
         self.cluster.pump(0.0)  # take in any Hello waiting on the socket
         holding = {id(p.worker) for n, p in self.workers.items() if n in self.balance.seconds}
         joinable = sorted(w.worker_id for w in self.cluster.known_workers()
                           if not w.gone and id(w) not in holding
-                          and w.worker_id not in self.setup.left_out
+                          and w.worker_id not in self.kept_out()
                           and self.control.may_rejoin(w.worker_id))
         if not joinable:
             return cast(ConvStage, self)  # the subclass is the whole stage
@@ -328,6 +341,7 @@ class BetweenSteps(StepFigures):
                   f"{ALONE_WINDOW} steps)")
         self.setup.report(f"hetconv: {reason}: back to the workers")
         self._record_replan(reason, verdict.measured_s, verdict.alone_s, alone=False)
+        self.without_check.reset()
         try:
             self.restore(state)
         except WorkerLost as lost:  # one left while it waited
@@ -390,6 +404,7 @@ class BetweenSteps(StepFigures):
         its check, once, as a console line and a ``model`` record."""
         if self._step_started is None or not self._step_rounds:
             return
+        self.without_check.step(time.monotonic() - self._step_started)
         check = self.step_model.observe(StepSample(
             time.monotonic() - self._step_started, self._step_wall, self._step_rounds,
             dict(self._step_compute), {n: c for n, c in samples.items() if c > 0}))
@@ -416,6 +431,7 @@ class BetweenSteps(StepFigures):
         """Calibrate the joiners; they get their samples at the re-slice that follows."""
         found = {w.worker_id: w for w in self.cluster.known_workers() if not w.gone}
         joiners = [Participant(n, found[n], found[n].device) for n in names if n in found]
+        self.without_check.reset()  # other participants: measure them afresh
         self.setup.report(f"hetconv: worker(s) {', '.join(names)} joined: calibrating")
         self.cluster.admit([p.worker for p in joiners if p.worker is not None])
         members = len(self._names()) + len(joiners)

@@ -55,7 +55,9 @@ from hetconv.master.sample_chains import ChainedSteps, InFlightStep
 from hetconv.master.sample_peers import SamplePeers
 from hetconv.master.sample_plan import SampleBalance, Slice
 from hetconv.master.sample_rounds import RoundTrips
+from hetconv.master.sample_without import WithoutTrials
 from hetconv.master.step_model import InPlaceModel
+from hetconv.master.trial_without import WithoutCheck
 from hetconv.protocol import (
     SampleBackwardRequest,
     SampleForwardRequest,
@@ -74,7 +76,7 @@ NO_OUTPUT = np.empty((0,), dtype=np.float32)
 
 
 
-class SampleConvStage(RoundTrips, ChainedSteps, BetweenSteps):
+class SampleConvStage(WithoutTrials, RoundTrips, ChainedSteps, BetweenSteps):
     """A :class:`hetconv.stage.ConvStage` that splits every conv layer by samples."""
 
     def __init__(self, cluster: Cluster, workers: list[Participant], local: dict[int, ConvShard],
@@ -115,6 +117,8 @@ class SampleConvStage(RoundTrips, ChainedSteps, BetweenSteps):
         self.dense: DenseReplica | None = None  # the master's replica (attach_dense)
         self.step_model = InPlaceModel(setup.predicted_s)  # calibrated in place
         self.alone_check = AloneCheck()  # never slower than the master alone
+        self.without_check = WithoutCheck()  # ... nor than with one worker fewer
+        self.set_aside: set[str] = set()  # workers a trial left out for the run
         self.step = 0
 
     # --- who computes what -------------------------------------------------------------

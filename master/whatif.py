@@ -208,10 +208,16 @@ def run_link_itemsizes(run_dir: str | Path) -> tuple[tuple[str, int], ...]:
 
 
 def run_left_out(run_dir: str | Path) -> tuple[str, ...]:
-    """The workers the sample split's ``plan`` record left out (``not_used``): they did
-    not take part, so the model of the run leaves them out too."""
-    left_out = last_plan_value(run_dir, "not_used", lambda v: isinstance(v, list)) or []
-    return tuple(str(name) for name in left_out)
+    """The workers the sample split's ``plan`` record left out (``not_used``), and those
+    a later ``replan`` record left out (``left_out``: a trial measured the step shorter
+    without them): they did not take part, so the model of the run leaves them out too."""
+    left_out = [str(name) for name in
+                last_plan_value(run_dir, "not_used", lambda v: isinstance(v, list)) or []]
+    for record in iter_metrics(Path(run_dir) / METRICS_FILE):
+        names = record.get("left_out") if record["type"] == "replan" else None
+        if isinstance(names, list):
+            left_out += [str(name) for name in names if str(name) not in left_out]
+    return tuple(left_out)
 
 
 def measured_run(records: RunRecords, links: dict[str, Link]) -> MeasuredRun:

@@ -160,7 +160,7 @@ def markdown_table(predictions: Sequence[Prediction]) -> list[str]:
 
 def describe(run: MeasuredRun) -> str:
     names = ", ".join(p.participant for p in run.profiles)
-    left_out = (f"; left out by the plan for their links, not modelled: "
+    left_out = (f"; left out by the plan (their links, or a trial without them), not modelled: "
                 f"{', '.join(run.left_out)}" if run.left_out else "")
     return (f"run {run.run_dir}: {len(run.profiles)} participants ({names}){left_out}, data "
             f"plane {run.data_plane}, batch {run.batch}, arch {_arch(run.arch)}")

@@ -97,7 +97,8 @@ def overview_table(summary: RunSummary) -> Table:
             ("split by (the plan's)", *summary.split_choice)]),
         *([] if not summary.not_used else [
             ("not used", ", ".join(summary.not_used),
-             "left out by the plan: predicted to lengthen the step (its link or its speed)")]),
+             "left out by the plan: predicted or measured to lengthen the step (its link or "
+             "its speed)")]),
         *([] if not summary.wire else [
             ("wire dtype", summary.wire,
              "of the activations on the links; the batch-norm sums and weight gradients "

@@ -422,12 +422,21 @@ def not_chosen(records: list[dict[str, Any]],
                devices: tuple[ParticipantInfo, ...]) -> tuple[str, ...]:
     """The participants of the ``devices`` record that the last ``plan`` record's
     ``chosen`` leaves out (the planner found they would lengthen the step: a slow link,
-    a slow machine); () without a plan record."""
-    plan = next((r for r in reversed(records) if r.get("type") == "plan"), None)
-    chosen = plan.get("chosen") if plan is not None else None
+    a slow machine), and those a later ``replan`` record's ``left_out`` names (a trial
+    measured the step shorter without them: master/trial_without.py); () without a plan
+    record."""
+    last = max((i for i, r in enumerate(records) if r.get("type") == "plan"), default=None)
+    if last is None:
+        return ()
+    chosen = records[last].get("chosen")
     if not isinstance(chosen, list):
         return ()
-    return tuple(d.id for d in devices if d.id not in chosen)
+    later: set[str] = set()
+    for record in records[last + 1:]:
+        names = record.get("left_out") if record.get("type") == "replan" else None
+        if isinstance(names, list):
+            later |= {name for name in names if isinstance(name, str)}
+    return tuple(d.id for d in devices if d.id not in chosen or d.id in later)
 
 
 def split_choice(records: list[dict[str, Any]]) -> tuple[str, str]:

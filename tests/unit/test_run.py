@@ -15,6 +15,7 @@ from hetconv.master.run import (
     ReplanPoint,
     Resplit,
     RunControl,
+    SetAside,
     StepDone,
     Stop,
 )
@@ -99,6 +100,28 @@ def test_a_join_at_a_snapshot_admits_then_re_plans_over_everyone() -> None:
     commands = control.handle(ReplanPoint(("w2",)))
     assert commands == [Admit(("w2",)), Resplit(frozenset({"w1", "w2"}), "join of w2", ("w2",))]
     assert control.handle(ReplanPoint(())) == []
+
+
+def test_a_worker_set_aside_is_re_planned_without_and_may_come_back_at_once() -> None:
+    """A trial without a slow worker (master/trial_without.py) is not an eviction: the
+    worker is out of the plan, not quarantined nor backed off, and joins again."""
+    control = RunControl(["w1", "w2"])
+    assert control.handle(SetAside("w2", "trying without w2")) == [
+        Resplit(frozenset({"w1"}), "trying without w2")]
+    assert control.replanning and "w2" not in control.active
+    control.handle(ReplanDone())
+    assert control.evictions == {} and control.may_rejoin("w2")
+    # a fault now re-plans over w1 alone: w2 stays out
+    commands = control.handle(Fault("w1 late", "w1"))
+    assert commands == [Resplit(frozenset({"w1"}), "recovery from: w1 late")]
+    control.handle(ReplanDone())
+    assert control.handle(ReplanPoint(("w2",))) == [
+        Admit(("w2",)), Resplit(frozenset({"w1", "w2"}), "join of w2", ("w2",))]
+    # never the last worker (the master-alone check decides that), nor one gone already
+    control.handle(ReplanDone())
+    assert control.handle(SetAside("w3", "not in the run")) == []
+    solo = RunControl(["w1"])
+    assert solo.handle(SetAside("w1", "the last")) == [] and solo.active == {"w1"}
 
 
 def test_a_join_that_fails_while_calibrating_is_evicted_and_the_rest_re_planned() -> None:
