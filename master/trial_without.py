@@ -31,9 +31,14 @@ from hetconv.config import MASTER_PARTICIPANT
 
 WITHOUT_WINDOW = 9
 """Steps whose median is compared: the last ones with the worker, the trial's without."""
-SMALL_SHARE = 0.5
+SMALL_SHARE = 0.25
 """A worker is tried without when its slice is under this fraction of an even share
-(batch / participants)."""
+(batch / participants). Measured on the lab (32:64, batch 128): a 0.1-core worker
+beside three of 0.45 core got 1-2 samples and the step was 1.5-1.9x longer with it
+than without; the 0.2-core workers of 0.6/0.4/0.2/0.2 got 13-15 (40-47 % of an even
+share) and with 0.5 here were tried: two trials of three measured within 5 % and took
+them back, each trial and rejoin costing a snapshot interval and a calibration
+(docs/figures/ab/unequal-trial-half-share-32-64.md, at e4aa284)."""
 WITHOUT_GAIN = 0.05
 """The run without the worker must measure at least this much shorter to keep it out
 (the lab's 9-step medians move by a few percent between windows)."""

@@ -21,13 +21,15 @@ def fill(check: WithoutCheck, seconds: float, count: int = WITHOUT_WINDOW) -> No
         check.step(seconds)
 
 
-SLOW_W3 = {"master": 40, "w1": 41, "w2": 40, "w3": 7}  # w3: 7 of an even 32
+SLOW_W3 = {"master": 42, "w1": 42, "w2": 42, "w3": 2}  # w3: 2 of an even 32
 
 
 def test_the_smallest_slice_under_half_an_even_share_is_the_candidate() -> None:
     assert smallest_slice(SLOW_W3, set()) == "w3"
     assert smallest_slice(SLOW_W3, {"w3"}) is None  # tried once: never again
     assert smallest_slice({"master": 32, "w1": 32, "w2": 32, "w3": 32}, set()) is None
+    # the 0.2-core workers of 0.6/0.4/0.2/0.2 (13-15 of 128): no trial
+    assert smallest_slice({"master": 58, "w1": 45, "w2": 13, "w3": 12}, set()) is None
     # just under the threshold, and an empty slice, both count; the smaller first
     even = 128 / 4
     small = int(SMALL_SHARE * even) - 1
@@ -49,7 +51,7 @@ def test_a_trial_that_measures_shorter_keeps_the_worker_out() -> None:
     check = WithoutCheck()
     fill(check, 0.085)
     verdict = check.at_snapshot(SLOW_W3)
-    assert verdict == TryWithout("w3", 7, 128, pytest.approx(0.085))
+    assert verdict == TryWithout("w3", 2, 128, pytest.approx(0.085))
     assert check.trial == verdict and "w3" in check.tried
     # the next snapshot comes before a full window without it: the trial goes on
     fill(check, 0.070, WITHOUT_WINDOW - 1)
