@@ -163,6 +163,7 @@ class BetweenSteps(StepFigures):
     step: int
     step_model: InPlaceModel
     _step_started: float | None
+    _last_step_end: float | None  # when the last step's figures were taken (monotonic s)
     _step_sent_ahead: bool
     _sums: dict[int, tuple[np.ndarray, np.ndarray]]
     _dweight: PendingUpdate | None
@@ -284,13 +285,16 @@ class BetweenSteps(StepFigures):
         return Fault(str(fault), fault.participant, fault.gone, fault.evict, gone)
 
     def replan_point(self, state: dict[str, np.ndarray]) -> ConvStage:
-        verdict = self.alone_check.at_snapshot() if self.setup.fall_back else None
-        if isinstance(verdict, TryAlone):
-            return self._try_alone(verdict, state)
-        if self.setup.fall_back:  # never slower than with one worker fewer either
+        self._last_step_end = None  # the next step's period would hold the snapshot's
+        if self.setup.fall_back:
+            # a worker too slow for its slice first (master/trial_without.py): the run
+            # without it may beat the master alone where the run with it does not
             changed = self.without_verdict(state)
             if changed is not None:
                 return changed
+            verdict = self.alone_check.at_snapshot()
+            if isinstance(verdict, TryAlone):
+                return self._try_alone(verdict, state)
         return self._take_in_joiners(state)
 
     def without_verdict(self, state: dict[str, np.ndarray]) -> ConvStage | None:
@@ -379,6 +383,10 @@ class BetweenSteps(StepFigures):
                 max(0.0, self._step_compute[MASTER_PARTICIPANT]
                     - dense.get(MASTER_PARTICIPANT, 0.0)) / own * sum(samples.values()))
         self._step_dense = {}
+        now = time.monotonic()  # the step's period, from the last step's end to this one's
+        if self._last_step_end is not None:
+            self.without_check.step(now - self._last_step_end)
+        self._last_step_end = now
         self._check_step_model(samples)
         if self.setup.rebalancing and self.balance.observe(
                 self._step_compute, self._step_latency, samples, self._step_waits):
@@ -404,7 +412,6 @@ class BetweenSteps(StepFigures):
         its check, once, as a console line and a ``model`` record."""
         if self._step_started is None or not self._step_rounds:
             return
-        self.without_check.step(time.monotonic() - self._step_started)
         check = self.step_model.observe(StepSample(
             time.monotonic() - self._step_started, self._step_wall, self._step_rounds,
             dict(self._step_compute), {n: c for n, c in samples.items() if c > 0}))

@@ -111,6 +111,7 @@ class SampleConvStage(WithoutTrials, RoundTrips, ChainedSteps, BetweenSteps):
         self._step_dense: dict[str, float] = {}  # participant -> its dense part (step chain)
         self._step_rounds = 0  # rounds recorded this step
         self._step_started: float | None = None  # its first round's start (monotonic s)
+        self._last_step_end: float | None = None  # the last step's figures taken (s)
         self._collected_at = 0.0  # when the last round was collected (monotonic s)
         self._ahead: InFlightStep | None = None  # a step chain sent ahead (two in flight)
         self._step_sent_ahead = False  # whether the step being gathered was sent ahead

@@ -30,7 +30,7 @@ class WithoutTrials:
 
     control: RunControl
     setup: SampleSetup
-    slices: list[Slice]
+    _slice_batch: Callable[[int], list[Slice]]  # the balance's slices of a batch
     without_check: WithoutCheck
     set_aside: set[str]  # workers left out for the rest of the run by a trial
 
@@ -47,8 +47,10 @@ class WithoutTrials:
     def without_verdict(self, state: dict[str, np.ndarray]) -> ConvStage | None:
         """At a snapshot: act on the trial check's verdict; the stage to go on with when
         the participants changed (a trial started), else None."""
+        # the slices the next step takes (``self.slices`` may hold an evaluation's)
+        slices = self._slice_batch(self.setup.batch)
         verdict: Verdict = self.without_check.at_snapshot(
-            {piece.participant: piece.samples for piece in self.slices})
+            {piece.participant: piece.samples for piece in slices})
         if isinstance(verdict, TryWithout):
             reason = (f"trying without {verdict.worker}: its slice is {verdict.samples} of "
                       f"{verdict.batch} samples, yet every peer waits for it at every "
@@ -70,7 +72,7 @@ class WithoutTrials:
                 measured_step_s=verdict.without_s, with_step_s=verdict.with_s,
                 counts=[{"layer": shape.index, "devices": [
                     {"participant": piece.participant, "kernels": shape.kernels,
-                     "samples": piece.samples} for piece in self.slices]}
+                     "samples": piece.samples} for piece in slices]}
                         for shape in self.setup.shapes])
         if isinstance(verdict, TakeBack):
             self.setup.report(

@@ -15,7 +15,7 @@ import pytest
 
 from hetconv.lab import free_port
 from hetconv.lab.processes import LocalWorker
-from hetconv.lab.quota import cpu_quota_unavailable_reason
+from hetconv.lab.quota import CpuQuota, cpu_quota_unavailable_reason
 from tests.conftest import child_env, run_hetconv
 
 pytestmark = [pytest.mark.lab, pytest.mark.integration, pytest.mark.serial]
@@ -29,25 +29,31 @@ def records_of(run_dir: Path) -> list[dict[str, Any]]:
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("flags", [(), ("--no-local",)], ids=["default", "no-local"])
 @pytest.mark.skipif(REASON is not None, reason=f"cannot set CPU quotas here: {REASON}")
-def test_a_machine_slower_than_its_slice_is_tried_without_and_left_out(tmp_path: Path) -> None:
-    """Train's defaults, with ``--no-local`` (the master computes nothing, so the
-    master-alone check has no estimate and this trial is the only one) and snapshots
-    every 10 steps (the trial's verdict comes a snapshot after it starts). w3 is as
-    quick as the others at the setup (so neither its link probe nor its calibration
-    leaves it out) and gets busy once training has begun: its quota drops to SLOW."""
+def test_a_machine_slower_than_its_slice_is_tried_without_and_left_out(
+        tmp_path: Path, flags: tuple[str, ...]) -> None:
+    """Train's defaults on four machines of FAST cores (the master's own too), and
+    again with ``--no-local`` (the master computes nothing: no master-alone estimate);
+    snapshots every 10 steps (the trial's verdict comes a snapshot after it starts). w3
+    is as quick as the others at the setup (so neither its link probe nor its
+    calibration leaves it out) and gets busy once training has begun: its quota drops
+    to SLOW. The trial comes before the master-alone check, which the run with w3,
+    slower than the master alone, would otherwise start."""
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     run_dir = tmp_path / "run"
     workers = [LocalWorker(endpoint, name, cpu_fraction=FAST, cpu_period_us=PERIOD_US,
                            log_path=tmp_path / f"{name}.log") for name in ("w1", "w2", "w3")]
+    quota = CpuQuota(FAST)
     try:
         master = subprocess.Popen([
-            sys.executable, "-m", "hetconv", "train", "--listen", endpoint, "--no-local",
+            sys.executable, "-m", "hetconv", "train", "--listen", endpoint, *flags,
             "--min-workers", "3", "--wait", "60", "--data", "synthetic", "--limit", "3200",
             "--test-limit", "256", "--arch", "4:8", "--batch", "64", "--epochs", "1",
             "--threads", "1", "--no-progress", "--checkpoint-every", "10",
             "--run-dir", str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True, env=child_env())
+        quota.add(master.pid)
         deadline = time.monotonic() + 120
         while master.poll() is None and time.monotonic() < deadline and not (
                 (run_dir / "metrics.jsonl").exists()
@@ -61,6 +67,7 @@ def test_a_machine_slower_than_its_slice_is_tried_without_and_left_out(tmp_path:
             worker.terminate()
         for worker in workers:
             worker.stop()
+        quota.remove()
     result = subprocess.CompletedProcess(master.args, master.returncode, stdout, stderr)
     print(result.stdout)  # what the user reads (pytest -s)
     assert result.returncode == 0, result.stderr[-3000:]
