@@ -346,6 +346,7 @@ class BetweenSteps(StepFigures):
         self.setup.report(f"hetconv: {reason}: back to the workers")
         self._record_replan(reason, verdict.measured_s, verdict.alone_s, alone=False)
         self.without_check.reset()
+        self._last_step_end = None  # the trial's steps were the master's alone
         try:
             self.restore(state)
         except WorkerLost as lost:  # one left while it waited
