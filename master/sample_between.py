@@ -287,14 +287,15 @@ class BetweenSteps(StepFigures):
     def replan_point(self, state: dict[str, np.ndarray]) -> ConvStage:
         self._last_step_end = None  # the next step's period would hold the snapshot's
         if self.setup.fall_back:
-            # a worker too slow for its slice first (master/trial_without.py): the run
-            # without it may beat the master alone where the run with it does not
-            changed = self.without_verdict(state)
-            if changed is not None:
-                return changed
+            # the master alone first: where the run is slower than it, its trial decides
+            # in one interval (a small network on slow workers); then a worker too slow
+            # for its slice (master/trial_without.py), where the run beats the master
             verdict = self.alone_check.at_snapshot()
             if isinstance(verdict, TryAlone):
                 return self._try_alone(verdict, state)
+            changed = self.without_verdict(state)
+            if changed is not None:
+                return changed
         return self._take_in_joiners(state)
 
     def without_verdict(self, state: dict[str, np.ndarray]) -> ConvStage | None:

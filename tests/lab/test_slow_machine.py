@@ -38,8 +38,9 @@ def test_a_machine_slower_than_its_slice_is_tried_without_and_left_out(
     snapshots every 10 steps (the trial's verdict comes a snapshot after it starts). w3
     is as quick as the others at the setup (so neither its link probe nor its
     calibration leaves it out) and gets busy once training has begun: its quota drops
-    to SLOW. The trial comes before the master-alone check, which the run with w3,
-    slower than the master alone, would otherwise start."""
+    to SLOW. Under the defaults the master-alone check comes first at a snapshot: on
+    this small network the master alone may beat the run with w3, and then it trains
+    alone; either way no step after the last re-plan has w3 in it."""
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     run_dir = tmp_path / "run"
     workers = [LocalWorker(endpoint, name, cpu_fraction=FAST, cpu_period_us=PERIOD_US,
@@ -71,19 +72,26 @@ def test_a_machine_slower_than_its_slice_is_tried_without_and_left_out(
     result = subprocess.CompletedProcess(master.args, master.returncode, stdout, stderr)
     print(result.stdout)  # what the user reads (pytest -s)
     assert result.returncode == 0, result.stderr[-3000:]
+    records = records_of(run_dir)
+    replans = [r for r in records if r["type"] == "replan"]
+    # whatever the defaults chose, the run ends without w3's per-step work
+    last = records.index(replans[-1]) if replans else 0
+    after = [r for r in records[last:] if r["type"] == "step"]
+    assert after, "no step after the last re-plan"
+    assert all(d["participant"] != "w3" for step in after for layer in step["layers"]
+               for d in layer["devices"]), after[-1]
+    if "--no-local" not in flags and "slower than the master alone" in result.stdout:
+        # on this small network the master alone beat the run with w3 and its trial
+        # came first (master/fall_back.py): also never slower than with w3
+        return
     assert "hetconv: trying without w3: its slice is" in result.stdout, result.stdout
     assert "hetconv: not used from now on: w3 (the step measured" in result.stdout, \
         result.stdout
-    records = records_of(run_dir)
-    kept_out = [r for r in records if r["type"] == "replan" and r.get("left_out") == ["w3"]]
-    assert len(kept_out) == 1, [r for r in records if r["type"] == "replan"]
+    kept_out = [r for r in replans if r.get("left_out") == ["w3"]]
+    assert len(kept_out) == 1, replans
     assert kept_out[0]["measured_step_s"] < kept_out[0]["with_step_s"]
-    after = [r for r in records[records.index(kept_out[0]):] if r["type"] == "step"]
-    assert after, "no step after w3 was left out"
-    assert all(d["participant"] != "w3" for step in after for layer in step["layers"]
-               for d in layer["devices"]), after[-1]
     # never taken back as a joiner at the snapshots after
-    assert not any(r["type"] == "replan" and "join of w3" in r["reason"] for r in records)
+    assert not any("join of w3" in r["reason"] for r in replans)
     report = run_hetconv("report", str(run_dir))
     assert report.returncode == 0, report.stderr
     assert any(line.startswith("not used") and " w3 " in f"{line} "
