@@ -250,7 +250,8 @@ def test_by_default_the_shorter_predicted_step_chooses_the_split(
                       r"kernels: layer 2 moves fewer bytes split by kernels)?", result.stdout)
     assert found, result.stdout
     choice, samples_ms, kernels_ms, overruled = found.groups()
-    assert choice == ("samples" if float(samples_ms) < float(kernels_ms) else "kernels")
+    if samples_ms != kernels_ms:  # equal to the printed 0.1 ms: the unrounded decided
+        assert choice == ("samples" if float(samples_ms) < float(kernels_ms) else "kernels")
     assert (overruled is not None) == (choice == "samples")
     plans = _records(run_dir, "plan")
     assert plans and plans[0]["split_by"] == choice
