@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -134,6 +134,16 @@ class SampleSetup:
         """The wire dtype of ``participant``'s activations: its link's
         (``choose_link_wires``), else ``wire_dtype`` (a worker that joined later)."""
         return self.link_wires.get(participant, self.wire_dtype)
+
+
+def sample_counts(shapes: Sequence[ConvLayerShape], counts: Mapping[str, int]
+                  ) -> list[dict[str, Any]]:
+    """A ``rebalance``/``replan`` record's ``counts`` under the sample split: per layer,
+    every participant of ``counts`` (in its order) with its samples and the whole
+    layer's kernels (docs/metrics.md)."""
+    return [{"layer": shape.index, "devices": [
+        {"participant": name, "kernels": shape.kernels, "samples": samples}
+        for name, samples in counts.items()]} for shape in shapes]
 
 
 class StepFigures:
@@ -360,12 +370,8 @@ class BetweenSteps(StepFigures):
         counts = ({MASTER_PARTICIPANT: self.setup.batch} if alone
                   else {p.participant: p.samples for p in self.slices})
         self.setup.metrics.write("replan", reason=reason, split_by="samples",
-                                 measured_step_s=measured, alone_step_s=alone_s, counts=[
-                                     {"layer": shape.index, "devices": [
-                                         {"participant": name, "kernels": shape.kernels,
-                                          "samples": samples}
-                                         for name, samples in counts.items()]}
-                                     for shape in self.setup.shapes])
+                                 measured_step_s=measured, alone_step_s=alone_s,
+                                 counts=sample_counts(self.setup.shapes, counts))
 
     def take_step_timings(self) -> dict[str, Any]:
         """The step's timing record; a good step for the state machine, a sample of the
@@ -398,11 +404,9 @@ class BetweenSteps(StepFigures):
             self.setup.report("hetconv: re-sliced the batch from measured compute: " + ", ".join(
                 f"{n} {counts.get(n, 0)}" for n in names))
             self.setup.metrics.write("rebalance", split_by="samples", step=self.step,
-                                     reason="measured compute per sample", counts=[
-                                         {"layer": shape.index, "devices": [
-                                             {"participant": n, "kernels": shape.kernels,
-                                              "samples": counts.get(n, 0)} for n in names]}
-                                         for shape in self.setup.shapes])
+                                     reason="measured compute per sample",
+                                     counts=sample_counts(self.setup.shapes,
+                                                          {n: counts.get(n, 0) for n in names}))
         self._timings, self._comm_s, self._step_compute, self._step_latency = {}, 0.0, {}, {}
         self._step_waits = {}
         self._step_wall, self._step_rounds, self._step_started = 0.0, 0, None
@@ -464,10 +468,9 @@ class BetweenSteps(StepFigures):
         self.setup.report(f"hetconv: re-plan ({reason}): the batch split by samples over "
                           + ", ".join(names))
         slices = {p.participant: p.samples for p in self._slice_batch(self.setup.batch)}
-        self.setup.metrics.write("replan", reason=reason, split_by="samples", counts=[
-            {"layer": shape.index, "devices": [
-                {"participant": n, "kernels": shape.kernels, "samples": slices.get(n, 0)}
-                for n in names]} for shape in self.setup.shapes])
+        self.setup.metrics.write("replan", reason=reason, split_by="samples",
+                                 counts=sample_counts(self.setup.shapes,
+                                                      {n: slices.get(n, 0) for n in names}))
 
 
 def _names_in(state: dict[str, np.ndarray], layer: int) -> list[str]:

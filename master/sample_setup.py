@@ -51,19 +51,16 @@ def split_by_for(config: MasterConfig, model: ModelConfig, shapes: list[ConvLaye
                  batch: int) -> tuple[str, str]:
     """(``"kernels"`` or ``"samples"``, why) for this run (UserError-free: a refused
     ``--split-by samples`` raises ValueError with the one-line reason)."""
-    specs = model.conv_specs()
-    refusal = samples_refusal(shapes, [s.kernel_size for s in specs],
-                              [s.stride for s in specs], [s.padding for s in specs],
-                              [s.pool for s in specs])
-    return choose_split_by(config.split_by, shapes, batch, [s.kernel_size for s in specs],
-                           refusal)
+    return choose_split_by(config.split_by, shapes, batch,
+                           [s.kernel_size for s in model.conv_specs()],
+                           samples_refusal_for(model, shapes))
 
 
-def samples_possible(model: ModelConfig, shapes: list[ConvLayerShape]) -> bool:
-    """Whether every conv layer of ``model`` can be split by samples."""
+def samples_refusal_for(model: ModelConfig, shapes: list[ConvLayerShape]) -> str | None:
+    """Why ``model``'s conv layers cannot be split by samples (one line), or None."""
     specs = model.conv_specs()
     return samples_refusal(shapes, [s.kernel_size for s in specs], [s.stride for s in specs],
-                           [s.padding for s in specs], [s.pool for s in specs]) is None
+                           [s.padding for s in specs], [s.pool for s in specs])
 
 
 def _seconds(config: MasterConfig, per_sample: list[float]) -> list[float]:
@@ -308,7 +305,8 @@ def open_sample_stage(cluster: Cluster, config: MasterConfig, participants: list
            if setup.slice_statistics else "with the whole batch's statistics")
         + ("; the dense part on every participant's slice (--dense-part)"
            if setup.dense_replicas else "; the dense part on the master"))
-    metrics.write("plan", split_by="samples", split_by_why=split_why, chosen=[s.participant for s in slices],
+    metrics.write("plan", split_by="samples", split_by_why=split_why,
+                  chosen=[s.participant for s in slices],
                   bn_statistics="slice" if setup.slice_statistics else "batch",
                   dense_part="replicas" if setup.dense_replicas else "master",
                   predicted_step_s=predicted_s,

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import numpy as np
 
 from hetconv.master.run import Command, RunControl, SetAside
-from hetconv.master.sample_between import SampleSetup
+from hetconv.master.sample_between import SampleSetup, sample_counts
 from hetconv.master.sample_plan import Slice
 from hetconv.master.trial_without import (
     WITHOUT_GAIN,
@@ -70,10 +70,8 @@ class WithoutTrials:
             self.setup.metrics.write(
                 "replan", reason=reason, split_by="samples", left_out=[verdict.worker],
                 measured_step_s=verdict.without_s, with_step_s=verdict.with_s,
-                counts=[{"layer": shape.index, "devices": [
-                    {"participant": piece.participant, "kernels": shape.kernels,
-                     "samples": piece.samples} for piece in slices]}
-                        for shape in self.setup.shapes])
+                counts=sample_counts(self.setup.shapes,
+                                     {piece.participant: piece.samples for piece in slices}))
         if isinstance(verdict, TakeBack):
             self.setup.report(
                 f"hetconv: taking {verdict.worker} back: without it the step measured "

@@ -48,7 +48,7 @@ from hetconv.master.sample_setup import (
     open_sample_stage,
     sample_members_for,
     sample_wire_for,
-    samples_possible,
+    samples_refusal_for,
     split_by_for,
 )
 from hetconv.master.split import SplitRule, layer_traffic
@@ -238,7 +238,7 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
         # under --split model the planner's prediction decides between the two splits,
         # the per-layer byte rule only where there is no model (or the rule agrees)
         by_model = config.split_by == "auto" and config.split == "model" \
-            and samples_possible(model, shapes)
+            and samples_refusal_for(model, shapes) is None
         # the sample split chooses its own wire from its own model (sample_wire_for);
         # without a link model (--split equal): float32 unless asked otherwise
         sample_config = replace(config, wire_dtype="float32") \

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +29,13 @@ from typing import Any
 
 from hetconv.errors import UserError
 from hetconv.master.report.events import CheckpointRecord, MembershipEvent, membership_events
-from hetconv.master.sample_plan import link_wires_text
+from hetconv.master.report.plan_record import (
+    dense_part,
+    not_chosen,
+    seconds_per_sample,
+    split_choice,
+    wire_text,
+)
 from hetconv.metrics import iter_metrics, participant_of
 
 METRICS_FILE = "metrics.jsonl"
@@ -403,83 +408,10 @@ def parse_run(run_dir: str | Path) -> RunRecords:
                       plan_predicted_step_s=predicted, step_model=step_model,
                       events=events, checkpoints=checkpoints,
                       replayed_steps=step_records - len(ordered),
-                      start_time=_first_time(raw_records), dense_part=_dense_part(raw_records),
-                      seconds_per_sample=_seconds_per_sample(raw_records),
+                      start_time=_first_time(raw_records), dense_part=dense_part(raw_records),
+                      seconds_per_sample=seconds_per_sample(raw_records),
                       wire=wire_text(raw_records), split=split_choice(raw_records),
                       not_used=not_chosen(raw_records, devices))
-
-
-def _dense_part(records: list[dict[str, Any]]) -> str:
-    """Where the last plan ran the dense part (docs/dense-replica.md): the plan record's
-    ``dense_part`` when it says "replicas", else "master" (older runs, the kernel split)."""
-    for record in reversed(records):
-        if record.get("type") == "plan":
-            return "replicas" if record.get("dense_part") == "replicas" else "master"
-    return "master"
-
-
-def not_chosen(records: list[dict[str, Any]],
-               devices: tuple[ParticipantInfo, ...]) -> tuple[str, ...]:
-    """The participants of the ``devices`` record that the last ``plan`` record's
-    ``chosen`` leaves out (the planner found they would lengthen the step: a slow link,
-    a slow machine), and those a later ``replan`` record's ``left_out`` names (a trial
-    measured the step shorter without them: master/trial_without.py); () without a plan
-    record."""
-    last = max((i for i, r in enumerate(records) if r.get("type") == "plan"), default=None)
-    if last is None:
-        return ()
-    chosen = records[last].get("chosen")
-    if not isinstance(chosen, list):
-        return ()
-    later: set[str] = set()
-    for record in records[last + 1:]:
-        names = record.get("left_out") if record.get("type") == "replan" else None
-        if isinstance(names, list):
-            later |= {name for name in names if isinstance(name, str)}
-    return tuple(d.id for d in devices if d.id not in chosen or d.id in later)
-
-
-def split_choice(records: list[dict[str, Any]]) -> tuple[str, str]:
-    """The last ``plan`` record's split (``kernels`` or ``samples``) and why (its
-    ``split_by_why``: the byte rule, the flag, or both splits' predicted steps);
-    ("", "") without one (a local run, ``--split equal``, older runs)."""
-    plan = next((r for r in reversed(records) if r.get("type") == "plan"), None)
-    if plan is None:
-        return "", ""
-    split, why = plan.get("split_by"), plan.get("split_by_why")
-    if split not in ("kernels", "samples") or not isinstance(why, str) or not why:
-        return "", ""
-    return str(split), why
-
-
-def wire_text(records: list[dict[str, Any]]) -> str:
-    """The wire dtype(s) of the last ``plan`` record: ``float32``, or under the sample
-    split's choice link by link ``float16 on the link of m3, float32 on the others``
-    (``float16 on every link``); "" without a plan record (a local run)."""
-    plan = next((r for r in reversed(records) if r.get("type") == "plan"), None)
-    if plan is None:
-        return ""
-    links = plan.get("link_wire_dtypes")
-    if isinstance(links, dict) and links:
-        return link_wires_text({str(name): str(dtype) for name, dtype in links.items()})
-    return str(plan.get("wire_dtype") or "float32")
-
-
-def _seconds_per_sample(records: list[dict[str, Any]]) -> dict[str, float]:
-    """The last sample-split ``plan`` record's calibration, seconds per sample by
-    participant (positive numbers only); empty for the kernel split or older runs."""
-    for record in reversed(records):
-        if record.get("type") == "plan" and record.get("split_by") == "samples":
-            raw = record.get("seconds_per_sample")
-            if not isinstance(raw, dict):
-                return {}
-            out = {}
-            for name, value in raw.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool) \
-                        and math.isfinite(value) and value > 0:
-                    out[str(name)] = float(value)
-            return out
-    return {}
 
 
 def _first_time(records: list[dict[str, Any]]) -> float | None:
