@@ -140,9 +140,11 @@ def add_parser(sub: Any) -> None:
                    "calibrated and equal)")
     p.add_argument("--fall-back", choices=ON_OFF, default="on",
                    help="distributed, split by samples: 'on' (default) tries the master "
-                   "alone from one snapshot to the next when the last 9 steps measured over 5%% "
-                   "slower than its estimate of the master alone, and trains on alone if the "
-                   "trial was faster (else back to the workers); 'off' keeps them")
+                   "alone from one snapshot to the next when the last 9 steps measured over 0.75 "
+                   "of its estimate of the master alone (an estimate that errs by up to a "
+                   "third; after a trial, over 1.05 of the corrected one), and trains on "
+                   "alone if the trial was faster (else back to the workers); 'off' keeps "
+                   "them")
     p.add_argument("--on-worker-loss", choices=ON_WORKER_LOSS, default=ON_WORKER_LOSS[0],
                    help="distributed: when the last worker is lost, 'continue' (default) "
                    "training on the master alone or 'stop' with one line")

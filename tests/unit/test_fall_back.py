@@ -9,6 +9,7 @@ import pytest
 
 from hetconv.master.fall_back import (
     ALONE_WINDOW,
+    CORRECTED_TRIGGER,
     TRIAL_TRIGGER,
     AloneCheck,
     GoBack,
@@ -29,16 +30,29 @@ def test_no_trial_before_a_full_window_or_while_the_workers_are_faster() -> None
     _with_workers(check, 0.020, 0.010, ALONE_WINDOW - 1)
     assert check.at_snapshot() is None  # too few steps to judge
     check = AloneCheck()
-    _with_workers(check, 0.010, 0.012)
-    assert check.at_snapshot() is None  # faster than the estimate alone
+    _with_workers(check, 0.010, 0.016)
+    assert check.at_snapshot() is None  # clearly faster than the estimate alone
     _with_workers(check, 0.010, 0.010 / TRIAL_TRIGGER * 1.001)
     assert check.at_snapshot() is None  # within the trigger
 
 
+def test_a_run_only_somewhat_faster_than_the_estimate_is_tried_alone() -> None:
+    """The estimate errs by up to a third either way (the module doc): a run 10 %
+    faster than it may still be slower than the master really alone (0.6/0.4/0.2/0.2
+    on the lab: 93.7 ms a step with the workers, estimated 95.7 alone, 87.8 measured
+    alone), so it is tried."""
+    check = AloneCheck()
+    _with_workers(check, 0.0937, 0.0957)
+    assert check.at_snapshot() == TryAlone(pytest.approx(0.0937), pytest.approx(0.0957))
+    for _ in range(ALONE_WINDOW):
+        check.trial_step(0.0878)
+    assert check.at_snapshot() == StayAlone(pytest.approx(0.0937), pytest.approx(0.0878))
+
+
 def test_medians_ignore_one_outlier() -> None:
     check = AloneCheck()
-    _with_workers(check, 0.010, 0.0098, ALONE_WINDOW - 1)
-    check.distributed_step(0.5, 0.0098)
+    _with_workers(check, 0.010, 0.016, ALONE_WINDOW - 1)
+    check.distributed_step(0.5, 0.016)
     assert check.at_snapshot() is None
 
 
@@ -69,6 +83,9 @@ def test_a_trial_that_refutes_the_estimate_goes_back_and_corrects_it() -> None:
     assert check.at_snapshot() is None  # the window starts over with the workers
     _with_workers(check, 0.060, 0.0546)
     assert check.at_snapshot() is None  # corrected: 60 ms against 71.5 alone
+    # measured now: the tight trigger, not the band for the estimate's error
+    _with_workers(check, 0.0715 * CORRECTED_TRIGGER * 0.999, 0.0546)
+    assert check.at_snapshot() is None
     _with_workers(check, 0.090, 0.0546)  # the workers got slower since
     assert check.at_snapshot() == TryAlone(pytest.approx(0.090), pytest.approx(0.0715))
 
