@@ -31,6 +31,9 @@ from collections import deque
 from dataclasses import dataclass
 
 ALONE_WINDOW = 9
+STAY_ALONE_REASON = "slower than the master alone"
+"""How the ``replan`` record that leaves the master alone for the rest of the run
+begins (read back by ``hetconv bench scale``)."""
 """Steps whose median is compared: the last ones with the workers, the trial's alone."""
 TRIAL_TRIGGER = 0.75
 """Before any trial: a trial starts when the conv part with the workers measures more

@@ -27,7 +27,14 @@ from hetconv.master.audit import audit_input, audit_workers, dense_audit_input
 from hetconv.master.calibration import calibrate_samples
 from hetconv.master.cluster import Cluster, WorkerHandle, WorkerLost
 from hetconv.master.commands import carry_out
-from hetconv.master.fall_back import ALONE_WINDOW, AloneCheck, GoBack, StayAlone, TryAlone
+from hetconv.master.fall_back import (
+    ALONE_WINDOW,
+    STAY_ALONE_REASON,
+    AloneCheck,
+    GoBack,
+    StayAlone,
+    TryAlone,
+)
 from hetconv.master.plan import Participant, Shard
 from hetconv.master.run import (
     Command,
@@ -342,7 +349,7 @@ class BetweenSteps(StepFigures):
         self.cluster.pump(0.0)
 
     def stay_alone(self, verdict: StayAlone) -> None:
-        reason = (f"slower than the master alone: the conv part took "
+        reason = (f"{STAY_ALONE_REASON}: the conv part took "
                   f"{verdict.measured_s * 1e3:.1f} ms per step with the workers, "
                   f"{verdict.alone_s * 1e3:.1f} ms alone (medians of {ALONE_WINDOW} steps)")
         self.setup.report(f"hetconv: {reason}: training on alone (the workers stay up for "

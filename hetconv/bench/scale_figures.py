@@ -18,6 +18,7 @@ from hetconv.bench.scale_breakdown import (
     step_breakdown,
 )
 from hetconv.errors import UserError
+from hetconv.master.fall_back import STAY_ALONE_REASON
 from hetconv.metrics import participant_of, read_metrics
 from hetconv.perf_model import ParticipantCost, star_step_seconds
 
@@ -40,6 +41,16 @@ class RunFigures:
     comm_share: float = 0.0  # median comm_s over step_s
     barriers: dict[str, dict[str, float]] = field(default_factory=dict)  # barrier_figures
     timeline: dict[str, Any] = field(default_factory=dict)  # typical_step_timeline
+
+
+def stayed_alone(records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The ``replan`` record by which the master-alone check left the master alone for
+    the rest of the run (master/fall_back.py), or None."""
+    for record in reversed(records):
+        if record.get("type") == "replan" and str(record.get("reason", "")).startswith(
+                STAY_ALONE_REASON) and "time" in record:
+            return dict(record)
+    return None
 
 
 def settled_split(records: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -86,7 +97,13 @@ def run_figures(run_dir: Path, link_bytes_per_s: float | None) -> RunFigures:
     records = read_metrics(run_dir / "metrics.jsonl")
     steps = [r for r in records if r.get("type") == "step"]
     settled = settled_split(records)
-    if settled is not None:  # the steady state: the split the rebalancer settled on
+    alone = stayed_alone(records)
+    if alone is not None and not any(float(r["time"]) > float(alone["time"]) for r in steps):
+        alone = None
+    if alone is not None:  # the master-alone check left the master alone: its steps since
+        steps = [r for r in steps if float(r["time"]) > float(alone["time"])]
+        settled = None
+    elif settled is not None:  # the steady state: the split the rebalancer settled on
         steps = [r for r in steps if int(r["step"]) > int(settled["step"]) + 1]
     else:
         steps = steps[1:] if len(steps) > 1 else steps
@@ -115,7 +132,10 @@ def run_figures(run_dir: Path, link_bytes_per_s: float | None) -> RunFigures:
     predicted = None
     sample_split = any(r.get("split_by") == "samples" for r in plans)
     models = [r for r in records if r.get("type") == "model"]
-    if sample_split and models:  # the step model calibrated in place (master/step_model.py)
+    if alone is not None and float(alone.get("alone_step_s") or 0.0) > 0:
+        # the plan in force is the master alone: what the check's trial measured of it
+        predicted = float(alone["alone_step_s"]) + dense_s
+    elif sample_split and models:  # the step model calibrated in place (master/step_model.py)
         predicted = float(models[-1]["predicted_step_s"])
     elif sample_split:  # the setup's prediction (master/sample_plan.py) plus the dense part
         value = plans[-1].get("predicted_step_s")

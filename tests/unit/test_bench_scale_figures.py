@@ -1,9 +1,14 @@
 """Which steps `hetconv bench scale` takes its figures from (pure)."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
-from hetconv.bench.scale_figures import SETTLED_STEPS, settled_split
+import pytest
+
+from hetconv.bench.scale_figures import SETTLED_STEPS, run_figures, settled_split
+from hetconv.master.fall_back import STAY_ALONE_REASON
 
 
 def records(steps: int, resplits: list[int]) -> list[dict[str, Any]]:
@@ -24,3 +29,33 @@ def test_the_last_resplit_with_enough_steps_after_it_wins() -> None:
     # a re-split too close to the end is not the steady state: the one before it is
     assert settled_split(records(40, [7, last + 1]))["step"] == 7  # type: ignore[index]
     assert settled_split(records(12, [7])) is None
+
+
+def _step(step: int, time: float, step_s: float) -> dict[str, Any]:
+    return {"type": "step", "step": step, "time": time, "step_s": step_s, "conv_s": step_s,
+            "dense_s": 0.002, "comm_s": 0.0, "layers": []}
+
+
+def test_a_run_the_check_left_alone_is_figured_from_its_steps_alone(tmp_path: Path) -> None:
+    """After the master-alone check's trial kept the master alone, the run's figures
+    are its steps alone, and the plan in force is the master alone: its prediction is
+    what the trial measured of it (plus the dense part), not the step model's
+    prediction of the workers' plan it left."""
+    lines = [{"type": "plan", "split_by": "samples", "predicted_step_s": 0.05},
+             *[_step(s, 100.0 + s, 0.100) for s in range(20)],
+             {"type": "model", "step": 18, "predicted_step_s": 0.070},
+             {"type": "rebalance", "step": 17, "new_predicted_step_s": 0.07},
+             {"type": "replan", "time": 120.5, "reason": "trying the master alone: ...",
+              "measured_step_s": 0.100, "alone_step_s": 0.085},
+             *[_step(s, 100.0 + s, 0.090) for s in range(20, 30)],
+             {"type": "replan", "time": 130.5, "reason": STAY_ALONE_REASON + ": the ...",
+              "measured_step_s": 0.100, "alone_step_s": 0.088},
+             *[_step(s, 100.0 + s, 0.087) for s in range(31, 60)]]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    figures = run_figures(tmp_path, None)
+    assert figures.step_s == pytest.approx(0.087)
+    assert figures.predicted_step_s == pytest.approx(0.088 + 0.002)
+    # a trial that went back leaves the figures to the workers' plan
+    lines[-30]["reason"] = "the master alone was slower: ..."
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert run_figures(tmp_path, None).predicted_step_s == pytest.approx(0.070)
