@@ -19,7 +19,7 @@ import statistics
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
-from hetconv.master.report.events import RECOVERY
+from hetconv.master.report.events import RECOVERY, ended_alone
 from hetconv.master.report.records import ParticipantTiming, RunRecords, StepRecord
 from hetconv.master.report.summary import (
     DeviceLayer,
@@ -459,7 +459,7 @@ def summarize(records: RunRecords) -> RunSummary:
                                             for t in layer.devices) else "kernels",
         bn_statistics="slice" if config.get("bn_statistics") == "slice" else "batch",
         dense_part=records.dense_part, wire=records.wire, not_used=records.not_used,
-        split_choice=records.split)
+        split_choice=records.split, ended_alone=ended_alone(records.events))
 
 
 def _opt_int(value: object) -> int | None:

@@ -31,6 +31,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hetconv.master.fall_back import STAY_ALONE_REASON
 from hetconv.metrics import participant_of
 
 RESUME, RECOVERY, LOSS, JOIN, REPLAN, RESPLIT = (
@@ -213,3 +214,17 @@ def membership_events(records: Sequence[dict[str, Any]],
                 warnings.append(f"record {number} ({record.get('type')}) is malformed "
                                 f"({error!r}); skipped")
     return tuple(builder.events), tuple(builder.checkpoints)
+
+
+def ended_alone(events: Sequence[MembershipEvent]) -> tuple[int, str] | None:
+    """(the first step trained alone, why) when the master-alone check's trial left the
+    master alone for the rest of the run (a ``replan`` starting with
+    ``STAY_ALONE_REASON``, no join or re-plan after it); else None."""
+    for index in range(len(events) - 1, -1, -1):
+        event = events[index]
+        if event.kind == REPLAN and event.reason.startswith(STAY_ALONE_REASON):
+            later = events[index + 1:]
+            if event.step is None or any(e.kind in (JOIN, REPLAN) for e in later):
+                return None
+            return event.step, event.reason
+    return None

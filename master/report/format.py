@@ -95,6 +95,9 @@ def overview_table(summary: RunSummary) -> Table:
         *([] if summary.step_model is None else [_step_model_row(summary.step_model)]),
         *([] if not summary.split_choice[0] else [
             ("split by (the plan's)", *summary.split_choice)]),
+        *([] if summary.ended_alone is None else [
+            ("trained alone", f"from step {summary.ended_alone[0]}",
+             f"{summary.ended_alone[1]}: the figures mix both")]),
         *([] if not summary.not_used else [
             ("not used", ", ".join(summary.not_used),
              "left out by the plan: predicted or measured to lengthen the step (its link or "

@@ -156,3 +156,4 @@ class RunSummary:
     wire: str = ""  # the wire dtype(s) the plan chose; "" for a local run
     split_choice: tuple[str, str] = ("", "")  # the plan's split and why; empty: unknown
     not_used: tuple[str, ...] = ()  # participants the plan left out
+    ended_alone: tuple[int, str] | None = None  # (first step alone, why): the alone check

@@ -11,6 +11,7 @@ import pytest
 
 from hetconv.commands.report import run_report
 from hetconv.errors import UserError
+from hetconv.master.fall_back import STAY_ALONE_REASON
 from hetconv.master.report.analysis import summarize
 from hetconv.master.report.json_out import render_json
 from hetconv.master.report.records import parse_run
@@ -459,3 +460,23 @@ def test_the_overview_says_how_the_plan_split_the_layers_and_why(tmp_path: Path)
     del plan["split_by_why"]
     text = render_run(summarize(parse_run(write_run(tmp_path / "older", records))))
     assert "split by (the plan's)" not in text
+
+
+def test_the_overview_says_when_the_alone_check_left_the_master_alone(tmp_path: Path) -> None:
+    """A run whose master-alone check kept the master alone (master/fall_back.py) says so
+    in the overview, from which step and why; a trial that went back to the workers
+    says nothing there (its re-plans are in the events table)."""
+    records = sample_split_records()
+    at = next(i for i, r in enumerate(records) if r["type"] == "step" and r["step"] == 3)
+    trial = {"type": "replan", "time": 1500.0, "reason": "trying the master alone: ...",
+             "counts": []}
+    stay = {"type": "replan", "time": 1501.0, "counts": [],
+            "reason": STAY_ALONE_REASON + ": the conv part took 100.9 ms per step with "
+            "the workers, 98.1 ms alone (medians of 9 steps)"}
+    records[at:at] = [trial, stay]
+    text = render_run(summarize(parse_run(write_run(tmp_path / "run", records))))
+    assert re.search(r"^trained alone\s+from step 3\s+slower than the master alone", text,
+                     re.M), text[:3000]
+    stay["reason"] = "the master alone was slower: 120.0 ms per step alone, 90.0 ms with ..."
+    text = render_run(summarize(parse_run(write_run(tmp_path / "back", records))))
+    assert "trained alone" not in text
