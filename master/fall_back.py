@@ -31,14 +31,14 @@ from collections import deque
 from dataclasses import dataclass
 
 ALONE_WINDOW = 9
+"""Steps whose median is compared: the last ones with the workers, the trial's alone."""
 STAY_ALONE_REASON = "slower than the master alone"
 """How the ``replan`` record that leaves the master alone for the rest of the run
-begins (read back by ``hetconv bench scale``)."""
-"""Steps whose median is compared: the last ones with the workers, the trial's alone."""
+begins (read back by ``hetconv bench scale`` and ``hetconv report``)."""
 TRIAL_TRIGGER = 0.75
 """Before any trial: a trial starts when the conv part with the workers measures more
 than this fraction of the estimate of the master alone (the estimate errs by up to
-30 % either way: module doc). Runs that scale well stay well under it (four 0.45-core
+a third either way: module doc). Runs that scale well stay well under it (four 0.45-core
 machines, 32:64: 55-62 ms against estimates of 111-178)."""
 CORRECTED_TRIGGER = 1.05
 """After a trial corrected the estimate by what it measured: a trial starts again only

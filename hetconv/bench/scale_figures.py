@@ -98,11 +98,10 @@ def run_figures(run_dir: Path, link_bytes_per_s: float | None) -> RunFigures:
     steps = [r for r in records if r.get("type") == "step"]
     settled = settled_split(records)
     alone = stayed_alone(records)
-    if alone is not None and not any(float(r["time"]) > float(alone["time"]) for r in steps):
-        alone = None
-    if alone is not None:  # the master-alone check left the master alone: its steps since
-        steps = [r for r in steps if float(r["time"]) > float(alone["time"])]
-        settled = None
+    alone_steps = [] if alone is None else [
+        r for r in steps if float(r["time"]) > float(alone["time"])]
+    if alone_steps:  # the master-alone check left the master alone: its steps since
+        steps, settled = alone_steps, None
     elif settled is not None:  # the steady state: the split the rebalancer settled on
         steps = [r for r in steps if int(r["step"]) > int(settled["step"]) + 1]
     else:
@@ -132,7 +131,7 @@ def run_figures(run_dir: Path, link_bytes_per_s: float | None) -> RunFigures:
     predicted = None
     sample_split = any(r.get("split_by") == "samples" for r in plans)
     models = [r for r in records if r.get("type") == "model"]
-    if alone is not None and float(alone.get("alone_step_s") or 0.0) > 0:
+    if alone_steps and alone is not None and float(alone.get("alone_step_s") or 0.0) > 0:
         # the plan in force is the master alone: what the check's trial measured of it
         predicted = float(alone["alone_step_s"]) + dense_s
     elif sample_split and models:  # the step model calibrated in place (master/step_model.py)
