@@ -21,7 +21,8 @@ Pure functions and one small sans-IO class; the socket side is
   step at least WIRE_FLOAT16_GAIN shorter with it; the weight gradients are reduced in
   float32 either way.
 - :class:`SampleBalance`: per-sample seconds per participant from the calibration,
-  corrected from the measured rounds of recent steps (median of the last few; a
+  corrected from the measured rounds of recent steps (median of the first 9 after a
+  plan, then of the last 27 at the current slices; a
   participant's round is from the round's start to its reply: compute, wire, message
   handling and CPU-quota throttling, what the barrier waits for; its own waits for
   its peers' pieces are not its cost) and re-weighted when the measured slowest
@@ -44,7 +45,17 @@ SPLIT_BY = ("auto", "kernels", "samples")
 """``--split-by`` choices; the first is the default."""
 
 REBALANCE_WINDOW = 9
-"""Steps of measured compute whose median corrects a participant's per-sample cost."""
+"""Steps of measured compute whose median corrects a participant's per-sample cost at
+the first check after a plan (a calibration can be far off: act soon), and steps
+between two later checks."""
+SETTLED_WINDOW = 27
+"""Steps of measured compute, at the current slices, whose median every later check
+uses. On the lab's quota-throttled machines a participant's compute per sample swings
+slowly with the phase of its CPU period against the step's (two equal 0.45-core
+machines, 32:64: 0.5-0.8 ms a sample for 10 steps, then 1.3-1.5 for the next 10,
+the other machine the opposite way), so a 9-step median followed the swing and two
+equal machines were re-sliced 56/72 -> 64/64 -> 81/47 within 45 steps; a window of
+three such swings averages them out."""
 REBALANCE_GAIN = 0.10
 """Re-weight only when the predicted slowest compute drops by at least this fraction.
 (5 % was tried: on the lab's quota-throttled machines a participant's compute per
@@ -138,7 +149,9 @@ class SampleBalance:
     """Each participant's step as a fixed part plus a part per sample, o_i + b_i·n_i.
 
     From the calibration: b_i its seconds per sample, o_i = 0. Measured: b_i the median
-    compute per sample of the last ``REBALANCE_WINDOW`` steps, o_i the median of the
+    compute per sample of the last ``REBALANCE_WINDOW`` steps at the first check after
+    a plan (or a join or an eviction), of the last ``SETTLED_WINDOW`` steps at the
+    current slices at every later one (a check every ``REBALANCE_WINDOW`` steps), o_i the median of the
     rest of its rounds (from each round's start to its reply, minus its compute and
     minus its own waits for its peers' pieces: the wire, message handling and CPU-quota
     throttling it pays whatever its slice), less the least of the workers' (the part
@@ -159,6 +172,9 @@ class SampleBalance:
         self.overhead: dict[str, float] = {}  # o_i (0 until measured)
         self._measured: dict[str, deque[tuple[float, float]]] = {}
         self._last_moves: dict[str, int] = {}  # the last re-slice: samples gained (< 0 lost)
+        self._settled = False  # a check happened since the plan: later ones use SETTLED_WINDOW
+        self._since_check = 0  # steps observed since the last check
+        self._samples_seen: dict[str, int] = {}  # the slices the measurements are of
 
     def restrict(self, names: Sequence[str]) -> None:
         """Forget participants not in ``names`` (evicted)."""
@@ -166,12 +182,14 @@ class SampleBalance:
         self.overhead = {n: t for n, t in self.overhead.items() if n in names}
         self._measured = {n: d for n, d in self._measured.items() if n in names}
         self._last_moves = {}
+        self._settled = False
 
     def add(self, name: str, seconds_per_sample: float) -> None:
         self.seconds[name] = seconds_per_sample
         self.overhead.pop(name, None)
         self._measured.pop(name, None)
         self._last_moves = {}
+        self._settled = False
 
     def slices(self, names: Sequence[str], batch: int) -> list[Slice]:
         """Consecutive slices of ``batch`` in the order of ``names`` (empty ones kept)."""
@@ -189,17 +207,27 @@ class SampleBalance:
         out), its rounds' latency (from each round's start to its reply in the master's
         hands), its samples, and its waits for its peers' pieces (within the latency)."""
         waits = waits_s or {}
+        if samples != self._samples_seen:  # other slices (ours, or a re-plan's): measure afresh
+            self._measured.clear()
+            self._since_check = 0
+            self._samples_seen = dict(samples)
         for name, seconds in compute_s.items():
             n = samples.get(name, 0)
             if n > 0 and name in self.seconds:
                 rest = latency_s.get(name, seconds) - seconds - waits.get(name, 0.0)
-                self._measured.setdefault(name, deque(maxlen=REBALANCE_WINDOW)).append(
+                self._measured.setdefault(name, deque(maxlen=SETTLED_WINDOW)).append(
                     (seconds / n, max(0.0, rest)))
-        if any(len(self._measured.get(n, ())) < REBALANCE_WINDOW for n in self.seconds
-               if samples.get(n, 0) > 0):
+        self._since_check += 1
+        window = SETTLED_WINDOW if self._settled else REBALANCE_WINDOW
+        if self._since_check < REBALANCE_WINDOW or any(
+                len(self._measured.get(n, ())) < window for n in self.seconds
+                if samples.get(n, 0) > 0):
             return False
-        measured = {n: (statistics.median(b for b, _ in d), statistics.median(o for _, o in d))
-                    for n, d in self._measured.items() if len(d) == REBALANCE_WINDOW}
+        self._since_check = 0
+        self._settled = True
+        measured = {n: (statistics.median(b for b, _ in list(d)[-window:]),
+                        statistics.median(o for _, o in list(d)[-window:]))
+                    for n, d in self._measured.items() if len(d) >= window}
         if not measured:
             return False
         names = list(self.seconds)
@@ -230,7 +258,6 @@ class SampleBalance:
             self.overhead = {n: (before[1].get(n, overhead[n]) + overhead[n]) / 2
                              for n in names}
             proposed = {s.participant: s.samples for s in self.slices(names, batch)}
-        self._measured.clear()
         if finish(proposed) > now * (1 - REBALANCE_GAIN):
             self.seconds, self.overhead = before  # not worth a change: keep the slices
             return False

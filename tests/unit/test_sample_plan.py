@@ -9,6 +9,7 @@ import pytest
 
 from hetconv.master.sample_plan import (
     REBALANCE_WINDOW,
+    SETTLED_WINDOW,
     SampleBalance,
     choose_split_by,
     model_split_by,
@@ -115,6 +116,70 @@ def test_speeds_that_swing_with_the_slices_meet_halfway_instead_of_flipping() ->
     assert all(abs(h["master"] - 64) < abs(history[1]["master"] - 64) for h in history[2:]), \
         history
     assert len(history) <= 4, history  # and it settles
+
+
+# Compute per sample (ms) of two equal 0.45-core machines, each step of a recorded run
+# (`hetconv bench scale --machines 0.45,0.45 ... --arch 32:64`, 2026-11-30 05:51 UTC, the
+# master and m1 of docs/figures/scale-alone-trigger-32-64.md's second repeat, its 80 steps
+# with both computing): the two swing against each other for about 10 steps at a time.
+EQUAL_MASTER_MS = [
+    2.39, 1.23, 1.19, 0.94, 0.93, 1.13, 1.12, 1.2, 1.27, 1.58, 1.66, 1.06, 0.83, 0.9, 0.71,
+    0.75, 0.79, 0.9, 1.01, 1.7, 1.16, 1.02, 1.4, 1.0, 1.5, 1.44, 1.28, 1.17, 1.07, 0.54, 1.08,
+    1.07, 1.26, 1.08, 1.25, 1.31, 1.37, 1.28, 0.96, 0.85, 0.55, 0.49, 0.56, 0.9, 0.63, 0.67,
+    0.98, 1.26, 0.89, 0.49, 1.27, 1.45, 1.39, 1.47, 1.38, 1.54, 1.23, 1.19, 1.17, 1.02, 0.88,
+    0.8, 0.78, 0.58, 0.7, 0.69, 0.62, 0.69, 0.82, 0.8, 1.1, 1.28, 1.19, 0.97, 1.14, 0.98, 0.98,
+    1.02, 0.81, 1.0]
+EQUAL_WORKER_MS = [
+    1.34, 1.27, 1.14, 1.52, 1.11, 1.01, 1.42, 1.35, 1.02, 1.05, 0.95, 1.2, 1.4, 1.39, 1.52,
+    1.42, 1.32, 1.43, 1.21, 1.2, 0.81, 0.81, 0.83, 0.67, 0.98, 0.57, 0.51, 1.32, 1.36, 1.11,
+    1.16, 0.83, 0.68, 0.58, 0.68, 0.7, 0.76, 1.08, 1.15, 0.92, 0.96, 1.21, 1.13, 1.02, 1.09,
+    1.16, 1.54, 1.62, 1.78, 1.31, 1.27, 0.86, 0.65, 0.92, 0.96, 0.87, 0.91, 1.05, 1.17, 1.26,
+    1.12, 1.32, 1.4, 1.56, 1.27, 1.3, 1.29, 1.12, 1.12, 0.97, 0.85, 0.83, 0.86, 0.48, 0.57,
+    0.61, 0.57, 0.63, 0.94, 0.5]
+
+
+def test_two_equal_machines_whose_speeds_swing_keep_an_even_split() -> None:
+    """Replayed through the balance at the slices it chooses, the recorded swing moves
+    the batch at most once and leaves it within a few samples of even (that run, with
+    9-step medians at every check, was re-sliced 78/50 -> 56/72 -> 64/64 -> 81/47)."""
+    names = ["master", "m1"]
+    balance = SampleBalance({"master": 0.0010, "m1": 0.0010})
+    samples = {s.participant: s.samples for s in balance.slices(names, 128)}
+    history = [samples]
+    for master_ms, worker_ms in zip(EQUAL_MASTER_MS, EQUAL_WORKER_MS):
+        compute = {"master": master_ms / 1e3 * samples["master"],
+                   "m1": worker_ms / 1e3 * samples["m1"]}
+        if balance.observe(compute, compute, samples):
+            samples = {s.participant: s.samples for s in balance.slices(names, 128)}
+            history.append(samples)
+    assert len(history) <= 2, history
+    assert all(abs(h["master"] - 64) <= 6 for h in history), history
+
+
+def test_later_checks_wait_for_a_settled_window_and_a_join_acts_soon_again() -> None:
+    """The first check after a plan comes after REBALANCE_WINDOW steps; later ones take
+    the median of SETTLED_WINDOW steps at the current slices (checked every
+    REBALANCE_WINDOW steps); a joiner or an eviction makes the next check a quick one."""
+    names = ["master", "a"]
+    balance = SampleBalance({"master": 0.001, "a": 0.001})
+    samples = {"master": 64, "a": 64}
+    even = {"master": 0.064, "a": 0.064}
+    for _ in range(REBALANCE_WINDOW):
+        assert not balance.observe(even, even, samples)  # the first check: nothing to gain
+    slow = {"master": 0.064, "a": 0.128}  # a turns twice as slow
+    changed_at = next(i for i in range(1, 3 * SETTLED_WINDOW)
+                      if balance.observe(slow, slow, samples))
+    # checked every REBALANCE_WINDOW steps on the last SETTLED_WINDOW: the first check
+    # with a full window (9 even steps, 18 slow ones) sees the median slow
+    assert changed_at == 2 * REBALANCE_WINDOW == SETTLED_WINDOW - REBALANCE_WINDOW
+    samples = {s.participant: s.samples for s in balance.slices(names, 128)}
+    assert samples == {"master": 85, "a": 43}
+    balance.add("b", 0.001)  # a join: the next check is a quick one again
+    samples = {"master": 43, "a": 42, "b": 43}
+    steps = {"master": 0.043, "a": 0.084, "b": 0.086}
+    changed_at = next(i for i in range(1, 3 * SETTLED_WINDOW)
+                      if balance.observe(steps, steps, samples))
+    assert changed_at == REBALANCE_WINDOW
 
 
 def test_reverses_is_a_move_back() -> None:

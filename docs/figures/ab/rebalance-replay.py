@@ -1,0 +1,145 @@
+"""Replay recorded compute per sample through the sample split's re-slicing, two versions.
+
+The re-slicing (``SampleBalance`` in master/sample_plan.py) decides from each
+participant's measured compute per sample. This replays recorded runs' series of it
+(per step and participant, from ``hetconv bench scale`` work directories' metrics) at
+the slices each version chooses: a participant's compute in a step is its recorded
+compute per sample that step times the samples the version gave it (the recording's
+per-sample figure is taken as independent of the slice: true of the equal machines,
+rough for a machine with a large fixed cost per step and a tiny slice). For each run
+and version it prints how often the batch was re-sliced and the cost: the sum over the
+steps of the slowest participant's compute, over the same sum for the one split that
+is best on average (slices by each participant's mean compute per sample): 1.000 is as
+good as knowing the average in advance.
+
+    python docs/figures/ab/rebalance-replay.py --old REV [--series FILE] [--extract FILE] [RUN_DIR/metrics.jsonl ...]
+
+``--old REV``: the other version, master/sample_plan.py at that git revision (the
+working tree's is the new one). Metrics files given: their series are read (and, with
+``--extract FILE``, written to FILE as JSON); without them the series come from
+``--series FILE`` (default: rebalance-replay-series.json beside this script, the
+series of the bench runs on this lab that the figures of 2026-11-29/30 came from).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT))
+from hetconv.master import sample_plan as new_plan  # noqa: E402
+
+Series = list[dict[str, float]]  # per step: participant -> seconds per sample
+
+
+def series_of(path: Path) -> Series:
+    """The steps where every participant of the run's most common set computed."""
+    steps: Series = []
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        if record.get("type") != "step":
+            continue
+        compute: dict[str, float] = {}
+        samples: dict[str, int] = {}
+        for layer in record["layers"]:
+            for device in layer["devices"]:
+                name = device["participant"]
+                compute[name] = compute.get(name, 0.0) + device["forward_s"] + device["backward_s"]
+                samples[name] = device.get("samples", 0)
+        if len(samples) >= 2 and all(n > 0 for n in samples.values()):
+            steps.append({n: compute[n] / samples[n] for n in samples})
+    if not steps:
+        return steps
+    common = Counter(tuple(sorted(s)) for s in steps).most_common(1)[0][0]
+    return [s for s in steps if tuple(sorted(s)) == common]
+
+
+def plan_at(revision: str) -> ModuleType:
+    source = subprocess.run(["git", "show", f"{revision}:master/sample_plan.py"], cwd=ROOT,
+                            capture_output=True, text=True, check=True).stdout
+    path = Path(tempfile.mkdtemp()) / "old_sample_plan.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("old_sample_plan", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["old_sample_plan"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def replay(plan: Any, series: Series, batch: int = 128) -> tuple[int, float]:
+    """(re-slices, cost) of one version over one run's series; the balance starts from
+    the median of the first three steps (the calibration's stand-in)."""
+    names = list(series[0])
+    balance = plan.SampleBalance({n: statistics.median(s[n] for s in series[:3]) for n in names})
+    slices = {s.participant: s.samples for s in balance.slices(names, batch)}
+    mean = {n: statistics.mean(s[n] for s in series) for n in names}
+    best = {s.participant: s.samples for s in new_plan.sample_slices(names, [mean[n] for n in names], batch)}
+    moves, total, best_total = 0, 0.0, 0.0
+    for step in series:
+        compute = {n: step[n] * slices[n] for n in names}
+        total += max(compute.values())
+        best_total += max(step[n] * best[n] for n in names)
+        if balance.observe(compute, compute, dict(slices)):
+            slices = {s.participant: s.samples for s in balance.slices(names, batch)}
+            moves += 1
+    return moves, total / best_total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--old", required=True)
+    parser.add_argument("--series", type=Path,
+                        default=Path(__file__).with_name("rebalance-replay-series.json"))
+    parser.add_argument("--extract", type=Path)
+    parser.add_argument("metrics", nargs="*", type=Path)
+    args = parser.parse_args()
+    if args.metrics:
+        runs = {f"{p.parents[2].name.removeprefix('hetconv-scale-')}/{p.parents[1].name}/"
+                f"{p.parent.name}": series_of(p) for p in args.metrics}
+        runs = {name: s for name, s in runs.items() if len(s) >= 40}
+        if args.extract:  # per run: its participants, and per step their ms per sample
+            args.extract.write_text("{\n" + ",\n".join(
+                json.dumps(name) + ": " + json.dumps(
+                    {"participants": list(s[0]),
+                     "ms": [[round(step[n] * 1e3, 3) for n in s[0]] for step in s]})
+                for name, s in sorted(runs.items())) + "\n}\n")
+    else:
+        runs = {name: [{n: ms / 1e3 for n, ms in zip(run["participants"], step)}
+                       for step in run["ms"]]
+                for name, run in json.loads(args.series.read_text()).items()}
+    old = plan_at(args.old)
+    print(f"| run | steps | re-slices, {args.old} | cost, {args.old} | re-slices, new | cost, new |")
+    print("|---|---|---|---|---|---|")
+    groups: dict[str, list[tuple[int, float, int, float]]] = {}
+    for name, series in sorted(runs.items()):
+        (om, oc), (nm, nc) = replay(old, series), replay(new_plan, series)
+        print(f"| {name} | {len(series)} | {om} | {oc:.3f} | {nm} | {nc:.3f} |")
+        groups.setdefault(machines_of(name), []).append((om, oc, nm, nc))
+    print()
+    print(f"| machines | runs | re-slices, {args.old} | cost, {args.old} | re-slices, new | "
+          "cost, new |")
+    print("|---|---|---|---|---|---|")
+    every = [r for group in groups.values() for r in group]
+    for machines, rows in sorted(groups.items()) + [("every run", every)]:
+        means = [statistics.mean(r[i] for r in rows) for i in range(4)]
+        print(f"| {machines} | {len(rows)} | {means[0]:.2f} | {means[1]:.3f} | "
+              f"{means[2]:.2f} | {means[3]:.3f} |")
+
+
+def machines_of(run: str) -> str:
+    """``4x[0.45,0.45,0.45,0.45]`` of ``abc/4x[0.45,0.45,0.45,0.45]-auto/repeat1``."""
+    return run.split("/")[1].split("]")[0] + "]"
+
+
+if __name__ == "__main__":
+    main()
