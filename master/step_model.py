@@ -8,7 +8,14 @@ layers and its turnaround between rounds). On four 0.45-core machines it was 10-
 low (docs/sample-split.md). So after the first steps the master fits three terms to
 what it measured (:func:`fit_step_terms`), over a window of ``MODEL_WINDOW`` steps:
 
-- ``b_i``: each participant's compute per sample (median of the window);
+- ``b_i``: each participant's compute per sample (median of the window), and the
+  window's steps' own compute per sample per participant: the compute term of a
+  prediction is the median over those steps of each step's slowest participant,
+  ``median_t max_i b_i(t)·n_i``, not the slowest median ``max_i b_i·n_i``. On the lab's
+  quota-throttled machines the participants' speeds swing against each other from step
+  to step (two equal 0.45-core machines: one at 0.5-0.8 ms a sample while the other
+  takes 1.3-1.5), and every step waits for whichever is slow then; the slowest median
+  left that out and predicted 10-31 % short on two machines (docs/sample-split.md);
 - ``round_s``: per round, the rounds' wall time beyond the slowest participant's
   compute, (Σ_r wall_r − max_i Σ_r c_i,r) / rounds (median): the wire, message
   handling and the barriers' skew (2L + 2 rounds under ``--data-plane star``; 2 chains
@@ -17,7 +24,7 @@ what it measured (:func:`fit_step_terms`), over a window of ``MODEL_WINDOW`` ste
   its work between rounds, while every worker waits.
 
 The prediction for any slicing of the batch is then
-``max_i b_i·n_i + rounds·round_s + serial_s`` (:meth:`StepTerms.predict`). The model is
+``median_t max_i b_i(t)·n_i + rounds·round_s + serial_s`` (:meth:`StepTerms.predict`). The model is
 checked, not assumed: :class:`InPlaceModel` predicts the step for the slices in use
 after the window (a re-slice by the rebalancer included: a new split, not the fitted
 one) and compares with the median of the next ``MODEL_WINDOW`` steps measured on
@@ -63,18 +70,30 @@ class StepSample:
 
 @dataclass(frozen=True)
 class StepTerms:
-    """The fitted model (see the module doc): ``per_sample_s`` b_i per participant,
-    ``round_s`` per round, ``serial_s`` per step, ``rounds`` per step."""
+    """The fitted model (see the module doc): ``per_sample_s`` b_i per participant
+    (medians), ``round_s`` per round, ``serial_s`` per step, ``rounds`` per step, and
+    ``steps_s`` each fitted step's compute per sample per participant (b_i(t))."""
 
     per_sample_s: Mapping[str, float]
     round_s: float
     serial_s: float
     rounds: int
+    steps_s: tuple[Mapping[str, float], ...] = ()
 
     def compute_s(self, samples: Mapping[str, int]) -> float:
-        """The slowest participant's compute for ``samples`` per participant."""
-        return max((self.per_sample_s[name] * count for name, count in samples.items()
-                    if count > 0 and name in self.per_sample_s), default=0.0)
+        """The compute of a step with ``samples`` per participant: the median over the
+        fitted steps of each step's slowest participant at these slices (a participant
+        without a figure in a step at its median), or, without the steps, the slowest
+        median."""
+        working = {name: count for name, count in samples.items()
+                   if count > 0 and name in self.per_sample_s}
+        if not working:
+            return 0.0
+        if not self.steps_s:
+            return max(self.per_sample_s[name] * count for name, count in working.items())
+        return statistics.median(
+            max(step.get(name, self.per_sample_s[name]) * count
+                for name, count in working.items()) for step in self.steps_s)
 
     def predict(self, samples: Mapping[str, int]) -> float:
         """Seconds of one step with ``samples`` per participant."""
@@ -92,18 +111,22 @@ def fit_step_terms(window: Sequence[StepSample]) -> StepTerms:
         raise ValueError("no steps to fit the step model to")
     rounds = window[-1].rounds
     per_sample: dict[str, list[float]] = {}
+    steps: list[dict[str, float]] = []
     beyond, serial = [], []
     for step in window:
+        steps.append({})
         for name, seconds in step.compute_s.items():
             count = step.samples.get(name, 0)
             if count > 0:
                 per_sample.setdefault(name, []).append(seconds / count)
+                steps[-1][name] = seconds / count
         slowest = max((step.compute_s.get(name, 0.0) for name, count in step.samples.items()
                        if count > 0), default=0.0)
         beyond.append(max(0.0, step.rounds_s - slowest) / max(step.rounds, 1))
         serial.append(max(0.0, step.step_s - step.rounds_s))
     return StepTerms({name: statistics.median(values) for name, values in per_sample.items()},
-                     statistics.median(beyond), statistics.median(serial), rounds)
+                     statistics.median(beyond), statistics.median(serial), rounds,
+                     tuple(steps))
 
 
 @dataclass(frozen=True)

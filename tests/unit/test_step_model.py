@@ -2,6 +2,8 @@
 three terms, its prediction for other slices, and when the check is made."""
 from __future__ import annotations
 
+import statistics
+
 import pytest
 
 from hetconv.master.step_model import (
@@ -36,6 +38,23 @@ def test_the_fit_recovers_the_terms_a_step_was_made_of() -> None:
     assert terms.rounds == 6
     # another slicing: only the compute term moves
     assert terms.predict({"master": 64, "a": 64}) == pytest.approx(0.128 + 6 * 0.003 + 0.015)
+
+
+def test_the_compute_term_is_each_steps_slowest_participant_not_the_slowest_median() -> None:
+    """Two equal machines whose speeds swing against each other (the lab's quota
+    periods): each step waits for whichever is slow then. Their medians are equal, so
+    the slowest median would predict 64 ms of compute; the steps took 76.8."""
+    swing = [0.0008, 0.0010, 0.0012] * 3  # the master's s/sample; m1 the mirror image
+    window = [_step({"master": 64, "m1": 64}, {"master": m, "m1": 0.0020 - m}, 0.004, 0.002,
+                    rounds=1) for m in swing]
+    terms = fit_step_terms(window)
+    assert terms.per_sample_s == {"master": pytest.approx(0.0010), "m1": pytest.approx(0.0010)}
+    assert terms.compute_s({"master": 64, "m1": 64}) == pytest.approx(0.0012 * 64)
+    assert terms.round_s == pytest.approx(0.004)
+    assert terms.predict({"master": 64, "m1": 64}) == pytest.approx(
+        statistics.median(s.step_s for s in window))
+    # other slices: each step's slowest at those slices
+    assert terms.compute_s({"master": 96, "m1": 32}) == pytest.approx(0.0010 * 96)
 
 
 def test_the_fit_refuses_no_steps() -> None:

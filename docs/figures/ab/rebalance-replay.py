@@ -12,19 +12,19 @@ steps of the slowest participant's compute, over the same sum for the one split 
 is best on average (slices by each participant's mean compute per sample): 1.000 is as
 good as knowing the average in advance.
 
-    python docs/figures/ab/rebalance-replay.py --old REV [--series FILE] [--extract FILE] [RUN_DIR/metrics.jsonl ...]
+    python docs/figures/ab/rebalance-replay.py --old REV [--runs FILE] [--extract FILE] [RUN_DIR/metrics.jsonl ...]
 
 ``--old REV``: the other version, master/sample_plan.py at that git revision (the
-working tree's is the new one). Metrics files given: their series are read (and, with
-``--extract FILE``, written to FILE as JSON); without them the series come from
-``--series FILE`` (default: rebalance-replay-series.json beside this script, the
-series of the bench runs on this lab that the figures of 2026-11-29/30 came from).
+working tree's is the new one). Metrics files given: their runs are read (and, with
+``--extract FILE``, written to FILE as JSON: recorded_runs.py); without them the runs
+come from ``--runs FILE`` (default: recorded-runs.json beside this script, the bench
+runs on this lab that the figures of 2026-11-29/30 came from). Runs with fewer than 40
+steps of every participant computing are left out.
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import statistics
 import subprocess
 import sys
@@ -36,27 +36,19 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).parent))
+import recorded_runs  # noqa: E402
+
 from hetconv.master import sample_plan as new_plan  # noqa: E402
 
 Series = list[dict[str, float]]  # per step: participant -> seconds per sample
 
 
-def series_of(path: Path) -> Series:
+def series_of(run: recorded_runs.Run) -> Series:
     """The steps where every participant of the run's most common set computed."""
-    steps: Series = []
-    for line in path.read_text().splitlines():
-        record = json.loads(line)
-        if record.get("type") != "step":
-            continue
-        compute: dict[str, float] = {}
-        samples: dict[str, int] = {}
-        for layer in record["layers"]:
-            for device in layer["devices"]:
-                name = device["participant"]
-                compute[name] = compute.get(name, 0.0) + device["forward_s"] + device["backward_s"]
-                samples[name] = device.get("samples", 0)
-        if len(samples) >= 2 and all(n > 0 for n in samples.values()):
-            steps.append({n: compute[n] / samples[n] for n in samples})
+    steps: Series = [{n: compute[n] / samples[n] for n in samples}
+                     for _, _, compute, samples in recorded_runs.step_figures(run)
+                     if len(samples) >= 2 and all(c > 0 for c in samples.values())]
     if not steps:
         return steps
     common = Counter(tuple(sorted(s)) for s in steps).most_common(1)[0][0]
@@ -98,25 +90,19 @@ def replay(plan: Any, series: Series, batch: int = 128) -> tuple[int, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--old", required=True)
-    parser.add_argument("--series", type=Path,
-                        default=Path(__file__).with_name("rebalance-replay-series.json"))
+    parser.add_argument("--runs", type=Path,
+                        default=Path(__file__).with_name("recorded-runs.json"))
     parser.add_argument("--extract", type=Path)
     parser.add_argument("metrics", nargs="*", type=Path)
     args = parser.parse_args()
     if args.metrics:
-        runs = {f"{p.parents[2].name.removeprefix('hetconv-scale-')}/{p.parents[1].name}/"
-                f"{p.parent.name}": series_of(p) for p in args.metrics}
-        runs = {name: s for name, s in runs.items() if len(s) >= 40}
-        if args.extract:  # per run: its participants, and per step their ms per sample
-            args.extract.write_text("{\n" + ",\n".join(
-                json.dumps(name) + ": " + json.dumps(
-                    {"participants": list(s[0]),
-                     "ms": [[round(step[n] * 1e3, 3) for n in s[0]] for step in s]})
-                for name, s in sorted(runs.items())) + "\n}\n")
+        recorded = {recorded_runs.run_name(p): recorded_runs.extract(p) for p in args.metrics}
+        if args.extract:
+            recorded_runs.write(recorded, args.extract)
     else:
-        runs = {name: [{n: ms / 1e3 for n, ms in zip(run["participants"], step)}
-                       for step in run["ms"]]
-                for name, run in json.loads(args.series.read_text()).items()}
+        recorded = recorded_runs.load(args.runs)
+    runs = {name: series for name, series in
+            ((name, series_of(run)) for name, run in recorded.items()) if len(series) >= 40}
     old = plan_at(args.old)
     print(f"| run | steps | re-slices, {args.old} | cost, {args.old} | re-slices, new | cost, new |")
     print("|---|---|---|---|---|---|")
