@@ -56,6 +56,11 @@ machines, 32:64: 0.5-0.8 ms a sample for 10 steps, then 1.3-1.5 for the next 10,
 the other machine the opposite way), so a 9-step median followed the swing and two
 equal machines were re-sliced 56/72 -> 64/64 -> 81/47 within 45 steps; a window of
 three such swings averages them out."""
+URGENT_GAIN = 0.30
+"""Between the settled checks the last ``REBALANCE_WINDOW`` steps re-weight the slices
+only where they would finish at least this much sooner: a machine that turned busy is
+acted on after 9 steps, the swings of equal machines' 9-step medians are not (they
+predicted gains of 17-25 % on two 0.45-core machines)."""
 REBALANCE_GAIN = 0.10
 """Re-weight only when the predicted slowest compute drops by at least this fraction.
 (5 % was tried: on the lab's quota-throttled machines a participant's compute per
@@ -151,8 +156,9 @@ class SampleBalance:
     From the calibration: b_i its seconds per sample, o_i = 0. Measured: b_i the median
     compute per sample of the last ``REBALANCE_WINDOW`` steps at the first check after
     a plan (or a join or an eviction), of the last ``SETTLED_WINDOW`` steps at the
-    current slices at every later one (a check every ``REBALANCE_WINDOW`` steps), o_i the median of the
-    rest of its rounds (from each round's start to its reply, minus its compute and
+    current slices at every later one (a check every ``REBALANCE_WINDOW`` steps; with
+    fewer steps at these slices, of the last ``REBALANCE_WINDOW``, acted on only for a
+    gain of ``URGENT_GAIN``), o_i the median of the rest of its rounds (from each round's start to its reply, minus its compute and
     minus its own waits for its peers' pieces: the wire, message handling and CPU-quota
     throttling it pays whatever its slice), less the least of the workers' (the part
     common to them all is the master's). The waits are left out because they are the
@@ -163,7 +169,7 @@ class SampleBalance:
     slices minimise the slowest participant's o_i + b_i·n_i (``balanced_counts``: a
     machine whose fixed part alone is too slow gets few samples or none). ``observe``
     returns True when the measured model's slices would finish at least
-    ``REBALANCE_GAIN`` sooner than the current ones, and adopts them. A re-slice that
+    ``REBALANCE_GAIN`` (``URGENT_GAIN``) sooner than the current ones, and adopts them. A re-slice that
     would move samples back the way the last one moved them meets the last estimates
     halfway (damped: under CPU quotas the measured speeds swing with the slices)."""
 
@@ -218,13 +224,21 @@ class SampleBalance:
                 self._measured.setdefault(name, deque(maxlen=SETTLED_WINDOW)).append(
                     (seconds / n, max(0.0, rest)))
         self._since_check += 1
-        window = SETTLED_WINDOW if self._settled else REBALANCE_WINDOW
-        if self._since_check < REBALANCE_WINDOW or any(
-                len(self._measured.get(n, ())) < window for n in self.seconds
-                if samples.get(n, 0) > 0):
+        working = [n for n in self.seconds if samples.get(n, 0) > 0]
+        held = min((len(self._measured.get(n, ())) for n in working), default=0)
+        if self._since_check < REBALANCE_WINDOW or held < REBALANCE_WINDOW:
             return False
         self._since_check = 0
-        self._settled = True
+        if not self._settled:
+            self._settled = True
+            return self._decide(samples, REBALANCE_WINDOW, REBALANCE_GAIN)
+        if held >= SETTLED_WINDOW:
+            return self._decide(samples, SETTLED_WINDOW, REBALANCE_GAIN)
+        return self._decide(samples, REBALANCE_WINDOW, URGENT_GAIN)
+
+    def _decide(self, samples: dict[str, int], window: int, gain: float) -> bool:
+        """Re-weight from the medians of the last ``window`` steps when the measured
+        model's slices would finish at least ``gain`` sooner (adopted: True)."""
         measured = {n: (statistics.median(b for b, _ in list(d)[-window:]),
                         statistics.median(o for _, o in list(d)[-window:]))
                     for n, d in self._measured.items() if len(d) >= window}
@@ -258,7 +272,7 @@ class SampleBalance:
             self.overhead = {n: (before[1].get(n, overhead[n]) + overhead[n]) / 2
                              for n in names}
             proposed = {s.participant: s.samples for s in self.slices(names, batch)}
-        if finish(proposed) > now * (1 - REBALANCE_GAIN):
+        if finish(proposed) > now * (1 - gain):
             self.seconds, self.overhead = before  # not worth a change: keep the slices
             return False
         self._last_moves = {n: proposed.get(n, 0) - samples.get(n, 0) for n in names}

@@ -156,27 +156,32 @@ def test_two_equal_machines_whose_speeds_swing_keep_an_even_split() -> None:
     assert all(abs(h["master"] - 64) <= 6 for h in history), history
 
 
-def test_later_checks_wait_for_a_settled_window_and_a_join_acts_soon_again() -> None:
+def test_later_checks_wait_for_a_settled_window_unless_the_gain_is_large() -> None:
     """The first check after a plan comes after REBALANCE_WINDOW steps; later ones take
     the median of SETTLED_WINDOW steps at the current slices (checked every
-    REBALANCE_WINDOW steps); a joiner or an eviction makes the next check a quick one."""
+    REBALANCE_WINDOW steps), and in between the last REBALANCE_WINDOW steps act only
+    for a gain of URGENT_GAIN (a machine that turned busy); a joiner or an eviction
+    makes the next check a quick one again."""
     names = ["master", "a"]
     balance = SampleBalance({"master": 0.001, "a": 0.001})
     samples = {"master": 64, "a": 64}
     even = {"master": 0.064, "a": 0.064}
     for _ in range(REBALANCE_WINDOW):
         assert not balance.observe(even, even, samples)  # the first check: nothing to gain
-    slow = {"master": 0.064, "a": 0.128}  # a turns twice as slow
+    slower = {"master": 0.064, "a": 0.064 * 1.3}  # a 30 % slower: 13 % to gain
     changed_at = next(i for i in range(1, 3 * SETTLED_WINDOW)
-                      if balance.observe(slow, slow, samples))
-    # checked every REBALANCE_WINDOW steps on the last SETTLED_WINDOW: the first check
-    # with a full window (9 even steps, 18 slow ones) sees the median slow
+                      if balance.observe(slower, slower, samples))
+    # the first full settled window (9 even steps, 18 slower ones) has a median slower
     assert changed_at == 2 * REBALANCE_WINDOW == SETTLED_WINDOW - REBALANCE_WINDOW
     samples = {s.participant: s.samples for s in balance.slices(names, 128)}
-    assert samples == {"master": 85, "a": 43}
+    assert samples == {"master": 72, "a": 56}
+    busy = {"master": 0.001 * 72, "a": 0.0026 * 56}  # a twice as slow again: 36 % to gain
+    changed_at = next(i for i in range(1, 3 * SETTLED_WINDOW)
+                      if balance.observe(busy, busy, samples))
+    assert changed_at == REBALANCE_WINDOW
     balance.add("b", 0.001)  # a join: the next check is a quick one again
-    samples = {"master": 43, "a": 42, "b": 43}
-    steps = {"master": 0.043, "a": 0.084, "b": 0.086}
+    samples = {"master": 50, "a": 28, "b": 50}
+    steps = {"master": 0.050, "a": 0.0026 * 28, "b": 0.050 * 1.2}  # b 20 % slower
     changed_at = next(i for i in range(1, 3 * SETTLED_WINDOW)
                       if balance.observe(steps, steps, samples))
     assert changed_at == REBALANCE_WINDOW

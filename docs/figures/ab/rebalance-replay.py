@@ -68,11 +68,15 @@ def plan_at(revision: str) -> ModuleType:
     return module
 
 
-def replay(plan: Any, series: Series, batch: int = 128) -> tuple[int, float]:
+def replay(plan: Any, series: Series, calibration: dict[str, float], batch: int = 128
+           ) -> tuple[int, float]:
     """(re-slices, cost) of one version over one run's series; the balance starts from
-    the median of the first three steps (the calibration's stand-in)."""
+    the run's calibration (seconds per sample) where it has every participant, else
+    from the median of the first three steps."""
     names = list(series[0])
-    balance = plan.SampleBalance({n: statistics.median(s[n] for s in series[:3]) for n in names})
+    start = calibration if set(names) <= set(calibration) else {
+        n: statistics.median(s[n] for s in series[:3]) for n in names}
+    balance = plan.SampleBalance({n: start[n] for n in names})
     slices = {s.participant: s.samples for s in balance.slices(names, batch)}
     mean = {n: statistics.mean(s[n] for s in series) for n in names}
     best = {s.participant: s.samples for s in new_plan.sample_slices(names, [mean[n] for n in names], batch)}
@@ -101,14 +105,15 @@ def main() -> None:
             recorded_runs.write(recorded, args.extract)
     else:
         recorded = recorded_runs.load(args.runs)
-    runs = {name: series for name, series in
-            ((name, series_of(run)) for name, run in recorded.items()) if len(series) >= 40}
+    runs = {name: (series, {n: ms / 1e3 for n, ms in run.get("calibration_ms", {}).items()})
+            for name, series, run in ((name, series_of(run), run) for name, run in recorded.items())
+            if len(series) >= 40}
     old = plan_at(args.old)
     print(f"| run | steps | re-slices, {args.old} | cost, {args.old} | re-slices, new | cost, new |")
     print("|---|---|---|---|---|---|")
     groups: dict[str, list[tuple[int, float, int, float]]] = {}
-    for name, series in sorted(runs.items()):
-        (om, oc), (nm, nc) = replay(old, series), replay(new_plan, series)
+    for name, (series, calibration) in sorted(runs.items()):
+        (om, oc), (nm, nc) = replay(old, series, calibration), replay(new_plan, series, calibration)
         print(f"| {name} | {len(series)} | {om} | {oc:.3f} | {nm} | {nc:.3f} |")
         groups.setdefault(machines_of(name), []).append((om, oc, nm, nc))
     print()

@@ -5,7 +5,8 @@ repeat) into a compact dict, ``write``/``load`` keep it as JSON (one run per lin
 per run its participants and, per step, the step's seconds (``step_s``), its conv
 part's (``conv_s``), and per participant its compute (forward + backward of every conv
 layer) and samples, plus the ``model`` records' errors (the step model's checks as
-the run made them). Times in ms, rounded to the µs.
+the run made them) and the setup's calibration (ms per sample per participant, the
+first ``plan`` record's). Times in ms, rounded to the µs.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-Run = dict[str, Any]  # {"participants": [...], "steps": [[step_ms, conv_ms, [[ms, n], ...]]], "model_errors": [...]}
+Run = dict[str, Any]  # {"participants", "steps": [[step_ms, conv_ms, [[ms, n] | None, ...]]], "model_errors", "calibration_ms"}
 
 
 def run_name(path: Path) -> str:
@@ -26,10 +27,14 @@ def extract(path: Path) -> Run:
     participants: list[str] = []
     steps: list[list[Any]] = []
     errors: list[float] = []
+    calibration: dict[str, float] = {}
     for line in path.read_text().splitlines():
         record = json.loads(line)
         if record.get("type") == "model":
             errors.append(round(float(record["error"]), 4))
+        if record.get("type") == "plan" and not calibration:
+            calibration = {name: round(seconds * 1e3, 4) for name, seconds
+                           in (record.get("seconds_per_sample") or {}).items()}
         if record.get("type") != "step":
             continue
         compute: dict[str, float] = {}
@@ -48,7 +53,8 @@ def extract(path: Path) -> Run:
     width = len(participants)
     for step in steps:  # participants first seen later: absent from earlier steps
         step[2] += [None] * (width - len(step[2]))
-    return {"participants": participants, "steps": steps, "model_errors": errors}
+    return {"participants": participants, "steps": steps, "model_errors": errors,
+            "calibration_ms": calibration}
 
 
 def write(runs: dict[str, Run], path: Path) -> None:
