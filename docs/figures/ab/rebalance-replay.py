@@ -24,14 +24,10 @@ steps of every participant computing are left out.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
-import subprocess
 import sys
-import tempfile
 from collections import Counter
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -53,19 +49,6 @@ def series_of(run: recorded_runs.Run) -> Series:
         return steps
     common = Counter(tuple(sorted(s)) for s in steps).most_common(1)[0][0]
     return [s for s in steps if tuple(sorted(s)) == common]
-
-
-def plan_at(revision: str) -> ModuleType:
-    source = subprocess.run(["git", "show", f"{revision}:master/sample_plan.py"], cwd=ROOT,
-                            capture_output=True, text=True, check=True).stdout
-    path = Path(tempfile.mkdtemp()) / "old_sample_plan.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location("old_sample_plan", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["old_sample_plan"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def replay(plan: Any, series: Series, calibration: dict[str, float], batch: int = 128
@@ -108,7 +91,7 @@ def main() -> None:
     runs = {name: (series, {n: ms / 1e3 for n, ms in run.get("calibration_ms", {}).items()})
             for name, series, run in ((name, series_of(run), run) for name, run in recorded.items())
             if len(series) >= 40}
-    old = plan_at(args.old)
+    old = recorded_runs.module_at(args.old, "master/sample_plan.py", ROOT)
     print(f"| run | steps | re-slices, {args.old} | cost, {args.old} | re-slices, new | cost, new |")
     print("|---|---|---|---|---|---|")
     groups: dict[str, list[tuple[int, float, int, float]]] = {}

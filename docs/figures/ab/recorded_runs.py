@@ -10,8 +10,13 @@ first ``plan`` record's). Times in ms, rounded to the µs.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 Run = dict[str, Any]  # {"participants", "steps": [[step_ms, conv_ms, [[ms, n] | None, ...]]], "model_errors", "calibration_ms"}
@@ -76,3 +81,20 @@ def step_figures(run: Run) -> list[tuple[float, float, dict[str, float], dict[st
         samples = {n: p[1] for n, p in zip(run["participants"], per) if p is not None}
         out.append((step_ms / 1e3, conv_ms / 1e3, compute, samples))
     return out
+
+
+def module_at(revision: str, path: str, root: Path) -> ModuleType:
+    """The module at ``path`` (a file of the repository at ``root``) as it was at git
+    ``revision``, imported under its own name prefixed ``old_``: the other side of a
+    replay."""
+    source = subprocess.run(["git", "show", f"{revision}:{path}"], cwd=root,
+                            capture_output=True, text=True, check=True).stdout
+    name = "old_" + Path(path).stem
+    copy = Path(tempfile.mkdtemp()) / f"{name}.py"
+    copy.write_text(source)
+    spec = importlib.util.spec_from_file_location(name, copy)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -15,13 +15,9 @@ last checks are within 10 %, and the mean signed error of the last check.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -30,19 +26,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 import recorded_runs  # noqa: E402
 
 from hetconv.master import step_model as new_model  # noqa: E402
-
-
-def model_at(revision: str) -> ModuleType:
-    source = subprocess.run(["git", "show", f"{revision}:master/step_model.py"], cwd=ROOT,
-                            capture_output=True, text=True, check=True).stdout
-    path = Path(tempfile.mkdtemp()) / "old_step_model.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location("old_step_model", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["old_step_model"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def checks(model: Any, run: recorded_runs.Run) -> list[float]:
@@ -76,7 +59,7 @@ def main() -> None:
                         default=Path(__file__).with_name("recorded-runs.json"))
     args = parser.parse_args()
     runs = recorded_runs.load(args.runs)
-    old = model_at(args.old)
+    old = recorded_runs.module_at(args.old, "master/step_model.py", ROOT)
     percent = lambda errors: " ".join(f"{e:+.0%}" for e in errors) or "-"  # noqa: E731
     print(f"| run | recorded checks | {args.old} replayed | new replayed |")
     print("|---|---|---|---|")
