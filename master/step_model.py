@@ -44,6 +44,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 MODEL_WINDOW = 9
 """Steps fitted, then steps measured to check the prediction."""
@@ -101,7 +102,23 @@ class StepTerms:
 
     def as_record(self) -> dict[str, object]:
         return {"round_s": self.round_s, "serial_s": self.serial_s, "rounds": self.rounds,
-                "per_sample_s": dict(self.per_sample_s)}
+                "per_sample_s": dict(self.per_sample_s),
+                "steps_per_sample_s": [dict(step) for step in self.steps_s]}
+
+
+def terms_from_record(record: Mapping[str, Any]) -> StepTerms | None:
+    """The terms a ``model`` record was written with (:meth:`StepTerms.as_record`), to
+    predict other slices than the checked ones; None where the record lacks them or
+    holds something else (a record of an older version, without the fitted steps,
+    predicts from the medians alone)."""
+    try:
+        per_sample = {str(n): float(v) for n, v in record["per_sample_s"].items()}
+        steps = tuple({str(n): float(v) for n, v in step.items()}
+                      for step in record.get("steps_per_sample_s") or [])
+        return StepTerms(per_sample, float(record["round_s"]), float(record["serial_s"]),
+                         int(record["rounds"]), steps)
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
 
 
 def fit_step_terms(window: Sequence[StepSample]) -> StepTerms:

@@ -19,6 +19,7 @@ from hetconv.bench.scale_breakdown import (
 )
 from hetconv.errors import UserError
 from hetconv.master.fall_back import STAY_ALONE_REASON
+from hetconv.master.step_model import terms_from_record
 from hetconv.metrics import participant_of, read_metrics
 from hetconv.perf_model import ParticipantCost, star_step_seconds
 
@@ -92,6 +93,35 @@ def typical_step_timeline(steps: list[dict[str, Any]], events: list[dict[str, An
                              for name, these in marks.items()}}
 
 
+def measured_slices(steps: list[dict[str, Any]]) -> dict[str, int]:
+    """The samples per participant (those with any) of most of ``steps`` (step records
+    of the sample split: each layer's timings carry the participant's samples)."""
+    seen: dict[tuple[tuple[str, int], ...], int] = {}
+    for step in steps:
+        layers = step.get("layers") or [{}]
+        slicing = tuple(sorted((participant_of(t), int(t.get("samples", 0)))
+                               for t in layers[0].get("devices", [])
+                               if int(t.get("samples", 0)) > 0))
+        if slicing:
+            seen[slicing] = seen.get(slicing, 0) + 1
+    if not seen:
+        return {}
+    most = max(seen.items(), key=lambda item: item[1])[0]
+    return dict(most)
+
+
+def model_prediction(record: dict[str, Any], slices: dict[str, int]) -> float:
+    """The step model's prediction (its last ``model`` record) for the slices the
+    figures were measured on: the check's own where they are the checked slices (or
+    unknown), else the record's terms at ``slices`` (a re-slice after the check)."""
+    checked = {str(n): int(c) for n, c in (record.get("samples") or {}).items() if int(c) > 0}
+    terms = terms_from_record(record)
+    if not slices or slices == checked or terms is None \
+            or set(slices) - set(terms.per_sample_s):
+        return float(record["predicted_step_s"])
+    return terms.predict(slices)
+
+
 def run_figures(run_dir: Path, link_bytes_per_s: float | None) -> RunFigures:
     """Medians from ``metrics.jsonl`` and the model's prediction from its calibration."""
     records = read_metrics(run_dir / "metrics.jsonl")
@@ -135,7 +165,7 @@ def run_figures(run_dir: Path, link_bytes_per_s: float | None) -> RunFigures:
         # the plan in force is the master alone: what the check's trial measured of it
         predicted = float(alone["alone_step_s"]) + dense_s
     elif sample_split and models:  # the step model calibrated in place (master/step_model.py)
-        predicted = float(models[-1]["predicted_step_s"])
+        predicted = model_prediction(models[-1], measured_slices(steps))
     elif sample_split:  # the setup's prediction (master/sample_plan.py) plus the dense part
         value = plans[-1].get("predicted_step_s")
         predicted = None if value is None else float(value) + dense_s

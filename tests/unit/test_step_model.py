@@ -146,3 +146,16 @@ def test_other_participants_start_the_fit_again() -> None:
                for _ in range(2)]
     check = [r for r in results if r is not None]
     assert len(check) == 1 and check[0].samples == {"master": 60, "a": 68}
+
+
+def test_a_model_record_gives_back_the_terms_it_was_written_with() -> None:
+    from hetconv.master.step_model import terms_from_record
+    swing = [0.0008, 0.0010, 0.0012]
+    terms = fit_step_terms([_step({"master": 64, "m1": 64}, {"master": m, "m1": 0.002 - m},
+                                  0.004, 0.002, rounds=1) for m in swing])
+    again = terms_from_record(terms.as_record())
+    assert again is not None
+    for slices in ({"master": 64, "m1": 64}, {"master": 90, "m1": 38}):
+        assert again.predict(slices) == pytest.approx(terms.predict(slices))
+    assert terms_from_record({"per_sample_s": "x", "round_s": 1}) is None
+    assert terms_from_record({}) is None
