@@ -68,9 +68,14 @@ def test_two_workers_and_the_master_reproduce_the_local_run(
             [(s["step"], s["sent_ahead"]) for s in last_of.values()]
     else:
         assert not any(s["sent_ahead"] for s in steps)
-    # both workers computed (the re-slicing may later leave one out on a busy host)
-    assert {"w1", "w2"} <= {d["participant"] for d in steps[0]["layers"][0]["devices"]
-                            if d["samples"] > 0}
+    # both workers computed from the first step, unless the setup's member choice left
+    # one out (its link probe on a crowded host, as a CI run under -n 2 did): then the
+    # plan record says so (the re-slicing may later leave one out on a busy host too)
+    plan = _records(run_dir, "plan")[0]
+    planned = {p["participant"] for p in plan["samples"] if p["samples"] > 0}
+    computing = {d["participant"] for d in steps[0]["layers"][0]["devices"] if d["samples"] > 0}
+    assert computing & {"w1", "w2"}, computing  # a distributed run
+    assert {"w1", "w2"} - computing <= {"w1", "w2"} - planned, (computing, plan)
     # who carried the weight gradients: the peers (default) or the master's link (star)
     peer_bytes = {name: sum(d.get("peer_bytes_sent", 0) for step in steps
                             for layer in step["layers"] for d in layer["devices"]
@@ -79,7 +84,7 @@ def test_two_workers_and_the_master_reproduce_the_local_run(
     if star:
         assert peer_bytes == {"w1": 0, "w2": 0}
     else:
-        assert min(peer_bytes.values()) > 0, peer_bytes
+        assert min(peer_bytes[name] for name in computing & {"w1", "w2"}) > 0, peer_bytes
     # the step model calibrated in place: fitted on the first steps, checked on the next
     # (a check off by more than 10 % fits again on its steps: the last check stands)
     # (a re-plan, e.g. a recovery from a worker late on a crowded host, starts it over:
