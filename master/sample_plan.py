@@ -59,8 +59,11 @@ three such swings averages them out."""
 URGENT_GAIN = 0.30
 """Between the settled checks the last ``REBALANCE_WINDOW`` steps re-weight the slices
 only where they would finish at least this much sooner: a machine that turned busy is
-acted on after 9 steps, the swings of equal machines' 9-step medians are not (they
-predicted gains of 17-25 % on two 0.45-core machines)."""
+acted on after 9 steps, the swings of equal machines' 9-step medians mostly are not
+(the recorded runs of two, three and four 0.45-core machines: a predicted gain of
+7.5-11.9 % at the median 9-step window, 17.7-22.5 % at the 90th percentile, at most
+32.8 %, 30 % or more in 0-2 % of the windows; docs/figures/ab/rebalance-replay.py
+--gains)."""
 REBALANCE_GAIN = 0.10
 """Re-weight only when the predicted slowest compute drops by at least this fraction.
 (5 % was tried: on the lab's quota-throttled machines a participant's compute per

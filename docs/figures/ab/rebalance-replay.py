@@ -74,12 +74,33 @@ def replay(plan: Any, series: Series, calibration: dict[str, float], batch: int 
     return moves, total / best_total
 
 
+def window_gains(series: Series, batch: int = 128, window: int = 9) -> list[float]:
+    """The gain a re-slice from each (non-overlapping) ``window``-step median of a run
+    of equal machines would predict against the even split: 1 - (the slowest compute
+    at the slices by those medians) / (the slowest at the even split). From the steps
+    as recorded (not replayed): how large a gain the noise alone predicts."""
+    names = list(series[0])
+    even = {s.participant: s.samples for s in
+            new_plan.sample_slices(names, [1.0] * len(names), batch)}
+    gains = []
+    for start in range(0, len(series) - window + 1, window):
+        medians = {n: statistics.median(step[n] for step in series[start:start + window])
+                   for n in names}
+        now = max(medians[n] * even[n] for n in names)
+        best = new_plan.sample_slices(names, [medians[n] for n in names], batch)
+        gains.append(1 - max(medians[s.participant] * s.samples for s in best if s.samples)
+                     / now)
+    return gains
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--old", required=True)
     parser.add_argument("--runs", type=Path,
                         default=Path(__file__).with_name("recorded-runs.json"))
     parser.add_argument("--extract", type=Path)
+    parser.add_argument("--gains", action="store_true",
+                        help="also the predicted gains of 9-step windows on equal machines")
     parser.add_argument("metrics", nargs="*", type=Path)
     args = parser.parse_args()
     if args.metrics:
@@ -108,6 +129,26 @@ def main() -> None:
         means = [statistics.mean(r[i] for r in rows) for i in range(4)]
         print(f"| {machines} | {len(rows)} | {means[0]:.2f} | {means[1]:.3f} | "
               f"{means[2]:.2f} | {means[3]:.3f} |")
+    if args.gains:
+        print_gains({name: series for name, (series, _) in runs.items()})
+
+
+def print_gains(runs: dict[str, Series]) -> None:
+    """Per configuration of equal machines: the distribution of :func:`window_gains`."""
+    print()
+    print("| equal machines | 9-step windows | median predicted gain | 90th percentile | "
+          "largest | share >= 30 % |")
+    print("|---|---|---|---|---|---|")
+    by_machines: dict[str, list[float]] = {}
+    for name, series in runs.items():
+        machines = machines_of(name)
+        if len(set(machines.split("[")[1].rstrip("]").split(","))) == 1:
+            by_machines.setdefault(machines, []).extend(window_gains(series))
+    for machines, gains in sorted(by_machines.items()):
+        gains.sort()
+        print(f"| {machines} | {len(gains)} | {statistics.median(gains):.1%} | "
+              f"{gains[int(0.9 * len(gains))]:.1%} | {gains[-1]:.1%} | "
+              f"{sum(g >= 0.3 for g in gains) / len(gains):.0%} |")
 
 
 def machines_of(run: str) -> str:
