@@ -45,8 +45,9 @@ from hetconv.master.run import (
     RunControl,
     StepDone,
 )
+from hetconv.master.sample_balance import SampleBalance
 from hetconv.master.sample_peers import SamplePeers
-from hetconv.master.sample_plan import SampleBalance, Slice
+from hetconv.master.sample_plan import Slice
 from hetconv.master.step_model import InPlaceModel, StepSample
 from hetconv.master.trial_alone import TrialAloneStage
 from hetconv.master.trial_without import WithoutCheck

@@ -25,10 +25,10 @@ from hetconv.master.cluster import Cluster
 from hetconv.master.peer_plane import DataPortUnreachable
 from hetconv.master.plan import Participant, Shard
 from hetconv.master.run import RunControl
+from hetconv.master.sample_balance import SampleBalance
 from hetconv.master.sample_between import SampleSetup
 from hetconv.master.sample_peers import SamplePeers
 from hetconv.master.sample_plan import (
-    SampleBalance,
     choose_dense_part,
     choose_link_wires,
     choose_sample_members,

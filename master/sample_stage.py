@@ -44,6 +44,7 @@ from hetconv.master.plan import Participant
 from hetconv.master.run import (
     RunControl,
 )
+from hetconv.master.sample_balance import SampleBalance
 from hetconv.master.sample_between import (
     BetweenSteps,
     PendingUpdate,
@@ -53,7 +54,7 @@ from hetconv.master.sample_between import (
 from hetconv.master.sample_between import update_fields as _update_fields
 from hetconv.master.sample_chains import ChainedSteps, InFlightStep
 from hetconv.master.sample_peers import SamplePeers
-from hetconv.master.sample_plan import SampleBalance, Slice
+from hetconv.master.sample_plan import Slice
 from hetconv.master.sample_rounds import RoundTrips
 from hetconv.master.sample_without import WithoutTrials
 from hetconv.master.step_model import InPlaceModel

@@ -1,6 +1,6 @@
 """Replay recorded compute per sample through the sample split's re-slicing, two versions.
 
-The re-slicing (``SampleBalance`` in master/sample_plan.py) decides from each
+The re-slicing (``SampleBalance``, master/sample_balance.py) decides from each
 participant's measured compute per sample. This replays recorded runs' series of it
 (per step and participant, from ``hetconv bench scale`` work directories' metrics) at
 the slices each version chooses: a participant's compute in a step is its recorded
@@ -14,7 +14,8 @@ good as knowing the average in advance.
 
     python docs/figures/ab/rebalance-replay.py --old REV [--runs FILE] [--extract FILE] [RUN_DIR/metrics.jsonl ...]
 
-``--old REV``: the other version, master/sample_plan.py at that git revision (the
+``--old REV``: the other version, ``SampleBalance`` at that git revision (master/sample_balance.py,
+or master/sample_plan.py where it lived before 2026-11-30; the
 working tree's is the new one). Metrics files given: their runs are read (and, with
 ``--extract FILE``, written to FILE as JSON: recorded_runs.py); without them the runs
 come from ``--runs FILE`` (default: recorded-runs.json beside this script, the bench
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -35,7 +37,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).parent))
 import recorded_runs  # noqa: E402
 
-from hetconv.master import sample_plan as new_plan  # noqa: E402
+from hetconv.master import sample_balance as new_plan  # noqa: E402
+from hetconv.master.sample_plan import sample_slices  # noqa: E402
 
 Series = list[dict[str, float]]  # per step: participant -> seconds per sample
 
@@ -62,7 +65,7 @@ def replay(plan: Any, series: Series, calibration: dict[str, float], batch: int 
     balance = plan.SampleBalance({n: start[n] for n in names})
     slices = {s.participant: s.samples for s in balance.slices(names, batch)}
     mean = {n: statistics.mean(s[n] for s in series) for n in names}
-    best = {s.participant: s.samples for s in new_plan.sample_slices(names, [mean[n] for n in names], batch)}
+    best = {s.participant: s.samples for s in sample_slices(names, [mean[n] for n in names], batch)}
     moves, total, best_total = 0, 0.0, 0.0
     for step in series:
         compute = {n: step[n] * slices[n] for n in names}
@@ -81,13 +84,13 @@ def window_gains(series: Series, batch: int = 128, window: int = 9) -> list[floa
     as recorded (not replayed): how large a gain the noise alone predicts."""
     names = list(series[0])
     even = {s.participant: s.samples for s in
-            new_plan.sample_slices(names, [1.0] * len(names), batch)}
+            sample_slices(names, [1.0] * len(names), batch)}
     gains = []
     for start in range(0, len(series) - window + 1, window):
         medians = {n: statistics.median(step[n] for step in series[start:start + window])
                    for n in names}
         now = max(medians[n] * even[n] for n in names)
-        best = new_plan.sample_slices(names, [medians[n] for n in names], batch)
+        best = sample_slices(names, [medians[n] for n in names], batch)
         gains.append(1 - max(medians[s.participant] * s.samples for s in best if s.samples)
                      / now)
     return gains
@@ -112,7 +115,10 @@ def main() -> None:
     runs = {name: (series, {n: ms / 1e3 for n, ms in run.get("calibration_ms", {}).items()})
             for name, series, run in ((name, series_of(run), run) for name, run in recorded.items())
             if len(series) >= 40}
-    old = recorded_runs.module_at(args.old, "master/sample_plan.py", ROOT)
+    try:
+        old = recorded_runs.module_at(args.old, "master/sample_balance.py", ROOT)
+    except subprocess.CalledProcessError:  # before 2026-11-30 it lived in sample_plan.py
+        old = recorded_runs.module_at(args.old, "master/sample_plan.py", ROOT)
     print(f"| run | steps | re-slices, {args.old} | cost, {args.old} | re-slices, new | cost, new |")
     print("|---|---|---|---|---|---|")
     groups: dict[str, list[tuple[int, float, int, float]]] = {}
