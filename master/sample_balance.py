@@ -135,9 +135,9 @@ class SampleBalance:
     def _decide(self, samples: dict[str, int], window: int, gain: float) -> bool:
         """Re-weight from the medians of the last ``window`` steps when the measured
         model's slices would finish at least ``gain`` sooner (adopted: True)."""
-        measured = {n: (statistics.median(b for b, _ in list(d)[-window:]),
-                        statistics.median(o for _, o in list(d)[-window:]))
-                    for n, d in self._measured.items() if len(d) >= window}
+        recent = {n: list(d)[-window:] for n, d in self._measured.items() if len(d) >= window}
+        measured = {n: (statistics.median(b for b, _ in steps), statistics.median(o for _, o in steps))
+                    for n, steps in recent.items()}
         if not measured:
             return False
         names = list(self.seconds)
