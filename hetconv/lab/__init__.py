@@ -5,12 +5,14 @@ Used by the integration and lab tests and by ``hetconv bench split|scale``:
 - :mod:`hetconv.lab.quota`: a process at a fraction of a core (cgroup v1);
 - :mod:`hetconv.lab.network`: namespaces behind ``tc tbf``-capped veth links, alone
   (:class:`LanHost`) or on one bridge as a switched LAN (:class:`SwitchedLan`);
-- :mod:`hetconv.lab.processes`: worker daemons as real subprocesses.
+- :mod:`hetconv.lab.processes`: worker daemons as real subprocesses;
+- :mod:`hetconv.lab.ports`: ports for their masters, handed out once per host.
 
 Everything started here is stopped and removed on exit.
 """
 from hetconv.lab.network import LanHost, netns_unavailable_reason
-from hetconv.lab.processes import LocalWorker, LocalWorkers, free_port, wait_for
+from hetconv.lab.ports import free_port
+from hetconv.lab.processes import LocalWorker, LocalWorkers, wait_for
 from hetconv.lab.quota import (
     CFS_PERIOD_US,
     CGROUP_CPU_ROOT,

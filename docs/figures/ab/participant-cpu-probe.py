@@ -28,7 +28,7 @@ import psutil
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
-from hetconv.lab.processes import LocalWorker, free_port  # noqa: E402
+from hetconv.lab import LocalWorker, free_port  # noqa: E402
 
 
 def run(arch: str, batch: int, steps: int, workers: int) -> list[tuple[float, float]]:
