@@ -1,7 +1,9 @@
 """Convolution by Winograd's minimal filtering F(m x m, r x r): 3x3 and 5x5 kernels.
 
 A stride-1 convolution's output is cut into m x m tiles (m = 4 for 3x3 kernels on maps
-that divide by 4, else 2: ``tile_of``); each tile needs an ``a x a`` input patch
+that 4 divides or nearly fills, else 2: ``tile_of``; where m does not divide the map the
+last row and column of tiles reach past it, over zeros, and only the map is kept:
+``ragged``); each tile needs an ``a x a`` input patch
 (a = m + r - 1) and, per kernel and channel, the elementwise product of two ``a x a``
 transforms instead of m*m*r*r multiply-adds (Lavin and Gray, 2016):
 
@@ -39,10 +41,69 @@ POINTS = {3: (0.0, 1.0, -1.0), 5: (0.0, 1.0, -1.0, 2.0, -0.5)}
 (the last point is infinity); of the sets tried for a = 6 this one rounds least."""
 
 
+RAGGED_MAX_WASTE = 1.5
+"""F(4x4, 3x3) on a map that 4 does not divide computes whole tiles over it (the last
+row and column of tiles reach past the map, over zeros, and are cut off): taken while
+those tiles' outputs are at most this many times the map's, with at least
+RAGGED_MIN_CHANNELS input channels. At 6x6 (8x8 computed, 1.78 times) the GEMM work
+would be F(2x2)'s and the transforms' more."""
+RAGGED_MIN_CHANNELS = 64
+"""Ragged F(4x4, 3x3) against F(2x2, 3x3), 32 samples, one thread, forward and backward
+with dx (docs/figures/ab/ragged-winograd.log): 64 channels, 64 kernels: 10.4 % less CPU at
+14x14, 8.3 % at 10x10; 64 -> 256 at 14x14: 3.9 % less; 32 -> 64: level at 14x14, 19.6 %
+more at 10x10 (with 32 channels the 36 thinner GEMMs of F(4x4) run slower than
+F(2x2)'s 16)."""
+
+
+def tiles_of(geometry: Any) -> tuple[int, int]:
+    """(tile rows, tile columns) over the output map: ceil(Ho / m), ceil(Wo / m)."""
+    g, m = geometry, tile_of(geometry)
+    return -(-g.out_h // m), -(-g.out_w // m)
+
+
 def tile_of(geometry: Any) -> int:
-    """m, the output tile side: 4 for 3x3 kernels on maps that divide by 4, else 2."""
+    """m, the output tile side: 4 for 3x3 kernels on maps that 4 divides, or, with at
+    least RAGGED_MIN_CHANNELS channels, where whole 4x4 tiles cover at most
+    RAGGED_MAX_WASTE times the map's outputs; else 2."""
     g = geometry
-    return 4 if g.kernel_h == 3 and g.out_h % 4 == 0 and g.out_w % 4 == 0 else 2
+    if g.kernel_h != 3:
+        return 2
+    if g.out_h % 4 == 0 and g.out_w % 4 == 0:
+        return 4
+    covered = (-(-g.out_h // 4) * 4) * (-(-g.out_w // 4) * 4)
+    return 4 if (g.channels >= RAGGED_MIN_CHANNELS
+                 and covered <= RAGGED_MAX_WASTE * g.out_h * g.out_w) else 2
+
+
+def ragged(geometry: Any) -> bool:
+    """Whether the tiles reach past the output map (tile_of does not divide it)."""
+    g, m = geometry, tile_of(geometry)
+    th, tw = tiles_of(g)
+    return bool(th * m != g.out_h or tw * m != g.out_w)
+
+
+def tiled_extent(geometry: Any) -> tuple[int, int]:
+    """(rows, columns) of the padded input the tiles read, Hp x Wp or more: a ragged
+    map's last tiles read zeros past the padded input."""
+    g, m = geometry, tile_of(geometry)
+    th, tw = tiles_of(g)
+    return (max(g.height + 2 * g.padding, th * m + g.kernel_h - 1),
+            max(g.width + 2 * g.padding, tw * m + g.kernel_w - 1))
+
+
+def _extended(xp: Any, g: Any, padded: Array) -> Array:
+    """padded (C, Hp, Wp, nb) with zero rows and columns appended up to tiled_extent,
+    in the thread's scratch; padded itself where it already reaches that far."""
+    rows, columns = tiled_extent(g)
+    channels, hp, wp, nb = padded.shape
+    if (hp, wp) == (rows, columns):
+        return padded
+    out = scratch_array(xp, "winograd extended input", (channels, rows, columns, nb),
+                        padded.dtype)
+    out[:, :hp, :wp] = padded
+    out[:, hp:] = 0
+    out[:, :hp, wp:] = 0
+    return out
 
 
 @functools.cache
@@ -100,18 +161,21 @@ def transformed_input_shape(g: Any) -> tuple[int, int, int]:
     """V's shape per sample: (a*a, C, tiles); a chunk's is (a*a, C, tiles*nb)."""
     m = tile_of(g)
     a = m + g.kernel_h - 1
-    return a * a, g.channels, (g.out_h // m) * (g.out_w // m)
+    th, tw = tiles_of(g)
+    return a * a, g.channels, th * tw
 
 
 def input_transform(xp: Any, g: Any, padded: Array, out: Array = None) -> Array:
     """padded (C, Hp, Wp, nb) -> V (a*a, C, tiles*nb) = B^T d B of every input patch,
-    columns ordered (tile row, tile column, sample); into ``out`` (default scratch)."""
+    columns ordered (tile row, tile column, sample); into ``out`` (default scratch).
+    Ragged tiles read zeros past the padded input."""
     _, _, bt_matrix = matrices(g.kernel_h, tile_of(g))
     bt = _constant(xp, bt_matrix, padded.dtype)
     a = bt.shape[0]
+    padded = _extended(xp, g, padded)
     channels, nb = padded.shape[0], padded.shape[3]
     m = tile_of(g)
-    th, tw = g.out_h // m, g.out_w // m
+    th, tw = tiles_of(g)
     s0, s1, s2, s3 = padded.strides
     patches = xp.lib.stride_tricks.as_strided(
         padded, (a, a, channels, th, tw, nb), (s1, s2, s0, m * s1, m * s2, s3))
@@ -123,29 +187,43 @@ def input_transform(xp: Any, g: Any, padded: Array, out: Array = None) -> Array:
 
 
 def output_rows(xp: Any, g: Any, products: Array, out: Array) -> Array:
-    """products M (a*a, K, tiles*nb) -> out (K, Ho*Wo*nb) batch-inner, = A^T M A."""
+    """products M (a*a, K, tiles*nb) -> out (K, Ho*Wo*nb) batch-inner, = A^T M A
+    (ragged tiles: the part on the map)."""
     at_matrix, _, _ = matrices(g.kernel_h, tile_of(g))
     at = _constant(xp, at_matrix, products.dtype)
     a, kernels = at.shape[1], products.shape[1]
     m = tile_of(g)
-    th, tw = g.out_h // m, g.out_w // m
+    th, tw = tiles_of(g)
     nb = products.shape[2] // (th * tw)
     tiles = _two_sided(xp, at, products.reshape(a, a, -1), at, "winograd output")
-    target = out.reshape(kernels, th, m, tw, m, nb)
-    target[...] = tiles.reshape(m, m, kernels, th, tw, nb).transpose(2, 3, 0, 4, 1, 5)
+    by_tile = tiles.reshape(m, m, kernels, th, tw, nb).transpose(2, 3, 0, 4, 1, 5)
+    if not ragged(g):
+        out.reshape(kernels, th, m, tw, m, nb)[...] = by_tile
+        return out
+    whole = scratch_array(xp, "winograd whole tiles", (kernels, th * m, tw * m, nb),
+                          products.dtype)
+    whole.reshape(kernels, th, m, tw, m, nb)[...] = by_tile
+    out.reshape(kernels, g.out_h, g.out_w, nb)[...] = whole[:, :g.out_h, :g.out_w]
     return out
 
 
 def gradient_transform(xp: Any, g: Any, rows: Array, out: Array = None) -> Array:
     """dy rows (K, Ho*Wo*nb) -> dM (a*a, K, tiles*nb) = A dY A^T of every output tile,
-    into ``out`` (default the thread's scratch)."""
+    into ``out`` (default the thread's scratch). Ragged tiles: dy is 0 past the map."""
     at_matrix, _, _ = matrices(g.kernel_h, tile_of(g))
     a_matrix = _constant(xp, at_matrix.T, rows.dtype)  # (a, m)
     a = a_matrix.shape[0]
     kernels = rows.shape[0]
     m = tile_of(g)
-    th, tw = g.out_h // m, g.out_w // m
+    th, tw = tiles_of(g)
     nb = rows.shape[1] // (g.out_h * g.out_w)
+    if ragged(g):
+        whole = scratch_array(xp, "winograd whole dy", (kernels, th * m, tw * m, nb),
+                              rows.dtype)
+        whole[:, :g.out_h, :g.out_w] = rows.reshape(kernels, g.out_h, g.out_w, nb)
+        whole[:, g.out_h:] = 0
+        whole[:, :g.out_h, g.out_w:] = 0
+        rows = whole
     tiles = scratch_array(xp, "winograd dy tiles", (m, m, kernels * th * tw * nb),
                           rows.dtype)
     tiles.reshape(m, m, kernels, th, tw, nb)[...] = rows.reshape(
@@ -155,13 +233,14 @@ def gradient_transform(xp: Any, g: Any, rows: Array, out: Array = None) -> Array
 
 
 def add_input_gradient(xp: Any, g: Any, d_input: Array, dx_padded: Array) -> None:
-    """dx_padded (C, Hp, Wp, nb) += the patches B dV B^T of d_input dV (a*a, C, tiles*nb)."""
+    """dx_padded (C, rows, columns, nb) += the patches B dV B^T of d_input dV (a*a, C,
+    tiles*nb); rows x columns: ``tiled_extent`` (Hp x Wp, more for ragged tiles)."""
     _, _, bt_matrix = matrices(g.kernel_h, tile_of(g))
     b = _constant(xp, bt_matrix.T, d_input.dtype)
     a = b.shape[0]
     channels, nb = dx_padded.shape[0], dx_padded.shape[3]
     m = tile_of(g)
-    th, tw = g.out_h // m, g.out_w // m
+    th, tw = tiles_of(g)
     patches = _two_sided(xp, b, d_input.reshape(a, a, -1), b, "winograd dx").reshape(
         a, a, channels, th, tw, nb)
     for i in range(a):
@@ -226,8 +305,8 @@ def chunk_backward(xp: Any, g: Any, transformed: Any, inputs: Any, rows: Any,
                                  (inputs.shape[0], g.channels, inputs.shape[2]), rows.dtype)
         xp.matmul(transformed.transpose(0, 2, 1), d_products, out=d_inputs)
         pad, nb = g.padding, dx_chunk.shape[0]
-        dx_padded = scratch_array(xp, "dx_padded", (g.channels, g.height + 2 * pad,
-                                                    g.width + 2 * pad, nb), rows.dtype)
+        dx_padded = scratch_array(xp, "dx_padded", (g.channels, *tiled_extent(g), nb),
+                                  rows.dtype)
         dx_padded[...] = 0
         add_input_gradient(xp, g, d_inputs, dx_padded)
         dx_chunk[...] = dx_padded[:, pad:pad + g.height, pad:pad + g.width, :].transpose(

@@ -12,6 +12,7 @@ import pytest
 import hetconv.sample_replica as sample_replica
 from hetconv.bench.backward_split import replica_of
 from hetconv.model import ModelConfig
+from hetconv.ops import conv_winograd
 from hetconv.ops.conv import BATCH_INNER, SHIFTED_TAPS, WINOGRAD, conv2d_forward_cached
 from hetconv.sample_replica import SampleReplica, moments_to_statistics
 
@@ -31,9 +32,14 @@ def _through_the_barrier(replica: SampleReplica, x: np.ndarray, dy: np.ndarray
     return replica.start_backward(dy)
 
 
-@pytest.mark.parametrize("layout", [BATCH_INNER, SHIFTED_TAPS, WINOGRAD])
+@pytest.mark.parametrize("layout", [BATCH_INNER, SHIFTED_TAPS, WINOGRAD, "ragged"])
 @pytest.mark.parametrize("channels", [(16, 24), (16, 16)])
 def test_two_parts_give_the_one_part_gradients(monkeypatch, layout, channels):
+    ragged = layout == "ragged"
+    if ragged:  # F(4x4, 3x3) over the 6x6 map: 8x8 computed, the rest cut off
+        monkeypatch.setattr(conv_winograd, "RAGGED_MIN_CHANNELS", 16)
+        monkeypatch.setattr(conv_winograd, "RAGGED_MAX_WASTE", 2.0)
+        layout = WINOGRAD
     model = ModelConfig(channels, (3, 12, 12), kernel_size=3, padding=1)
     forced = functools.partial(conv2d_forward_cached, layout=layout)
     monkeypatch.setattr(sample_replica, "conv2d_forward_cached", forced)
@@ -46,6 +52,8 @@ def test_two_parts_give_the_one_part_gradients(monkeypatch, layout, channels):
         dy = rng.standard_normal(dy_shape).astype(np.float32)
         sums_one = _through_the_barrier(one, x, dy)
         sums_two = _through_the_barrier(two, x, dy)
+        assert two._conv_cache is not None and two._conv_cache.layout == layout
+        assert conv_winograd.ragged(two._conv_cache.geometry) == ragged
         for a, b in zip(sums_one, sums_two):
             np.testing.assert_array_equal(a, b)
         dx_one, dw_one = one.finish_backward(*sums_one, need_dx=True)
@@ -67,11 +75,17 @@ def test_two_parts_give_the_one_part_gradients(monkeypatch, layout, channels):
     assert outputs is not None and np.abs(outputs[1]).max() > 0
 
 
-@pytest.mark.parametrize("layout", [BATCH_INNER, SHIFTED_TAPS, WINOGRAD])
+@pytest.mark.parametrize("layout", [BATCH_INNER, SHIFTED_TAPS, WINOGRAD, "ragged"])
 def test_two_parts_over_several_chunks_keep_each_chunks_gradient(monkeypatch, layout):
     """Under Winograd the first part keeps each chunk's transformed dy for the second:
     with the batch cut into several chunks, no chunk's may overwrite another's."""
     import hetconv.ops.conv as conv
+
+    ragged = layout == "ragged"
+    if ragged:
+        monkeypatch.setattr(conv_winograd, "RAGGED_MIN_CHANNELS", 8)
+        monkeypatch.setattr(conv_winograd, "RAGGED_MAX_WASTE", 2.0)
+        layout = WINOGRAD
 
     monkeypatch.setattr(conv, "CHUNK_WORKING_BYTES", 1)  # the smallest chunks allowed
     monkeypatch.setattr(conv, "SINK_WORKING_BYTES", 1)
@@ -85,6 +99,7 @@ def test_two_parts_over_several_chunks_keep_each_chunks_gradient(monkeypatch, la
     sums = _through_the_barrier(one, x, dy)
     _through_the_barrier(two, x, dy)
     assert two._conv_cache is not None and len(two._conv_cache.chunks) > 2
+    assert conv_winograd.ragged(two._conv_cache.geometry) == (layout == WINOGRAD and ragged)
     dx_one, dw_one = one.finish_backward(*sums, need_dx=True)
     dx_two, later = two.finish_backward_split(*sums)
     np.testing.assert_array_equal(dx_two, dx_one)

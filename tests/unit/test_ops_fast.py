@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import hetconv.ops.conv as conv
-from hetconv.ops import block_fast, timers
+from hetconv.ops import block_fast, conv_winograd, timers
 from hetconv.ops.conv_layer import conv_layer_backward, conv_layer_forward
 from hetconv.ops.conv_reference import conv2d_backward_reference, conv2d_reference
 from hetconv.ops.workspace import Workspace, thread_scratch
@@ -249,7 +249,8 @@ def test_timers_add_up_only_inside_collect() -> None:
 # ---------------------------------------------------------------- Winograd
 WINOGRAD_GRID = [  # (batch, channels, height, width, kernels, kernel, padding)
     (2, 3, 6, 6, 4, 3, 1), (3, 2, 10, 8, 5, 3, 0), (2, 4, 8, 8, 3, 5, 2), (3, 3, 10, 12, 2, 5, 0),
-    (1, 1, 6, 6, 1, 3, 0), (2, 3, 8, 12, 4, 3, 1)]  # the last two: 4x4 tiles
+    (1, 1, 6, 6, 1, 3, 0), (2, 3, 8, 12, 4, 3, 1),  # these two: 4x4 tiles
+    (2, 64, 14, 14, 3, 3, 1), (1, 64, 14, 10, 2, 3, 1), (2, 64, 12, 12, 2, 3, 0)]  # ragged 4x4
 
 
 @pytest.mark.parametrize("shape", WINOGRAD_GRID)
@@ -270,6 +271,27 @@ def test_winograd_matches_the_reference(shape: tuple[int, ...],
         np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-10)
 
 
+def test_ragged_4x4_tiles_where_they_save_work() -> None:
+    """F(4x4, 3x3) on maps 4 does not divide only with many channels and little waste;
+    the grid above runs three such maps through the forward and backward passes."""
+    def geometry(channels: int, size: int, kernel: int = 3, padding: int = 1) -> Any:
+        return conv.make_geometry((2, channels, size, size), (4, channels, kernel, kernel), 1,
+                                  padding)
+
+    assert (conv_winograd.tile_of(geometry(64, 14)), conv_winograd.ragged(geometry(64, 14))
+            ) == (4, True)
+    assert conv_winograd.tiles_of(geometry(64, 14)) == (4, 4)
+    assert conv_winograd.tiled_extent(geometry(64, 14)) == (18, 18)  # 16 + 2 past 14 + 2
+    assert conv_winograd.tile_of(geometry(32, 14)) == 2  # too few channels
+    assert conv_winograd.tile_of(geometry(64, 6)) == 2  # 8x8 over 6x6: too much waste
+    assert (conv_winograd.tile_of(geometry(16, 16)), conv_winograd.ragged(geometry(16, 16))
+            ) == (4, False)
+    assert conv_winograd.tile_of(geometry(64, 14, kernel=5, padding=2)) == 2
+    ragged_shapes = [s for s in WINOGRAD_GRID if conv_winograd.ragged(
+        conv.make_geometry(s[:4], (s[4], s[1], s[5], s[5]), 1, s[6]))]
+    assert len(ragged_shapes) == 3
+
+
 def test_winograd_refuses_what_it_cannot_do() -> None:
     x = np.zeros((1, 2, 7, 7))
     with pytest.raises(ValueError, match="Winograd"):
@@ -278,15 +300,19 @@ def test_winograd_refuses_what_it_cannot_do() -> None:
         conv.conv2d_forward_cached(x, np.zeros((2, 2, 2, 2)), layout=conv.WINOGRAD)
 
 
-@pytest.mark.parametrize("size", [3, 5])
-def test_the_fused_layer_uses_winograd_for_wide_layers(many_chunks: None, size: int) -> None:
+@pytest.mark.parametrize("size,side", [(3, 8), (5, 8), (3, 14)])
+def test_the_fused_layer_uses_winograd_for_wide_layers(many_chunks: None, size: int,
+                                                       side: int) -> None:
     """Enough channels and kernels: the training path's conv is Winograd, and the layer
-    still equals the separate ops (float64) and PyTorch's within float32 rounding."""
-    channels = conv.WINOGRAD_MIN_CHANNELS[size]  # 64 for 3x3: F(4x4, 3x3) on the 8x8 map
-    arrays = layer(np.random.default_rng(15), batch=4, channels=channels, size=8,
+    still equals the separate ops (float64) and PyTorch's within float32 rounding. 3x3
+    on 8x8: F(4x4, 3x3); on 14x14 with 64 channels: ragged F(4x4, 3x3)."""
+    channels = max(conv.WINOGRAD_MIN_CHANNELS[size],
+                   conv_winograd.RAGGED_MIN_CHANNELS if side % 4 else 0)
+    arrays = layer(np.random.default_rng(15), batch=4, channels=channels, size=side,
                    kernels=channels, kernel=size)
     _, cache, _, _ = conv_layer_forward(*arrays, True, padding=size // 2, fast=True)
     assert cache.conv.layout == conv.WINOGRAD
+    assert conv_winograd.ragged(cache.conv.geometry) == (side == 14)
     fused, separate = both(arrays, True, "max", True, padding=size // 2)
     assert_close(fused, separate, rtol=1e-9, atol=1e-11)
     single = tuple(a.astype(np.float32) for a in arrays)
