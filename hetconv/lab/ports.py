@@ -9,8 +9,8 @@ as the source port of an outgoing connection. Here a port is
 - taken **below the kernel's ephemeral range** (``ip_local_port_range``), where
   neither ``bind(0)`` nor ``connect()`` ever puts a socket by itself;
 - **claimed** for :data:`CLAIM_S` seconds by creating a file named after it in a
-  directory shared by every process on the host (``O_EXCL``: one winner), so two
-  processes never get the same port in that time;
+  directory shared by the user's processes on the host (``O_EXCL``: one winner), so
+  two of them never get the same port in that time;
 - checked free by binding it (a listening service keeps it).
 
 Where the ephemeral range leaves no room below or above it, the kernel's ``bind(0)``
@@ -56,20 +56,28 @@ def candidate_range(ephemeral: tuple[int, int]) -> tuple[int, int] | None:
     return None
 
 
-def claims_dir() -> Path:
-    """Where every process of this host records the ports it was handed."""
-    path = Path(tempfile.gettempdir()) / "hetconv-ports"
-    path.mkdir(mode=0o777, exist_ok=True)
-    return path
+def claims_dir() -> Path | None:
+    """Where this user's processes on this host record the ports they were handed (one
+    directory per user: another user's is not writable); None where none can be made
+    (then only the bind check and the range keep ports apart)."""
+    path = Path(tempfile.gettempdir()) / f"hetconv-ports-{os.getuid()}"
+    try:
+        path.mkdir(mode=0o700, exist_ok=True)
+    except OSError:
+        return None
+    return path if os.access(path, os.W_OK) else None
 
 
-def claim(port: int, directory: Path, now: float | None = None) -> bool:
-    """Record ``port`` as handed out; False when another process holds a live claim."""
+def claim(port: int, directory: Path | None, now: float | None = None) -> bool:
+    """Record ``port`` as handed out; False when another process holds a live claim.
+    True without a directory, or where a claim cannot be written (nothing to check)."""
+    if directory is None:
+        return True
     now = time.time() if now is None else now
     path = directory / str(port)
     for _ in range(2):
         try:
-            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
             os.utime(path, (now, now))
             return True
         except FileExistsError:
@@ -79,6 +87,8 @@ def claim(port: int, directory: Path, now: float | None = None) -> bool:
                 path.unlink()  # an old claim: take it over (one retry)
             except FileNotFoundError:
                 pass  # another process took it over just now: try once more
+        except OSError:
+            return True  # a full or read-only disk: no claims, the bind check still holds
     return False
 
 

@@ -35,6 +35,17 @@ def test_a_claim_has_one_winner_until_it_is_old(tmp_path: Path) -> None:
     assert ports.claim(20002, tmp_path, now=1000.0)
 
 
+def test_without_a_writable_directory_the_bind_check_alone_decides(tmp_path: Path,
+                                                                   monkeypatch) -> None:
+    assert ports.claim(20003, None)
+    (tmp_path / "20004").mkdir()  # not a file: os.open fails with another error than EEXIST
+    assert ports.claim(20004, tmp_path / "20004" / "missing")
+    monkeypatch.setattr(ports.tempfile, "gettempdir", lambda: str(tmp_path / "file"))
+    (tmp_path / "file").write_text("")  # the "temporary directory" is a file
+    assert ports.claims_dir() is None
+    assert ports.free_port() > 0
+
+
 def test_a_port_in_use_is_not_handed_out() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
