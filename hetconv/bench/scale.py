@@ -463,6 +463,7 @@ def summarize(configurations: list[tuple[tuple[float, ...], str]],
         ideal = ideal_speedup(config)
         rows.append({
             "machines": label(configuration), "step_s": step_s, "baseline_step_s": baseline,
+            "repeat_steps_s": [r.step_s for r in runs],
             "speedup": baseline / step_s, "ideal": ideal,
             "of_ideal": baseline / step_s / ideal,
             "master_link_bytes": statistics.median(r.master_link_bytes for r in runs),

@@ -6,6 +6,11 @@ per-participant ``breakdown``); :func:`add_peer_figures` adds PyTorch DDP's medi
 the same machines (``ddp_even_step_s``, ``ddp_speed_step_s``, ``torch_alone_step_s``,
 the ratios, and each rank's compute-only step ``ddp_even_compute_s``), keyed by
 :func:`ddp_label`. Times are seconds; the tables print milliseconds.
+
+The ratios are of the medians over the repeats; beside them the tables give the
+lowest and highest ratio of one repeat's figures (``..._repeats``: hetconv's step in
+repeat k over the peer's in repeat k, the runs closest in time, since the repeats
+interleave them), so a reader sees how far the host's drift moves the comparison.
 """
 from __future__ import annotations
 
@@ -41,21 +46,44 @@ def add_peer_figures(rows: list[dict[str, Any]],
                     "torch_alone_step_s": alone,
                     "hetconv_over_ddp_even": row["step_s"] / even,
                     "hetconv_over_ddp_speed": row["step_s"] / speed})
+        ours = row.get("repeat_steps_s", [])
+        for split, runs in (("even", peer_results[ddp_label(fractions, "even")]),
+                            ("speed", speed_runs or peer_results[ddp_label(fractions, "even")])):
+            row[f"hetconv_over_ddp_{split}_repeats"] = repeat_ratios(ours, runs)
+
+
+def repeat_ratios(ours: list[float], theirs: list[float]) -> list[float]:
+    """Repeat k's step over the peer's repeat k, for every repeat both measured (the
+    lists are in repeat order); none where their lengths differ (a run missing from a
+    repeat would pair figures of different repeats)."""
+    if len(ours) != len(theirs):
+        return []
+    return [a / b for a, b in zip(ours, theirs) if b > 0]
+
+
+def ratio_cell(row: dict[str, Any], key: str) -> str:
+    """``1.09`` or, with two or more repeats, ``1.09 (1.02-1.21)``: the median ratio and
+    the lowest and highest ratio of one repeat."""
+    repeats = row.get(f"{key}_repeats") or []
+    if len(repeats) < 2:
+        return f"{row[key]:.2f}"
+    return f"{row[key]:.2f} ({min(repeats):.2f}-{max(repeats):.2f})"
 
 
 def format_peer_table(rows: list[dict[str, Any]], rate: str) -> list[str]:
-    """hetconv against PyTorch DDP on the same machines (ratio < 1: hetconv is faster)."""
+    """hetconv against PyTorch DDP on the same machines (ratio < 1: hetconv is faster);
+    the ratios of the medians, and in brackets the lowest and highest of one repeat's."""
     lines = ["", "| machines (core each) | link | hetconv ms (x over hetconv alone) | "
              "DDP even split ms (x over torch alone) | DDP split by speed ms | "
-             "hetconv / DDP even | hetconv / DDP by speed |",
+             "hetconv / DDP even (repeats' range) | hetconv / DDP by speed (repeats' range) |",
              "|---|---|---|---|---|---|---|"]
     for row in rows:
         lines.append(
             f"| {row['machines']} | {row.get('rate', rate)} | {row['step_s'] * 1e3:.1f} "
             f"({row['speedup']:.2f}x) | {row['ddp_even_step_s'] * 1e3:.1f} "
             f"({row['torch_alone_step_s'] / row['ddp_even_step_s']:.2f}x) | "
-            f"{row['ddp_speed_step_s'] * 1e3:.1f} | {row['hetconv_over_ddp_even']:.2f} | "
-            f"{row['hetconv_over_ddp_speed']:.2f} |")
+            f"{row['ddp_speed_step_s'] * 1e3:.1f} | {ratio_cell(row, 'hetconv_over_ddp_even')} | "
+            f"{ratio_cell(row, 'hetconv_over_ddp_speed')} |")
     return lines
 
 

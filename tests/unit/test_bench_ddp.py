@@ -60,6 +60,27 @@ def test_the_peer_table_puts_both_steps_and_their_ratio_side_by_side() -> None:
     assert table[-1].endswith("| 1.25 | 1.25 |")
 
 
+def test_the_ratio_s_range_pairs_the_repeats_closest_in_time() -> None:
+    """Repeat k of hetconv over repeat k of DDP: the host's drift between repeats shows
+    as the range; a run missing from a repeat leaves the range out."""
+    mixed = (0.6, 0.3)
+    rows = [{"machines": "2x[0.6,0.3] samples", "step_s": 0.060, "speedup": 1.5,
+             "repeat_steps_s": [0.060, 0.066, 0.054]},
+            {"machines": "2x[0.6,0.3] samples", "step_s": 0.060, "speedup": 1.5,
+             "repeat_steps_s": [0.060, 0.066]}]
+    peer = {ddp_label(mixed, "even"): [0.080, 0.060, 0.060],
+            ddp_label(mixed, "speed"): [0.050, 0.060, 0.060],
+            ddp_label((0.6,), "even"): [0.090]}
+    add_peer_figures(rows, [(mixed, "samples"), (mixed, "samples")], peer)
+    assert rows[0]["hetconv_over_ddp_even_repeats"] == pytest.approx([0.75, 1.1, 0.9])
+    assert rows[0]["hetconv_over_ddp_speed_repeats"] == pytest.approx([1.2, 1.1, 0.9])
+    assert rows[1]["hetconv_over_ddp_even_repeats"] == []
+    table = format_peer_table(rows, "1gbit")
+    assert table[-2].endswith("| 1.00 (0.75-1.10) | 1.00 (0.90-1.20) |")
+    assert table[-1].endswith("| 1.00 | 1.00 |")
+    assert "repeats' range" in table[1]
+
+
 def test_the_breakdown_puts_ddp_s_compute_and_the_rest_beside_hetconv_s() -> None:
     equal = (0.5, 0.5)
     rows = [{"machines": "2x[0.5,0.5] samples", "step_s": 0.050, "speedup": 1.6,
