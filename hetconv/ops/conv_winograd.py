@@ -91,18 +91,16 @@ def tiled_extent(geometry: Any) -> tuple[int, int]:
             max(g.width + 2 * g.padding, tw * m + g.kernel_w - 1))
 
 
-def _extended(xp: Any, g: Any, padded: Array) -> Array:
-    """padded (C, Hp, Wp, nb) with zero rows and columns appended up to tiled_extent,
-    in the thread's scratch; padded itself where it already reaches that far."""
-    rows, columns = tiled_extent(g)
-    channels, hp, wp, nb = padded.shape
-    if (hp, wp) == (rows, columns):
-        return padded
-    out = scratch_array(xp, "winograd extended input", (channels, rows, columns, nb),
-                        padded.dtype)
-    out[:, :hp, :wp] = padded
-    out[:, hp:] = 0
-    out[:, :hp, wp:] = 0
+def _zero_extended(xp: Any, array: Array, rows: int, columns: int, name: str) -> Array:
+    """array (C, H, W, nb) with zero rows and columns appended up to rows x columns, in
+    the thread's scratch ``name``; ``array`` itself where it already is that size."""
+    channels, height, width, nb = array.shape
+    if (height, width) == (rows, columns):
+        return array
+    out = scratch_array(xp, name, (channels, rows, columns, nb), array.dtype)
+    out[:, :height, :width] = array
+    out[:, height:] = 0
+    out[:, :height, width:] = 0
     return out
 
 
@@ -172,7 +170,7 @@ def input_transform(xp: Any, g: Any, padded: Array, out: Array = None) -> Array:
     _, _, bt_matrix = matrices(g.kernel_h, tile_of(g))
     bt = _constant(xp, bt_matrix, padded.dtype)
     a = bt.shape[0]
-    padded = _extended(xp, g, padded)
+    padded = _zero_extended(xp, padded, *tiled_extent(g), "winograd extended input")
     channels, nb = padded.shape[0], padded.shape[3]
     m = tile_of(g)
     th, tw = tiles_of(g)
@@ -217,13 +215,8 @@ def gradient_transform(xp: Any, g: Any, rows: Array, out: Array = None) -> Array
     m = tile_of(g)
     th, tw = tiles_of(g)
     nb = rows.shape[1] // (g.out_h * g.out_w)
-    if ragged(g):
-        whole = scratch_array(xp, "winograd whole dy", (kernels, th * m, tw * m, nb),
-                              rows.dtype)
-        whole[:, :g.out_h, :g.out_w] = rows.reshape(kernels, g.out_h, g.out_w, nb)
-        whole[:, g.out_h:] = 0
-        whole[:, :g.out_h, g.out_w:] = 0
-        rows = whole
+    rows = _zero_extended(xp, rows.reshape(kernels, g.out_h, g.out_w, nb), th * m, tw * m,
+                          "winograd whole dy")
     tiles = scratch_array(xp, "winograd dy tiles", (m, m, kernels * th * tw * nb),
                           rows.dtype)
     tiles.reshape(m, m, kernels, th, tw, nb)[...] = rows.reshape(
