@@ -67,6 +67,15 @@ class WholeStepStage(Protocol):
         ...
 
 
+@runtime_checkable
+class EarlyReplanStage(Protocol):
+    """A stage that may need a snapshot (and the re-plan point after it) before the
+    next one due: the master-alone trial, once it can decide (master/trial_alone.py).
+    The trainer asks after every step; such a stage never runs steps ahead."""
+
+    def wants_replan_point(self) -> bool: ...
+
+
 class ConvStage(Protocol):
     """What the trainer needs from whatever runs the conv layers."""
 

@@ -26,7 +26,13 @@ from hetconv.metrics import MetricsWriter
 from hetconv.model import ModelConfig, conv_layer_shapes, dense_parameter_names
 from hetconv.ops.loss import softmax_cross_entropy
 from hetconv.optim import OptimizerConfig, learning_rate_at
-from hetconv.stage import ConvStage, StageFault, WholeStepStage, split_snapshot
+from hetconv.stage import (
+    ConvStage,
+    EarlyReplanStage,
+    StageFault,
+    WholeStepStage,
+    split_snapshot,
+)
 from hetconv.train_state import CHECKPOINT_NAME, TrainingState, check_finite
 
 MAX_FAULTS_WITHOUT_PROGRESS = 8
@@ -226,6 +232,11 @@ class Trainer:
                  f"{seconds:.2f} s, replaying {step - state.step} step(s)")
         return state
 
+    def _stage_wants_replan(self) -> bool:
+        """Whether the stage asks for a snapshot after this step though none is due (a
+        trial that can decide: :class:`hetconv.stage.EarlyReplanStage`)."""
+        return isinstance(self.stage, EarlyReplanStage) and self.stage.wants_replan_point()
+
     def _may_run_ahead(self, step: int, position: int, steps_per_epoch: int) -> bool:
         """Whether step + 1 may start before step ends: the stage runs ahead and nothing
         reads its state between the two (no snapshot after step, no epoch end)."""
@@ -302,8 +313,9 @@ class Trainer:
                         bar.update(1)
                         step += 1
                         position += 1
-                        if loop.checkpoint_every and step % loop.checkpoint_every == 0 \
-                                and position < steps_per_epoch:
+                        due = bool(loop.checkpoint_every
+                                   and step % loop.checkpoint_every == 0)
+                        if (due or self._stage_wants_replan()) and position < steps_per_epoch:
                             started = time.perf_counter()
                             self._checkpoint(self.capture(
                                 step, epoch, position, seen, correct, loss_sum, train_s,

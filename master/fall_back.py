@@ -15,9 +15,12 @@ estimate is corrected by it and the trigger is tight (``CORRECTED_TRIGGER``). Wi
 trigger of 1.05 a run 7 % slower than the master alone went on so for all its steps
 where the estimate came out high (0.6/0.4/0.2/0.2, 32:64: 93.7 ms a step against 87.8
 alone). The trial: from the next snapshot the master really trains alone (the workers
-wait, heartbeated) until the following snapshot, and the medians of two measured step
-times decide (:class:`AloneCheck`). Going back to the workers costs one hand-out of the
-layers; a wrong trial costs one snapshot interval at the slower speed, once: the trial
+wait, heartbeated) for ``ALONE_WINDOW`` steps, or ``EARLY_STEPS`` where its steps are
+already clearly on one side of the run's (``CLEAR_MARGIN``); the trainer takes a
+snapshot there (:meth:`AloneCheck.verdict_ready`), not at the next one due, and the
+medians of two measured step times decide (:class:`AloneCheck`). Going back to the workers costs one hand-out of the
+layers; a wrong trial costs ``EARLY_STEPS`` to ``ALONE_WINDOW`` steps at the slower
+speed, once: the trial
 also corrects the estimate (measured over estimated alone), so the same conditions do
 not trigger it again.
 
@@ -40,6 +43,15 @@ TRIAL_TRIGGER = 0.75
 than this fraction of the estimate of the master alone (the estimate errs by up to
 a third either way: module doc). Runs that scale well stay well under it (four 0.45-core
 machines, 32:64: 55-62 ms against estimates of 111-178)."""
+EARLY_STEPS = 4
+"""A trial measured this many steps alone may end before ``ALONE_WINDOW`` when its
+steps but the first (which pays the restore's first touches) are all clearly on one
+side of the run with the workers (``CLEAR_MARGIN``)."""
+CLEAR_MARGIN = 1.25
+"""Clearly on one side: each of those steps more than this factor slower than the median
+step with the workers, or this factor faster. The trials seen on the lab's quota
+machines measured the master alone 1.3-1.5 times slower than the workers or within a
+few percent of them; the close ones run the whole window."""
 CORRECTED_TRIGGER = 1.05
 """After a trial corrected the estimate by what it measured: a trial starts again only
 when the workers measure this much slower than the corrected estimate."""
@@ -101,6 +113,27 @@ class AloneCheck:
         """A step of the trial: the master's conv part alone, measured."""
         self.trial.append(alone_s)
 
+    def verdict_ready(self) -> bool:
+        """Whether a trial has measured enough to decide: ``ALONE_WINDOW`` steps alone,
+        or ``EARLY_STEPS`` clearly on one side (the trainer then takes a snapshot after
+        this step, where :meth:`at_snapshot` gives the verdict)."""
+        return self.in_trial and (len(self.trial) >= ALONE_WINDOW
+                                  or self._clear_side() is not None)
+
+    def _clear_side(self) -> str | None:
+        """The master alone's side against the median step with the workers, "slower" or
+        "faster", where each of the last ``EARLY_STEPS`` - 1 of at least ``EARLY_STEPS``
+        trial steps is so by ``CLEAR_MARGIN``; None while unclear."""
+        if len(self.trial) < EARLY_STEPS or not self.walls:
+            return None
+        recent = list(self.trial)[-(EARLY_STEPS - 1):]
+        measured = statistics.median(self.walls)
+        if min(recent) > CLEAR_MARGIN * measured:
+            return "slower"
+        if max(recent) * CLEAR_MARGIN < measured:
+            return "faster"
+        return None
+
     def at_snapshot(self) -> Verdict:
         """What to do from this snapshot on (None: go on as now)."""
         if self.in_trial:
@@ -118,7 +151,7 @@ class AloneCheck:
         return TryAlone(measured, alone)
 
     def _end_trial(self) -> Verdict:
-        if len(self.trial) < ALONE_WINDOW:
+        if not self.verdict_ready():
             return None  # too few steps alone yet: the trial goes on to the next snapshot
         measured = statistics.median(self.walls)
         alone = statistics.median(self.trial)

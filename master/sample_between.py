@@ -29,6 +29,7 @@ from hetconv.master.cluster import Cluster, WorkerHandle, WorkerLost
 from hetconv.master.commands import carry_out
 from hetconv.master.fall_back import (
     ALONE_WINDOW,
+    EARLY_STEPS,
     STAY_ALONE_REASON,
     AloneCheck,
     GoBack,
@@ -336,11 +337,13 @@ class BetweenSteps(StepFigures):
     # --- never slower than the master alone (master/fall_back.py) -------------------------
     def _try_alone(self, verdict: TryAlone, state: dict[str, np.ndarray]) -> ConvStage:
         """The plan measured slower than the estimate of the master alone: train alone
-        until the next snapshot (the workers wait), then let the trial decide."""
+        until the trial can decide (the workers wait; it asks the trainer for a snapshot
+        then: ``AloneCheck.verdict_ready``), then let it decide."""
         reason = (f"trying the master alone: the conv part took {verdict.measured_s * 1e3:.1f} "
                   f"ms per step over the last {ALONE_WINDOW} steps, the master alone is "
                   f"estimated at {verdict.alone_s * 1e3:.1f} ms")
-        self.setup.report(f"hetconv: {reason}; until the next snapshot the workers wait")
+        self.setup.report(f"hetconv: {reason}; the workers wait for {EARLY_STEPS}-"
+                          f"{ALONE_WINDOW} steps")
         self._record_replan(reason, verdict.measured_s, verdict.alone_s, alone=True)
         local = self.setup.local_stage()
         local.restore(state)

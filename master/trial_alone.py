@@ -1,6 +1,8 @@
 """The master alone on trial: a conv stage that runs the master alone from one snapshot
-to the next while the sample stage's workers wait, then stays alone or goes back to
-them as :class:`hetconv.master.fall_back.AloneCheck` decides (``--fall-back on``)."""
+until the trial can decide (it asks the trainer for a snapshot then:
+:class:`hetconv.stage.EarlyReplanStage`) while the sample stage's workers wait, then
+stays alone or goes back to them as :class:`hetconv.master.fall_back.AloneCheck`
+decides (``--fall-back on``)."""
 from __future__ import annotations
 
 import time
@@ -68,6 +70,10 @@ class TrialAloneStage:
         self._conv_s = 0.0
         self.waiting.keep_alive()
         return self.local.take_step_timings()
+
+    def wants_replan_point(self) -> bool:
+        """The trial measured enough to decide: a snapshot now, not at the next one due."""
+        return self.check.verdict_ready()
 
     def snapshot(self) -> dict[str, np.ndarray]:
         return self.local.snapshot()

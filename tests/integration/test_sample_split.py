@@ -126,9 +126,10 @@ def test_workers_slower_than_the_master_alone_are_dropped_and_the_run_stays_exac
         endpoint: str, workers: Any, tmp_path: Path, local_reference: Path) -> None:
     """Defaults (--fall-back on): workers far slower in training than calibrated (the
     test hook sleeps in every training round) make the plan slower than the estimate of
-    the master alone; at the first snapshot the master tries training alone, at the
-    second the trial has measured it faster: it drops the workers, says so, records
-    both, and trains on alone: the loss trace is still the local run's."""
+    the master alone; at the first snapshot the master tries training alone, and once
+    the trial has measured it faster (a few steps later: clearly faster, a snapshot is
+    taken there) it drops the workers, says so, records both, and trains on alone: the
+    loss trace is still the local run's."""
     workers("w1", "w2", faults=WorkerFaults(delay_per_kernel_s=0.004))
     run_dir = tmp_path / "dist"
     result = run_hetconv("train", "--listen", endpoint, "--min-workers", "2", "--wait", "30",

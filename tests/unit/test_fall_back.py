@@ -9,7 +9,9 @@ import pytest
 
 from hetconv.master.fall_back import (
     ALONE_WINDOW,
+    CLEAR_MARGIN,
     CORRECTED_TRIGGER,
+    EARLY_STEPS,
     TRIAL_TRIGGER,
     AloneCheck,
     GoBack,
@@ -57,15 +59,55 @@ def test_medians_ignore_one_outlier() -> None:
 
 
 def test_a_trial_that_confirms_the_estimate_stays_alone() -> None:
+    """Alone a little faster (17 against 18 ms: not clearly): the whole window decides."""
     check = AloneCheck()
-    _with_workers(check, 0.020, 0.012)
-    assert check.at_snapshot() == TryAlone(pytest.approx(0.020), pytest.approx(0.012))
+    _with_workers(check, 0.018, 0.012)
+    assert check.at_snapshot() == TryAlone(pytest.approx(0.018), pytest.approx(0.012))
     assert check.in_trial
     for _ in range(ALONE_WINDOW - 1):
-        check.trial_step(0.013)
+        check.trial_step(0.017)
+        assert not check.verdict_ready()
     assert check.at_snapshot() is None  # too few steps alone: the trial goes on
-    check.trial_step(0.013)
-    assert check.at_snapshot() == StayAlone(pytest.approx(0.020), pytest.approx(0.013))
+    check.trial_step(0.017)
+    assert check.verdict_ready()
+    assert check.at_snapshot() == StayAlone(pytest.approx(0.018), pytest.approx(0.017))
+
+
+@pytest.mark.parametrize("alone_s, verdict", [(0.080, GoBack), (0.036, StayAlone)])
+def test_a_trial_clearly_on_one_side_decides_after_a_few_steps(
+        alone_s: float, verdict: type) -> None:
+    """The master alone 1.6 times slower than the workers (or faster by as much): the
+    trial decides after EARLY_STEPS steps, judged on all but the first (which pays the
+    restore's first touches: here it is 3 times slower)."""
+    check = AloneCheck()
+    _with_workers(check, 0.050, 0.060)
+    assert isinstance(check.at_snapshot(), TryAlone)
+    check.trial_step(3 * alone_s)
+    for _ in range(EARLY_STEPS - 2):
+        check.trial_step(alone_s)
+        assert not check.verdict_ready()
+    check.trial_step(alone_s)
+    assert check.verdict_ready()
+    decided = check.at_snapshot()
+    assert isinstance(decided, verdict) and not check.in_trial
+    assert decided.measured_s == pytest.approx(0.050)
+
+
+@pytest.mark.parametrize("recent", [
+    (0.060, 0.060, 0.062),  # 1.2x the workers' 50 ms: within the margin
+    (0.080, 0.080, 0.060),  # one step of the three within it
+    (0.036, 0.036, 0.041),  # faster, one step within the margin
+])
+def test_a_trial_not_clearly_on_one_side_runs_the_whole_window(
+        recent: tuple[float, float, float]) -> None:
+    check = AloneCheck()
+    _with_workers(check, 0.050, 0.060)
+    assert isinstance(check.at_snapshot(), TryAlone)
+    check.trial_step(0.070)
+    for seconds in recent:
+        check.trial_step(seconds)
+    assert not check.verdict_ready() and check.at_snapshot() is None and check.in_trial
+    assert 0.050 * CLEAR_MARGIN > 0.060  # what the first case stands for
 
 
 def test_a_trial_that_refutes_the_estimate_goes_back_and_corrects_it() -> None:
@@ -173,3 +215,25 @@ def test_the_trial_stage_goes_back_to_the_waiting_workers() -> None:
     stage, local, waiting = _trial(0.004, with_workers_s=0.010)  # 16 ms alone against 10
     assert stage.replan_point({}) is waiting.back
     assert waiting.events[-1] == "back 0.016" and local.closed
+
+
+def test_the_trial_stage_asks_for_a_snapshot_once_it_can_decide() -> None:
+    """Alone 16 ms against 10 with the workers: clear after EARLY_STEPS steps, so the
+    trial asks the trainer for its snapshot then, not at the next one due."""
+    clock = [0.0]
+    check = AloneCheck()
+    _with_workers(check, 0.010, 0.001)
+    assert isinstance(check.at_snapshot(), TryAlone)
+    waiting = _Waiting()
+    stage = TrialAloneStage(_Local(clock, 0.004), waiting, check, clock=lambda: clock[0])
+    x = np.zeros((2, 1, 4, 4), dtype=np.float32)
+    asked = []
+    for step in range(EARLY_STEPS):
+        for layer in range(2):
+            stage.forward(layer, x, True, step)
+        for layer in (1, 0):
+            stage.backward(layer, x, layer > 0, 0.1, step)
+        stage.take_step_timings()
+        asked.append(stage.wants_replan_point())
+    assert asked == [False] * (EARLY_STEPS - 1) + [True]
+    assert stage.replan_point({}) is waiting.back and waiting.events[-1] == "back 0.016"

@@ -121,3 +121,39 @@ def test_a_corrupt_or_truncated_checkpoint_is_one_clear_error(tmp_path: Path) ->
     with pytest.raises(CheckpointError, match="no checkpoint"):
         TrainingState.load(tmp_path / "nothing.npz")
     assert not list((tmp_path / "run").glob(".*.tmp"))  # no temporary left behind
+
+
+class EarlyReplanLocal(LocalConvStage):
+    """Asks for a re-plan point after the given steps (as the master-alone trial does
+    once it can decide); records the steps whose snapshot it was handed."""
+
+    def __init__(self, want_after: set[int]):
+        super().__init__(MODEL, init_parameters(MODEL, 0), layer_settings(MODEL, 0.9, 5e-4))
+        self.want_after = want_after
+        self.steps_done = 0
+        self.points: list[int] = []
+
+    def take_step_timings(self) -> dict[str, Any]:
+        self.steps_done += 1
+        return super().take_step_timings()
+
+    def wants_replan_point(self) -> bool:
+        return self.steps_done in self.want_after
+
+    def replan_point(self, state: dict[str, np.ndarray]) -> ConvStage:
+        self.points.append(self.steps_done)
+        return self
+
+
+def test_a_stage_that_asks_gets_a_snapshot_before_the_next_one_due(tmp_path: Path) -> None:
+    """A trial that can decide after 3 steps does not wait for the snapshot every 5:
+    the trainer takes one after step 3 (a checkpoint record, the stage's re-plan point),
+    and the result is the same bits as without it."""
+    clean, _ = train(tmp_path / "clean", EarlyReplanLocal(set()))
+    stage = EarlyReplanLocal({3, 5})  # 5: one due anyway, not taken twice
+    asked, _ = train(tmp_path / "asked", stage)
+    assert stage.points == [0, 3, 5, 10, 10, 15, 20, 20]  # start, 3, due ones, epoch ends
+    checkpoints = [r["step"] for r in read_metrics(tmp_path / "asked" / "metrics.jsonl")
+                   if r["type"] == "checkpoint"]
+    assert checkpoints == [0, 3, 5, 10, 10, 15, 20, 20]
+    assert asked.losses == clean.losses
