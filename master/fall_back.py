@@ -68,20 +68,23 @@ class TryAlone:
 
 @dataclass(frozen=True)
 class StayAlone:
-    """The trial is over: alone (``alone_s``, measured) beat the workers
-    (``measured_s``): drop them and train on alone."""
+    """The trial is over: alone (``alone_s``, measured, the median of ``trial_steps``)
+    beat the workers (``measured_s``): drop them and train on alone."""
 
     measured_s: float
     alone_s: float
+    trial_steps: int = ALONE_WINDOW
 
 
 @dataclass(frozen=True)
 class GoBack:
     """The trial is over: the workers (``measured_s``) beat the master alone
-    (``alone_s``, measured): hand them the snapshot and train on with them."""
+    (``alone_s``, measured, the median of ``trial_steps``): hand them the snapshot and
+    train on with them."""
 
     measured_s: float
     alone_s: float
+    trial_steps: int = ALONE_WINDOW
 
 
 Verdict = TryAlone | StayAlone | GoBack | None
@@ -157,10 +160,10 @@ class AloneCheck:
         alone = statistics.median(self.trial)
         self.in_trial = False
         if alone <= measured:
-            return StayAlone(measured, alone)
+            return StayAlone(measured, alone, len(self.trial))
         if self._estimate_then > 0:
             self.correction = alone / self._estimate_then
             self.corrected = True
         self.walls.clear()
         self.estimates.clear()
-        return GoBack(measured, alone)
+        return GoBack(measured, alone, len(self.trial))

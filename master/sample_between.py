@@ -355,7 +355,8 @@ class BetweenSteps(StepFigures):
     def stay_alone(self, verdict: StayAlone) -> None:
         reason = (f"{STAY_ALONE_REASON}: the conv part took "
                   f"{verdict.measured_s * 1e3:.1f} ms per step with the workers, "
-                  f"{verdict.alone_s * 1e3:.1f} ms alone (medians of {ALONE_WINDOW} steps)")
+                  f"{verdict.alone_s * 1e3:.1f} ms alone (medians of {ALONE_WINDOW} steps "
+                  f"with them, {verdict.trial_steps} alone)")
         self.setup.report(f"hetconv: {reason}: training on alone (the workers stay up for "
                           "the next run)")
         self._record_replan(reason, verdict.measured_s, verdict.alone_s, alone=True)
@@ -364,7 +365,7 @@ class BetweenSteps(StepFigures):
     def go_back(self, verdict: GoBack, state: dict[str, np.ndarray]) -> ConvStage:
         reason = (f"the master alone was slower: {verdict.alone_s * 1e3:.1f} ms per step "
                   f"alone, {verdict.measured_s * 1e3:.1f} ms with the workers (medians of "
-                  f"{ALONE_WINDOW} steps)")
+                  f"{verdict.trial_steps} steps alone, {ALONE_WINDOW} with them)")
         self.setup.report(f"hetconv: {reason}: back to the workers")
         self._record_replan(reason, verdict.measured_s, verdict.alone_s, alone=False)
         self.without_check.reset()

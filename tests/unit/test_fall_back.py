@@ -91,6 +91,7 @@ def test_a_trial_clearly_on_one_side_decides_after_a_few_steps(
     decided = check.at_snapshot()
     assert isinstance(decided, verdict) and not check.in_trial
     assert decided.measured_s == pytest.approx(0.050)
+    assert decided.trial_steps == EARLY_STEPS
 
 
 @pytest.mark.parametrize("recent", [
