@@ -15,7 +15,9 @@ Run as ``python -m hetconv.bench.ddp --rank R --world N ...`` (one process per
 machine, started by :mod:`hetconv.bench.scale`); rank 0 writes the wall time of every
 step after the warm-up to ``--out`` as JSON, and every rank's median compute-only step
 (``compute_s``: DDP_COMPUTE_STEPS more steps under ``no_sync()``, no all-reduce), so
-that the step beyond the slowest rank's compute is DDP's communication and waiting.
+that the step beyond the slowest rank's compute is DDP's communication and waiting,
+and the wall-clock ``window`` (``time.time()``, start and end) of the timed steps, for
+probes that sample the machines' CPU (docs/figures/ab/machine-cpu.py).
 PyTorch is needed only here (the optional ``bench`` extra).
 """
 from __future__ import annotations
@@ -158,11 +160,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     labels = rng.integers(0, CLASSES, args.samples)
     step = torch_step(torch, network, x, labels)
     seconds: list[float] = []
+    window = [0.0, 0.0]  # wall-clock (time.time()) start and end of the timed steps
     for index in range(DDP_WARMUP_STEPS + args.steps):
+        if index == DDP_WARMUP_STEPS:
+            window[0] = time.time()
         started = time.perf_counter()
         step()
         if index >= DDP_WARMUP_STEPS:
             seconds.append(time.perf_counter() - started)
+    window[1] = time.time()
     compute: list[float] = []
     for _ in range(DDP_COMPUTE_STEPS if distributed else 0):
         started = time.perf_counter()
@@ -179,6 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.out and args.rank == 0:
         Path(args.out).write_text(json.dumps({
             "step_s": seconds, "compute_s": compute_s, "samples": args.samples,
+            "window": window,
             "world": args.world,
             "cgroups": Path("/proc/self/cgroup").read_text().split()}))  # its quota's
     return 0
