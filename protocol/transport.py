@@ -179,21 +179,27 @@ def send_message(sock: zmq.Socket[bytes], msg: Message, identity: bytes | None =
     """Encode and send ``msg`` (to ``identity`` on a ROUTER); return the bytes sent.
 
     Array frames go without copying: do not mutate the message's arrays afterwards.
-    ``block`` False: never wait, not even for the socket's SNDTIMEO (for answers to
-    strangers and other messages that may be lost: a peer that does not read cannot
-    hold the caller). Raises ``ProtocolError`` (nothing sent) for an invalid message,
-    ``SendTimeout`` when the peer's queue stays full (at once when not ``block``),
-    ``PeerUnreachable`` for an unknown identity.
+    ``block`` False: never wait, not even for SNDTIMEO (for answers to strangers and
+    other messages that may be lost: a peer that does not read cannot hold the caller).
+    Raises ``ProtocolError`` (nothing sent) for an invalid message, ``SendTimeout``
+    when the peer's queue stays full (at once when not ``block``), ``PeerUnreachable``
+    for an unknown identity.
     """
-    frames = encode(msg)
+    return send_frames(sock, encode(msg), msg.TYPE, identity, block=block)
+
+
+def send_frames(sock: zmq.Socket[bytes], frames: list[bytes | memoryview], what: str,
+                identity: bytes | None = None, *, block: bool = True) -> int:
+    """Send encoded ``frames`` (of a ``what`` message) as :func:`send_message` does."""
     parts: list[bytes | memoryview] = frames if identity is None else [identity, *frames]
     try:
-        sock.send_multipart(parts, flags=0 if block else zmq.NOBLOCK, copy=False)
+        flags = 0 if block else zmq.NOBLOCK  # one frame: one call, no multipart loop
+        _ = (sock.send(parts[0], flags, copy=False) if len(parts) == 1 else
+             sock.send_multipart(parts, flags, copy=False))
     except zmq.Again:
         waited = f"after {limits.DEFAULT_SEND_TIMEOUT_MS} ms" if block else "at once"
-        raise SendTimeout(
-            f"send of {msg.TYPE} timed out {waited}; the peer is not reading"
-        ) from None
+        raise SendTimeout(f"send of {what} timed out {waited}; the peer is not reading"
+                          ) from None
     except zmq.ZMQError as exc:
         if exc.errno == errno.EHOSTUNREACH:
             raise PeerUnreachable(f"no connected peer with identity {identity!r}") from None
@@ -273,8 +279,7 @@ def recv_frames(sock: zmq.Socket[bytes], *, routed: bool = False, flags: int = 0
     gets ``admission.MAX_STRANGER_MESSAGE_BYTES`` instead (``admitted`` None: every
     sender is admitted). Once the frames read pass the limit, those kept are released,
     the rest are read and released, and ``ProtocolError`` (``identity`` set, and on a
-    ROUTER ``user_id``: see :func:`recv_routed`) is raised:
-    this reader never holds more than the limit. libzmq itself hands out no frame of a
+    ROUTER ``user_id``: :func:`recv_routed`) is raised: it never holds more than that. libzmq itself hands out no frame of a
     message before its last frame has arrived, so the whole message was in memory, once
     and briefly, before this runs (``limits.MAX_MSG_SIZE_BYTES`` bounds each frame
     before it is buffered; only CURVE keeps a stranger from sending one at all).
@@ -299,8 +304,10 @@ def recv_frames(sock: zmq.Socket[bytes], *, routed: bool = False, flags: int = 0
         total = len(first)
         if total > limit:
             frames.clear()
-    while sock.getsockopt(zmq.RCVMORE):  # the rest of a message is there already
+    more = first.more if isinstance(first, zmq.Frame) else sock.getsockopt(zmq.RCVMORE)
+    while more:  # the rest of a message is there already; a Frame says whether more come
         frame = sock.recv(copy=False)
+        more = frame.more
         total += len(frame)
         if total > limit:
             if routed and crossed_on is None:
