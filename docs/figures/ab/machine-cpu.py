@@ -15,8 +15,9 @@ work directory:
 - DDP: the timed steps' ``window`` in ``ddp.json`` (rank 0's clock; the ranks step
   together);
 
-and per machine alive over the whole window: CPU per step (ms) and the share of its
-quota it used over the window. Prints a table per run and repeat.
+and per machine alive over the whole window: CPU per step (ms; in parentheses by
+thread: Python's threads, ZeroMQ's background threads) and the
+share of its quota it used over the window. Prints a table per run and repeat.
 
     python docs/figures/ab/machine-cpu.py --work-dir DIR -- ARGS OF hetconv bench scale
     python docs/figures/ab/machine-cpu.py --work-dir DIR --samples FILE   # analyse again
@@ -53,10 +54,18 @@ def sample_forever(out: Path, stop: threading.Event, period_s: float = 0.2) -> N
                 except OSError:
                     continue
                 cpu = 0.0
+                threads: dict[str, float] = {}
                 for pid in pids:
                     try:
                         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
                         cpu += (int(fields[11]) + int(fields[12])) / TICKS
+                        for task in Path(f"/proc/{pid}/task").iterdir():
+                            name, rest = (task / "stat").read_text().split("(", 1)[1].rsplit(
+                                ")", 1)
+                            kind = thread_kind(name)
+                            ticks = rest.split()
+                            threads[kind] = threads.get(kind, 0.0) + (
+                                int(ticks[11]) + int(ticks[12])) / TICKS
                         if group.name not in commands:
                             commands[group.name] = Path(f"/proc/{pid}/cmdline").read_text(
                                 ).replace("\0", " ")[:200]
@@ -64,9 +73,15 @@ def sample_forever(out: Path, stop: threading.Event, period_s: float = 0.2) -> N
                         pass
                 if pids:
                     file.write(json.dumps([now, group.name, quota / period, cpu,
-                                           commands.get(group.name, "")]) + "\n")
+                                           commands.get(group.name, ""), threads]) + "\n")
             file.flush()
             stop.wait(period_s)
+
+
+def thread_kind(name: str) -> str:
+    """A thread's part: ZeroMQ's background threads (libzmq names them) or Python's
+    (Python 3.11 does not name its threads for the OS)."""
+    return "zmq" if name.startswith("ZMQbg") else "python"
 
 
 def cpu_at(series: list[tuple[float, float]], t: float) -> float | None:
@@ -110,9 +125,12 @@ def report(samples: Path, work_dir: Path) -> None:
     series: dict[str, list[tuple[float, float]]] = {}
     quota: dict[str, float] = {}
     command: dict[str, str] = {}
+    by_thread: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for line in samples.read_text().splitlines():
-        t, group, cores, cpu, cmd = json.loads(line)
+        t, group, cores, cpu, cmd, threads = json.loads(line)
         series.setdefault(group, []).append((t, cpu))
+        for kind, seconds in threads.items():
+            by_thread.setdefault((group, kind), []).append((t, seconds))
         quota[group], command[group] = cores, cmd or command.get(group, "")
     for name, start, end, steps in windows(work_dir):
         rows = []
@@ -124,11 +142,17 @@ def report(samples: Path, work_dir: Path) -> None:
                     "master" if " train " in command[group] else
                     "worker " + command[group].split("--name ")[-1].split()[0]
                     if "--name " in command[group] else "?")
-            rows.append((kind, (b - a) / steps * 1e3, (b - a) / (end - start) / quota[group]))
+            parts = []
+            for part in ("python", "zmq"):
+                pa, pb = (cpu_at(by_thread.get((group, part), []), t) for t in (start, end))
+                if pa is not None and pb is not None and pb > pa:
+                    parts.append(f"{part} {(pb - pa) / steps * 1e3:.1f}")
+            rows.append((kind, (b - a) / steps * 1e3, (b - a) / (end - start) / quota[group],
+                         ", ".join(parts)))
         if rows:
             print(f"{name}: {steps} steps, {(end - start) / steps * 1e3:.1f} ms a step; "
-                  + "; ".join(f"{k} {ms:.1f} ms CPU a step, {used:.0%} of its quota"
-                              for k, ms, used in sorted(rows)))
+                  + "; ".join(f"{k} {ms:.1f} ms CPU a step ({parts}), {used:.0%} of its quota"
+                              for k, ms, used, parts in sorted(rows)))
 
 
 def main() -> None:
