@@ -44,7 +44,7 @@ ARRAY_DTYPES: dict[str, np.dtype[Any]] = {
 }
 """Array dtypes any message may carry (not a run's wire dtypes): name → little-endian dtype."""
 
-_DTYPE_NAMES: dict[np.dtype[Any], tuple[str, bool]] = {
+DTYPE_NAMES: dict[np.dtype[Any], tuple[str, bool]] = {
     dtype.newbyteorder(order): (name, order == ">" and dtype.itemsize > 1)
     for name, dtype in ARRAY_DTYPES.items()
     for order in ("<", ">")
@@ -163,7 +163,7 @@ def _encode_array(name: str, value: object) -> tuple[dict[str, Any], Frame]:
     """The array's description and its frame (a view of its memory when possible)."""
     if not isinstance(value, np.ndarray):
         raise _fail(f"array field {name!r} must be a numpy array, got {type(value).__name__}")
-    found = _DTYPE_NAMES.get(value.dtype)
+    found = DTYPE_NAMES.get(value.dtype)
     if found is None:
         raise _fail(f"array field {name!r} has dtype {value.dtype}, allowed: "
                     f"{', '.join(ARRAY_DTYPES)}")
@@ -222,7 +222,7 @@ def encode(msg: Message) -> list[Frame]:
 
 
 # --- decode -----------------------------------------------------------------------------
-def _byte_view(frame: object, index: int) -> memoryview:
+def byte_view(frame: object, index: int) -> memoryview:
     """A flat byte view of a frame: bytes, bytearray, memoryview or zmq.Frame."""
     try:
         buffer: Any = getattr(frame, "buffer", frame)  # zmq.Frame has .buffer
@@ -361,7 +361,7 @@ def decode(frames: Sequence[object]) -> Message:
     views: list[memoryview] = []
     total = 0
     for index, frame in enumerate(frames):
-        view = _byte_view(frame, index)
+        view = byte_view(frame, index)
         if index == 0 and view.nbytes > limits.MAX_HEADER_BYTES:
             raise _fail(f"header has {view.nbytes} bytes, limit {limits.MAX_HEADER_BYTES}")
         if index and view.nbytes > limits.MAX_FRAME_BYTES:

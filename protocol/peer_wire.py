@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from . import limits
-from .codec import ARRAY_DTYPES, decode
+from .codec import ARRAY_DTYPES, DTYPE_NAMES, byte_view, decode
 from .errors import ERR_BAD_MESSAGE, ProtocolError
 from .message_base import Message
 from .peer_messages import PeerPiece
@@ -50,8 +50,8 @@ _INTS = ("pass_id", "step", "layer", "attempt", "kernel_start", "kernel_stop",
          "batch_start", "batch_stop", "batch_size")
 _DTYPES = tuple(ARRAY_DTYPES.values())
 _CODES: dict[np.dtype[Any], tuple[int, bool]] = {
-    dtype.newbyteorder(order): (code, order == ">" and dtype.itemsize > 1)
-    for code, dtype in enumerate(_DTYPES) for order in ("<", ">")}
+    dtype: (list(ARRAY_DTYPES).index(name), swap)
+    for dtype, (name, swap) in DTYPE_NAMES.items()}
 """Either byte order of an allowed dtype → (its code, needs a byte swap)."""
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 
@@ -121,18 +121,7 @@ def pack_piece(piece: PeerPiece) -> list[bytes | memoryview]:
 
 def is_packed(frame: object) -> bool:
     """Whether a first frame holds a packed piece (it starts with the magic)."""
-    return bytes(_view(frame, 0)[:len(MAGIC)]) == MAGIC
-
-
-def _view(frame: object, index: int) -> memoryview:
-    try:
-        buffer: Any = getattr(frame, "buffer", frame)  # zmq.Frame has .buffer
-        view = memoryview(buffer)
-        return view if view.ndim == 1 and view.format == "B" else view.cast("B")
-    # Deliberately broad: any object may raise anything from its buffer hooks.
-    except Exception as exc:  # noqa: BLE001
-        raise _fail(f"frame {index} is not a contiguous byte buffer "
-                    f"({type(exc).__name__})") from None
+    return byte_view(frame, 0)[:len(MAGIC)] == MAGIC
 
 
 def unpack_piece(frames: Sequence[object]) -> PeerPiece:
@@ -140,7 +129,7 @@ def unpack_piece(frames: Sequence[object]) -> PeerPiece:
     read-only view of the last frame; ``ProtocolError`` for anything else."""
     if not 1 <= len(frames) <= 2:
         raise _fail(f"1 or 2 frames, got {len(frames)}")
-    head = _view(frames[0], 0)
+    head = byte_view(frames[0], 0)
     if head.nbytes < _HEAD.size:
         raise _fail(f"a head of {head.nbytes} bytes, at least {_HEAD.size}")
     magic, version, code, ndim, phase_len, sender_len, *ints = _HEAD.unpack_from(head)
@@ -168,7 +157,7 @@ def unpack_piece(frames: Sequence[object]) -> PeerPiece:
     if len(frames) == 2:
         if head.nbytes != _padded(used):
             raise _fail(f"a head frame of {head.nbytes} bytes, {_padded(used)} described")
-        body = _view(frames[1], 1)
+        body = byte_view(frames[1], 1)
     else:
         body = head[_padded(used):]
     if body.nbytes != nbytes:
