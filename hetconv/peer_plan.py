@@ -2,8 +2,9 @@
 
 Pure data (no sockets, no arrays): which participant holds which kernels of every
 conv layer, who relays layer 0's input, who sends which piece to whom in each phase,
-and (when the master knows them) every layer's input H and W, so a piece of another
-size is bad data. It travels in ``AssignPeers.plan`` (:meth:`PeerPlan.to_wire`).
+(when the master knows them) every layer's input H and W, so a piece of another
+size is bad data, and the sample split's *bucket*: the first layers whose weight
+gradients are reduced together (:mod:`hetconv.weight_reduce`). It travels in ``AssignPeers.plan`` (:meth:`PeerPlan.to_wire`).
 :mod:`hetconv.dataplane` moves the pieces the plan describes.
 """
 from __future__ import annotations
@@ -18,6 +19,9 @@ PHASE_INPUT = "input"
 PHASE_FORWARD = "forward"
 PHASE_BACKWARD = "backward"
 PHASES = (PHASE_INPUT, PHASE_FORWARD, PHASE_BACKWARD)
+MAX_BUCKET_ELEMENTS = 1 << 26
+"""No layer of a bucket has more weight-gradient elements than this (a hostile plan
+cannot make a participant wait for a huge piece)."""
 
 
 @dataclass(frozen=True)
@@ -38,12 +42,18 @@ class PeerPlan:
     that follow from them. ``layers[l]`` lists ranges that tile [0, K_l)."""
 
     def __init__(self, layers: Sequence[Sequence[KernelRange]],
-                 input_sizes: Sequence[tuple[int, int]] = ()):
+                 input_sizes: Sequence[tuple[int, int]] = (), bucket: Sequence[int] = ()):
         self.layers = [list(ranges) for ranges in layers]
         # (H, W) of every layer's input, when known: a piece of another size is bad data
         self.input_sizes = [tuple(size) for size in input_sizes]
         if self.input_sizes and len(self.input_sizes) != len(self.layers):
             raise ValueError("plan: input sizes must give one (H, W) per layer")
+        # elements of the weight gradients of layers 0..len(bucket)-1, reduced together
+        self.bucket = [int(size) for size in bucket]
+        if len(self.bucket) > len(self.layers) or any(
+                size <= 0 or size > MAX_BUCKET_ELEMENTS for size in self.bucket):
+            raise ValueError(f"plan: the bucket must give 1 to {MAX_BUCKET_ELEMENTS} elements "
+                             f"for at most every layer of the plan")
         for index, ranges in enumerate(self.layers):
             position = 0
             for kernel_range in ranges:
@@ -57,9 +67,11 @@ class PeerPlan:
     @classmethod
     def from_wire(cls, plan: list[Any]) -> PeerPlan:
         """From ``[[[participant, start, stop], ...] per layer]``, optionally followed by
-        ``{"input_sizes": [[H, W], ...]}``; ValueError if malformed."""
+        ``{"input_sizes": [[H, W], ...], "bucket": [elements, ...]}`` (either key may be
+        absent); ValueError if malformed."""
         layers: list[list[KernelRange]] = []
         sizes: list[tuple[int, int]] = []
+        bucket: list[int] = []
         if plan and isinstance(plan[-1], dict):
             extra, plan = plan[-1], plan[:-1]
             raw = extra.get("input_sizes", [])
@@ -68,6 +80,9 @@ class PeerPlan:
                     and all(type(v) is int and 0 < v <= 1 << 16 for v in hw) for hw in raw)):
                 raise ValueError("plan: input_sizes must be [[H, W], ...] of positive ints")
             sizes = [(hw[0], hw[1]) for hw in raw]
+            bucket = extra.get("bucket", [])
+            if not (isinstance(bucket, list) and all(type(v) is int for v in bucket)):
+                raise ValueError("plan: bucket must be a list of ints")
         for ranges in plan:
             if not isinstance(ranges, list):
                 raise ValueError("plan: every layer must be a list of ranges")
@@ -78,14 +93,23 @@ class PeerPlan:
                     raise ValueError("plan: a range must be [participant, start, stop]")
                 layer.append(KernelRange(item[0], item[1], item[2]))
             layers.append(layer)
-        return cls(layers, sizes)
+        return cls(layers, sizes, bucket)
 
     def to_wire(self) -> list[Any]:
         ranges: list[Any] = [[[r.participant, r.start, r.stop] for r in layer]
                              for layer in self.layers]
+        extra: dict[str, Any] = {}
         if self.input_sizes:
-            ranges.append({"input_sizes": [list(size) for size in self.input_sizes]})
+            extra["input_sizes"] = [list(size) for size in self.input_sizes]
+        if self.bucket:
+            extra["bucket"] = list(self.bucket)
+        if extra:
+            ranges.append(extra)
         return ranges
+
+    def in_bucket(self, layer: int) -> bool:
+        """Whether ``layer``'s weight gradient is reduced in the bucket."""
+        return 0 <= layer < len(self.bucket)
 
     def input_size(self, layer: int) -> tuple[int, ...] | None:
         """(H, W) of ``layer``'s input, if known (None past the last layer)."""

@@ -26,6 +26,20 @@ layer of the backward (layer 0, the one the next step's first update waits for) 
 longer needs the owners to have started the next step before anyone can gather it; its
 pieces are in before the next step begins. (P-1)·W per participant instead of
 2·(P-1)/P·W: a few KB more.
+The first layers go *together*: the plan's bucket (:func:`bucket_sizes`, the longest
+run of layers from layer 0 whose float32 weight gradients add up to at most
+:data:`BUCKET_BYTES`: layers 1-3 of the VGG-style network, 114 KB) is reduced
+directly as *one* vector. A contributor keeps those layers' dW_i as the backward
+computes them and, with layer 0's (the last), sends their concatenation in layer order
+as one ``whole`` piece of layer 0 to every other participant; the first gather of a
+bucket layer adds the contributors' vectors in contributor order and splits the sum
+back into the layers (elementwise, so every layer's sum has the bits of its own
+``add_chunks``). That is one piece per peer a step where each of those layers sent its
+own (two for a layer reduced in two hops, each way): every piece costs the computing
+thread about 100 us of CPU with cold caches, and ZeroMQ's threads more
+(docs/sample-split.md). The bytes are (P-1)·W of the bucket instead of 2·(P-1)/P·W
+for its two-hop layers: the same at two participants, 1.5 times at four.
+
 Owners are the participants that compute (the master too when it does); a
 participant without a range (the master under ``--no-local``) only gathers. The
 ranges are :func:`reduce_ranges` (even split in participant order); they travel in
@@ -86,6 +100,9 @@ DIRECT_BYTES = BULK_BYTES
 (phase ``whole``; its pieces are never queued as bulk)."""
 """Reduction pieces of at least this many bytes wait for this participant's next barrier
 message (the module doc); a barrier's own (2, K) pieces are far smaller."""
+BUCKET_BYTES = 128 * 1024
+"""The first layers whose float32 weight gradients add up to at most this many bytes
+are reduced together (the module doc)."""
 MAX_HELD_PIECES = 512
 """At most this many pieces wait in a participant's inbox (a run needs at most a few
 layers' worth per peer): beyond it, pieces are dropped as a stranger's would be."""
@@ -110,10 +127,24 @@ def reduce_ranges(kernels: int, owners: Sequence[str], everyone: Sequence[str]
     return ranges
 
 
-def reduce_plan(kernels: Sequence[int], owners: Sequence[str], everyone: Sequence[str]
-                ) -> PeerPlan:
-    """The :class:`PeerPlan` of a run's reduction: :func:`reduce_ranges` per layer."""
-    return PeerPlan([reduce_ranges(k, owners, everyone) for k in kernels])
+def bucket_sizes(sizes: Sequence[int]) -> list[int]:
+    """The elements of each layer in the bucket: the longest prefix of ``sizes`` (the
+    weight-gradient elements of layers 0, 1, ...) within :data:`BUCKET_BYTES` in float32."""
+    bucket: list[int] = []
+    for size in sizes:
+        if 4 * (sum(bucket) + size) > BUCKET_BYTES:
+            break
+        bucket.append(int(size))
+    return bucket
+
+
+def reduce_plan(kernels: Sequence[int], owners: Sequence[str], everyone: Sequence[str],
+                sizes: Sequence[int] = ()) -> PeerPlan:
+    """The :class:`PeerPlan` of a run's reduction: :func:`reduce_ranges` per layer, and
+    the bucket of the layers whose weight gradients have ``sizes`` elements (none when
+    not given)."""
+    return PeerPlan([reduce_ranges(k, owners, everyone) for k in kernels],
+                    bucket=bucket_sizes(sizes))
 
 
 def reduced_directly(shape: Sequence[int]) -> bool:
@@ -149,6 +180,7 @@ class GradientExchange:
         self.cancelled = cancelled
         self._own: dict[tuple[int, int], np.ndarray] = {}  # (reduce id, layer) -> own dW
         self._direct: dict[tuple[int, int], list[str]] = {}  # (reduce id, layer) -> contributors
+        self._bucket_sums: dict[tuple[int, int], np.ndarray] = {}  # (reduce id, layer) -> ΣdW
         self._inbox: dict[tuple[int, int, str, str], np.ndarray] = {}
         self._floor = 0  # pieces of older reduce ids are stale
         self._bulk: list[tuple[str, PeerPiece]] = []  # (target, piece) not sent yet
@@ -179,6 +211,9 @@ class GradientExchange:
         """Keep this participant's dW of ``layer`` and send each owner its range."""
         dweight = np.ascontiguousarray(dweight, dtype=np.float32)
         self._own[(reduce_id, layer)] = dweight
+        if self.plan.in_bucket(layer):
+            self._scatter_bucket(reduce_id, step, layer, dweight)
+            return
         if reduced_directly(dweight.shape):  # the whole of it to everyone else
             whole = KernelRange(self.participant, 0, self._kernels(layer))
             for target in self._ranges(layer):
@@ -192,13 +227,35 @@ class GradientExchange:
             self._send(target.participant, reduce_id, step, layer, PHASE_REDUCE, target,
                        dweight[target.start:target.stop])
 
+    def _scatter_bucket(self, reduce_id: int, step: int, layer: int,
+                        dweight: np.ndarray) -> None:
+        """Keep a bucket layer's dW; with layer 0's (the backward's last), send the
+        bucket's vector to every other participant."""
+        if dweight.size != self.plan.bucket[layer]:
+            raise PeerLost([], f"layer {layer + 1}'s weight gradient has {dweight.size} "
+                               f"elements, the plan's bucket {self.plan.bucket[layer]}")
+        if layer > 0:
+            return
+        parts = [self._own.pop((reduce_id, index), None)
+                 for index in range(len(self.plan.bucket))]
+        missing = [index + 1 for index, part in enumerate(parts) if part is None]
+        if missing:
+            raise PeerLost([], f"no weight gradient of layer(s) {missing} kept for "
+                               f"reduction {reduce_id}'s bucket")
+        vector = np.concatenate([part.reshape(-1) for part in parts if part is not None])
+        self._own[(reduce_id, 0)] = vector
+        whole = KernelRange(self.participant, 0, self._kernels(0))
+        for target in self._ranges(0):
+            if target.participant != self.participant:
+                self._send(target.participant, reduce_id, step, 0, PHASE_WHOLE, whole, vector)
+
     # --- 2 and 3: reduce, share, gather ----------------------------------------------
     def reduce(self, reduce_id: int, step: int, layer: int, contributors: Sequence[str],
                shape: tuple[int, ...]) -> np.ndarray | None:
         """Sum this participant's range over ``contributors`` (in their order) and send
         the sum to every other participant; the sum, or None without a range."""
         self._forget_before(reduce_id)
-        if reduced_directly(shape):  # every participant adds the whole arrays in gather
+        if self.plan.in_bucket(layer) or reduced_directly(shape):  # added in gather
             self._direct[(reduce_id, layer)] = list(contributors)
             return None
         mine = self.own_range(layer)
@@ -225,6 +282,8 @@ class GradientExchange:
                shape: tuple[int, ...]) -> np.ndarray:
         """ΣdW (``shape``) from every owner's sum (this participant's ``own_sum``), or,
         for a layer reduced directly, from every contributor's whole dW_i."""
+        if self.plan.in_bucket(layer):
+            return self._gather_bucket(reduce_id, layer, shape)
         if reduced_directly(shape):
             return self._gather_whole(reduce_id, layer, shape)
         owners = [r for r in self._ranges(layer) if r.kernels > 0]
@@ -243,16 +302,37 @@ class GradientExchange:
             total[owner.start:owner.stop] = part
         return total
 
-    def _gather_whole(self, reduce_id: int, layer: int, shape: tuple[int, ...]) -> np.ndarray:
+    def _gather_bucket(self, reduce_id: int, layer: int, shape: tuple[int, ...]
+                       ) -> np.ndarray:
+        """ΣdW of a bucket layer: on the first gather of the bucket, every contributor's
+        vector added in contributor order and split into the layers."""
+        size = int(np.prod(shape, dtype=np.int64))
+        if size != self.plan.bucket[layer]:
+            raise PeerLost([], f"layer {layer + 1}'s weight gradient has {size} elements, "
+                               f"the plan's bucket {self.plan.bucket[layer]}")
+        if (reduce_id, layer) not in self._bucket_sums:
+            total = self._gather_whole(reduce_id, layer, (sum(self.plan.bucket),), key=0)
+            position = 0
+            for index, elements in enumerate(self.plan.bucket):
+                self._bucket_sums[(reduce_id, index)] = total[position:position + elements]
+                position += elements
+            for index in range(len(self.plan.bucket)):
+                self._direct.pop((reduce_id, index), None)
+        return self._bucket_sums.pop((reduce_id, layer)).reshape(shape)
+
+    def _gather_whole(self, reduce_id: int, layer: int, shape: tuple[int, ...],
+                      key: int | None = None) -> np.ndarray:
         """ΣdW of a layer reduced directly: every contributor's whole dW_i (this
-        participant's own kept at the scatter) added in contributor order."""
+        participant's own kept at the scatter) added in contributor order. The pieces and
+        the own array are those of layer ``key`` (default ``layer``; the bucket's: 0)."""
         contributors = self._direct.pop((reduce_id, layer), None)
         if contributors is None:
             raise PeerLost([], f"a gather of layer {layer + 1} before its reduction "
                                f"{reduce_id} began")
-        pieces = self._wait(reduce_id, layer, PHASE_WHOLE, {
+        key = layer if key is None else key
+        pieces = self._wait(reduce_id, key, PHASE_WHOLE, {
             c: tuple(shape) for c in contributors if c != self.participant})
-        own = self._own.pop((reduce_id, layer), None)
+        own = self._own.pop((reduce_id, key), None)
         if self.participant in contributors:
             if own is None or tuple(own.shape) != tuple(shape):
                 raise PeerLost([], f"no weight gradient of layer {layer + 1} kept for "
@@ -328,6 +408,7 @@ class GradientExchange:
         self._bulk = [(t, p) for t, p in self._bulk if p.pass_id >= reduce_id]
         self._own = {k: v for k, v in self._own.items() if k[0] >= reduce_id}
         self._direct = {k: v for k, v in self._direct.items() if k[0] >= reduce_id}
+        self._bucket_sums = {k: v for k, v in self._bucket_sums.items() if k[0] >= reduce_id}
 
     def offer(self, piece: PeerPiece) -> str | None:
         """Keep ``piece``; the reason it was dropped, or None."""

@@ -286,13 +286,16 @@ class BetweenSteps(StepFigures):
     def assign_peers(self) -> None:
         """Hand every worker in the run its peers and the reduction plan (the master's
         own exchange is its runner's); nothing under ``--data-plane star``. With the
-        dense part replicated, the plan's last layer is the dense part's (N,) vector."""
+        dense part replicated, the plan's last layer is the dense part's (N,) vector; the
+        first conv layers' weight gradients go in the plan's bucket when small."""
         if self.peers is None:
             return
         kernels = [shape.kernels for shape in self.setup.shapes]
+        sizes = [s.kernels * s.in_channels * s.kernel_size ** 2 for s in self.setup.shapes]
         if self.dense is not None:
             kernels.append(self.dense.part.size())
-        self.runner.exchange = self.peers.assign(self._run_workers(), self._names(), kernels)
+        self.runner.exchange = self.peers.assign(self._run_workers(), self._names(), kernels,
+                                                 sizes)
 
     def recover(self, fault: StageFault, state: dict[str, np.ndarray]) -> ConvStage:
         self.without_check.reset()  # other participants: a trial under way is over

@@ -42,10 +42,11 @@ class SamplePeers:
         self.cancel = threading.Event()
 
     def assign(self, workers: dict[str, WorkerHandle], owners: Sequence[str],
-               kernels: Sequence[int]) -> GradientExchange:
+               kernels: Sequence[int], sizes: Sequence[int] = ()) -> GradientExchange:
         """Hand ``workers`` (participant -> handle, in participant order) their peers
         and the plan in which ``owners`` (computing participants, the master among
-        them when it computes) share every layer's kernels; between steps only."""
+        them when it computes) share every layer's kernels, with the bucket of the conv
+        layers whose weight gradients have ``sizes`` elements; between steps only."""
         cluster = self.cluster
         live = {p: w for p, w in workers.items() if not w.gone}
         await_data_endpoints(cluster, list(live.values()))
@@ -60,7 +61,7 @@ class SamplePeers:
         peers[MASTER_PARTICIPANT] = self.sockets.endpoint(route_address(toward))
         keys[MASTER_PARTICIPANT] = self.sockets.public_key
         everyone = [MASTER_PARTICIPANT] + list(live)
-        plan = reduce_plan(kernels, [o for o in owners if o in everyone], everyone)
+        plan = reduce_plan(kernels, [o for o in owners if o in everyone], everyone, sizes)
         try:
             check_reachable(MASTER_PARTICIPANT, peers,
                             min(DATA_PORT_PROBE_TIMEOUT_S, self.timeout_s))

@@ -61,7 +61,8 @@ def _runners(model: Any, params: dict[str, np.ndarray], settings: Any, members: 
     shapes = conv_layer_shapes(model)
     names = dense_parameter_names(model)
     size = sum(int(params[n].size) for n in names)
-    plan = reduce_plan([s.kernels for s in shapes] + [size], members, everyone)
+    plan = reduce_plan([s.kernels for s in shapes] + [size], members, everyone,
+                       [s.kernels * s.in_channels * s.kernel_size ** 2 for s in shapes])
     queues: dict[str, queue.Queue[PeerPiece]] = {n: queue.Queue() for n in everyone}
     runners, shards = {}, {}
     for name in everyone:
@@ -95,16 +96,20 @@ def _step(step: int, sync_id: int, members: list[str], cuts: list[int], x: Any, 
         labels=labels)
 
 
-@pytest.mark.parametrize("bulk_bytes", [None, 0], ids=["default", "every piece queued"])
+@pytest.mark.parametrize("bulk_bytes", [None, 0, -1],
+                         ids=["default", "every piece queued", "no bucket"])
 @pytest.mark.parametrize("cuts", [[5, 7], [3, 4, 5]], ids=["2 members", "3 members"])
 def test_step_chains_equal_the_local_trainer(cuts: list[int], tmp_path: Path,
                                              bulk_bytes: int | None,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """``bulk_bytes`` 0: every reduction piece waits for its sender's next barrier
     message or wait (hetconv/weight_reduce.py), as the large ones do: same results, no
-    deadlock."""
-    if bulk_bytes is not None:
-        import hetconv.weight_reduce
+    deadlock. By default both conv layers are in the plan's bucket; "no bucket" reduces
+    each on its own."""
+    import hetconv.weight_reduce
+    if bulk_bytes == -1:  # every layer's reduction on its own (two hops or direct)
+        monkeypatch.setattr(hetconv.weight_reduce, "BUCKET_BYTES", 0)
+    elif bulk_bytes is not None:
         monkeypatch.setattr(hetconv.weight_reduce, "BULK_BYTES", bulk_bytes)
     model, params, settings = _model()
     shapes = conv_layer_shapes(model)
