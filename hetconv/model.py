@@ -164,6 +164,11 @@ class ConvLayerShape:
     def output_shape(self, batch: int) -> tuple[int, int, int, int]:
         return (batch, self.kernels, self.pooled_height, self.pooled_width)
 
+    @property
+    def weight_values(self) -> int:
+        """Values of the layer's weight (K, C, k, k)."""
+        return self.kernels * self.in_channels * self.kernel_size**2
+
     def conv_flops(self, batch: int) -> int:
         """Multiply-adds x2 of the forward convolution for ``batch`` images."""
         return (2 * batch * self.kernels * self.in_channels * self.kernel_size**2

@@ -291,7 +291,7 @@ class BetweenSteps(StepFigures):
         if self.peers is None:
             return
         kernels = [shape.kernels for shape in self.setup.shapes]
-        sizes = [s.kernels * s.in_channels * s.kernel_size ** 2 for s in self.setup.shapes]
+        sizes = [s.weight_values for s in self.setup.shapes]
         if self.dense is not None:
             kernels.append(self.dense.part.size())
         self.runner.exchange = self.peers.assign(self._run_workers(), self._names(), kernels,

@@ -31,6 +31,7 @@ from hetconv.config import WIRE_FLOAT16_GAIN
 from hetconv.model import ConvLayerShape
 from hetconv.perf_model import Link
 from hetconv.sample_replica import sample_splittable
+from hetconv.weight_reduce import bucket_sizes
 
 SPLIT_BY = ("auto", "kernels", "samples")
 """``--split-by`` choices; the first is the default."""
@@ -128,7 +129,7 @@ def sample_rounds(layers: int) -> int:
 
 def conv_weights(shapes: Sequence[ConvLayerShape]) -> int:
     """Weight values of the conv chain (each layer's K·C·k²): what the reduction moves."""
-    return sum(s.kernels * s.in_channels * s.kernel_size ** 2 for s in shapes)
+    return sum(s.weight_values for s in shapes)
 
 
 def sample_bytes(shapes: Sequence[ConvLayerShape], wire_itemsize: int) -> tuple[int, int]:
@@ -166,7 +167,8 @@ def predict_sample_step(slices: Sequence[Slice], seconds_per_sample: dict[str, f
     float32 values): with ``reduce`` "master" (``--data-plane star``) each worker's goes
     up and the sum comes down to every worker, on the master's link; with "peer"
     (hetconv/weight_reduce.py) every participant's link carries 2·(P-1)/P of them each
-    way, at the slowest link's rate, waited for where they take longer than the compute
+    way (the bucket's first layers (P-1) of theirs: sent whole to every peer), at the
+    slowest link's rate, waited for where they take longer than the compute
     (``reduction_wait``), plus one more round trip (the reduce-scatter, then the
     all-gather).
 
@@ -208,7 +210,9 @@ def predict_sample_step(slices: Sequence[Slice], seconds_per_sample: dict[str, f
     predicted = compute + transfer + trips * rtt
     if not hub and workers:
         participants = len(workers) + 1  # and the master, always in the reduction
-        per_link = 2 * (participants - 1) / participants * gradient
+        bucket = 4 * sum(bucket_sizes([s.weight_values for s in shapes]))
+        per_link = (2 * (participants - 1) / participants * (gradient - bucket)
+                    + (participants - 1) * bucket)
         slowest = min(min(link.down_bytes_per_s, link.up_bytes_per_s) for link in rates)
         predicted += reduction_wait(per_link / slowest, compute) + rtt
     return predicted

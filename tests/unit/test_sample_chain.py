@@ -102,7 +102,7 @@ def _participants(model: Any, params: Any, settings: Any, members: list[str],
     """A runner (its exchange over one in-memory port) and fresh shards per participant."""
     shapes = conv_layer_shapes(model)
     plan = reduce_plan([s.kernels for s in shapes], members, everyone,
-                       [s.kernels * s.in_channels * s.kernel_size ** 2 for s in shapes])
+                       [s.weight_values for s in shapes])
     queues: dict[str, queue.Queue[PeerPiece]] = {n: queue.Queue() for n in everyone}
     runners, shards = {}, {}
     for name in everyone:

@@ -62,7 +62,7 @@ def _runners(model: Any, params: dict[str, np.ndarray], settings: Any, members: 
     names = dense_parameter_names(model)
     size = sum(int(params[n].size) for n in names)
     plan = reduce_plan([s.kernels for s in shapes] + [size], members, everyone,
-                       [s.kernels * s.in_channels * s.kernel_size ** 2 for s in shapes])
+                       [s.weight_values for s in shapes])
     queues: dict[str, queue.Queue[PeerPiece]] = {n: queue.Queue() for n in everyone}
     runners, shards = {}, {}
     for name in everyone:
