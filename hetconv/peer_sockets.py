@@ -310,13 +310,15 @@ class PeerSockets:
 
     def receive(self, timeout_s: float) -> PeerPiece | None:
         # RCVTIMEO bounds the wait (no Poller first), set only when it changes: 18 us
-        # of CPU a call with cold caches (docs/figures/ab/peer-wire-cold.py)
+        # of CPU a call with cold caches (docs/figures/ab/peer-wire-cold.py); a timeout
+        # of 0 is a poll (NOBLOCK), which leaves it as it is
+        flags = zmq.NOBLOCK if timeout_s <= 0 else 0
         wait_ms = math.ceil(min(max(0.0, timeout_s), limits.MAX_RECV_TIMEOUT_S) * 1000)
-        if wait_ms != self._wait_ms:
+        if not flags and wait_ms != self._wait_ms:
             self.pull.setsockopt(zmq.RCVTIMEO, wait_ms)
             self._wait_ms = wait_ms
         try:
-            frames = transport.recv_frames(self.pull)
+            frames = transport.recv_frames(self.pull, flags=flags)
             message = None if frames is None else peer_wire.decode_frames(frames)
         except ProtocolError as error:
             self._warn(f"dropped an undecodable data-plane message: {error}")

@@ -12,9 +12,10 @@ chain) instead of 2L + 2 rounds through the master: each barrier costs one hop
 between the peers, not a round trip through the master's loop.
 
 forward chain  (x slice; the previous step's updates of every layer ride along)
-    for each layer: the update (its ΣdW gathered), conv on the slice -> moments,
-    shared; every member's moments combined -> finish (normalise, ReLU, pool);
-    -> the last layer's output slice
+    for each layer: the update (its ΣdW gathered) unless done already, conv on the
+    slice -> moments, shared; while a peer's moments are out, the updates of the
+    layers after it (the dense part's last); every member's moments combined ->
+    finish (normalise, ReLU, pool); -> the last layer's output slice
 backward chain (dy slice)
     for each layer from the last: batch-norm sums of the slice, shared; the layer
     above's dW_i computed and scattered to its owners (reduction ``reduce_id``) while
@@ -24,7 +25,11 @@ backward chain (dy slice)
 Deferring dW_i fills each batch-norm barrier's wait with work that needs nothing from
 the peers (``SampleReplica.finish_backward_split``): the participant shares its sums,
 computes the layer above's weight gradient while they travel, and only then waits for
-the peers' sums. The values are the one-part backward's (tested against it).
+the peers' sums. The values are the one-part backward's (tested against it). The
+forward's barriers are filled the same way with the updates of the layers after them:
+each is applied, at the latest, before its own layer's forward, so the values do not
+change, and a participant whose peers are late spends that time on work of its own
+(the dense part's update, 1.05 M values in the VGG-style network, the largest).
 
 A participant without samples in the step (not a member) runs no layer: it combines
 the same moments and sums, follows the running statistics and keeps the sums, so its
@@ -106,6 +111,26 @@ def _whole_batch(exchange: GradientExchange, request: SampleForwardRequest, laye
                                   for m in counts])
 
 
+def _updates_while_waiting(runner: SampleRunner, shards: Mapping[int, ConvShard],
+                           request: SampleForwardRequest,
+                           begun: dict[int, np.ndarray | None] | None, pending: list[int],
+                           layer: int, members: list[str]) -> None:
+    """Inside ``layer``'s moments barrier (this participant's piece shared): apply the
+    updates of the layers after it (the dense part's last) one by one while a peer's
+    piece is still out, each only once its reduced gradient is in (a wait for it could
+    outlast the barrier's). Each is due before its own layer's forward anyway, so the
+    values are the same; the work moves out of the step's path into time spent waiting."""
+    exchange = runner.peers()
+    while any(p > layer for p in pending) and not exchange.arrived(
+            request.sync_id, layer, PHASE_MOMENTS, members):
+        ready = next((p for p in pending if p > layer and (
+            begun is None or exchange.ready_to_gather(request.update_id, p))), None)
+        if ready is None:  # no update's pieces are in yet: wait for the barrier's
+            return
+        pending.remove(ready)
+        runner.finish_update(shards, request, begun, [ready])
+
+
 def forward_chain(runner: SampleRunner, request: SampleForwardRequest,
                   shards: Mapping[int, ConvShard]) -> SampleForwardReply:
     """Every layer of [start_layer, stop_layer) on this participant's slice (see the
@@ -173,6 +198,7 @@ def forward_chain(runner: SampleRunner, request: SampleForwardRequest,
                 continue
             mean, var = moments_to_statistics([(counts[me] * positions, own[0], own[1])])
         else:
+            _updates_while_waiting(runner, shards, request, begun, pending, layer, members)
             mean, var = _whole_batch(exchange, request, layer, counts, positions, own)
         if member:
             x = replica.finish_forward(mean, var, running=not by_slice)

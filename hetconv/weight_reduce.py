@@ -369,6 +369,38 @@ class GradientExchange:
         finally:
             TRACE.wait(self.participant, sync_id, layer, phase, started, time.time())
 
+    def ready_to_gather(self, reduce_id: int, layer: int) -> bool:
+        """Whether :meth:`gather` of ``layer`` would find every piece it needs in (as
+        of the last receive; it does not wait)."""
+        if self.plan.in_bucket(layer):
+            if (reduce_id, layer) in self._bucket_sums:
+                return True
+            layer, phase = 0, PHASE_WHOLE
+            senders = self._direct.get((reduce_id, layer))
+        elif (reduce_id, layer) in self._direct:
+            phase, senders = PHASE_WHOLE, self._direct[(reduce_id, layer)]
+        else:
+            phase = PHASE_GATHER
+            senders = [r.participant for r in self._ranges(layer) if r.kernels > 0]
+        if senders is None:
+            return False
+        return all((reduce_id, layer, phase, s) in self._inbox for s in senders
+                   if s != self.participant)
+
+    def arrived(self, sync_id: int, layer: int, phase: str, members: Sequence[str]) -> bool:
+        """Whether every other member's ``phase`` piece of ``layer`` in exchange
+        ``sync_id`` is in, after keeping what the port holds now (it does not wait)."""
+        for _ in range(MAX_HELD_PIECES):
+            piece = self.port.receive(0.0)
+            if piece is None:
+                break
+            reason = self.offer(piece)
+            if reason is not None:
+                self.dropped.append(reason)
+                del self.dropped[:-8]
+        return all((sync_id, layer, phase, m) in self._inbox for m in members
+                   if m != self.participant)
+
     # --- moving and keeping pieces ---------------------------------------------------
     def _send(self, target: str, reduce_id: int, step: int, layer: int, phase: str,
               kernels: KernelRange, data: np.ndarray) -> None:

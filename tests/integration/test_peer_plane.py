@@ -140,3 +140,36 @@ def test_a_data_endpoint_admits_exactly_the_keys_the_master_handed_out() -> None
             sender.close()
         receiver.close()
         ctx.term()
+
+
+@pytest.mark.timeout(30)
+def test_a_receive_of_no_time_polls_without_blocking_or_losing_the_wait() -> None:
+    """``receive(0)`` (``GradientExchange.arrived``: the forward's barriers filled with
+    later updates) returns at once with nothing or the next piece, and a waiting
+    receive afterwards still waits its own time (RCVTIMEO left as it was)."""
+    ctx = make_context()
+    receiver = PeerSockets(ctx, "tcp://127.0.0.1:0", authenticate=False)
+    sender = PeerSockets(ctx, "tcp://127.0.0.1:0", authenticate=False)
+    try:
+        receiver.open("r", {}, {}, 5.0)
+        sender.open("s", {"r": receiver.endpoint("127.0.0.1")}, {}, 5.0)
+        assert receiver.receive(0.2) is None  # sets the wait to 200 ms
+        started = time.monotonic()
+        assert receiver.receive(0.0) is None
+        assert time.monotonic() - started < 0.1
+        piece = PeerPiece(pass_id=1, step=0, layer=0, phase="moments", attempt=0,
+                          sender="s", kernel_start=0, kernel_stop=2, batch_start=0,
+                          batch_stop=1, batch_size=1, data=np.ones((2, 2), np.float32))
+        sender.send("r", piece)
+        got = None
+        deadline = time.monotonic() + 5.0
+        while got is None and time.monotonic() < deadline:
+            got = receiver.receive(0.0)
+        assert got is not None and got.sender == "s" and np.array_equal(got.data, piece.data)
+        started = time.monotonic()
+        assert receiver.receive(0.2) is None
+        assert 0.15 <= time.monotonic() - started < 2.0
+    finally:
+        sender.close()
+        receiver.close()
+        ctx.term()

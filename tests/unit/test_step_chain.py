@@ -96,8 +96,8 @@ def _step(step: int, sync_id: int, members: list[str], cuts: list[int], x: Any, 
         labels=labels)
 
 
-@pytest.mark.parametrize("bulk_bytes", [None, 0, -1],
-                         ids=["default", "every piece queued", "no bucket"])
+@pytest.mark.parametrize("bulk_bytes", [None, 0, -1, -2],
+                         ids=["default", "every piece queued", "no bucket", "late peers"])
 @pytest.mark.parametrize("cuts", [[5, 7], [3, 4, 5]], ids=["2 members", "3 members"])
 def test_step_chains_equal_the_local_trainer(cuts: list[int], tmp_path: Path,
                                              bulk_bytes: int | None,
@@ -105,10 +105,28 @@ def test_step_chains_equal_the_local_trainer(cuts: list[int], tmp_path: Path,
     """``bulk_bytes`` 0: every reduction piece waits for its sender's next barrier
     message or wait (hetconv/weight_reduce.py), as the large ones do: same results, no
     deadlock. By default both conv layers are in the plan's bucket; "no bucket" reduces
-    each on its own."""
+    each on its own. "Late peers": every barrier's pieces look out when first asked,
+    so each applies every later update whose pieces are in (the dense part's too)
+    before it waits; the values must not change."""
     import hetconv.weight_reduce
+    inside: list[int] = []  # updates applied inside a barrier, by layer
     if bulk_bytes == -1:  # every layer's reduction on its own (two hops or direct)
         monkeypatch.setattr(hetconv.weight_reduce, "BUCKET_BYTES", 0)
+    elif bulk_bytes == -2:
+        arrived = GradientExchange.arrived
+        ready = GradientExchange.ready_to_gather
+
+        def late(self: GradientExchange, *args: Any) -> bool:
+            arrived(self, *args)  # what the port holds is kept, as for real
+            return False
+
+        def counted(self: GradientExchange, reduce_id: int, layer: int) -> bool:
+            answer = ready(self, reduce_id, layer)
+            if answer:
+                inside.append(layer)
+            return answer
+        monkeypatch.setattr(GradientExchange, "arrived", late)
+        monkeypatch.setattr(GradientExchange, "ready_to_gather", counted)
     elif bulk_bytes is not None:
         monkeypatch.setattr(hetconv.weight_reduce, "BULK_BYTES", bulk_bytes)
     model, params, settings = _model()
@@ -164,6 +182,8 @@ def test_step_chains_equal_the_local_trainer(cuts: list[int], tmp_path: Path,
         assert not isinstance(reply, BaseException), (name, reply)
 
     np.testing.assert_allclose(losses, local_losses, rtol=1e-5)
+    if bulk_bytes == -2:  # the second step's chains applied later updates in a barrier
+        assert layers in inside and set(inside) <= set(range(1, layers + 1)), inside
     local_conv = trainer.stage.snapshot()
     first = everyone[0]
     for name in everyone:  # every replica the same bits, the idle one included
