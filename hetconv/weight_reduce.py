@@ -26,6 +26,7 @@ layer of the backward (layer 0, the one the next step's first update waits for) 
 longer needs the owners to have started the next step before anyone can gather it; its
 pieces are in before the next step begins. (P-1)·W per participant instead of
 2·(P-1)/P·W: a few KB more.
+
 The first layers go *together*: the plan's bucket (:func:`bucket_sizes`, the longest
 run of layers from layer 0 whose float32 weight gradients add up to at most
 :data:`BUCKET_BYTES`: layers 1-3 of the VGG-style network, 114 KB) is reduced
@@ -394,10 +395,7 @@ class GradientExchange:
             piece = self.port.receive(0.0)
             if piece is None:
                 break
-            reason = self.offer(piece)
-            if reason is not None:
-                self.dropped.append(reason)
-                del self.dropped[:-8]
+            self._keep(piece)
         return all((sync_id, layer, phase, m) in self._inbox for m in members
                    if m != self.participant)
 
@@ -441,6 +439,14 @@ class GradientExchange:
         self._own = {k: v for k, v in self._own.items() if k[0] >= reduce_id}
         self._direct = {k: v for k, v in self._direct.items() if k[0] >= reduce_id}
         self._bucket_sums = {k: v for k, v in self._bucket_sums.items() if k[0] >= reduce_id}
+
+    def _keep(self, piece: PeerPiece) -> bool:
+        """:meth:`offer` ``piece``, the reason noted (the last 8) when it is dropped."""
+        reason = self.offer(piece)
+        if reason is not None:
+            self.dropped.append(reason)
+            del self.dropped[:-8]
+        return reason is None
 
     def offer(self, piece: PeerPiece) -> str | None:
         """Keep ``piece``; the reason it was dropped, or None."""
@@ -499,17 +505,10 @@ class GradientExchange:
                 got[sender] = data
             return all(sender in got for sender in senders)
 
-        def keep(piece: PeerPiece) -> bool:
-            reason = self.offer(piece)
-            if reason is not None:
-                self.dropped.append(reason)
-                del self.dropped[:-8]
-            return reason is None
-
         start = time.monotonic()
         try:
             wait_for_pieces(self.port, self.timeout_s, self.cancelled, taken,
-                            lambda: [s for s in senders if s not in got], keep,
+                            lambda: [s for s in senders if s not in got], self._keep,
                             lambda owing: f"no {phase} piece of layer {layer + 1}'s weight "
                                           f"gradient from peer {', '.join(owing)} within "
                                           f"{self.timeout_s:.1f} s")
