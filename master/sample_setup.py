@@ -285,6 +285,8 @@ def open_sample_stage(cluster: Cluster, config: MasterConfig, participants: list
         raise  # the caller ends the run
     slices = stage._slice_batch(batch)
     share = {s.participant: s.samples for s in slices}
+    exchange = stage.runner.exchange  # the peers' reduction plan (None under star)
+    bucket = exchange.plan.bucket if exchange is not None else []
     for shape, cal in zip(shapes, calibration):  # what `hetconv plan` and the report read
         metrics.write("calibration", layer=shape.index, split=config.split, split_by="samples",
                       calibrated_kernels=cal.calibrated_kernels, kernels=shape.kernels,
@@ -304,12 +306,14 @@ def open_sample_stage(cluster: Cluster, config: MasterConfig, participants: list
         + ("with each slice's own statistics (--bn-statistics slice)"
            if setup.slice_statistics else "with the whole batch's statistics")
         + ("; the dense part on every participant's slice (--dense-part)"
-           if setup.dense_replicas else "; the dense part on the master"))
+           if setup.dense_replicas else "; the dense part on the master")
+        + (f"; layers 1-{len(bucket)}'s weight gradients reduced as one piece "
+           f"({4 * sum(bucket) / 1024:.1f} KiB)" if len(bucket) > 1 else ""))
     metrics.write("plan", split_by="samples", split_by_why=split_why,
                   chosen=[s.participant for s in slices],
                   bn_statistics="slice" if setup.slice_statistics else "batch",
                   dense_part="replicas" if setup.dense_replicas else "master",
-                  predicted_step_s=predicted_s,
+                  reduced_together=len(bucket), predicted_step_s=predicted_s,
                   samples=[{"participant": s.participant, "samples": s.samples} for s in slices],
                   not_used=list(left_out),
                   seconds_per_sample={p.participant: t for p, t in zip(participants, per_sample)},

@@ -85,6 +85,9 @@ def test_two_workers_and_the_master_reproduce_the_local_run(
         assert peer_bytes == {"w1": 0, "w2": 0}
     else:
         assert min(peer_bytes[name] for name in computing & {"w1", "w2"}) > 0, peer_bytes
+    # 4:8's two conv layers: their weight gradients go among the peers as one piece
+    assert plan["reduced_together"] == (0 if star else 2), plan
+    assert ("layers 1-2's weight gradients reduced as one piece" in result.stdout) != star
     # the step model calibrated in place: fitted on the first steps, checked on the next
     # (a check off by more than 10 % fits again on its steps: the last check stands)
     # (a re-plan, e.g. a recovery from a worker late on a crowded host, starts it over:
