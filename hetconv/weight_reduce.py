@@ -17,8 +17,8 @@ reduce-scatter then an all-gather over their data endpoints
 Every link carries about 2·(P-1)/P·W each way instead of the master's 2·(N-1)·W.
 
 Small layers go *directly* (phase ``whole``): when a layer's whole gradient is under
-:data:`DIRECT_BYTES` (the first conv layer of every network we measure: 3.2 KB for
-32:64), each contributor sends its whole dW_i to every other participant at the
+:data:`hetconv.reduction_plan.DIRECT_BYTES` (the first conv layer of every network we
+measure: 3.2 KB for 32:64), each contributor sends its whole dW_i to every other participant at the
 scatter, and every participant adds the contributors' arrays in contributor order
 itself (:func:`add_chunks`, the same bits as an owner's sum of its range). That is one
 hop instead of two for bytes that cost nothing on the link: the reduction of the last
@@ -27,10 +27,10 @@ longer needs the owners to have started the next step before anyone can gather i
 pieces are in before the next step begins. (P-1)·W per participant instead of
 2·(P-1)/P·W: a few KB more.
 
-The first layers go *together*: the plan's bucket (:func:`bucket_sizes`, the longest
-run of layers from layer 0 whose float32 weight gradients add up to at most
-:data:`BUCKET_BYTES`: layers 1-3 of the VGG-style network, 114 KB) is reduced
-directly as *one* vector. A contributor keeps those layers' dW_i as the backward
+The first layers go *together*: the plan's bucket
+(:func:`hetconv.reduction_plan.bucket_sizes`, the longest run of layers from layer 0
+whose float32 weight gradients add up to at most ``BUCKET_BYTES``: layers 1-3 of the
+VGG-style network, 114 KB) is reduced directly as *one* vector. A contributor keeps those layers' dW_i as the backward
 computes them and, with layer 0's (the last), sends their concatenation in layer order
 as one ``whole`` piece of layer 0 to every other participant; the first gather of a
 bucket layer adds the contributors' vectors in contributor order and splits the sum
@@ -43,7 +43,7 @@ for its two-hop layers: the same at two participants, 1.5 times at four.
 
 Owners are the participants that compute (the master too when it does); a
 participant without a range (the master under ``--no-local``) only gathers. The
-ranges are :func:`reduce_ranges` (even split in participant order); they travel in
+ranges are :func:`hetconv.reduction_plan.reduce_ranges` (even split in participant order); they travel in
 ``AssignPeers.plan`` as a :class:`~hetconv.peer_plan.PeerPlan`.
 
 The same exchange carries the chain's batch-norm statistics (hetconv/sample_chain.py):
@@ -83,6 +83,7 @@ from hetconv.barrier_trace import TRACE
 from hetconv.dataplane import PeerLost, PiecePort, wait_for_pieces
 from hetconv.peer_plan import KernelRange, PeerPlan
 from hetconv.protocol import PeerPiece
+from hetconv.reduction_plan import reduced_directly
 
 PHASE_REDUCE = "reduce"
 PHASE_GATHER = "gather"
@@ -96,62 +97,11 @@ SYNC_PHASES = (PHASE_MOMENTS, PHASE_SUMS)
 (moments: the sum and M2 of its slice's conv output; sums: its dgamma_i, dbeta_i)."""
 REDUCE_PHASES = (PHASE_REDUCE, PHASE_GATHER, PHASE_WHOLE) + SYNC_PHASES
 BULK_BYTES = 16 * 1024
-DIRECT_BYTES = BULK_BYTES
-"""A layer whose whole float32 weight gradient is smaller than this is reduced directly
-(phase ``whole``; its pieces are never queued as bulk)."""
 """Reduction pieces of at least this many bytes wait for this participant's next barrier
 message (the module doc); a barrier's own (2, K) pieces are far smaller."""
-BUCKET_BYTES = 128 * 1024
-"""The first layers whose float32 weight gradients add up to at most this many bytes
-are reduced together (the module doc)."""
 MAX_HELD_PIECES = 512
 """At most this many pieces wait in a participant's inbox (a run needs at most a few
 layers' worth per peer): beyond it, pieces are dropped as a stranger's would be."""
-
-
-def reduce_ranges(kernels: int, owners: Sequence[str], everyone: Sequence[str]
-                  ) -> list[KernelRange]:
-    """Kernel ranges of one layer tiling [0, ``kernels``) in the order of ``everyone``:
-    the ``owners`` share them evenly (the first ones one more when they do not divide),
-    the others get empty ranges."""
-    ranges: list[KernelRange] = []
-    position = 0
-    count = max(len(owners), 1)
-    index = 0
-    for participant in everyone:
-        size = 0
-        if participant in owners:
-            size = kernels // count + (1 if index < kernels % count else 0)
-            index += 1
-        ranges.append(KernelRange(participant, position, position + size))
-        position += size
-    return ranges
-
-
-def bucket_sizes(sizes: Sequence[int]) -> list[int]:
-    """The elements of each layer in the bucket: the longest prefix of ``sizes`` (the
-    weight-gradient elements of layers 0, 1, ...) within :data:`BUCKET_BYTES` in float32."""
-    bucket: list[int] = []
-    for size in sizes:
-        if 4 * (sum(bucket) + size) > BUCKET_BYTES:
-            break
-        bucket.append(int(size))
-    return bucket
-
-
-def reduce_plan(kernels: Sequence[int], owners: Sequence[str], everyone: Sequence[str],
-                sizes: Sequence[int] = ()) -> PeerPlan:
-    """The :class:`PeerPlan` of a run's reduction: :func:`reduce_ranges` per layer, and
-    the bucket of the layers whose weight gradients have ``sizes`` elements (none when
-    not given)."""
-    return PeerPlan([reduce_ranges(k, owners, everyone) for k in kernels],
-                    bucket=bucket_sizes(sizes))
-
-
-def reduced_directly(shape: Sequence[int]) -> bool:
-    """Whether a layer whose weight gradient has ``shape`` is reduced directly (every
-    participant decides it alike from the shape alone)."""
-    return int(np.prod(shape, dtype=np.int64)) * 4 < DIRECT_BYTES
 
 
 def add_chunks(pieces: dict[str, np.ndarray], order: Sequence[str]) -> np.ndarray:

@@ -27,7 +27,8 @@ from hetconv.peer_sockets import (
     route_address,
 )
 from hetconv.protocol import AssignPeers
-from hetconv.weight_reduce import GradientExchange, reduce_plan
+from hetconv.reduction_plan import reduce_plan
+from hetconv.weight_reduce import GradientExchange
 
 
 class SamplePeers:

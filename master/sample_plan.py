@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from hetconv.config import WIRE_FLOAT16_GAIN
 from hetconv.model import ConvLayerShape
 from hetconv.perf_model import Link
+from hetconv.reduction_plan import bucket_sizes
 from hetconv.sample_replica import sample_splittable
-from hetconv.weight_reduce import bucket_sizes
 
 SPLIT_BY = ("auto", "kernels", "samples")
 """``--split-by`` choices; the first is the default."""

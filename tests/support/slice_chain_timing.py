@@ -24,10 +24,11 @@ from hetconv.model import (  # noqa: E402
     model_config,
     parse_network,
 )
+from hetconv.reduction_plan import reduce_plan  # noqa: E402
 from hetconv.sample_runner import SampleRunner  # noqa: E402
 from hetconv.shard import ConvShard  # noqa: E402
 from hetconv.stage import layer_settings  # noqa: E402
-from hetconv.weight_reduce import GradientExchange, reduce_plan  # noqa: E402
+from hetconv.weight_reduce import GradientExchange  # noqa: E402
 from tests.unit.test_sample_chain import Port, _backward, _forward  # noqa: E402
 
 NETWORK = "c32k3p1,c32k3p1,pool,c64k3p1,c64k3p1,pool,fc256,drop0.5"

@@ -108,7 +108,8 @@ def test_a_gradient_exchange_traces_its_barriers(tmp_path: Path,
     """Through the real GradientExchange over the in-memory port of test_weight_reduce:
     each share and each wait of a batch-norm barrier is one event."""
     import hetconv.weight_reduce
-    from hetconv.weight_reduce import PHASE_MOMENTS, GradientExchange, reduce_plan
+    from hetconv.reduction_plan import reduce_plan
+    from hetconv.weight_reduce import PHASE_MOMENTS, GradientExchange
     from tests.unit.test_weight_reduce import Network
 
     trace = BarrierTrace(str(tmp_path))

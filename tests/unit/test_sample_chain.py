@@ -16,9 +16,10 @@ from hetconv.dataplane import PeerLost
 from hetconv.model import conv_layer_shapes
 from hetconv.protocol import PeerPiece, SampleBackwardRequest, SampleForwardRequest
 from hetconv.protocol.sample_messages import NO_LAYER
+from hetconv.reduction_plan import reduce_plan
 from hetconv.sample_replica import SampleReplica, add_in_order, moments_to_statistics
 from hetconv.sample_runner import SampleRequestError, SampleRunner
-from hetconv.weight_reduce import GradientExchange, reduce_plan
+from hetconv.weight_reduce import GradientExchange
 from tests.unit.test_sample_replica import _network, _run_split, _shards
 
 

@@ -27,11 +27,12 @@ from hetconv.names import layer_key
 from hetconv.optim import OptimizerConfig
 from hetconv.protocol import PeerPiece, SampleBackwardRequest, SampleForwardRequest
 from hetconv.protocol.sample_messages import NO_LAYER
+from hetconv.reduction_plan import reduce_plan
 from hetconv.sample_runner import SampleRequestError, SampleRunner
 from hetconv.shard import ConvShard
 from hetconv.stage import LocalConvStage, layer_settings
 from hetconv.training import LoopConfig, Trainer
-from hetconv.weight_reduce import GradientExchange, reduce_plan
+from hetconv.weight_reduce import GradientExchange
 from tests.unit.test_sample_chain import Port, _in_threads
 
 SPEC = "c4k3p1,pool,c6k3p1,pool,fc12,drop0.5"
@@ -108,10 +109,11 @@ def test_step_chains_equal_the_local_trainer(cuts: list[int], tmp_path: Path,
     each on its own. "Late peers": every barrier's pieces look out when first asked,
     so each applies every later update whose pieces are in (the dense part's too)
     before it waits; the values must not change."""
+    import hetconv.reduction_plan
     import hetconv.weight_reduce
     inside: list[int] = []  # updates applied inside a barrier, by layer
     if bulk_bytes == -1:  # every layer's reduction on its own (two hops or direct)
-        monkeypatch.setattr(hetconv.weight_reduce, "BUCKET_BYTES", 0)
+        monkeypatch.setattr(hetconv.reduction_plan, "BUCKET_BYTES", 0)
     elif bulk_bytes == -2:
         arrived = GradientExchange.arrived
         ready = GradientExchange.ready_to_gather

@@ -12,14 +12,9 @@ import pytest
 from hetconv.config import MASTER_PARTICIPANT
 from hetconv.dataplane import PeerLost
 from hetconv.protocol import PeerPiece
+from hetconv.reduction_plan import reduce_plan, reduce_ranges
 from hetconv.sample_replica import add_in_order
-from hetconv.weight_reduce import (
-    PHASE_GATHER,
-    PHASE_REDUCE,
-    GradientExchange,
-    reduce_plan,
-    reduce_ranges,
-)
+from hetconv.weight_reduce import PHASE_GATHER, PHASE_REDUCE, GradientExchange
 
 
 class Network:
@@ -55,9 +50,9 @@ SHAPE = (10, 3, 3, 3)
 def two_hops(monkeypatch: pytest.MonkeyPatch) -> None:
     """These tests are about the reduce-scatter + all-gather; a layer this small would
     be reduced directly (tests/unit/test_weight_reduce_direct.py)."""
-    import hetconv.weight_reduce
+    import hetconv.reduction_plan
 
-    monkeypatch.setattr(hetconv.weight_reduce, "DIRECT_BYTES", 0)
+    monkeypatch.setattr(hetconv.reduction_plan, "DIRECT_BYTES", 0)
 
 
 def _gradients(names: list[str], seed: int = 0) -> dict[str, np.ndarray]:

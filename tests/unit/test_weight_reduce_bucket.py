@@ -11,14 +11,9 @@ import pytest
 from hetconv.dataplane import PeerLost
 from hetconv.peer_plan import KernelRange, PeerPlan
 from hetconv.protocol import PeerPiece
+from hetconv.reduction_plan import BUCKET_BYTES, bucket_sizes, reduce_plan
 from hetconv.sample_replica import add_in_order
-from hetconv.weight_reduce import (
-    BUCKET_BYTES,
-    PHASE_WHOLE,
-    GradientExchange,
-    bucket_sizes,
-    reduce_plan,
-)
+from hetconv.weight_reduce import PHASE_WHOLE, GradientExchange
 from tests.unit.test_weight_reduce import Network
 
 # the VGG-style network's conv layers: 3.4, 36.9, 73.7 and 147.5 KB of float32

@@ -8,18 +8,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import hetconv.weight_reduce as weight_reduce
+import hetconv.reduction_plan as reduction_plan
 from hetconv.dataplane import PeerLost
 from hetconv.protocol import PeerPiece
+from hetconv.reduction_plan import DIRECT_BYTES, reduce_plan, reduced_directly
 from hetconv.sample_replica import add_in_order
-from hetconv.weight_reduce import (
-    DIRECT_BYTES,
-    PHASE_REDUCE,
-    PHASE_WHOLE,
-    GradientExchange,
-    reduce_plan,
-    reduced_directly,
-)
+from hetconv.weight_reduce import PHASE_REDUCE, PHASE_WHOLE, GradientExchange
 from tests.unit.test_weight_reduce import Network
 
 SMALL = (32, 1, 5, 5)  # 32:64's first layer: 3.2 KB
@@ -67,7 +61,7 @@ def test_one_hop_gives_every_participant_the_bits_of_the_two_hop_sum(
                          SMALL)
     phases = {piece.phase for queue in network.queues.values() for piece in queue}
     assert not phases, phases  # everything sent was read
-    monkeypatch.setattr(weight_reduce, "DIRECT_BYTES", 0)  # the two-hop reduction
+    monkeypatch.setattr(reduction_plan, "DIRECT_BYTES", 0)  # the two-hop reduction
     two_hops = _reduce_all(_exchanges(Network(), everyone, owners, SMALL), contributors,
                            grads, SMALL)
     expected = add_in_order([grads[n] for n in contributors])
