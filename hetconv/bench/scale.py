@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +44,11 @@ from hetconv.bench.scale_breakdown import (
     format_breakdown,
     format_layer_breakdown,
     format_step_timeline,
-    merge_barrier_repeats,
-    merge_layer_repeats,
-    merge_repeats,
+)
+from hetconv.bench.scale_cpu import (
+    CpuSampler,
+    format_cpu_table,
+    machine_cpu,
 )
 from hetconv.bench.scale_dilate import (
     check_dilations,
@@ -54,7 +56,7 @@ from hetconv.bench.scale_dilate import (
     dilated_rate,
     format_dilation_table,
 )
-from hetconv.bench.scale_figures import RunFigures, run_figures
+from hetconv.bench.scale_figures import RunFigures, format_table, run_figures, summarize
 from hetconv.bench.scale_peer import (
     add_peer_figures,
     ddp_label,
@@ -84,7 +86,6 @@ from hetconv.lab import (
     quota_refusal,
 )
 from hetconv.lab.network import SwitchedLan, netns_unavailable_reason, parse_rate_bits
-from hetconv.perf_model import ideal_speedup
 
 RUN_TIMEOUT_S = 600.0
 
@@ -119,10 +120,11 @@ def _run_in_quota(command: list[str], fraction: float, log_path: Path,
 
 def _run_ddp(lan: SwitchedLan, fractions: tuple[float, ...], arch: str, batch: int,
              split: str, run_dir: Path, period_us: int = CFS_PERIOD_US
-             ) -> tuple[float, list[float]]:
+             ) -> tuple[float, list[float], tuple[float, float, int] | None]:
     """One PyTorch DDP run over the first ``len(fractions)`` machines of ``lan`` (rank i
-    on machine i, in its quota): the median step time rank 0 measured and each rank's
-    median compute-only step (``no_sync()``; none alone), seconds."""
+    on machine i, in its quota): the median step time rank 0 measured, each rank's
+    median compute-only step (``no_sync()``; none alone), seconds, and the timed steps'
+    window (wall-clock start and end, steps; None when rank 0 gave none)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     shares = batch_shares(fractions, batch, split)
     result = run_dir / "ddp.json"
@@ -158,8 +160,10 @@ def _run_ddp(lan: SwitchedLan, fractions: tuple[float, ...], arch: str, batch: i
         raise UserError(f"the PyTorch DDP run failed (status {statuses}); see "
                         f"{run_dir}/rank*.log")
     figures = json.loads(result.read_text())
+    start, end = (figures.get("window") or [0.0, 0.0])[:2]
     return (float(statistics.median(figures["step_s"])),
-            [float(value) for value in figures.get("compute_s", [])])
+            [float(value) for value in figures.get("compute_s", [])],
+            (float(start), float(end), len(figures["step_s"])) if end > start else None)
 
 
 def machine_rates(rate: str, machines: int) -> list[str]:
@@ -285,6 +289,8 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
     results: dict[str, list[RunFigures]] = {}
     peer_results: dict[str, list[float]] = {}  # ddp_label -> step seconds per repeat
     peer_compute: dict[str, list[list[float]]] = {}  # ddp_label -> per repeat, per rank
+    peer_cpu: dict[str, list[dict[str, dict[str, float]]]] = {}  # ddp_label -> per repeat
+    sampler = CpuSampler(f"hetconv-{os.getpid()}-")  # the lab's quotas are ours
 
     def label(configuration: tuple[tuple[float, ...], str]) -> str:
         return configuration_label(*configuration)
@@ -295,7 +301,10 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
         if status != 0:
             raise UserError(f"{what} failed (status {status}); see "
                             f"{run_dir.parent / f'repeat{repeat}.log'}")
-        results.setdefault(name, []).append(run_figures(run_dir, link))
+        figures = run_figures(run_dir, link)
+        if figures.window is not None:
+            figures = replace(figures, cpu=machine_cpu(sampler.snapshot(), figures.window))
+        results.setdefault(name, []).append(figures)
         out(f"  repeat {repeat + 1}: {name}: median step "
             f"{results[name][-1].step_s * 1e3:.1f} ms")
 
@@ -358,21 +367,23 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
                 name = ddp_label(fractions, batch_split)
                 where = root / name.replace(" ", "-") / f"repeat{repeat}"
                 try:
-                    step_s, compute = _run_ddp(lan, fractions, arch, batch,
-                                               batch_split, where, period_us)
+                    step_s, compute, window = _run_ddp(lan, fractions, arch, batch,
+                                                       batch_split, where, period_us)
                 except UserError as error:  # gloo's teardown aborts now and then
                     out(f"  repeat {repeat + 1}: {name}: {error}; measuring it again")
-                    step_s, compute = _run_ddp(
+                    step_s, compute, window = _run_ddp(
                         lan, fractions, arch, batch, batch_split,
                         where.with_name(where.name + "-again"), period_us)
                 peer_results.setdefault(name, []).append(step_s)
                 peer_compute.setdefault(name, []).append(compute)
+                peer_cpu.setdefault(name, []).append(
+                    {} if window is None else machine_cpu(sampler.snapshot(), window))
                 out(f"  repeat {repeat + 1}: {name}: median step {step_s * 1e3:.1f} ms")
 
     out(f"hetconv bench scale: rate {rate}, arch {arch}, batch {batch}, {repeats} repeat(s), "
         + (f"dilated by {', '.join(f'{f:g}' for f in factors)}, " if factors != (1.0,) else "")
         + f"runs in {root}")
-    with terminate_as_interrupt():
+    with terminate_as_interrupt(), sampler:
         for repeat, factor in ((r, f) for r in range(repeats) for f in factors):
             with SwitchedLan(size, rates[factor].split(",")) as lan:
                 run_repeat(repeat, lan, rates[factor], sets_of[factor], by_factor[factor])
@@ -383,9 +394,10 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
             row["plain_machines"] = label((fractions, plane))
     table = format_table(summary, rate)
     if peer is not None:
-        add_peer_figures(summary, configurations, peer_results, peer_compute)
+        add_peer_figures(summary, configurations, peer_results, peer_compute, peer_cpu)
         table += format_peer_table(summary, rate)
         table += format_peer_breakdown(summary)
+    table += format_cpu_table(summary)
     table += format_repeats_table({**{name: [r.step_s for r in runs]
                                       for name, runs in results.items()}, **peer_results})
     table += format_breakdown(summary)
@@ -399,7 +411,8 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
         {"rate": rate, "arch": arch, "batch": batch, "repeats": repeats,
          "dilations": list(factors), "rows": summary,
          "runs": {k: [asdict(f) for f in v] for k, v in results.items()},
-         "peer_runs": peer_results, "peer_compute": peer_compute}, indent=1))
+         "peer_runs": peer_results, "peer_compute": peer_compute, "peer_cpu": peer_cpu},
+        indent=1))
     return {"rows": summary, "work_dir": str(root), "table": table}
 
 
@@ -447,49 +460,3 @@ def split_flags(plane: str) -> tuple[str, ...]:
 def configuration_label(fractions: tuple[float, ...], data_plane: str) -> str:
     """``4x[0.45,0.45,0.45,0.45] peer``: the machines' fractions and the data plane."""
     return f"{len(fractions)}x[{','.join(f'{f:g}' for f in fractions)}] {data_plane}"
-
-
-def summarize(configurations: list[tuple[tuple[float, ...], str]],
-              results: dict[str, list[RunFigures]],
-              label: Callable[[tuple[tuple[float, ...], str]], str]) -> list[dict[str, Any]]:
-    """One row per configuration: medians over repeats, speedup and share of the ideal."""
-    rows = []
-    for configuration in configurations:
-        config = configuration[0]
-        runs = results[label(configuration)]
-        baseline = statistics.median(r.step_s for r in results[f"baseline-{max(config):g}"])
-        step_s = statistics.median(r.step_s for r in runs)
-        predictions = [r.predicted_step_s for r in runs if r.predicted_step_s is not None]
-        ideal = ideal_speedup(config)
-        rows.append({
-            "machines": label(configuration), "step_s": step_s, "baseline_step_s": baseline,
-            "repeat_steps_s": [r.step_s for r in runs],
-            "speedup": baseline / step_s, "ideal": ideal,
-            "of_ideal": baseline / step_s / ideal,
-            "master_link_bytes": statistics.median(r.master_link_bytes for r in runs),
-            "busiest_worker_link_bytes": statistics.median(
-                r.busiest_worker_link_bytes for r in runs),
-            "predicted_step_s": statistics.median(predictions) if predictions else None,
-            "breakdown": merge_repeats([r.breakdown for r in runs]),
-            "layers": merge_layer_repeats([r.layers for r in runs]),
-            "comm_share": statistics.median(r.comm_share for r in runs),
-            "barriers": merge_barrier_repeats([r.barriers for r in runs]),
-            "timeline": sorted(runs, key=lambda r: r.step_s)[(len(runs) - 1) // 2].timeline,
-        })
-    return rows
-
-
-def format_table(rows: list[dict[str, Any]], rate: str) -> list[str]:
-    lines = ["", "| machines (core each) | link | step ms | predicted ms | one machine ms | "
-             "speedup | of ideal | master link MB/step | busiest worker link MB/step |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for row in rows:
-        predicted = ("-" if row["predicted_step_s"] is None
-                     else f"{row['predicted_step_s'] * 1e3:.1f}")
-        lines.append(
-            f"| {row['machines']} | {row.get('rate', rate)} | {row['step_s'] * 1e3:.1f} | "
-            f"{predicted} | "
-            f"{row['baseline_step_s'] * 1e3:.1f} | {row['speedup']:.2f}x | "
-            f"{100 * row['of_ideal']:.0f}% | {row['master_link_bytes'] / 1e6:.2f} | "
-            f"{row['busiest_worker_link_bytes'] / 1e6:.2f} |")
-    return lines

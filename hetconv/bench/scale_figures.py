@@ -2,10 +2,13 @@
 but for reading that file): median step, bytes per step on the master's link and on the
 busiest worker's, the model's prediction, and where the step goes
 (:mod:`hetconv.bench.scale_breakdown`), all over the steady state the rebalancer
-settled on (:func:`settled_split`). Seconds and bytes per step."""
+settled on (:func:`settled_split`). Seconds and bytes per step. :func:`summarize` gives
+one row per configuration, medians over its repeats, and :func:`format_table` the main
+table of those rows."""
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,13 +18,17 @@ from hetconv.bench.scale_breakdown import (
     barrier_figures,
     comm_share,
     layer_breakdown,
+    merge_barrier_repeats,
+    merge_layer_repeats,
+    merge_repeats,
     step_breakdown,
 )
+from hetconv.bench.scale_cpu import merge_cpu_repeats, steady_window
 from hetconv.errors import UserError
 from hetconv.master.fall_back import STAY_ALONE_REASON
 from hetconv.master.step_model import terms_from_record
 from hetconv.metrics import participant_of, read_metrics
-from hetconv.perf_model import ParticipantCost, star_step_seconds
+from hetconv.perf_model import ParticipantCost, ideal_speedup, star_step_seconds
 
 SETTLED_STEPS = 8
 """Steps that must follow a re-split for the figures to be taken after it."""
@@ -42,6 +49,8 @@ class RunFigures:
     comm_share: float = 0.0  # median comm_s over step_s
     barriers: dict[str, dict[str, float]] = field(default_factory=dict)  # barrier_figures
     timeline: dict[str, Any] = field(default_factory=dict)  # typical_step_timeline
+    window: tuple[float, float, int] | None = None  # scale_cpu.steady_window
+    cpu: dict[str, dict[str, float]] = field(default_factory=dict)  # scale_cpu.machine_cpu
 
 
 def stayed_alone(records: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -187,4 +196,52 @@ def run_figures(run_dir: Path, link_bytes_per_s: float | None) -> RunFigures:
                       comm_share=comm_share(steps),
                       barriers=barrier_figures(barrier_breakdown(
                           events, int(steps[0]["step"]))),
-                      timeline=typical_step_timeline(steps, events))
+                      timeline=typical_step_timeline(steps, events),
+                      window=steady_window(records, steps))
+
+
+def summarize(configurations: list[tuple[tuple[float, ...], str]],
+              results: dict[str, list[RunFigures]],
+              label: Callable[[tuple[tuple[float, ...], str]], str]) -> list[dict[str, Any]]:
+    """One row per configuration: medians over repeats, speedup and share of the ideal."""
+    rows = []
+    for configuration in configurations:
+        config = configuration[0]
+        runs = results[label(configuration)]
+        baseline = statistics.median(r.step_s for r in results[f"baseline-{max(config):g}"])
+        step_s = statistics.median(r.step_s for r in runs)
+        predictions = [r.predicted_step_s for r in runs if r.predicted_step_s is not None]
+        ideal = ideal_speedup(config)
+        rows.append({
+            "machines": label(configuration), "step_s": step_s, "baseline_step_s": baseline,
+            "repeat_steps_s": [r.step_s for r in runs],
+            "speedup": baseline / step_s, "ideal": ideal,
+            "of_ideal": baseline / step_s / ideal,
+            "master_link_bytes": statistics.median(r.master_link_bytes for r in runs),
+            "busiest_worker_link_bytes": statistics.median(
+                r.busiest_worker_link_bytes for r in runs),
+            "predicted_step_s": statistics.median(predictions) if predictions else None,
+            "breakdown": merge_repeats([r.breakdown for r in runs]),
+            "layers": merge_layer_repeats([r.layers for r in runs]),
+            "comm_share": statistics.median(r.comm_share for r in runs),
+            "barriers": merge_barrier_repeats([r.barriers for r in runs]),
+            "timeline": sorted(runs, key=lambda r: r.step_s)[(len(runs) - 1) // 2].timeline,
+            "cpu": merge_cpu_repeats([r.cpu for r in runs if r.cpu]),
+        })
+    return rows
+
+
+def format_table(rows: list[dict[str, Any]], rate: str) -> list[str]:
+    lines = ["", "| machines (core each) | link | step ms | predicted ms | one machine ms | "
+             "speedup | of ideal | master link MB/step | busiest worker link MB/step |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        predicted = ("-" if row["predicted_step_s"] is None
+                     else f"{row['predicted_step_s'] * 1e3:.1f}")
+        lines.append(
+            f"| {row['machines']} | {row.get('rate', rate)} | {row['step_s'] * 1e3:.1f} | "
+            f"{predicted} | "
+            f"{row['baseline_step_s'] * 1e3:.1f} | {row['speedup']:.2f}x | "
+            f"{100 * row['of_ideal']:.0f}% | {row['master_link_bytes'] / 1e6:.2f} | "
+            f"{row['busiest_worker_link_bytes'] / 1e6:.2f} |")
+    return lines

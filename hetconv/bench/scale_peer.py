@@ -17,6 +17,11 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from hetconv.bench.scale_cpu import merge_cpu_repeats
+
+SPLITS_MEASURED = ("even", "speed")
+"""The peer's batch splits (the by-speed run only where the machines differ)."""
+
 
 def ddp_label(fractions: tuple[float, ...], split: str) -> str:
     """``ddp-even 4x[0.45,...]``: the peer's run of a machine set with a batch split."""
@@ -27,13 +32,21 @@ def ddp_label(fractions: tuple[float, ...], split: str) -> str:
 def add_peer_figures(rows: list[dict[str, Any]],
                      configurations: list[tuple[tuple[float, ...], str]],
                      peer_results: dict[str, list[float]],
-                     peer_compute: dict[str, list[list[float]]] | None = None) -> None:
+                     peer_compute: dict[str, list[list[float]]] | None = None,
+                     peer_cpu: dict[str, list[dict[str, dict[str, float]]]] | None = None
+                     ) -> None:
     """Add the peer's medians to every row: DDP with the even and the by-speed batch
     split (the same run where the machines are equal), PyTorch alone on the fastest
     machine, and hetconv's step over each; with ``peer_compute`` (per repeat, each rank's
     compute-only step of the even split) also ``ddp_even_compute_s``, each rank's median
-    over the repeats."""
+    over the repeats; with ``peer_cpu`` (per repeat, each rank's CPU figures:
+    :func:`hetconv.bench.scale_cpu.machine_cpu`) ``ddp_even_cpu`` and, where the
+    machines differ, ``ddp_speed_cpu``, their medians over the repeats."""
     for row, (fractions, _) in zip(rows, configurations):
+        for split in SPLITS_MEASURED:
+            cpu = [r for r in (peer_cpu or {}).get(ddp_label(fractions, split), []) if r]
+            if cpu:
+                row[f"ddp_{split}_cpu"] = merge_cpu_repeats(cpu)
         repeats = [r for r in (peer_compute or {}).get(ddp_label(fractions, "even"), []) if r]
         if repeats:
             row["ddp_even_compute_s"] = [statistics.median(r[rank] for r in repeats)

@@ -78,6 +78,18 @@ def test_bench_scale_runs_pytorch_ddp_beside_hetconv(tmp_path: Path) -> None:
     assert row["ddp_even_compute_s"] == pytest.approx(even["compute_s"])
     header = next(i for i, line in enumerate(result["table"]) if "DDP rank compute ms" in line)
     assert result["table"][header + 2].startswith("| 2x[0.6,0.3] auto | "), result["table"]
+    # every machine's CPU per step and quota used over the timed steps, both systems
+    for key, roles in (("cpu", ["m1", "master"]), ("ddp_even_cpu", ["rank 0", "rank 1"]),
+                       ("ddp_speed_cpu", ["rank 0", "rank 1"])):
+        assert sorted(row[key]) == roles, (key, row.get(key))
+        for figures in row[key].values():
+            assert 0 < figures["cpu_s"] < 10 and 0 <= figures["zmq_s"] <= figures["cpu_s"]
+            assert 0 < figures["quota_used"] < 1.5, row[key]
+        assert sorted(m["quota_cores"] for m in row[key].values()) == pytest.approx([0.3, 0.6])
+    assert row["cpu"]["m1"]["zmq_s"] > 0  # the worker's exchanges run on ZeroMQ's thread
+    for run in ("hetconv", "DDP even split", "DDP split by speed"):
+        assert any(line.startswith(f"| 2x[0.6,0.3] auto | {run} | ") and line.count("|") == 9
+                   for line in result["table"]), (run, result["table"])
     assert result["table"][header + 2].count("|") == 8, result["table"]
     assert not [line for line in subprocess.run(["ip", "netns"], capture_output=True,
                                                 text=True).stdout.splitlines()
