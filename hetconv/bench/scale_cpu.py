@@ -217,6 +217,11 @@ def merge_cpu_repeats(repeats: Sequence[dict[str, dict[str, float]]]
             for role in roles}
 
 
+def alone_cpu_s(machines: dict[str, dict[str, float]]) -> float | None:
+    """One machine alone's CPU per step (the only machine of its run), or None."""
+    return next(iter(machines.values()))["cpu_s"] if len(machines) == 1 else None
+
+
 def floor_s(machines: dict[str, dict[str, float]]) -> float:
     """The shortest step the quotas allow: the largest CPU per step over quota."""
     return max(m["cpu_s"] / m["quota_cores"] for m in machines.values())
@@ -225,24 +230,33 @@ def floor_s(machines: dict[str, dict[str, float]]) -> float:
 def format_cpu_table(rows: Sequence[dict[str, Any]]) -> list[str]:
     """Markdown lines: per configuration, hetconv's machines and PyTorch DDP's ranks
     (``cpu`` and ``ddp_even_cpu`` / ``ddp_speed_cpu`` of a row: :func:`merge_cpu_repeats`
-    figures), their step, CPU per step, quota used and the floor; none without figures."""
-    runs: list[tuple[dict[str, Any], str, dict[str, dict[str, float]], float]] = []
+    figures), their step, CPU per step, quota used, all machines' CPU per step over one
+    machine alone's (``alone_cpu``, ``torch_alone_cpu``) and the floor; none without
+    figures."""
+    runs: list[tuple[dict[str, Any], str, dict[str, dict[str, float]], float, float | None]]
+    runs = []
     for row in rows:
-        for name, key, step_key in (("hetconv", "cpu", "step_s"),
-                                    ("DDP even split", "ddp_even_cpu", "ddp_even_step_s"),
-                                    ("DDP split by speed", "ddp_speed_cpu",
-                                     "ddp_speed_step_s")):
+        for name, key, step_key, alone_key in (
+                ("hetconv", "cpu", "step_s", "alone_cpu"),
+                ("DDP even split", "ddp_even_cpu", "ddp_even_step_s", "torch_alone_cpu"),
+                ("DDP split by speed", "ddp_speed_cpu", "ddp_speed_step_s", "torch_alone_cpu")):
             if row.get(key) and row.get(step_key):
-                runs.append((row, name, row[key], float(row[step_key])))
+                alone = row.get(alone_key) or {}
+                runs.append((row, name, row[key], float(row[step_key]),
+                             alone_cpu_s(alone)))
     if not runs:
         return []
     lines = ["", "CPU per step per machine over the timed steps (every thread of its processes, "
              "read from /proc every 0.1 s; medians over the repeats, lowest-highest machine) "
              "and the share of its quota it used. A step can be no shorter than the floor, "
              "the busiest machine's CPU per step over its quota; the rest of the step is "
-             "quota left unused while a machine waited.", "",
+             "quota left unused while a machine waited. All machines' CPU per step is "
+             "their sum, and in brackets that over the CPU per step of one machine alone "
+             "(hetconv alone for hetconv, PyTorch alone for DDP; the fastest machine's run): "
+             "what splitting the step adds in CPU.", "",
              "| machines (core each) | run | step ms | CPU per step ms | of it ZeroMQ's "
-             "threads ms | quota used | floor ms | step over floor |",
+             "threads ms | quota used | all machines' CPU per step ms (over one alone) | "
+             "floor ms |",
              "|---|---|---|---|---|---|---|---|"]
 
     def span(values: list[float], scale: float, unit: str = "") -> str:
@@ -250,12 +264,13 @@ def format_cpu_table(rows: Sequence[dict[str, Any]]) -> list[str]:
         return (f"{low:.1f}{unit}" if abs(high - low) < 0.05
                 else f"{low:.1f}-{high:.1f}{unit}")
 
-    for row, name, machines, step in runs:
-        floor = floor_s(machines)
+    for row, name, machines, step, alone in runs:
         ms = list(machines.values())
+        total = sum(m["cpu_s"] for m in ms)
+        over = "" if not alone else f" ({total / alone:.2f}x)"
         lines.append(f"| {row['machines']} | {name} | {step * 1e3:.1f} | "
                      f"{span([m['cpu_s'] for m in ms], 1e3)} | "
                      f"{span([m['zmq_s'] for m in ms], 1e3)} | "
                      f"{span([m['quota_used'] for m in ms], 100, ' %')} | "
-                     f"{floor * 1e3:.1f} | {step / floor:.2f} |")
+                     f"{total * 1e3:.1f}{over} | {floor_s(machines) * 1e3:.1f} |")
     return lines

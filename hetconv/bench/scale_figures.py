@@ -208,7 +208,8 @@ def summarize(configurations: list[tuple[tuple[float, ...], str]],
     for configuration in configurations:
         config = configuration[0]
         runs = results[label(configuration)]
-        baseline = statistics.median(r.step_s for r in results[f"baseline-{max(config):g}"])
+        alone = results[f"baseline-{max(config):g}"]
+        baseline = statistics.median(r.step_s for r in alone)
         step_s = statistics.median(r.step_s for r in runs)
         predictions = [r.predicted_step_s for r in runs if r.predicted_step_s is not None]
         ideal = ideal_speedup(config)
@@ -227,6 +228,7 @@ def summarize(configurations: list[tuple[tuple[float, ...], str]],
             "barriers": merge_barrier_repeats([r.barriers for r in runs]),
             "timeline": sorted(runs, key=lambda r: r.step_s)[(len(runs) - 1) // 2].timeline,
             "cpu": merge_cpu_repeats([r.cpu for r in runs if r.cpu]),
+            "alone_cpu": merge_cpu_repeats([r.cpu for r in alone if r.cpu]),
         })
     return rows
 

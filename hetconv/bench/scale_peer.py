@@ -41,12 +41,17 @@ def add_peer_figures(rows: list[dict[str, Any]],
     compute-only step of the even split) also ``ddp_even_compute_s``, each rank's median
     over the repeats; with ``peer_cpu`` (per repeat, each rank's CPU figures:
     :func:`hetconv.bench.scale_cpu.machine_cpu`) ``ddp_even_cpu`` and, where the
-    machines differ, ``ddp_speed_cpu``, their medians over the repeats."""
+    machines differ, ``ddp_speed_cpu``, their medians over the repeats, and PyTorch
+    alone's, ``torch_alone_cpu``."""
     for row, (fractions, _) in zip(rows, configurations):
         for split in SPLITS_MEASURED:
             cpu = [r for r in (peer_cpu or {}).get(ddp_label(fractions, split), []) if r]
             if cpu:
                 row[f"ddp_{split}_cpu"] = merge_cpu_repeats(cpu)
+        alone_cpu = [r for r in (peer_cpu or {}).get(ddp_label((max(fractions),), "even"), [])
+                     if r]
+        if alone_cpu:
+            row["torch_alone_cpu"] = merge_cpu_repeats(alone_cpu)
         repeats = [r for r in (peer_compute or {}).get(ddp_label(fractions, "even"), []) if r]
         if repeats:
             row["ddp_even_compute_s"] = [statistics.median(r[rank] for r in repeats)

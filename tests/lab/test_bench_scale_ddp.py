@@ -79,6 +79,7 @@ def test_bench_scale_runs_pytorch_ddp_beside_hetconv(tmp_path: Path) -> None:
     header = next(i for i, line in enumerate(result["table"]) if "DDP rank compute ms" in line)
     assert result["table"][header + 2].startswith("| 2x[0.6,0.3] auto | "), result["table"]
     # every machine's CPU per step and quota used over the timed steps, both systems
+    assert sorted(row["alone_cpu"]) == ["master"] and sorted(row["torch_alone_cpu"]) == ["rank 0"]
     for key, roles in (("cpu", ["m1", "master"]), ("ddp_even_cpu", ["rank 0", "rank 1"]),
                        ("ddp_speed_cpu", ["rank 0", "rank 1"])):
         assert sorted(row[key]) == roles, (key, row.get(key))
@@ -89,7 +90,7 @@ def test_bench_scale_runs_pytorch_ddp_beside_hetconv(tmp_path: Path) -> None:
     assert row["cpu"]["m1"]["zmq_s"] > 0  # the worker's exchanges run on ZeroMQ's thread
     for run in ("hetconv", "DDP even split", "DDP split by speed"):
         assert any(line.startswith(f"| 2x[0.6,0.3] auto | {run} | ") and line.count("|") == 9
-                   for line in result["table"]), (run, result["table"])
+                   and "x) | " in line for line in result["table"]), (run, result["table"])
     assert result["table"][header + 2].count("|") == 8, result["table"]
     assert not [line for line in subprocess.run(["ip", "netns"], capture_output=True,
                                                 text=True).stdout.splitlines()

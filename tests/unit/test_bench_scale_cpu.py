@@ -101,14 +101,17 @@ def test_cpu_table_sets_hetconv_beside_ddp_with_the_floor() -> None:
     row = {"machines": "2x[0.5,0.25] auto", "step_s": 0.200, "ddp_even_step_s": 0.180,
            "ddp_speed_step_s": 0.170,
            "cpu": {"master": machine(80, 0.5, 0.8), "m1": machine(45, 0.25, 0.9)},
+           "alone_cpu": {"master": machine(100, 0.5, 1.0)},
            "ddp_even_cpu": {"rank 0": machine(72, 0.5, 0.8), "rank 1": machine(40, 0.25, 0.9)}}
     lines = format_cpu_table([row])
     body = [line for line in lines if line.startswith("| 2x")]
-    # floor: the busiest machine's CPU over its quota: m1's 45 ms / 0.25 = 180 ms
+    # all machines: 125 ms a step, 1.25 times hetconv alone's 100; floor: the busiest
+    # machine's CPU over its quota, m1's 45 ms / 0.25 = 180 ms
     assert body[0] == ("| 2x[0.5,0.25] auto | hetconv | 200.0 | 45.0-80.0 | 5.0 | "
-                       "80.0-90.0 % | 180.0 | 1.11 |")
-    assert body[1].startswith("| 2x[0.5,0.25] auto | DDP even split | 180.0 | 40.0-72.0 | ")
-    assert body[1].endswith("| 160.0 | 1.12 |")
+                       "80.0-90.0 % | 125.0 (1.25x) | 180.0 |")
+    # without PyTorch alone's figures, no ratio
+    assert body[1] == ("| 2x[0.5,0.25] auto | DDP even split | 180.0 | 40.0-72.0 | 5.0 | "
+                       "80.0-90.0 % | 112.0 | 160.0 |")
     assert len(body) == 2  # no by-speed figures: no row for them
     assert format_cpu_table([{"machines": "x", "step_s": 0.1}]) == []
 
