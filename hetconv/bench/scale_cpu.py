@@ -15,6 +15,7 @@ per step (seconds) and quota used (a fraction) per machine over that window.
 from __future__ import annotations
 
 import bisect
+import os
 import statistics
 import threading
 import time
@@ -28,6 +29,9 @@ from hetconv.lab.quota import CGROUP_CPU_ROOT
 CPU_SAMPLE_PERIOD_S = 0.1
 """How often the sampler reads the lab's cgroups (a few hundred microseconds of CPU a
 read, outside the machines' quotas)."""
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+"""``/proc/PID/task/TID/stat``'s time unit, per second."""
 
 MIN_WINDOW_STEPS = 3
 """A window shorter than this many steps gives no CPU figures (too few to divide by)."""
@@ -67,9 +71,22 @@ def machine_role(command: str) -> str | None:
     return None
 
 
+def thread_cpu(task: Path) -> tuple[str, float]:
+    """A thread's name and CPU seconds from its ``/proc/PID/task/TID`` directory: the
+    nanoseconds on a CPU of ``schedstat``, or, where the kernel has no ``schedstat``,
+    user + system time of ``stat`` (clock ticks: 10 ms steps). OSError when it ended."""
+    stat = (task / "stat").read_text()
+    name = stat[stat.index("(") + 1:stat.rindex(")")]
+    try:
+        return name, int((task / "schedstat").read_text().split()[0]) / 1e9
+    except FileNotFoundError:
+        fields = stat[stat.rindex(")") + 1:].split()  # field 3 on: state, ppid, ...
+        return name, (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
 def read_group(path: Path) -> tuple[float, float, float, str | None] | None:
     """A cgroup's quota (cores; None when unlimited), its threads' CPU seconds (Python's,
-    ZeroMQ's) from ``/proc/PID/task/TID/schedstat`` (nanoseconds on the CPU), and its
+    ZeroMQ's, :func:`thread_cpu`), and its
     first process's role; None when the group is gone or empty."""
     try:
         quota = int((path / "cpu.cfs_quota_us").read_text())
@@ -87,10 +104,8 @@ def read_group(path: Path) -> tuple[float, float, float, str | None] | None:
                 role = machine_role(Path(f"/proc/{pid}/cmdline").read_text().replace(
                     "\0", " "))
             for task in Path(f"/proc/{pid}/task").iterdir():
-                stat = (task / "stat").read_text()
-                name = stat[stat.index("(") + 1:stat.rindex(")")]
-                on_cpu_ns = int((task / "schedstat").read_text().split()[0])
-                seconds[thread_kind(name)] += on_cpu_ns / 1e9
+                name, cpu_s = thread_cpu(task)
+                seconds[thread_kind(name)] += cpu_s
         except (OSError, ValueError, IndexError):
             continue  # a thread or process that ended between the reads
     return quota / period, seconds["python"], seconds["zmq"], role

@@ -4,6 +4,7 @@ readings, the medians over repeats, the table, and the sampler on a cgroup tree 
 plain files (no root needed) holding a real process."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -19,6 +20,7 @@ from hetconv.bench.scale_cpu import (
     machine_role,
     merge_cpu_repeats,
     steady_window,
+    thread_cpu,
     thread_kind,
 )
 
@@ -148,3 +150,20 @@ def test_sampler_reads_a_group_and_its_process_threads(tmp_path: Path) -> None:
         other.kill()
         process.wait()
         other.wait()
+
+
+def test_thread_cpu_reads_schedstat_or_else_the_stat_ticks(tmp_path: Path) -> None:
+    """Nanoseconds on a CPU where the kernel has ``schedstat``; user + system clock
+    ticks of ``stat`` where it has not (a thread name with a space and a parenthesis)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    task = tmp_path / "123"
+    task.mkdir()
+    fields = ["S", "1", "1", "1", "0", "-1", "0", "0", "0", "0", "0", str(3 * ticks),
+              str(ticks), "0", "0"]
+    (task / "stat").write_text(f"123 (ZMQbg/IO) 0) {' '.join(fields)}\n")
+    assert thread_cpu(task) == ("ZMQbg/IO) 0", pytest.approx(4.0))  # 3 s user + 1 s system
+    (task / "schedstat").write_text("2500000000 100 7\n")
+    assert thread_cpu(task) == ("ZMQbg/IO) 0", pytest.approx(2.5))
+    (task / "stat").unlink()
+    with pytest.raises(OSError):  # the thread ended
+        thread_cpu(task)
