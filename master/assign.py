@@ -15,11 +15,11 @@ from typing import Any
 
 import numpy as np
 
+from hetconv.engine.shard import ConvShard, LayerSettings
 from hetconv.master.cluster import Cluster, Reply, WorkerHandle, WorkerLost
 from hetconv.master.plan import Shard
 from hetconv.names import STATE_NAMES, TRAINABLE_NAMES, layer_key, velocity_name
 from hetconv.protocol import AssignShard
-from hetconv.shard import ConvShard, LayerSettings
 
 
 def exchange(cluster: Cluster, requests: Sequence[tuple[WorkerHandle, Any]], what: str,

@@ -1,4 +1,4 @@
-"""Calibrating every participant on every conv layer (the split is master/split.py).
+"""Calibrating every participant on every conv layer (the split is master/kernels/split.py).
 
 Each participant (the master's own device unless ``--no-local``, then the workers)
 times one block forward + backward at the layer's real shape: the run's batch,
@@ -6,7 +6,7 @@ input channels and spatial size, with an equal share of the layer's kernels (the
 size a participant will roughly own) and with a quarter of that share, which separates
 the fixed cost of a share (unfolding the input, folding dx back) from the cost per
 kernel. Participants calibrate concurrently, as they will compute during training.
-The split itself is pure (``master/split.py`` over ``hetconv.partition``).
+The split itself is pure (``master/kernels/split.py`` over ``hetconv.planning.partition``).
 """
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hetconv.calibration import time_block
 from hetconv.master.cluster import Cluster, WorkerHandle
 from hetconv.master.plan import Participant
 from hetconv.model import ConvLayerShape
-from hetconv.partition import fit_affine
+from hetconv.participant.calibration import time_block
+from hetconv.planning.partition import fit_affine
 from hetconv.protocol import CalibrateReply, CalibrateRequest
 
 CALIBRATION_REPEATS = 2

@@ -23,6 +23,7 @@ from typing import Any
 
 import zmq
 
+from hetconv.engine.stage import StageFault
 from hetconv.errors import UserError
 from hetconv.master.liveness import canonical_address, read_stalled_peers
 from hetconv.master.membership import (
@@ -53,7 +54,6 @@ from hetconv.protocol import (
     limits,
     transport,
 )
-from hetconv.stage import StageFault
 
 __all__ = ["Cluster", "ClusterSettings", "Reply", "WorkerHandle", "WorkerLost",
            "payload_bytes"]

@@ -1,7 +1,7 @@
 """Carrying out the run state machine's commands: the one loop every stage uses.
 
-``master/run.py`` decides (events in, commands out); a stage (``master/stage.py`` for
-the kernel split, ``master/sample_stage.py`` for the sample split) moves what those
+``master/run.py`` decides (events in, commands out); a stage (``master/kernels/stage.py`` for
+the kernel split, ``master/samples/stage.py`` for the sample split) moves what those
 decisions mean over its sockets. The loop is the same for both, so it lives here: a
 stage offers the few operations a command needs (:class:`CommandSite`), and a fault
 while carrying them out (a worker lost during a re-plan) goes back to the state
@@ -15,6 +15,7 @@ from typing import Protocol
 
 import numpy as np
 
+from hetconv.engine.stage import ConvStage
 from hetconv.errors import UserError
 from hetconv.master.cluster import WorkerLost
 from hetconv.master.run import (
@@ -27,7 +28,6 @@ from hetconv.master.run import (
     RunControl,
     Stop,
 )
-from hetconv.stage import ConvStage
 
 log = logging.getLogger("hetconv.master")
 

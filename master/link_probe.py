@@ -21,7 +21,7 @@ import numpy as np
 
 from hetconv.master.cluster import Cluster, WorkerHandle
 from hetconv.master.plan import Participant
-from hetconv.perf_model import Link
+from hetconv.planning.perf_model import Link
 from hetconv.protocol import LinkProbeReply, LinkProbeRequest
 
 ROUND_TRIPS = 5

@@ -9,7 +9,7 @@ Vocabulary (used everywhere in ``hetconv.master``):
   its *share* is the fraction ``(stop - start) / kernels`` of the layer.
 
 Everything here is pure: kernel counts in, shards out (the counts come from the split
-rule, :mod:`hetconv.master.split`).
+rule, :mod:`hetconv.master.kernels.split`).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from hetconv.model import ConvLayerShape
-from hetconv.partition import kernel_ranges
+from hetconv.planning.partition import kernel_ranges
 
 if TYPE_CHECKING:
     from hetconv.master.cluster import WorkerHandle

@@ -7,7 +7,7 @@ step, whether a re-plan is being applied, and the recent good-step durations beh
 the request deadline. Events come in (:class:`StepDone`, :class:`Fault`,
 :class:`ReplanPoint`, :class:`ReplanDone`, :class:`SetAside`), commands go out (:class:`Evict`,
 :class:`Admit`, :class:`Resplit`, :class:`FallBackLocal`, :class:`Stop`); the stage
-(``master/stage.py``) carries them out over its sockets and reports back. No
+(``master/kernels/stage.py``) carries them out over its sockets and reports back. No
 sockets, no threads, no clock: time comes in with the events (monotonic seconds), so
 every transition is a plain call in a test (``tests/unit/test_run.py``). The design
 is in ``docs/run-control.md``.
@@ -74,7 +74,7 @@ class ReplanDone:
 @dataclass(frozen=True)
 class SetAside:
     """At a snapshot: run on without ``worker``, alive and well but measured or
-    suspected to slow the step (``master/trial_without.py``); not an eviction: it may
+    suspected to slow the step (``master/samples/trial_without.py``); not an eviction: it may
     be taken back as a joiner, at once."""
 
     worker: str

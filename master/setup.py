@@ -2,9 +2,9 @@
 
 :func:`open_distributed_stage` is what ``hetconv train --listen`` calls: it waits
 for the workers, calibrates every participant on every conv layer, makes the first
-split with the run's split rule (``master/split.py``), prints and records it, sends
+split with the run's split rule (``master/kernels/split.py``), prints and records it, sends
 every worker its shards (the seeded initial weights) and returns the
-:class:`~hetconv.master.stage.DistributedConvStage` the trainer drives, built
+:class:`~hetconv.master.kernels.stage.DistributedConvStage` the trainer drives, built
 complete: its data plane, its run state machine (``master/run.py``) and its
 :class:`RunPlanning` (re-plans, joins, rebalancing).
 """
@@ -24,26 +24,31 @@ from hetconv.config import (
     MasterConfig,
 )
 from hetconv.device_info import describe_device
+from hetconv.engine.shard import ConvShard, LayerSettings
+from hetconv.engine.stage import ConvStage, LocalConvStage
 from hetconv.errors import UserError
 from hetconv.keys import server_keys
 from hetconv.master.assign import assign
 from hetconv.master.calibration import LayerCalibration, calibrate, calibrate_samples
 from hetconv.master.cluster import Cluster, ClusterSettings, WorkerHandle
+from hetconv.master.data_ports import PEER_ENTRY_FIELDS
+from hetconv.master.kernels.peer_plane import open_peer_plane
+from hetconv.master.kernels.phases import Phases
+from hetconv.master.kernels.planes import DataPlane, StarPlane
+from hetconv.master.kernels.planner import ParticipantProfile, Plan, choose_plan
+from hetconv.master.kernels.rebalance import RebalanceDecision, Rebalancer, measured_compute
+from hetconv.master.kernels.split import SplitRule, layer_traffic
+from hetconv.master.kernels.stage import DistributedConvStage, StageSetup
 from hetconv.master.link_probe import probe_links
-from hetconv.master.peer_plane import PEER_ENTRY_FIELDS, open_peer_plane
-from hetconv.master.phases import Phases
 from hetconv.master.plan import (
     Participant,
     Shard,
     format_split,
     shards_from_counts,
 )
-from hetconv.master.planes import DataPlane, StarPlane
-from hetconv.master.planner import ParticipantProfile, Plan, choose_plan
-from hetconv.master.rebalance import RebalanceDecision, Rebalancer, measured_compute
 from hetconv.master.run import RunControl
-from hetconv.master.sample_plan import model_split_by
-from hetconv.master.sample_setup import (
+from hetconv.master.samples.plan import model_split_by
+from hetconv.master.samples.setup import (
     dense_part_for,
     open_sample_stage,
     sample_members_for,
@@ -51,13 +56,9 @@ from hetconv.master.sample_setup import (
     samples_refusal_for,
     split_by_for,
 )
-from hetconv.master.split import SplitRule, layer_traffic
-from hetconv.master.stage import DistributedConvStage, StageSetup
 from hetconv.metrics import MetricsWriter
 from hetconv.model import ConvLayerShape, ModelConfig, conv_layer_shapes
-from hetconv.perf_model import LayerTraffic
-from hetconv.shard import ConvShard, LayerSettings
-from hetconv.stage import ConvStage, LocalConvStage
+from hetconv.planning.perf_model import LayerTraffic
 
 
 def open_cluster(config: MasterConfig, device: str, threads: int | None,
@@ -131,7 +132,7 @@ def report_plan(choice: Plan, participants: list[Participant],
 
 
 class RunPlanning:
-    """The stage's :class:`~hetconv.master.stage.Planning`: the split rule over the
+    """The stage's :class:`~hetconv.master.kernels.stage.Planning`: the split rule over the
     rebalancer's (measured-corrected) profiles for every re-plan, calibrating and
     link-probing the workers that join, rebalancing from measured steps (when on),
     and the line and metrics record of each change. Workers evicted for wrong results

@@ -29,11 +29,11 @@ from .peer_messages import PeerBackwardRequest as PeerBackwardRequest  # re-expo
 from .peer_messages import PeerForwardReply as PeerForwardReply  # re-exported
 from .peer_messages import PeerForwardRequest as PeerForwardRequest  # re-exported
 from .peer_messages import PeerPiece as PeerPiece  # re-exported
-from .sample_messages import AssignDense as AssignDense  # re-exported
-from .sample_messages import SampleBackwardReply as SampleBackwardReply  # re-exported
-from .sample_messages import SampleBackwardRequest as SampleBackwardRequest  # re-exported
-from .sample_messages import SampleForwardReply as SampleForwardReply  # re-exported
-from .sample_messages import SampleForwardRequest as SampleForwardRequest  # re-exported
+from .samples import AssignDense as AssignDense  # re-exported
+from .samples import SampleBackwardReply as SampleBackwardReply  # re-exported
+from .samples import SampleBackwardRequest as SampleBackwardRequest  # re-exported
+from .samples import SampleForwardReply as SampleForwardReply  # re-exported
+from .samples import SampleForwardRequest as SampleForwardRequest  # re-exported
 
 NO_REQUEST_ID = 0
 """Request id of an ``ErrorReply`` that answers no particular request."""
@@ -123,7 +123,7 @@ class CalibrateRequest(Message):
 @dataclass(frozen=True)
 class CalibrateReply(Message):
     """worker → master: median seconds of the layer's forward+backward at that shape
-    (at least ``repeats`` timed runs after a warm-up; ``hetconv.calibration.time_block``)."""
+    (at least ``repeats`` timed runs after a warm-up; ``hetconv.participant.calibration.time_block``)."""
 
     TYPE: ClassVar[str] = "calibrate_reply"
     request_id: int

@@ -9,7 +9,7 @@ daemon drops its shards and waits for the next master. SIGTERM/SIGINT stop it
 within a second or two. What to do when is decided by :class:`WorkerSession`
 (worker/session.py, no I/O); this module only polls, decodes, feeds it events
 and carries out its actions. It also binds the worker's data endpoint (the peer
-data plane, :mod:`hetconv.peer_sockets`), which only the compute thread uses after
+data plane, :mod:`hetconv.participant.peer_sockets`), which only the compute thread uses after
 start-up, and announces it to the master after every Welcome; while the compute
 thread has nothing to do outside a run it drains that endpoint, so nothing a
 stranger sends there stays in memory.
@@ -31,7 +31,7 @@ import zmq
 from hetconv.backend import set_blas_threads
 from hetconv.config import WorkerConfig
 from hetconv.device_info import describe_device
-from hetconv.peer_sockets import PeerSockets, route_address
+from hetconv.participant.peer_sockets import PeerSockets, route_address
 from hetconv.prometheus import Exporter, WorkerTotals
 from hetconv.protocol import (
     ERR_INTERNAL,

@@ -5,7 +5,7 @@ The service keeps the kernel shards assigned to this worker between batches
 backward (with the optimizer update) and hands shards back for snapshots. Every
 failure becomes an :class:`ErrorReply`, so one bad request never stops the worker.
 With the peer data plane (``AssignPeers``) it runs its side of the exchange through
-a :class:`~hetconv.dataplane.PeerParticipant` over the ``data_plane`` it was given
+a :class:`~hetconv.participant.dataplane.PeerParticipant` over the ``data_plane`` it was given
 (the sockets are the daemon's; the service only calls the port). Tests make a worker
 slow or wrong through a :class:`FaultInjector` given to the constructor.
 """
@@ -20,14 +20,18 @@ from typing import Any, Protocol
 import numpy as np
 
 from hetconv.backend import array_module_for, on_device
-from hetconv.calibration import time_block
 from hetconv.config import MASTER_PARTICIPANT
 from hetconv.config import WIRE_DTYPES as WIRE_DTYPE_CHOICES
-from hetconv.dataplane import PeerLost, PeerParticipant, PiecePort
-from hetconv.dense_replica import DenseReplica, dense_refusal, replica_from
+from hetconv.engine.shard import ConvShard, LayerSettings
 from hetconv.names import STATE_NAMES
 from hetconv.ops.conv_layer import POOLS
-from hetconv.peer_plan import PeerPlan
+from hetconv.participant.calibration import time_block
+from hetconv.participant.dataplane import PeerLost, PeerParticipant, PiecePort
+from hetconv.participant.peer_plan import PeerPlan
+from hetconv.participant.samples.dense_replica import DenseReplica, dense_refusal, replica_from
+from hetconv.participant.samples.runner import SampleRequestError, SampleRunner
+from hetconv.participant.samples.weight_reduce import GradientExchange
+from hetconv.participant.wire_cast import to_wire
 from hetconv.protocol import (
     ERR_BAD_PEER_DATA,
     ERR_BAD_REQUEST,
@@ -57,10 +61,6 @@ from hetconv.protocol import (
     SnapshotRequest,
     peer_error_message,
 )
-from hetconv.sample_runner import SampleRequestError, SampleRunner
-from hetconv.shard import ConvShard, LayerSettings
-from hetconv.weight_reduce import GradientExchange
-from hetconv.wire_cast import to_wire
 from hetconv.worker.validation import (
     ACTIVATION_DTYPES,
     calibrate_refusal,
@@ -99,7 +99,7 @@ def _check_wire_dtype(array: np.ndarray, name: str) -> None:
 
 
 class DataPlane(Protocol):
-    """The daemon's data endpoint, as the service sees it (hetconv.peer_sockets)."""
+    """The daemon's data endpoint, as the service sees it (hetconv.participant.peer_sockets)."""
 
     def open(self, me: str, peers: dict[str, str], peer_keys: dict[str, str],
              timeout_s: float) -> PiecePort: ...
@@ -170,7 +170,7 @@ class WorkerService:
                 reason = dense_refusal(message)
                 if reason is not None:
                     raise RequestError(ERR_BAD_REQUEST, reason)
-                self.sample.dense = replica_from(message)
+                self.sample.layers.dense = replica_from(message)
                 return Ack(request_id=message.request_id)
             case PeerForwardRequest():
                 return self._peer_forward(message)
@@ -181,8 +181,8 @@ class WorkerService:
             case SampleBackwardRequest():
                 return self._sample_call(self.sample.backward, message)
             case EndRun():
-                self.sample.reset()
-                self.sample.exchange = None
+                self.sample.layers.reset()
+                self.sample.layers.exchange = None
                 self.shards.clear()
                 self.need_dx.clear()
                 self.last_step.clear()
@@ -194,7 +194,7 @@ class WorkerService:
 
     def _sample_call(self, serve: Callable[[Any, dict[int, ConvShard]], Message],
                      request: Message) -> Message:
-        """A sample-split round (hetconv/sample_runner.py) over the shards held."""
+        """A sample-split round (hetconv/participant/samples/runner.py) over the shards held."""
         self._at_step(max(int(getattr(request, "step", 0)), 0))
         try:
             return serve(request, self.shards)
@@ -265,7 +265,7 @@ class WorkerService:
 
     def _forward(self, request: ForwardRequest) -> ForwardReply:
         self._at_step(request.step)
-        dense = self.sample.dense
+        dense = self.sample.layers.dense
         if dense is not None and request.layer == dense.layer and not request.train:
             return self._dense_audit(request, dense)
         shard = self._shard(request.layer)
@@ -334,7 +334,7 @@ class WorkerService:
         plan = PeerPlan.from_wire(request.plan)
         peers = {str(k): str(v) for k, v in request.peers.items()}
         keys = {str(k): str(v) for k, v in request.peer_keys.items()}
-        dense = self.sample.dense
+        dense = self.sample.layers.dense
         for layer in range(plan.last_layer + 1):
             if dense is not None and layer == dense.layer:
                 continue
@@ -348,7 +348,7 @@ class WorkerService:
                                     cancelled=self.cancel_wait.is_set,
                                     on_drop=lambda reason: log.debug("dropped %s", reason))
         # the sample split reduces weight gradients over the same port and plan
-        self.sample.exchange = GradientExchange(request.participant, plan, port,
+        self.sample.layers.exchange = GradientExchange(request.participant, plan, port,
                                                 request.timeout_s,
                                                 cancelled=self.cancel_wait.is_set)
         return Ack(request_id=request.request_id)

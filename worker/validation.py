@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 
 from hetconv.config import WIRE_DTYPES
-from hetconv.dense_replica import dense_refusal
 from hetconv.ops.conv_layer import POOLS
+from hetconv.participant.samples.dense_replica import dense_refusal
 from hetconv.protocol import (
     AssignDense,
     AssignPeers,
@@ -267,7 +267,7 @@ def _step_chain_refusal(message: SampleForwardRequest) -> str | None:
 def _chain_refusal(sync_id: int, members: list[Any], update_layer: int, update_stop: int,
                    update_id: int, samples: list[Any] | None = None,
                    positions: list[Any] | None = None, layers: int = 0) -> str | None:
-    """The sample split's chain (hetconv/sample_chain.py): ``sync_id`` >= 0; with one,
+    """The sample split's chain (hetconv/participant/samples/chain.py): ``sync_id`` >= 0; with one,
     distinct member ids and, forward, one sample count (>= 1) per member and one
     position count (>= 1) per layer run; an update of several layers is reduced among
     the peers."""

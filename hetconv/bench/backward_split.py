@@ -19,10 +19,10 @@ import time
 import numpy as np
 
 from hetconv.backend import computing_threads
+from hetconv.engine.shard import ConvShard
+from hetconv.engine.stage import layer_settings
 from hetconv.model import ModelConfig, conv_layer_shapes, init_parameters, layer_parameters
-from hetconv.sample_replica import SampleReplica, moments_to_statistics
-from hetconv.shard import ConvShard
-from hetconv.stage import layer_settings
+from hetconv.participant.samples.replica import SampleReplica, moments_to_statistics
 
 WARM_UP = 3
 

@@ -12,7 +12,7 @@ reported. Every run keeps its run directory, so ``hetconv report`` works on it.
 Per configuration it prints: median step time, speedup over the baseline, the share
 of the ideal speedup (sum of fractions / fastest fraction), array bytes per step on
 the master's link and on the busiest worker link (from the run's metrics), and the
-performance model's prediction (:mod:`hetconv.perf_model`) beside the measurement
+performance model's prediction (:mod:`hetconv.planning.perf_model`) beside the measurement
 (each run's figures: :mod:`hetconv.bench.scale_figures`).
 Needs root (namespaces, cgroup v1 quotas); everything is torn down on exit, also on
 Ctrl-C or SIGTERM.
@@ -37,7 +37,6 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from hetconv.barrier_trace import TRACE_ENV
 from hetconv.bench.ddp import SPLITS, batch_shares, quota_after_import, rank_command
 from hetconv.bench.scale_breakdown import (
     format_barrier_breakdown,
@@ -86,6 +85,7 @@ from hetconv.lab import (
     quota_refusal,
 )
 from hetconv.lab.network import SwitchedLan, netns_unavailable_reason, parse_rate_bits
+from hetconv.participant.samples.barrier_trace import TRACE_ENV
 
 RUN_TIMEOUT_S = 600.0
 

@@ -149,7 +149,7 @@ BARRIER_FIELDS = ("per_step", "wait_s", "skew_s", "delivery_s", "to_read_s")
 
 def barrier_figures(waits: Sequence[Any]) -> dict[str, dict[str, float]]:
     """``"<layer>:<phase>"`` -> BARRIER_FIELDS of each
-    :class:`hetconv.barrier_trace.BarrierWaits` (a run's barriers, JSON-ready; a field
+    :class:`hetconv.participant.samples.barrier_trace.BarrierWaits` (a run's barriers, JSON-ready; a field
     the trace could not give is left out)."""
     return {f"{w.layer}:{w.phase}": {field: float(getattr(w, field)) for field in BARRIER_FIELDS
                                      if getattr(w, field) is not None}
@@ -175,7 +175,7 @@ def format_barrier_breakdown(rows: Sequence[dict[str, Any]]) -> list[str]:
     if not any(row.get("barriers") for row in rows):
         return []
     lines = ["", "The batch-norm barriers of the sample split, traced "
-             "(hetconv.barrier_trace; the lab's machines share one clock): means per "
+             "(hetconv.participant.samples.barrier_trace; the lab's machines share one clock): means per "
              "participant and barrier over the measured steps, then the median over the "
              "repeats. A participant's wait runs from sharing its own piece to holding "
              "every peer's; skew is the part until the last peer shared its piece (peers "

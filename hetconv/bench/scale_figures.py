@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hetconv.barrier_trace import barrier_breakdown, read_trace, step_timeline
 from hetconv.bench.scale_breakdown import (
     barrier_figures,
     comm_share,
@@ -25,10 +24,11 @@ from hetconv.bench.scale_breakdown import (
 )
 from hetconv.bench.scale_cpu import merge_cpu_repeats, steady_window
 from hetconv.errors import UserError
-from hetconv.master.fall_back import STAY_ALONE_REASON
-from hetconv.master.step_model import terms_from_record
+from hetconv.master.samples.fall_back import STAY_ALONE_REASON
+from hetconv.master.samples.step_model import terms_from_record
 from hetconv.metrics import participant_of, read_metrics
-from hetconv.perf_model import ParticipantCost, ideal_speedup, star_step_seconds
+from hetconv.participant.samples.barrier_trace import barrier_breakdown, read_trace, step_timeline
+from hetconv.planning.perf_model import ParticipantCost, ideal_speedup, star_step_seconds
 
 SETTLED_STEPS = 8
 """Steps that must follow a re-split for the figures to be taken after it."""
@@ -55,7 +55,7 @@ class RunFigures:
 
 def stayed_alone(records: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The ``replan`` record by which the master-alone check left the master alone for
-    the rest of the run (master/fall_back.py), or None."""
+    the rest of the run (master/samples/fall_back.py), or None."""
     for record in reversed(records):
         if record.get("type") == "replan" and str(record.get("reason", "")).startswith(
                 STAY_ALONE_REASON) and "time" in record:
@@ -173,9 +173,9 @@ def run_figures(run_dir: Path, link_bytes_per_s: float | None) -> RunFigures:
     if alone_steps and alone is not None and float(alone.get("alone_step_s") or 0.0) > 0:
         # the plan in force is the master alone: what the check's trial measured of it
         predicted = float(alone["alone_step_s"]) + dense_s
-    elif sample_split and models:  # the step model calibrated in place (master/step_model.py)
+    elif sample_split and models:  # the step model calibrated in place (master/samples/step_model.py)
         predicted = model_prediction(models[-1], measured_slices(steps))
-    elif sample_split:  # the setup's prediction (master/sample_plan.py) plus the dense part
+    elif sample_split:  # the setup's prediction (master/samples/plan.py) plus the dense part
         value = plans[-1].get("predicted_step_s")
         predicted = None if value is None else float(value) + dense_s
     elif settled is not None:  # the model's prediction of that split (measured corrections)

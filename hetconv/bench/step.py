@@ -1,7 +1,7 @@
 """``hetconv bench step``: one machine's whole training step, hetconv against PyTorch.
 
 hetconv's side is the code path of ``hetconv train --local``: a
-:class:`hetconv.training.Trainer` over a :class:`hetconv.stage.LocalConvStage`, one
+:class:`hetconv.engine.training.Trainer` over a :class:`hetconv.engine.stage.LocalConvStage`, one
 ``train_step`` per sample. PyTorch's is a plain CPU loop over the same layers (conv ->
 batch norm -> ReLU -> pool per conv layer, the dense layers, cross-entropy, SGD with
 momentum 0.9 and weight decay on the weights), started from the same weights, on the
@@ -164,10 +164,10 @@ def hetconv_step(model: ModelConfig, params: dict[str, np.ndarray], x: np.ndarra
                  ) -> Iterator[Callable[[], None]]:
     """One ``Trainer.train_step`` of ``hetconv train --local`` per call (momentum 0.9);
     ``ops`` "separate" runs the conv layers as the separate ops instead of fused."""
+    from hetconv.engine.stage import LocalConvStage, layer_settings
+    from hetconv.engine.training import LoopConfig, Trainer
     from hetconv.metrics import MetricsWriter
     from hetconv.ops import conv_layer
-    from hetconv.stage import LocalConvStage, layer_settings
-    from hetconv.training import LoopConfig, Trainer
 
     with tempfile.TemporaryDirectory(prefix="hetconv-step-") as folder:
         stage = LocalConvStage(model, params, layer_settings(model, 0.9, 5e-4))

@@ -16,7 +16,6 @@ import shlex
 from datetime import datetime, timezone
 from typing import Any
 
-from hetconv.checkpoint import save_text
 from hetconv.commands.options import Parser, check_output_path, positive_int
 from hetconv.config import (
     BENCH_DENSE_PARTS,
@@ -31,6 +30,7 @@ from hetconv.config import (
     WIRE_DTYPE_AUTO,
     WIRE_DTYPE_FLAGS,
 )
+from hetconv.engine.checkpoint import save_text
 from hetconv.errors import UserError
 
 FLAGS: dict[str, tuple[tuple[str, str], ...]] = {

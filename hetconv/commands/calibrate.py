@@ -23,7 +23,7 @@ from hetconv.commands.train import master_config
 from hetconv.config import DATASETS, PADDINGS, SPLIT_MODES, CalibrateConfig
 from hetconv.errors import UserError
 from hetconv.model import conv_layer_shapes, model_config, parse_network
-from hetconv.partition import predicted_affine_seconds
+from hetconv.planning.partition import predicted_affine_seconds
 
 INPUT_SHAPES = {"fashion-mnist": (1, 28, 28), "synthetic": (1, 28, 28), "cifar10": (3, 32, 32)}
 
@@ -70,9 +70,9 @@ def run(args: argparse.Namespace) -> int:
 
 def run_calibrate(config: CalibrateConfig, report: Callable[[str], None] = print) -> int:
     from hetconv.master.calibration import calibrate
-    from hetconv.master.planner import ParticipantProfile
+    from hetconv.master.kernels.planner import ParticipantProfile
+    from hetconv.master.kernels.split import SplitRule, layer_traffic
     from hetconv.master.setup import open_cluster
-    from hetconv.master.split import SplitRule, layer_traffic
 
     set_blas_threads(config.threads)
     model = model_config(parse_network(config.arch, config.kernel_size, config.padding),

@@ -1,7 +1,7 @@
 """``hetconv evaluate RUN_DIR``: the trained network on its test set.
 
 Loads the run's weights and its dataset exactly as training loaded it, runs the test
-set through the training code's eval-mode forward pass (:mod:`hetconv.inference`),
+set through the training code's eval-mode forward pass (:mod:`hetconv.inference.use`),
 prints the test accuracy, the per-class accuracy and the confusion matrix, and
 writes them with a plot of the matrix to ``RUN_DIR/evaluation.html``.
 """
@@ -12,9 +12,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hetconv.checkpoint import save_text
 from hetconv.commands.options import positive_int
-from hetconv.inference import (
+from hetconv.engine.checkpoint import save_text
+from hetconv.inference.use import (
     DEFAULT_BATCH,
     EVALUATION_FILE,
     Classifier,

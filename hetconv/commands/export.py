@@ -14,7 +14,7 @@ from typing import Any
 
 from hetconv.errors import UserError
 from hetconv.export import EXPORT_FORMATS, SUFFIXES
-from hetconv.inference import TrainedRun, load_run, run_preprocessing
+from hetconv.inference.use import TrainedRun, load_run, run_preprocessing
 
 
 def add_parser(sub: Any) -> None:

@@ -3,7 +3,7 @@
 From a run directory's measured profiles (the calibration fits and the probed links
 of a ``hetconv train --listen`` run), print the model's estimated step time and
 speedup for other machine counts (up to 128), link rates, batch sizes and networks
-(:mod:`hetconv.master.whatif`), and beside the estimate for the measured
+(:mod:`hetconv.analysis.whatif`), and beside the estimate for the measured
 configuration the run's measured median step. ``--markdown FILE`` and ``--json FILE``
 also write the table. Every bad input is a one-line :class:`UserError`.
 """
@@ -18,12 +18,8 @@ from dataclasses import asdict
 from datetime import datetime, timezone
 from typing import Any
 
-from hetconv.checkpoint import save_text
-from hetconv.commands.options import check_output_path
-from hetconv.errors import UserError
-from hetconv.lab.network import parse_rate_bits
-from hetconv.master.report.records import StepModelCheck, parse_run
-from hetconv.master.whatif import (
+from hetconv.analysis.report.records import StepModelCheck, parse_run
+from hetconv.analysis.whatif import (
     DEFAULT_MACHINES,
     MAX_MACHINES,
     MEASURED_LINK,
@@ -35,7 +31,11 @@ from hetconv.master.whatif import (
     predict_scenarios,
     read_plan_links,
 )
-from hetconv.master.whatif_samples import predict_sample_scenarios, read_sample_plan
+from hetconv.analysis.whatif_samples import predict_sample_scenarios, read_sample_plan
+from hetconv.commands.options import check_output_path
+from hetconv.engine.checkpoint import save_text
+from hetconv.errors import UserError
+from hetconv.lab.network import parse_rate_bits
 from hetconv.model import parse_arch
 
 HEADERS = ("machines", "link", "batch", "arch", "est. step ms", "est. speedup",
@@ -45,7 +45,7 @@ SAMPLE_NOTE = ("Model estimates of the sample split (predict_sample_step: the sl
                "peers), not measurements: speedup is over the fastest single machine's "
                "compute; share of ideal is that speedup over the machines' summed speed; "
                "'used' is how many machines get samples.")
-ESTIMATE_NOTE = ("Model estimates (hetconv.perf_model through the planner), not measurements: "
+ESTIMATE_NOTE = ("Model estimates (hetconv.planning.perf_model through the planner), not measurements: "
                  "speedup is over the fastest single machine's estimate; share of ideal is "
                  "that speedup over the machines' summed compute speed; 'used' is how many "
                  "machines the planner gives kernels.")
@@ -241,7 +241,7 @@ def run_plan(args: argparse.Namespace, out: Callable[[str], None] = print) -> in
         document = {"run_dir": run.run_dir, "data_plane": run.data_plane,
                     "participants": [p.participant for p in run.profiles],
                     "split_by": "kernels" if per_sample is None else "samples",
-                    "estimate": ("performance model (hetconv.perf_model via the planner)"
+                    "estimate": ("performance model (hetconv.planning.perf_model via the planner)"
                                  if per_sample is None else
                                  "sample split model (master.sample_plan.predict_sample_step)"),
                     "rows": [p.record() for p in predictions],

@@ -1,8 +1,8 @@
 """``hetconv predict RUN_DIR IMAGE...``: the most probable classes of image files.
 
 Each image is read with Pillow, converted to the run's channels and size and
-normalised as training normalised its data (:func:`hetconv.inference.read_image`,
-:func:`hetconv.inference.normalize`); the network runs in eval mode. Prints one block
+normalised as training normalised its data (:func:`hetconv.inference.use.read_image`,
+:func:`hetconv.inference.use.normalize`); the network runs in eval mode. Prints one block
 per image (``--json`` for one JSON document). Every image is read before any is
 classified, so an unreadable one stops the command with one line naming it.
 """
@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from hetconv.commands.options import positive_int
-from hetconv.inference import (
+from hetconv.inference.use import (
     DEFAULT_BATCH,
     Classifier,
     Prediction,

@@ -14,12 +14,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from hetconv.analysis.report.analysis import summarize
+from hetconv.analysis.report.json_out import render_json
+from hetconv.analysis.report.records import RunRecords, check_run_dir, parse_run
+from hetconv.analysis.report.render_text import render_comparison, render_run
+from hetconv.analysis.report.summary import RunSummary
 from hetconv.errors import UserError
-from hetconv.master.report.analysis import summarize
-from hetconv.master.report.json_out import render_json
-from hetconv.master.report.records import RunRecords, check_run_dir, parse_run
-from hetconv.master.report.render_text import render_comparison, render_run
-from hetconv.master.report.summary import RunSummary
 
 
 def _warn(message: str) -> None:
@@ -28,7 +28,7 @@ def _warn(message: str) -> None:
 
 def write_html(runs: list[tuple[RunRecords, RunSummary]]) -> list[Path]:
     """report.html in every run directory, comparison.html next to the first run."""
-    from hetconv.master.report import render_html  # matplotlib is imported only when needed
+    from hetconv.analysis.report import render_html  # matplotlib is imported only when needed
 
     written = []
     for records, summary in runs:

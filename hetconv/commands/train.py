@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from hetconv.backend import set_blas_threads
-from hetconv.checkpoint import save_json
 from hetconv.commands.options import (
     add_curve_master,
     add_membership,
@@ -47,8 +46,13 @@ from hetconv.config import (
     MasterConfig,
     TrainConfig,
 )
-from hetconv.data import DatasetError, load_dataset
+from hetconv.data.loading import DatasetError, load_dataset
 from hetconv.device_info import describe_device
+from hetconv.engine.checkpoint import save_json
+from hetconv.engine.optim import OptimizerConfig
+from hetconv.engine.stage import ConvStage, LocalConvStage, layer_settings
+from hetconv.engine.train_state import CHECKPOINT_NAME, CheckpointError, TrainingState
+from hetconv.engine.training import LoopConfig, Trainer
 from hetconv.errors import UserError
 from hetconv.logs import add_output_flags, emit
 from hetconv.metrics import SCHEMA_VERSION, MetricsWriter
@@ -61,11 +65,7 @@ from hetconv.model import (
     model_config,
     parse_network,
 )
-from hetconv.optim import OptimizerConfig
 from hetconv.prometheus import add_metrics_port, serve, training_exporter
-from hetconv.stage import ConvStage, LocalConvStage, layer_settings
-from hetconv.train_state import CHECKPOINT_NAME, CheckpointError, TrainingState
-from hetconv.training import LoopConfig, Trainer
 
 RESUME_FLAGS = {
     "data": "--data", "data_dir": "--data-dir", "limit": "--limit", "test_limit": "--test-limit",
@@ -320,7 +320,7 @@ def _run(args: argparse.Namespace, observers: list[Callable[[dict[str, Any]], No
 
 
 def _saved_config(run_dir: Path) -> dict[str, Any]:
-    from hetconv.inference import read_run_config
+    from hetconv.inference.use import read_run_config
 
     return read_run_config(run_dir, "--resume")
 

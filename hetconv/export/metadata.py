@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from hetconv.inference import Preprocessing
+from hetconv.inference.use import Preprocessing
 from hetconv.model import ModelConfig, conv_layer_shapes, dense_shapes
 
 FORMAT_VERSION = "1"

@@ -17,10 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from hetconv.checkpoint import write_atomically
+from hetconv.engine.checkpoint import write_atomically
 from hetconv.export import missing_extra
 from hetconv.export.metadata import export_metadata
-from hetconv.inference import Preprocessing
+from hetconv.inference.use import Preprocessing
 from hetconv.model import ModelConfig, conv_layer_shapes, dense_shapes
 from hetconv.names import layer_key
 

@@ -1,7 +1,7 @@
 """The backward pass of a conv layer with a chunk source, in two parts: dx now, the
 weight gradient later (``conv2d_backward_split``).
 
-The sample split's backward chain (hetconv/sample_chain.py) computes a layer's weight
+The sample split's backward chain (hetconv/participant/samples/chain.py) computes a layer's weight
 gradient while the next layer down waits for its peers' batch-norm sums: dx is needed
 at once (it is the next layer's dy), dW only by the reduction. Both parts are the
 chunk kernels of ``hetconv.ops.conv`` (``need_dw=False`` for the first, no dx for the

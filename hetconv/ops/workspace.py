@@ -13,7 +13,7 @@ Two kinds are used:
   ``run_parallel`` pool threads live as long as the process), for temporaries that
   die within one chunk's task. A name is reused by the next ``get`` with the same
   name *on the same thread*, so a scratch array must never outlive its task.
-* A :class:`Workspace` owned by a layer's shard (``hetconv.shard.ConvShard``), for
+* A :class:`Workspace` owned by a layer's shard (``hetconv.engine.shard.ConvShard``), for
   arrays that live from a training forward to its backward (the conv output, the
   padded input chunks, the pooling masks). The next training forward reuses them.
 

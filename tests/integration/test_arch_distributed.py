@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hetconv.checkpoint import load_weights
+from hetconv.engine.checkpoint import load_weights
 from tests.conftest import run_hetconv, step_losses
 
 pytestmark = [pytest.mark.integration]

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hetconv.checkpoint import load_weights
+from hetconv.engine.checkpoint import load_weights
 from hetconv.lab import free_port, wait_for
 from tests.conftest import (
     SMALL_RUN,

@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
+from hetconv.analysis.report.events import JOIN_PREFIX
 from hetconv.lab import wait_for
-from hetconv.master.report.events import JOIN_PREFIX
 from tests.conftest import child_env, hetconv_command
 from tests.integration.test_failover import records, steps_done
 from tests.support.faulty_worker import WorkerFaults

@@ -109,7 +109,7 @@ ABORT_PROBE = """
 import sys, time
 sys.path.insert(0, sys.argv[3])
 import zmq
-from hetconv.peer_sockets import PeerSockets
+from hetconv.participant.peer_sockets import PeerSockets
 from hetconv.protocol.transport import make_context, master_socket
 from tests.integration.test_hostile_peers import attack_abort
 from hetconv.protocol import limits

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hetconv.checkpoint import load_weights
+from hetconv.engine.checkpoint import load_weights
 from tests.conftest import SMALL_RUN, run_hetconv
 from tests.integration.test_distributed import assert_reproduces
 from tests.support.faulty_worker import WorkerFaults

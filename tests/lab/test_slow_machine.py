@@ -1,7 +1,7 @@
 """A machine far slower than its peers under the sample split (cgroup v1 CPU quotas on
 loopback): the rebalancer gives it a small slice, but its per-step work holds every
 barrier, so at a snapshot the master tries the run without it, measures the step
-shorter, leaves it out for the run and says so (master/trial_without.py)."""
+shorter, leaves it out for the run and says so (master/samples/trial_without.py)."""
 from __future__ import annotations
 
 import json
@@ -82,7 +82,7 @@ def test_a_machine_slower_than_its_slice_is_tried_without_and_left_out(
                for d in layer["devices"]), after[-1]
     if "--no-local" not in flags and "slower than the master alone" in result.stdout:
         # on this small network the master alone beat the run with w3 and its trial
-        # came first (master/fall_back.py): also never slower than with w3
+        # came first (master/samples/fall_back.py): also never slower than with w3
         return
     assert "hetconv: trying without w3: its slice is" in result.stdout, result.stdout
     assert "hetconv: not used from now on: w3 (the step measured" in result.stdout, \

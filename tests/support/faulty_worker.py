@@ -33,8 +33,8 @@ import numpy as np
 from hetconv import logs
 from hetconv.commands import worker
 from hetconv.commands.cli import build_parser
+from hetconv.engine.shard import ConvShard, LayerSettings
 from hetconv.errors import UserError
-from hetconv.shard import ConvShard, LayerSettings
 
 REPO = Path(__file__).resolve().parents[2]
 MODULE = "tests.support.faulty_worker"

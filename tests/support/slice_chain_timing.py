@@ -17,6 +17,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
 
+from hetconv.engine.shard import ConvShard  # noqa: E402
+from hetconv.engine.stage import layer_settings  # noqa: E402
 from hetconv.model import (  # noqa: E402
     conv_layer_shapes,
     init_parameters,
@@ -24,11 +26,9 @@ from hetconv.model import (  # noqa: E402
     model_config,
     parse_network,
 )
-from hetconv.reduction_plan import reduce_plan  # noqa: E402
-from hetconv.sample_runner import SampleRunner  # noqa: E402
-from hetconv.shard import ConvShard  # noqa: E402
-from hetconv.stage import layer_settings  # noqa: E402
-from hetconv.weight_reduce import GradientExchange  # noqa: E402
+from hetconv.participant.samples.reduction_plan import reduce_plan  # noqa: E402
+from hetconv.participant.samples.runner import SampleRunner  # noqa: E402
+from hetconv.participant.samples.weight_reduce import GradientExchange  # noqa: E402
 from tests.unit.test_sample_chain import Port, _backward, _forward  # noqa: E402
 
 NETWORK = "c32k3p1,c32k3p1,pool,c64k3p1,c64k3p1,pool,fc256,drop0.5"
@@ -48,7 +48,7 @@ def main(samples: int = 32) -> None:
     for by_slice in (False, True, False, True):
         plan = reduce_plan([s.kernels for s in shapes], ["a"], ["a"])
         runner = SampleRunner()
-        runner.exchange = GradientExchange("a", plan, Port({"a": queue.Queue()}, "a"), 5.0)
+        runner.layers.exchange = GradientExchange("a", plan, Port({"a": queue.Queue()}, "a"), 5.0)
         shards = {s.index: ConvShard(s.index, 0, s.kernels, settings,
                                      layer_parameters(params, s.index)) for s in shapes}
         times = []

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 from hetconv.commands.cli import main
+from hetconv.engine.stage import LocalConvStage, layer_settings
+from hetconv.engine.training import LoopConfig, Trainer
 from hetconv.errors import UserError
 from hetconv.metrics import MetricsWriter
 from hetconv.model import (
@@ -25,8 +27,6 @@ from hetconv.model import (
     parse_arch,
     parse_network,
 )
-from hetconv.stage import LocalConvStage, layer_settings
-from hetconv.training import LoopConfig, Trainer
 from tests.unit.test_layers_variants import numerical_gradient
 
 VGG = "c64k3p1,c64k3p1,pool,c128k3p1,c128k3p1,pool,fc256,drop0.5"

@@ -9,12 +9,12 @@ import functools
 import numpy as np
 import pytest
 
-import hetconv.sample_replica as sample_replica
+import hetconv.participant.samples.replica as sample_replica
 from hetconv.bench.backward_split import replica_of
 from hetconv.model import ModelConfig
 from hetconv.ops import conv_winograd
 from hetconv.ops.conv import BATCH_INNER, SHIFTED_TAPS, WINOGRAD, conv2d_forward_cached
-from hetconv.sample_replica import SampleReplica, moments_to_statistics
+from hetconv.participant.samples.replica import SampleReplica, moments_to_statistics
 
 
 def _replica(layer: int, model: ModelConfig) -> SampleReplica:

@@ -1,4 +1,4 @@
-"""The batch-norm barriers' trace (hetconv/barrier_trace.py) and its table in ``hetconv
+"""The batch-norm barriers' trace (hetconv/participant/samples/barrier_trace.py) and its table in ``hetconv
 bench scale`` (hetconv/bench/scale_breakdown.py): a wait splits into skew (until the
 last peer shared) and delivery (the rest), the trace is off unless asked for, and what
 a killed process half wrote is skipped."""
@@ -10,12 +10,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hetconv.barrier_trace import BarrierTrace, barrier_breakdown, read_trace
 from hetconv.bench.scale_breakdown import (
     barrier_figures,
     format_barrier_breakdown,
     merge_barrier_repeats,
 )
+from hetconv.participant.samples.barrier_trace import BarrierTrace, barrier_breakdown, read_trace
 
 
 def _share(p: str, t: float, sync: int = 5, step: int = 3, layer: int = 1,
@@ -83,9 +83,9 @@ def test_the_trace_records_nothing_unless_a_directory_is_given(tmp_path: Path) -
 
 def test_the_trace_is_written_in_batches_and_read_back(tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    import hetconv.barrier_trace
+    import hetconv.participant.samples.barrier_trace
 
-    monkeypatch.setattr(hetconv.barrier_trace, "FLUSH_EVERY", 3)
+    monkeypatch.setattr(hetconv.participant.samples.barrier_trace, "FLUSH_EVERY", 3)
     trace = BarrierTrace(str(tmp_path / "trace"))
     trace.share("a", 5, 3, 1, "moments")
     trace.share("b", 5, 3, 1, "moments")
@@ -107,13 +107,13 @@ def test_a_gradient_exchange_traces_its_barriers(tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Through the real GradientExchange over the in-memory port of test_weight_reduce:
     each share and each wait of a batch-norm barrier is one event."""
-    import hetconv.weight_reduce
-    from hetconv.reduction_plan import reduce_plan
-    from hetconv.weight_reduce import PHASE_MOMENTS, GradientExchange
+    import hetconv.participant.samples.weight_reduce
+    from hetconv.participant.samples.reduction_plan import reduce_plan
+    from hetconv.participant.samples.weight_reduce import PHASE_MOMENTS, GradientExchange
     from tests.unit.test_weight_reduce import Network
 
     trace = BarrierTrace(str(tmp_path))
-    monkeypatch.setattr(hetconv.weight_reduce, "TRACE", trace)
+    monkeypatch.setattr(hetconv.participant.samples.weight_reduce, "TRACE", trace)
     network = Network()
     everyone = ["master", "w1"]
     plan = reduce_plan([4], everyone, everyone)

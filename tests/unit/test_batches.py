@@ -9,13 +9,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hetconv.batches import Augmentation, BatchSource, augment_padding
-from hetconv.data import load_dataset
+from hetconv.data.batches import Augmentation, BatchSource, augment_padding
+from hetconv.data.loading import load_dataset
+from hetconv.engine.stage import ConvStage, LocalConvStage, StageFault, layer_settings
+from hetconv.engine.train_state import CHECKPOINT_NAME, TrainingState
+from hetconv.engine.training import LoopConfig, Trainer
 from hetconv.metrics import MetricsWriter
 from hetconv.model import ModelConfig, init_parameters
-from hetconv.stage import ConvStage, LocalConvStage, StageFault, layer_settings
-from hetconv.train_state import CHECKPOINT_NAME, TrainingState
-from hetconv.training import LoopConfig, Trainer
 
 
 def batch_threads() -> list[threading.Thread]:

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from hetconv.bench.scale_figures import SETTLED_STEPS, run_figures, settled_split
-from hetconv.master.fall_back import STAY_ALONE_REASON
+from hetconv.master.samples.fall_back import STAY_ALONE_REASON
 
 
 def records(steps: int, resplits: list[int]) -> list[dict[str, Any]]:

@@ -54,7 +54,7 @@ def test_a_run_without_curve_does_not_import_asyncio() -> None:
     start); only a CURVE run starts one, so the daemons' and the master's modules import
     it when it starts, not at their own import."""
     probe = ("import sys\nimport worker.daemon, worker.service, master.run, "
-             "hetconv.peer_sockets, hetconv.keys\n"
+             "hetconv.participant.peer_sockets, hetconv.keys\n"
              "print('asyncio' in sys.modules, 'zmq.auth.thread' in sys.modules)")
     printed = fresh_interpreter(probe)
     assert printed.split() == ["False", "False"], printed

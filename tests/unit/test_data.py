@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hetconv.data import (
+from hetconv.data.loading import (
     CIFAR10_FOLDER,
     FASHION_MNIST_DIR,
     DatasetError,

@@ -15,7 +15,7 @@ import pytest
 from PIL import Image
 
 from hetconv.commands.cli import main
-from hetconv.data import (
+from hetconv.data.loading import (
     CIFAR10_CLASSES,
     CIFAR10_FOLDER,
     DEFAULT_IMAGE_SIZE,

@@ -6,7 +6,8 @@ from collections import defaultdict, deque
 import numpy as np
 import pytest
 
-from hetconv.dataplane import (
+from hetconv.engine.shard import ConvShard, LayerSettings
+from hetconv.participant.dataplane import (
     PeerLost,
     PeerParticipant,
     assemble_input,
@@ -15,10 +16,9 @@ from hetconv.dataplane import (
     rows_per_piece,
     split_gradient,
 )
-from hetconv.peer_pieces import Inbox, PieceKey, RowGather
-from hetconv.peer_plan import PHASE_BACKWARD, PHASE_FORWARD, KernelRange, PeerPlan
+from hetconv.participant.peer_pieces import Inbox, PieceKey, RowGather
+from hetconv.participant.peer_plan import PHASE_BACKWARD, PHASE_FORWARD, KernelRange, PeerPlan
 from hetconv.protocol import PeerPiece, decode, encode
-from hetconv.shard import ConvShard, LayerSettings
 
 R = KernelRange
 

@@ -30,7 +30,7 @@ from hetconv.errors import UserError
 from hetconv.export.metadata import export_metadata, layer_records
 from hetconv.export.onnx import INPUT_NAME, OPSET, OUTPUT_NAME, build_onnx_model
 from hetconv.export.safetensors import torch_tensors
-from hetconv.inference import Classifier, load_run, load_run_data, run_preprocessing
+from hetconv.inference.use import Classifier, load_run, load_run_data, run_preprocessing
 
 ROOT = Path(__file__).resolve().parents[2]
 EXPORT_MD = ROOT / "docs" / "export.md"

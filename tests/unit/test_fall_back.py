@@ -1,5 +1,5 @@
-"""Never slower than the master alone: the trial's decisions (master/fall_back.py) and
-the trial stage (master/trial_alone.py), without sockets or a clock."""
+"""Never slower than the master alone: the trial's decisions (master/samples/fall_back.py) and
+the trial stage (master/samples/trial_alone.py), without sockets or a clock."""
 from __future__ import annotations
 
 from typing import Any
@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hetconv.master.fall_back import (
+from hetconv.master.samples.fall_back import (
     ALONE_WINDOW,
     CLEAR_MARGIN,
     CORRECTED_TRIGGER,
@@ -18,7 +18,7 @@ from hetconv.master.fall_back import (
     StayAlone,
     TryAlone,
 )
-from hetconv.master.trial_alone import TrialAloneStage
+from hetconv.master.samples.trial_alone import TrialAloneStage
 
 
 def _with_workers(check: AloneCheck, wall: float, estimate: float,

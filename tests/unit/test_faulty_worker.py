@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from hetconv.engine.shard import ConvShard
 from hetconv.protocol import Ack, ForwardReply, ForwardRequest
-from hetconv.shard import ConvShard
 from hetconv.worker.service import WorkerService
 from tests.support.faulty_worker import FaultyShard, WorkerFaults, fault_parser
 from tests.unit.test_worker_service import assign

@@ -1,18 +1,27 @@
-"""Imports point one way: protocol <- core <- master, worker <- commands, bench, lab.
+"""Imports point one way: protocol <- core <- participant <- master, worker <- analysis <- top.
 
-The rules (DESIGN.md §4, house style habit 1), checked over the source with :mod:`ast`
-so that imports inside functions, under ``if TYPE_CHECKING`` and through
-``importlib.import_module("...")`` count too:
+The rules (DESIGN.md §4, house style habit 1, docs/architecture.md), checked over the
+source with :mod:`ast` so that imports inside functions, under ``if TYPE_CHECKING`` and
+through ``importlib.import_module("...")`` count too:
 
 - ``hetconv.protocol`` imports nothing else of hetconv; outside it only the standard
   library, numpy, msgpack and zmq;
-- the core (every ``hetconv.*`` module except protocol, master, worker, commands,
-  bench, lab and ``__main__``) imports only the core and protocol;
-- ``hetconv.master`` and ``hetconv.worker`` import the core and protocol, never each
-  other, never the top layer;
+- the core (every ``hetconv.*`` module outside the packages named below) imports only
+  the core and protocol: never the code that only participants run;
+- ``hetconv.participant`` (what the master's own share and every worker run) imports
+  the core, protocol and itself;
+- ``hetconv.master`` and ``hetconv.worker`` import the core, protocol and participant
+  code, never each other, never analysis or the top layer;
+- ``hetconv.analysis`` (the report, the what-if models: offline) may import everything
+  below it, and nothing at run time imports it;
 - ``hetconv.commands``, ``hetconv.bench``, ``hetconv.lab`` and ``hetconv.__main__`` are
   the top and may import anything, but only ``hetconv.__main__`` and the commands
   themselves import ``hetconv.commands`` (tests may);
+- the split strategies never import each other: ``hetconv.master.kernels`` and
+  ``hetconv.master.samples``, ``hetconv.participant.kernels`` and
+  ``hetconv.participant.samples``; the master's shared modules import neither strategy,
+  except ``hetconv.master.setup``, the one place that picks the split; the participant's
+  shared modules import neither of its strategies;
 - no file under ``hetconv/`` or ``tests/`` imports the old top-level names
   ``protocol``, ``master`` or ``worker``.
 
@@ -42,14 +51,24 @@ LINKED_PACKAGES = ("protocol", "master", "worker")
 OLD_TOP_LEVEL_NAMES = frozenset(LINKED_PACKAGES)
 PROTOCOL_THIRD_PARTY = frozenset({"numpy", "msgpack", "zmq"})
 TOP_PACKAGES = ("hetconv.commands", "hetconv.bench", "hetconv.lab")
+OWN_LAYERS = ("participant", "analysis")  # hetconv.<name> packages with a layer of their own
 # Which layers each layer may import (external packages are not a layer).
 ALLOWED_LAYERS = {
     "protocol": {"protocol"},
     "core": {"core", "protocol"},
-    "master": {"core", "protocol", "master"},
-    "worker": {"core", "protocol", "worker"},
-    "top": {"core", "protocol", "master", "worker", "top"},
+    "participant": {"core", "protocol", "participant"},
+    "master": {"core", "protocol", "participant", "master"},
+    "worker": {"core", "protocol", "participant", "worker"},
+    "analysis": {"core", "protocol", "participant", "master", "analysis"},
+    "top": {"core", "protocol", "participant", "master", "worker", "analysis", "top"},
 }
+# The split strategies: (package, its strategy subpackages, the shared modules allowed to
+# import them). A strategy never imports another; shared code imports none but through
+# the modules named.
+STRATEGIES = (
+    ("hetconv.master", ("kernels", "samples"), ("hetconv.master.setup",)),
+    ("hetconv.participant", ("kernels", "samples"), ()),
+)
 
 
 @dataclass(frozen=True)
@@ -74,12 +93,29 @@ def layer_of(module: str) -> str | None:
     """The layer of a ``hetconv.*`` module, or None for anything outside hetconv."""
     if not _within(module, "hetconv"):
         return None
-    for name in LINKED_PACKAGES:
+    for name in LINKED_PACKAGES + OWN_LAYERS:
         if _within(module, f"hetconv.{name}"):
             return name
     if module == "hetconv.__main__" or any(_within(module, top) for top in TOP_PACKAGES):
         return "top"
     return "core"
+
+
+def strategy_rule(importer: str, imported: str) -> str | None:
+    """The broken strategy rule when ``importer`` may not import ``imported``, else None."""
+    for package, strategies, dispatchers in STRATEGIES:
+        if not (_within(importer, package) and _within(imported, package)):
+            continue
+        mine = [s for s in strategies if _within(importer, f"{package}.{s}")]
+        theirs = [s for s in strategies if _within(imported, f"{package}.{s}")]
+        if not theirs or mine == theirs:
+            continue
+        if mine:
+            return f"{package}.{mine[0]} never imports {package}.{theirs[0]}"
+        if importer not in dispatchers and importer != package:
+            return (f"{package}'s shared modules never import a strategy ({package}.{theirs[0]})"
+                    + (f"; only {', '.join(dispatchers)} picks one" if dispatchers else ""))
+    return None
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -162,6 +198,8 @@ def check_source(module: str, source: str, path: str,
         if target_layer not in ALLOWED_LAYERS[importer_layer]:
             allowed = ", ".join(sorted(ALLOWED_LAYERS[importer_layer]))
             report(f"{importer_layer} may import only {allowed} (not {target_layer})")
+        elif (broken := strategy_rule(module, name)) is not None:
+            report(broken)
         elif _within(name, "hetconv.commands") and not (
                 module == "hetconv.__main__" or _within(module, "hetconv.commands")):
             report("only hetconv.__main__ and hetconv.commands import hetconv.commands")
@@ -189,7 +227,7 @@ def test_the_walk_finds_every_layer_through_the_symlinks(modules: dict[str, Path
         real = [path for path in (REPO / name).rglob("*.py") if "__pycache__" not in path.parts]
         assert counts[name] == len(real) > 0, (name, counts[name], len(real))
     assert {"hetconv", "hetconv.__main__", "hetconv.protocol.codec", "hetconv.master.setup",
-            "hetconv.master.report.analysis", "hetconv.worker.service",
+            "hetconv.analysis.report.analysis", "hetconv.worker.service",
             "hetconv.commands.cli", "hetconv.ops.conv"} <= set(modules)
 
 
@@ -293,3 +331,90 @@ def test_every_installed_package_is_under_hetconv_and_listed() -> None:
     assert set(listed) == on_disk, (
         f"pyproject.toml [tool.setuptools] packages: missing {sorted(on_disk - set(listed))}, "
         f"not packages {sorted(set(listed) - on_disk)}")
+
+
+def test_the_checker_keeps_the_strategies_apart() -> None:
+    known = {"hetconv.master.samples.stage", "hetconv.master.kernels.stage", "hetconv.master.plan",
+             "hetconv.master.setup", "hetconv.participant.samples.chain",
+             "hetconv.participant.dataplane"}
+    found = check_source("hetconv.master.kernels.fake",
+                         "from hetconv.master.samples import stage\nfrom hetconv.master import plan\n",
+                         "master/kernels/fake.py", known)
+    assert [(v.line, v.rule) for v in found] == [
+        (1, "hetconv.master.kernels never imports hetconv.master.samples")]
+    found = check_source("hetconv.master.cluster", "from hetconv.master.kernels import stage\n",
+                         "master/cluster.py", known)
+    assert [v.line for v in found] == [1] and "only hetconv.master.setup" in found[0].rule
+    assert check_source("hetconv.master.setup", "from hetconv.master.kernels import stage\n"
+                        "from hetconv.master.samples import stage as s\n", "master/setup.py", known) == []
+    found = check_source("hetconv.participant.dataplane",
+                         "from hetconv.participant.samples import chain\n",
+                         "hetconv/participant/dataplane.py", known)
+    assert [v.line for v in found] == [1] and "shared modules never import" in found[0].rule
+    found = check_source("hetconv.engine.fake", "from hetconv.participant import dataplane\n",
+                         "hetconv/engine/fake.py", known)
+    assert [v.rule for v in found] == ["core may import only core, protocol (not participant)"]
+    found = check_source("hetconv.master.fake", "from hetconv.analysis.report import records\n",
+                         "master/fake.py", {"hetconv.analysis.report.records"})
+    assert [v.line for v in found] == [1] and "(not analysis)" in found[0].rule
+
+
+def _all_imports(module: str, path: Path, known: frozenset[str]) -> set[str]:
+    names = imported_names(module, path.read_text(encoding="utf-8"), known,
+                           is_package=path.name == "__init__.py")
+    return {name for _, name, _ in names if name in known and name != module}
+
+
+def _circle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle in ``graph`` (a list of modules, first == last), or None."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)) is not None:
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)) is not None:
+            return found
+    return None
+
+
+def test_no_module_imports_in_a_circle(modules: dict[str, Path]) -> None:
+    """Not at import time, and not through an import inside a function either (the usual
+    way to dodge a circle); only ``if TYPE_CHECKING`` annotations may look back. Package
+    ``__init__`` files that re-export are left out (importing a package runs them)."""
+    known = frozenset(modules)
+    graph = {}
+    for name, path in modules.items():
+        if path.name == "__init__.py":
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        checking = [node for node in tree.body
+                    if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)]
+        typing_only = set()
+        for node in checking:
+            typing_only |= {n for _, n, _ in imported_names(name, ast.unparse(node), known)}
+        graph[name] = {m for m in _all_imports(name, path, known) - typing_only
+                       if modules[m].name != "__init__.py"}
+    assert _circle(graph) is None, "import circle: " + " -> ".join(_circle(graph) or [])
+
+
+def test_the_circle_finder_finds_one() -> None:
+    assert _circle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _circle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_no_module_name_carries_a_strategy_prefix(modules: dict[str, Path]) -> None:
+    """A ``sample_`` or ``kernel_`` prefix stands in for a folder (CONVENTIONS 16)."""
+    prefixed = sorted(str(path.relative_to(REPO)) for path in modules.values()
+                      if path.name.startswith(("sample_", "kernel_")))
+    assert prefixed == []

@@ -1,4 +1,4 @@
-"""hetconv.inference: a run directory loaded back, classified and evaluated exactly as
+"""hetconv.inference.use: a run directory loaded back, classified and evaluated exactly as
 training evaluated it; image files read and normalised exactly as ``--data folder``
 reads and normalises its images; every bad input one line."""
 from __future__ import annotations
@@ -12,9 +12,9 @@ import pytest
 from PIL import Image
 
 from hetconv.commands.cli import main
-from hetconv.data import load_dataset
+from hetconv.data.loading import load_dataset
 from hetconv.errors import UserError
-from hetconv.inference import (
+from hetconv.inference.use import (
     PREPROCESSING_FILE,
     WEIGHTS_FILE,
     Classifier,

@@ -10,12 +10,12 @@ from typing import Any
 import numpy as np
 import pytest
 
+from hetconv.engine.shard import ConvShard, LayerSettings
 from hetconv.names import PARAMETER_NAMES, TRAINABLE_NAMES
 from hetconv.ops.conv_layer import conv_layer_backward, conv_layer_forward
 from hetconv.ops.conv_reference import conv2d_reference
 from hetconv.ops.dropout import dropout_backward, dropout_forward, dropout_mask
 from hetconv.ops.pooling import avg_pool2x2, avg_pool2x2_backward
-from hetconv.shard import ConvShard, LayerSettings
 
 VARIANTS = [(pool, bn) for pool in ("max", "avg", "none") for bn in (True, False)]
 IDS = [f"{pool}-{'bn' if bn else 'nobn'}" for pool, bn in VARIANTS]

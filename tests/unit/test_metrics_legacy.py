@@ -10,18 +10,18 @@ from typing import Any
 
 import pytest
 
+from hetconv.analysis.report.analysis import summarize
+from hetconv.analysis.report.events import JOIN, LOSS, RESPLIT
+from hetconv.analysis.report.json_out import summary_to_dict
+from hetconv.analysis.report.records import RunRecords, parse_run
+from hetconv.analysis.report.render_text import render_run
+from hetconv.analysis.whatif import read_plan_links
 from hetconv.bench.chaos_plan import kernels_held
 from hetconv.bench.scale_breakdown import step_breakdown
 from hetconv.commands.status import from_run_dir
-from hetconv.master.rebalance import measured_compute
-from hetconv.master.report.analysis import summarize
-from hetconv.master.report.events import JOIN, LOSS, RESPLIT
-from hetconv.master.report.json_out import summary_to_dict
-from hetconv.master.report.records import RunRecords, parse_run
-from hetconv.master.report.render_text import render_run
-from hetconv.master.whatif import read_plan_links
+from hetconv.master.kernels.rebalance import measured_compute
 from hetconv.metrics import participant_of, read_metrics
-from hetconv.perf_model import Link
+from hetconv.planning.perf_model import Link
 from hetconv.prometheus import TrainingTotals
 from tests.unit.test_report import write_run
 from tests.unit.test_report_events import faulty_run

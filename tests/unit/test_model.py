@@ -7,7 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hetconv.checkpoint import load_weights, save_json, save_weights
+from hetconv.engine.checkpoint import load_weights, save_json, save_weights
+from hetconv.engine.optim import OptimizerConfig, learning_rate_at, sgd_update
 from hetconv.errors import UserError
 from hetconv.metrics import MetricsWriter, read_metrics
 from hetconv.model import (
@@ -17,7 +18,6 @@ from hetconv.model import (
     init_parameters,
     parse_arch,
 )
-from hetconv.optim import OptimizerConfig, learning_rate_at, sgd_update
 
 PAPER_ARCHS = ["50:500", "150:800", "300:1000", "500:1500"]
 

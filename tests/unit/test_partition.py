@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hetconv.partition import (
+from hetconv.planning.partition import (
     equal_counts,
     ideal_layer_seconds,
     kernel_counts,
@@ -72,7 +72,7 @@ def test_predicted_and_ideal_seconds() -> None:
 
 
 def test_fit_affine() -> None:
-    from hetconv.partition import fit_affine
+    from hetconv.planning.partition import fit_affine
 
     assert fit_affine(10, 2.0, 30, 4.0) == pytest.approx((1.0, 0.1))
     assert fit_affine(10, 2.0, 30, 1.0) == pytest.approx((0.0, 1.0 / 30))  # noisy: proportional
@@ -80,7 +80,7 @@ def test_fit_affine() -> None:
 
 
 def test_balanced_counts_equalise_finish_times() -> None:
-    from hetconv.partition import balanced_counts, predicted_affine_seconds
+    from hetconv.planning.partition import balanced_counts, predicted_affine_seconds
 
     # no fixed costs: the same as equation (1)
     assert balanced_counts([(0.0, 1.0), (0.0, 3.0)], 100) == [75, 25]
@@ -97,7 +97,7 @@ def test_balanced_counts_equalise_finish_times() -> None:
        st.integers(0, 500))
 def test_balanced_counts_are_optimal_to_one_kernel(costs: list[tuple[float, float]],
                                                    kernels: int) -> None:
-    from hetconv.partition import balanced_counts, predicted_affine_seconds
+    from hetconv.planning.partition import balanced_counts, predicted_affine_seconds
 
     counts = balanced_counts(costs, kernels)
     assert sum(counts) == kernels and min(counts) >= 0

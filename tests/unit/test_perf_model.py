@@ -3,7 +3,12 @@ from __future__ import annotations
 
 import pytest
 
-from hetconv.perf_model import ParticipantCost, compute_seconds, ideal_speedup, star_step_seconds
+from hetconv.planning.perf_model import (
+    ParticipantCost,
+    compute_seconds,
+    ideal_speedup,
+    star_step_seconds,
+)
 
 
 def test_compute_is_the_slowest_participant_per_layer_summed() -> None:

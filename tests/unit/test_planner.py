@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from hetconv.master.planner import ParticipantProfile, choose_plan, effective_cost, predict
-from hetconv.perf_model import LayerTraffic, Link, ParticipantCost, predict_star_step
+from hetconv.master.kernels.planner import ParticipantProfile, choose_plan, effective_cost, predict
+from hetconv.planning.perf_model import LayerTraffic, Link, ParticipantCost, predict_star_step
 
 GBIT = 1e9 / 8  # bytes per second
 # Two layers like 32:64 at batch 128 (float32): x1 0.4 MB, y1 = x2 2.4 MB, y2 0.5 MB.
@@ -88,7 +88,7 @@ def test_star_model_serialises_sends_and_replies_on_the_master_link() -> None:
 
 
 def test_peer_model_alone_is_compute_and_links_run_in_parallel() -> None:
-    from hetconv.perf_model import predict_peer_step
+    from hetconv.planning.perf_model import predict_peer_step
 
     alone = [[ParticipantCost(0.02, 0.002, 32)], [ParticipantCost(0.03, 0.0025, 64)]]
     assert predict_peer_step(alone, [None], TRAFFIC) == pytest.approx(0.084 + 0.19)

@@ -5,14 +5,14 @@ import random
 
 import pytest
 
-from hetconv.master.plan import Shard, reshard
-from hetconv.master.planner import ParticipantProfile, choose_plan
-from hetconv.master.rebalance import (
+from hetconv.master.kernels.planner import ParticipantProfile, choose_plan
+from hetconv.master.kernels.rebalance import (
     Rebalancer,
     RebalanceSettings,
     measured_compute,
 )
-from hetconv.perf_model import LayerTraffic, Link
+from hetconv.master.plan import Shard, reshard
+from hetconv.planning.perf_model import LayerTraffic, Link
 
 GBIT = 1e9 / 8
 TRAFFIC = (LayerTraffic(401_408, 2_359_296, 32, need_dx=False),
@@ -171,7 +171,7 @@ def test_reshard_keeps_the_participants_and_tiles_the_kernels() -> None:
 
 
 def test_cost_line_fit_from_measured_points() -> None:
-    from hetconv.master.rebalance import fit_cost_line
+    from hetconv.master.kernels.rebalance import fit_cost_line
     assert fit_cost_line({8: 0.05}) is None  # one kernel count: nothing to fit
     fixed, per_kernel = fit_cost_line({4: 0.014, 8: 0.018, 16: 0.026})  # type: ignore[misc]
     assert abs(fixed - 0.010) < 1e-9 and abs(per_kernel - 0.001) < 1e-9
@@ -183,9 +183,9 @@ def test_cost_line_fit_from_measured_points() -> None:
 def test_re_splits_converge_instead_of_swinging() -> None:
     """Calibration says a and b are equal; in truth b's fixed cost is large. The
     rebalancer must settle within a few re-splits, not alternate."""
-    from hetconv.master.planner import ParticipantProfile
-    from hetconv.master.rebalance import Rebalancer, RebalanceSettings
-    from hetconv.perf_model import LayerTraffic
+    from hetconv.master.kernels.planner import ParticipantProfile
+    from hetconv.master.kernels.rebalance import Rebalancer, RebalanceSettings
+    from hetconv.planning.perf_model import LayerTraffic
     truth = {"a": (0.002, 0.001), "b": (0.020, 0.0008)}
     profiles = [ParticipantProfile(p, ((0.005, 0.001),), None) for p in ("a", "b")]
     traffic = [LayerTraffic(1000, 1000, 64, False)]

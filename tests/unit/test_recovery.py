@@ -8,12 +8,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hetconv.data import load_dataset
+from hetconv.data.loading import load_dataset
+from hetconv.engine.stage import ConvStage, LocalConvStage, StageFault, layer_settings
+from hetconv.engine.train_state import CHECKPOINT_NAME, CheckpointError, TrainingState
+from hetconv.engine.training import LoopConfig, Trainer
 from hetconv.metrics import MetricsWriter, read_metrics
 from hetconv.model import ModelConfig, init_parameters
-from hetconv.stage import ConvStage, LocalConvStage, StageFault, layer_settings
-from hetconv.train_state import CHECKPOINT_NAME, CheckpointError, TrainingState
-from hetconv.training import LoopConfig, Trainer
 
 MODEL = ModelConfig(conv_kernels=(4, 8), input_shape=(1, 28, 28), classes=10)
 

@@ -9,13 +9,13 @@ from typing import Any
 
 import pytest
 
+from hetconv.analysis.report.analysis import summarize
+from hetconv.analysis.report.json_out import render_json
+from hetconv.analysis.report.records import parse_run
+from hetconv.analysis.report.render_text import WIDTH, render_comparison, render_run
 from hetconv.commands.report import run_report
 from hetconv.errors import UserError
-from hetconv.master.fall_back import STAY_ALONE_REASON
-from hetconv.master.report.analysis import summarize
-from hetconv.master.report.json_out import render_json
-from hetconv.master.report.records import parse_run
-from hetconv.master.report.render_text import WIDTH, render_comparison, render_run
+from hetconv.master.samples.fall_back import STAY_ALONE_REASON
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -463,7 +463,7 @@ def test_the_overview_says_how_the_plan_split_the_layers_and_why(tmp_path: Path)
 
 
 def test_the_overview_says_when_the_alone_check_left_the_master_alone(tmp_path: Path) -> None:
-    """A run whose master-alone check kept the master alone (master/fall_back.py) says so
+    """A run whose master-alone check kept the master alone (master/samples/fall_back.py) says so
     in the overview, from which step and why; a trial that went back to the workers
     says nothing there (its re-plans are in the events table)."""
     records = sample_split_records()

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from hetconv.master.report.analysis import single_device_conv_s
-from hetconv.master.report.records import ParticipantTiming
+from hetconv.analysis.report.analysis import single_device_conv_s
+from hetconv.analysis.report.records import ParticipantTiming
 
 
 def timing(kernels: int, compute_s: float) -> ParticipantTiming:

@@ -8,9 +8,8 @@ from typing import Any
 
 import pytest
 
-from hetconv.commands.report import run_report
-from hetconv.master.report.analysis import summarize
-from hetconv.master.report.events import (
+from hetconv.analysis.report.analysis import summarize
+from hetconv.analysis.report.events import (
     JOIN,
     LOSS,
     RECOVERY,
@@ -20,10 +19,11 @@ from hetconv.master.report.events import (
     membership_events,
     split_text,
 )
-from hetconv.master.report.json_out import render_json
-from hetconv.master.report.plots import event_marks
-from hetconv.master.report.records import parse_run
-from hetconv.master.report.render_text import WIDTH, render_run
+from hetconv.analysis.report.json_out import render_json
+from hetconv.analysis.report.plots import event_marks
+from hetconv.analysis.report.records import parse_run
+from hetconv.analysis.report.render_text import WIDTH, render_run
+from hetconv.commands.report import run_report
 from tests.unit.test_report import (
     calibration,
     devices_record,

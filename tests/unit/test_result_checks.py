@@ -8,14 +8,14 @@ import pytest
 
 from hetconv.master.audit import AUDIT_SAMPLES, audit_input, audit_mismatch
 from hetconv.master.cluster import WorkerLost
-from hetconv.master.phases import checked_result
+from hetconv.master.kernels.phases import checked_result
+from hetconv.master.kernels.planner import ParticipantProfile
+from hetconv.master.kernels.rebalance import Rebalancer, RebalanceSettings
 from hetconv.master.plan import Shard
-from hetconv.master.planner import ParticipantProfile
-from hetconv.master.rebalance import Rebalancer, RebalanceSettings
 from hetconv.model import ConvLayerShape
-from hetconv.peer_pieces import RowGather
-from hetconv.peer_plan import KernelRange, PeerPlan
-from hetconv.perf_model import LayerTraffic
+from hetconv.participant.peer_pieces import RowGather
+from hetconv.participant.peer_plan import KernelRange, PeerPlan
+from hetconv.planning.perf_model import LayerTraffic
 from hetconv.protocol import PeerPiece
 
 SHARD = Shard("b", None, 0, 3)

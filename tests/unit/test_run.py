@@ -103,7 +103,7 @@ def test_a_join_at_a_snapshot_admits_then_re_plans_over_everyone() -> None:
 
 
 def test_a_worker_set_aside_is_re_planned_without_and_may_come_back_at_once() -> None:
-    """A trial without a slow worker (master/trial_without.py) is not an eviction: the
+    """A trial without a slow worker (master/samples/trial_without.py) is not an eviction: the
     worker is out of the plan, not quarantined nor backed off, and joins again."""
     control = RunControl(["w1", "w2"])
     assert control.handle(SetAside("w2", "trying without w2")) == [

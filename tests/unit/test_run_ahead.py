@@ -11,12 +11,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hetconv.data import load_dataset
+from hetconv.data.loading import load_dataset
+from hetconv.engine.optim import learning_rate_at
+from hetconv.engine.stage import ConvStage, LocalConvStage, StageFault, layer_settings
+from hetconv.engine.training import LoopConfig, Trainer
 from hetconv.metrics import MetricsWriter, read_metrics
 from hetconv.model import ModelConfig, init_parameters
-from hetconv.optim import learning_rate_at
-from hetconv.stage import ConvStage, LocalConvStage, StageFault, layer_settings
-from hetconv.training import LoopConfig, Trainer
 
 MODEL = ModelConfig(conv_kernels=(4, 8), input_shape=(1, 28, 28), classes=10)
 EVERY = 4  # steps between snapshots

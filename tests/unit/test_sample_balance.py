@@ -1,10 +1,10 @@
 """Re-weighting the sample split's slices from measured compute
-(master/sample_balance.py). Sans-IO, no sockets."""
+(master/samples/balance.py). Sans-IO, no sockets."""
 from __future__ import annotations
 
 import pytest
 
-from hetconv.master.sample_balance import (
+from hetconv.master.samples.balance import (
     REBALANCE_WINDOW,
     SETTLED_WINDOW,
     SampleBalance,

@@ -1,4 +1,4 @@
-"""The sample split's chain (hetconv/sample_chain.py): participants in threads over an
+"""The sample split's chain (hetconv/participant/samples/chain.py): participants in threads over an
 in-memory port run a forward chain, a backward chain and the next forward chain (which
 applies the update of every layer); the outputs and every replica's weights and running
 statistics have exactly the bits of the master-coordinated rounds (the reference of
@@ -12,14 +12,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hetconv.dataplane import PeerLost
 from hetconv.model import conv_layer_shapes
+from hetconv.participant.dataplane import PeerLost
+from hetconv.participant.samples.reduction_plan import reduce_plan
+from hetconv.participant.samples.replica import SampleReplica, add_in_order, moments_to_statistics
+from hetconv.participant.samples.runner import SampleRequestError, SampleRunner
+from hetconv.participant.samples.weight_reduce import GradientExchange
 from hetconv.protocol import PeerPiece, SampleBackwardRequest, SampleForwardRequest
-from hetconv.protocol.sample_messages import NO_LAYER
-from hetconv.reduction_plan import reduce_plan
-from hetconv.sample_replica import SampleReplica, add_in_order, moments_to_statistics
-from hetconv.sample_runner import SampleRequestError, SampleRunner
-from hetconv.weight_reduce import GradientExchange
+from hetconv.protocol.samples import NO_LAYER
 from tests.unit.test_sample_replica import _network, _run_split, _shards
 
 
@@ -108,7 +108,7 @@ def _participants(model: Any, params: Any, settings: Any, members: list[str],
     runners, shards = {}, {}
     for name in everyone:
         runners[name] = SampleRunner()
-        runners[name].exchange = GradientExchange(name, plan, Port(queues, name), 5.0)
+        runners[name].layers.exchange = GradientExchange(name, plan, Port(queues, name), 5.0)
         shards[name] = {s.layer: s for s in _shards(model, params, settings)}
     return runners, shards
 
@@ -171,7 +171,7 @@ def test_a_member_without_its_slice_is_a_bad_request() -> None:
     shapes = conv_layer_shapes(model)
     plan = reduce_plan([s.kernels for s in shapes], ["a"], ["a"])
     runner = SampleRunner()
-    runner.exchange = GradientExchange("a", plan, Port({"a": queue.Queue()}, "a"), 0.1)
+    runner.layers.exchange = GradientExchange("a", plan, Port({"a": queue.Queue()}, "a"), 0.1)
     shards = {s.layer: s for s in _shards(model, params, settings)}
     request = _forward(0, 3, ["a"], [4], None, len(shapes), [1] * len(shapes))
     with pytest.raises(SampleRequestError, match="needs its x"):
@@ -185,7 +185,7 @@ def test_a_silent_peer_is_named() -> None:
     plan = reduce_plan([s.kernels for s in shapes], ["a", "b"], ["a", "b"])
     queues: dict[str, queue.Queue[PeerPiece]] = {"a": queue.Queue(), "b": queue.Queue()}
     runner = SampleRunner()
-    runner.exchange = GradientExchange("a", plan, Port(queues, "a"), 0.2)
+    runner.layers.exchange = GradientExchange("a", plan, Port(queues, "a"), 0.2)
     shards = {s.layer: s for s in _shards(model, params, settings)}
     x = np.zeros((3,) + model.input_shape, np.float32)
     with pytest.raises(PeerLost) as lost:

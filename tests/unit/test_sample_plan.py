@@ -1,4 +1,4 @@
-"""Planning the sample split (master/sample_plan.py): the kernel-or-sample choice, the
+"""Planning the sample split (master/samples/plan.py): the kernel-or-sample choice, the
 slices by speed, the predicted step. Pure functions, no sockets (the re-weighting from
 measured compute: test_sample_balance.py)."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from hetconv.master.sample_plan import (
+from hetconv.master.samples.plan import (
     choose_split_by,
     model_split_by,
     sample_slices,
@@ -73,8 +73,8 @@ def test_slices_are_consecutive_and_proportional_to_speed(seconds, batch, expect
 
 
 def test_the_predicted_step_adds_the_slowest_slice_the_master_link_and_the_rounds() -> None:
-    from hetconv.master.sample_plan import Slice, predict_sample_step, sample_rounds
-    from hetconv.perf_model import Link
+    from hetconv.master.samples.plan import Slice, predict_sample_step, sample_rounds
+    from hetconv.planning.perf_model import Link
 
     shapes = _shapes((4, 8))  # x 1x28x28, last output 8x4x4; weights 4*25 + 8*4*25 = 900
     slices = [Slice("master", 0, 40), Slice("a", 40, 64)]
@@ -118,7 +118,7 @@ def test_the_predicted_step_adds_the_slowest_slice_the_master_link_and_the_round
 
 
 def test_the_dense_part_is_replicated_where_the_whole_step_is_predicted_shorter() -> None:
-    from hetconv.master.sample_plan import choose_dense_part
+    from hetconv.master.samples.plan import choose_dense_part
 
     # a slow link: the output and gradient slices on the master's link cost 96 ms, the
     # dense part's values 15 ms more on every link; its time 4 ms for the batch, 1 for a slice
@@ -135,8 +135,8 @@ def _three_workers(rates: dict[str, float], ahead: bool = False,
     """32:64 at batch 128 over the master and workers a, b, c (32 samples each, the
     dense part replicated), with each worker's link at ``rates[name]`` bytes/s: the
     model's step for a dtype per link, and the links."""
-    from hetconv.master.sample_plan import Slice, predict_sample_step
-    from hetconv.perf_model import Link
+    from hetconv.master.samples.plan import Slice, predict_sample_step
+    from hetconv.planning.perf_model import Link
 
     shapes = _shapes((32, 64))
     names = ["master", "a", "b", "c"]
@@ -159,7 +159,7 @@ def test_auto_wire_is_float16_only_where_the_samples_inputs_cost_the_step(
     """``--wire-dtype auto`` under the sample split, equal links: the x slices of 3
     workers of 32 samples at 100 Mbit (24 ms of a ~40 ms step on the master's port)
     go float16 on every link; on a fast link they cost well under the 3 % it takes."""
-    from hetconv.master.sample_plan import choose_link_wires
+    from hetconv.master.samples.plan import choose_link_wires
 
     step, links = _three_workers(dict.fromkeys("abc", rate))
     chosen = choose_link_wires(step, links)
@@ -175,7 +175,7 @@ def test_auto_wire_is_float16_on_the_slow_link_alone() -> None:
     """One worker behind 20 Mbit (a Wi-Fi laptop), two at 1 Gbit: its 32 samples take
     longer on its own link than every slice on the master's port, so float16 goes on
     its link only; the fast links keep float32 (no casts for nothing)."""
-    from hetconv.master.sample_plan import choose_link_wires
+    from hetconv.master.samples.plan import choose_link_wires
 
     step, links = _three_workers({"a": 1e9 / 8, "b": 20e6 / 8, "c": 1e9 / 8})
     chosen = choose_link_wires(step, links)
@@ -203,7 +203,7 @@ def test_two_steps_in_flight_hide_the_slices_transfer_behind_the_compute() -> No
     chain's 32 ms of compute (1 ms a sample: 0.45 core on 32:64) and float16 saves
     nothing, so every link keeps float32; behind a 10 Mbit link a slice takes 80 ms,
     longer than the compute, and goes float16."""
-    from hetconv.master.sample_plan import choose_link_wires
+    from hetconv.master.samples.plan import choose_link_wires
 
     step, links = _three_workers(dict.fromkeys("abc", 100e6 / 8), ahead=True, per_sample=0.001)
     plain, _ = _three_workers(dict.fromkeys("abc", 100e6 / 8), per_sample=0.001)
@@ -225,13 +225,13 @@ def test_a_worker_whose_link_costs_more_than_its_compute_saves_is_left_out() -> 
     link's rate: behind 10 Mbit, 32:64's (and its dense part's) 0.3 MB a link take
     240 ms, far more than a quarter of the batch's compute saves; left out, the three
     others share the batch. On equal 1 Gbit links nobody is left out."""
-    from hetconv.master.sample_plan import (
+    from hetconv.master.samples.plan import (
         MEMBER_GAIN,
         Slice,
         choose_sample_members,
         predict_sample_step,
     )
-    from hetconv.perf_model import Link
+    from hetconv.planning.perf_model import Link
 
     shapes = _shapes((32, 64))
 

@@ -1,4 +1,4 @@
-"""The sample split's layer phases (hetconv/sample_replica.py) against the whole batch
+"""The sample split's layer phases (hetconv/participant/samples/replica.py) against the whole batch
 on one machine (ConvShard.forward/backward): same outputs, gradients, updates and
 running statistics, for 1, 2 and 3 slices of unequal size."""
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from hetconv.engine.shard import ConvShard
+from hetconv.engine.stage import layer_settings
 from hetconv.model import ModelConfig, conv_layer_shapes, init_parameters, layer_parameters
-from hetconv.sample_replica import SampleReplica, add_in_order, moments_to_statistics
-from hetconv.shard import ConvShard
-from hetconv.stage import layer_settings
+from hetconv.participant.samples.replica import SampleReplica, add_in_order, moments_to_statistics
 
 
 def _network(pool: str = "max", batch_norm: bool = True):

@@ -4,11 +4,11 @@ from __future__ import annotations
 import pytest
 
 from hetconv.master.calibration import LayerCalibration
-from hetconv.master.planner import ParticipantProfile
-from hetconv.master.rebalance import Rebalancer
-from hetconv.master.split import SplitRule
-from hetconv.partition import equal_counts, kernel_counts
-from hetconv.perf_model import LayerTraffic, Link
+from hetconv.master.kernels.planner import ParticipantProfile
+from hetconv.master.kernels.rebalance import Rebalancer
+from hetconv.master.kernels.split import SplitRule
+from hetconv.planning.partition import equal_counts, kernel_counts
+from hetconv.planning.perf_model import LayerTraffic, Link
 
 KERNELS = (30, 60)
 TRAFFIC = [LayerTraffic(input_bytes=10_000, output_bytes=20_000, kernels=k, need_dx=i > 0)

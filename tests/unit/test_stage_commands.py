@@ -9,18 +9,18 @@ import numpy as np
 import pytest
 import zmq
 
+from hetconv.engine.stage import ConvStage, LocalConvStage, StageFault, layer_settings
 from hetconv.errors import UserError
 from hetconv.master.assign import assign
 from hetconv.master.cluster import Reply, WorkerHandle, WorkerLost
-from hetconv.master.phases import Phases
+from hetconv.master.kernels.phases import Phases
+from hetconv.master.kernels.planes import StarPlane
+from hetconv.master.kernels.rebalance import RebalanceDecision
+from hetconv.master.kernels.stage import DistributedConvStage, StageSetup
 from hetconv.master.plan import Participant, Shard, shards_from_counts
-from hetconv.master.planes import StarPlane
-from hetconv.master.rebalance import RebalanceDecision
 from hetconv.master.run import RunControl
-from hetconv.master.stage import DistributedConvStage, StageSetup
 from hetconv.model import ModelConfig, init_parameters
 from hetconv.protocol import Ack, AssignShard, Message
-from hetconv.stage import ConvStage, LocalConvStage, StageFault, layer_settings
 
 MODEL = ModelConfig(conv_kernels=(4, 6), input_shape=(1, 28, 28), classes=3)
 SETTINGS = layer_settings(MODEL, 0.9, 0.0)

@@ -13,8 +13,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hetconv.dense_part import DensePart, Rows
-from hetconv.dense_replica import DenseReplica, dense_refusal, replica_from
+from hetconv.engine.dense_part import DensePart, Rows
+from hetconv.engine.optim import OptimizerConfig
+from hetconv.engine.shard import ConvShard
+from hetconv.engine.stage import LocalConvStage, layer_settings
+from hetconv.engine.training import LoopConfig, Trainer
 from hetconv.metrics import MetricsWriter
 from hetconv.model import (
     conv_layer_shapes,
@@ -24,15 +27,12 @@ from hetconv.model import (
     parse_network,
 )
 from hetconv.names import layer_key
-from hetconv.optim import OptimizerConfig
+from hetconv.participant.samples.dense_replica import DenseReplica, dense_refusal, replica_from
+from hetconv.participant.samples.reduction_plan import reduce_plan
+from hetconv.participant.samples.runner import SampleRequestError, SampleRunner
+from hetconv.participant.samples.weight_reduce import GradientExchange
 from hetconv.protocol import PeerPiece, SampleBackwardRequest, SampleForwardRequest
-from hetconv.protocol.sample_messages import NO_LAYER
-from hetconv.reduction_plan import reduce_plan
-from hetconv.sample_runner import SampleRequestError, SampleRunner
-from hetconv.shard import ConvShard
-from hetconv.stage import LocalConvStage, layer_settings
-from hetconv.training import LoopConfig, Trainer
-from hetconv.weight_reduce import GradientExchange
+from hetconv.protocol.samples import NO_LAYER
 from tests.unit.test_sample_chain import Port, _in_threads
 
 SPEC = "c4k3p1,pool,c6k3p1,pool,fc12,drop0.5"
@@ -68,13 +68,13 @@ def _runners(model: Any, params: dict[str, np.ndarray], settings: Any, members: 
     runners, shards = {}, {}
     for name in everyone:
         runner = SampleRunner()
-        runner.exchange = GradientExchange(name, plan, Port(queues, name), 5.0)
+        runner.layers.exchange = GradientExchange(name, plan, Port(queues, name), 5.0)
         part = DensePart(model.dense, {n: params[n].copy() for n in names},
                          {n: np.zeros_like(params[n]) for n in names}, seed=7)
         # each worker's replica as AssignDense carries it (the codec's check included)
         message = DenseReplica(part, len(shapes), OPT.momentum, OPT.weight_decay).message(1)
         assert dense_refusal(message) is None
-        runner.dense = replica_from(message)
+        runner.layers.dense = replica_from(message)
         runners[name] = runner
         shards[name] = {s.index: ConvShard(s.index, 0, s.kernels, settings,
                                            {k: params[layer_key(s.index, k)].copy()
@@ -104,16 +104,16 @@ def test_step_chains_equal_the_local_trainer(cuts: list[int], tmp_path: Path,
                                              bulk_bytes: int | None,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """``bulk_bytes`` 0: every reduction piece waits for its sender's next barrier
-    message or wait (hetconv/weight_reduce.py), as the large ones do: same results, no
+    message or wait (hetconv/participant/samples/weight_reduce.py), as the large ones do: same results, no
     deadlock. By default both conv layers are in the plan's bucket; "no bucket" reduces
     each on its own. "Late peers": every barrier's pieces look out when first asked,
     so each applies every later update whose pieces are in (the dense part's too)
     before it waits; the values must not change."""
-    import hetconv.reduction_plan
-    import hetconv.weight_reduce
+    import hetconv.participant.samples.reduction_plan
+    import hetconv.participant.samples.weight_reduce
     inside: list[int] = []  # updates applied inside a barrier, by layer
     if bulk_bytes == -1:  # every layer's reduction on its own (two hops or direct)
-        monkeypatch.setattr(hetconv.reduction_plan, "BUCKET_BYTES", 0)
+        monkeypatch.setattr(hetconv.participant.samples.reduction_plan, "BUCKET_BYTES", 0)
     elif bulk_bytes == -2:
         arrived = GradientExchange.arrived
         ready = GradientExchange.ready_to_gather
@@ -130,7 +130,7 @@ def test_step_chains_equal_the_local_trainer(cuts: list[int], tmp_path: Path,
         monkeypatch.setattr(GradientExchange, "arrived", late)
         monkeypatch.setattr(GradientExchange, "ready_to_gather", counted)
     elif bulk_bytes is not None:
-        monkeypatch.setattr(hetconv.weight_reduce, "BULK_BYTES", bulk_bytes)
+        monkeypatch.setattr(hetconv.participant.samples.weight_reduce, "BULK_BYTES", bulk_bytes)
     model, params, settings = _model()
     shapes = conv_layer_shapes(model)
     layers = len(shapes)
@@ -189,13 +189,13 @@ def test_step_chains_equal_the_local_trainer(cuts: list[int], tmp_path: Path,
     local_conv = trainer.stage.snapshot()
     first = everyone[0]
     for name in everyone:  # every replica the same bits, the idle one included
-        dense = runners[name].dense
+        dense = runners[name].layers.dense
         assert dense is not None
         for key in dense.part.arrays:
             np.testing.assert_array_equal(dense.part.arrays[key],
-                                          runners[first].dense.part.arrays[key])  # type: ignore[union-attr]
+                                          runners[first].layers.dense.part.arrays[key])  # type: ignore[union-attr]
             np.testing.assert_array_equal(dense.part.velocity[key],
-                                          runners[first].dense.part.velocity[key])  # type: ignore[union-attr]
+                                          runners[first].layers.dense.part.velocity[key])  # type: ignore[union-attr]
             np.testing.assert_allclose(dense.part.arrays[key], trainer.dense[key],
                                        rtol=1e-5, atol=1e-7)
             np.testing.assert_allclose(dense.part.velocity[key], trainer.velocity[key],
@@ -264,7 +264,7 @@ def test_a_step_chain_without_the_dense_part_or_with_bad_labels_is_a_bad_request
     with pytest.raises(SampleRequestError, match="labels"):
         runners["p0"].forward(_step(0, 10, ["p0"], [3], x, out_of_range, len(shapes),
                                     positions, 0), shards["p0"])
-    runners["p0"].dense = None
+    runners["p0"].layers.dense = None
     with pytest.raises(SampleRequestError, match="AssignDense"):
         runners["p0"].forward(_step(0, 20, ["p0"], [3], x, np.zeros(3, np.int32),
                                     len(shapes), positions, 0), shards["p0"])
@@ -291,8 +291,8 @@ def test_the_result_audit_asks_the_dense_part_and_catches_a_diverged_replica() -
     reply = service.handle(request)
     assert isinstance(reply, ForwardReply), reply
     assert audit_mismatch(np.asarray(reply.y), master.evaluate(x)) is None
-    assert service.sample.dense is not None
-    service.sample.dense.part.arrays["fc.weight"] *= 1.5  # its replica diverged
+    assert service.sample.layers.dense is not None
+    service.sample.layers.dense.part.arrays["fc.weight"] *= 1.5  # its replica diverged
     reply = service.handle(request)
     assert isinstance(reply, ForwardReply)
     assert audit_mismatch(np.asarray(reply.y), master.evaluate(x)) is not None

@@ -1,4 +1,4 @@
-"""The sample split's step model calibrated in place (master/step_model.py): the fit's
+"""The sample split's step model calibrated in place (master/samples/step_model.py): the fit's
 three terms, its prediction for other slices, and when the check is made."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from hetconv.master.step_model import (
+from hetconv.master.samples.step_model import (
     MODEL_CHECKS,
     MODEL_SKIP,
     MODEL_TOLERANCE,
@@ -149,7 +149,7 @@ def test_other_participants_start_the_fit_again() -> None:
 
 
 def test_a_model_record_gives_back_the_terms_it_was_written_with() -> None:
-    from hetconv.master.step_model import terms_from_record
+    from hetconv.master.samples.step_model import terms_from_record
     swing = [0.0008, 0.0010, 0.0012]
     terms = fit_step_terms([_step({"master": 64, "m1": 64}, {"master": m, "m1": 0.002 - m},
                                   0.004, 0.002, rounds=1) for m in swing])

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from hetconv.barrier_trace import TimelineMark, step_timeline
 from hetconv.bench.scale_breakdown import format_step_timeline
 from hetconv.bench.scale_figures import typical_step_timeline
+from hetconv.participant.samples.barrier_trace import TimelineMark, step_timeline
 
 
 def _share(p: str, t: float, layer: int, phase: str, sync: int = 9, step: int = 4

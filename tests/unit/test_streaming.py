@@ -8,13 +8,13 @@ from collections import defaultdict, deque
 import numpy as np
 import pytest
 
-import hetconv.dataplane as dataplane
 import hetconv.ops.conv as conv
-from hetconv.dataplane import PeerParticipant
+import hetconv.participant.dataplane as dataplane
+from hetconv.engine.shard import ConvShard, LayerSettings
 from hetconv.ops.conv import LAYOUTS, conv2d_backward_cached, conv2d_forward_cached
-from hetconv.peer_plan import KernelRange, PeerPlan
+from hetconv.participant.dataplane import PeerParticipant
+from hetconv.participant.peer_plan import KernelRange, PeerPlan
 from hetconv.protocol import PeerPiece, decode, encode
-from hetconv.shard import ConvShard, LayerSettings
 
 R = KernelRange
 

@@ -15,12 +15,14 @@ import numpy as np
 import pytest
 
 from hetconv import backend
-from hetconv.calibration import time_block
+from hetconv.engine.shard import ConvShard, LayerSettings
+from hetconv.engine.stage import LocalConvStage
 from hetconv.model import ModelConfig, init_parameters
 from hetconv.ops import conv as fast
 from hetconv.ops.conv import conv2d_backward_cached, conv2d_forward_cached
 from hetconv.ops.conv_layer import conv_layer_backward, conv_layer_forward
 from hetconv.ops.conv_reference import conv2d_reference
+from hetconv.participant.calibration import time_block
 from hetconv.protocol import (
     Ack,
     AssignShard,
@@ -33,8 +35,6 @@ from hetconv.protocol import (
     SnapshotReply,
     SnapshotRequest,
 )
-from hetconv.shard import ConvShard, LayerSettings
-from hetconv.stage import LocalConvStage
 from hetconv.worker.service import WorkerService
 from tests.support import strict_gpu
 from tests.support.strict_gpu import StrictDeviceError

@@ -7,11 +7,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hetconv.checkpoint import load_weights
 from hetconv.commands.cli import main
+from hetconv.engine.checkpoint import load_weights
+from hetconv.engine.shard import ConvShard, LayerSettings
+from hetconv.engine.stage import LocalConvStage
 from hetconv.model import ModelConfig, init_parameters
-from hetconv.shard import ConvShard, LayerSettings
-from hetconv.stage import LocalConvStage
 
 RUN = ["train", "--local", "--data", "synthetic", "--limit", "256", "--test-limit", "128",
        "--arch", "4:8", "--epochs", "2", "--batch", "64", "--threads", "1", "--no-progress"]

@@ -1,10 +1,10 @@
-"""The trial without a worker (master/trial_without.py): when a worker with a small
+"""The trial without a worker (master/samples/trial_without.py): when a worker with a small
 slice is tried without, and how a trial ends. Sans-IO: seconds in, verdicts out."""
 from __future__ import annotations
 
 import pytest
 
-from hetconv.master.trial_without import (
+from hetconv.master.samples.trial_without import (
     SMALL_SHARE,
     WITHOUT_GAIN,
     WITHOUT_WINDOW,
@@ -92,7 +92,7 @@ def test_the_decision_imports_no_sockets_threads_or_clock() -> None:
     import ast
     from pathlib import Path
 
-    import hetconv.master.trial_without as module
+    import hetconv.master.samples.trial_without as module
     tree = ast.parse(Path(module.__file__).read_text())
     imported = {alias.name.split(".")[0] for node in ast.walk(tree)
                 if isinstance(node, ast.Import) for alias in node.names}

@@ -1,4 +1,4 @@
-"""The sample split's weight-gradient reduction among the peers (hetconv/weight_reduce.py),
+"""The sample split's weight-gradient reduction among the peers (hetconv/participant/samples/weight_reduce.py),
 over an in-memory port: the reduced sum has exactly the bits of the master's
 ``add_in_order``, every participant ends with the same array, and lost, late, hostile
 and malformed pieces are named."""
@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from hetconv.config import MASTER_PARTICIPANT
-from hetconv.dataplane import PeerLost
+from hetconv.participant.dataplane import PeerLost
+from hetconv.participant.samples.reduction_plan import reduce_plan, reduce_ranges
+from hetconv.participant.samples.replica import add_in_order
+from hetconv.participant.samples.weight_reduce import PHASE_GATHER, PHASE_REDUCE, GradientExchange
 from hetconv.protocol import PeerPiece
-from hetconv.reduction_plan import reduce_plan, reduce_ranges
-from hetconv.sample_replica import add_in_order
-from hetconv.weight_reduce import PHASE_GATHER, PHASE_REDUCE, GradientExchange
 
 
 class Network:
@@ -50,9 +50,9 @@ SHAPE = (10, 3, 3, 3)
 def two_hops(monkeypatch: pytest.MonkeyPatch) -> None:
     """These tests are about the reduce-scatter + all-gather; a layer this small would
     be reduced directly (tests/unit/test_weight_reduce_direct.py)."""
-    import hetconv.reduction_plan
+    import hetconv.participant.samples.reduction_plan
 
-    monkeypatch.setattr(hetconv.reduction_plan, "DIRECT_BYTES", 0)
+    monkeypatch.setattr(hetconv.participant.samples.reduction_plan, "DIRECT_BYTES", 0)
 
 
 def _gradients(names: list[str], seed: int = 0) -> dict[str, np.ndarray]:
@@ -194,10 +194,10 @@ def test_a_bulk_piece_goes_out_after_the_next_barrier_message(
     """A reduction piece of at least BULK_BYTES waits in its sender's queue and goes out
     right after that sender's next batch-norm message, not ahead of it in the link's
     one queue; a wait for reduction pieces sends what a peer may wait for first."""
-    import hetconv.weight_reduce
-    from hetconv.weight_reduce import PHASE_MOMENTS
+    import hetconv.participant.samples.weight_reduce
+    from hetconv.participant.samples.weight_reduce import PHASE_MOMENTS
 
-    monkeypatch.setattr(hetconv.weight_reduce, "BULK_BYTES", SHAPE[1] * 9 * 4 * 3)
+    monkeypatch.setattr(hetconv.participant.samples.weight_reduce, "BULK_BYTES", SHAPE[1] * 9 * 4 * 3)
     network = Network()
     everyone = ["master", "w1"]
     plan = reduce_plan([SHAPE[0]], everyone, everyone)

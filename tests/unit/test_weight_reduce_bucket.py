@@ -1,5 +1,5 @@
 """The first layers' weight gradients reduced together (the plan's bucket,
-hetconv/weight_reduce.py): one ``whole`` piece per peer carries every bucket layer's
+hetconv/participant/samples/weight_reduce.py): one ``whole`` piece per peer carries every bucket layer's
 dW_i, each layer's sum has exactly the bits of the master's ``add_in_order``, the
 plan carries the bucket on the wire, and lost, hostile and malformed bucket pieces are
 named. Over the in-memory port of tests/unit/test_weight_reduce.py."""
@@ -8,12 +8,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hetconv.dataplane import PeerLost
-from hetconv.peer_plan import KernelRange, PeerPlan
+from hetconv.participant.dataplane import PeerLost
+from hetconv.participant.peer_plan import KernelRange, PeerPlan
+from hetconv.participant.samples.reduction_plan import BUCKET_BYTES, bucket_sizes, reduce_plan
+from hetconv.participant.samples.replica import add_in_order
+from hetconv.participant.samples.weight_reduce import PHASE_WHOLE, GradientExchange
 from hetconv.protocol import PeerPiece
-from hetconv.reduction_plan import BUCKET_BYTES, bucket_sizes, reduce_plan
-from hetconv.sample_replica import add_in_order
-from hetconv.weight_reduce import PHASE_WHOLE, GradientExchange
 from tests.unit.test_weight_reduce import Network
 
 # the VGG-style network's conv layers: 3.4, 36.9, 73.7 and 147.5 KB of float32

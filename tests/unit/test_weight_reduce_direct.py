@@ -1,5 +1,5 @@
 """Small layers' weight gradients reduced directly among the peers (phase ``whole``,
-hetconv/weight_reduce.py): one hop, every participant adds the contributors' whole
+hetconv/participant/samples/weight_reduce.py): one hop, every participant adds the contributors' whole
 arrays in contributor order, with exactly the bits of the two-hop reduction and of the
 master's ``add_in_order``; lost, hostile and malformed pieces are named as in the
 two-hop reduction. Over the in-memory port of tests/unit/test_weight_reduce.py."""
@@ -8,12 +8,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import hetconv.reduction_plan as reduction_plan
-from hetconv.dataplane import PeerLost
+import hetconv.participant.samples.reduction_plan as reduction_plan
+from hetconv.participant.dataplane import PeerLost
+from hetconv.participant.samples.reduction_plan import DIRECT_BYTES, reduce_plan, reduced_directly
+from hetconv.participant.samples.replica import add_in_order
+from hetconv.participant.samples.weight_reduce import PHASE_REDUCE, PHASE_WHOLE, GradientExchange
 from hetconv.protocol import PeerPiece
-from hetconv.reduction_plan import DIRECT_BYTES, reduce_plan, reduced_directly
-from hetconv.sample_replica import add_in_order
-from hetconv.weight_reduce import PHASE_REDUCE, PHASE_WHOLE, GradientExchange
 from tests.unit.test_weight_reduce import Network
 
 SMALL = (32, 1, 5, 5)  # 32:64's first layer: 3.2 KB

@@ -1,4 +1,4 @@
-"""The what-if predictions (master/whatif.py): pure, over hand-made measured runs."""
+"""The what-if predictions (hetconv/analysis/whatif.py): pure, over hand-made measured runs."""
 from __future__ import annotations
 
 import json
@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from hetconv.analysis import whatif
+from hetconv.analysis.report.records import parse_run
 from hetconv.errors import UserError
-from hetconv.master import whatif
-from hetconv.master.planner import ParticipantProfile, choose_plan
-from hetconv.master.report.records import parse_run
+from hetconv.master.kernels.planner import ParticipantProfile, choose_plan
 from hetconv.model import ModelConfig, conv_layer_shapes
-from hetconv.perf_model import LayerTraffic, Link
+from hetconv.planning.perf_model import LayerTraffic, Link
 
 GBIT = 1e9
 LINK = Link(GBIT / 8, GBIT / 8, 2e-4)
@@ -231,7 +231,7 @@ def test_a_local_run_has_no_profiles(tmp_path: Path) -> None:
 
 
 def test_the_wire_dtype_of_an_auto_run_is_the_planners_choice(tmp_path: Path) -> None:
-    from hetconv.master.whatif import run_wire_dtype
+    from hetconv.analysis.whatif import run_wire_dtype
     (tmp_path / "metrics.jsonl").write_text(
         '{"type":"plan","time":1,"wire_dtype":"float16"}\n', encoding="utf-8")
     assert run_wire_dtype(tmp_path, {"wire_dtype": "auto"}) == "float16"

@@ -1,4 +1,4 @@
-"""The sample split's what-if (master/whatif_samples.py): pure, over hand-made runs;
+"""The sample split's what-if (hetconv/analysis/whatif_samples.py): pure, over hand-made runs;
 the measured configuration reproduces the run's own prediction."""
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from hetconv.analysis import whatif
+from hetconv.analysis.whatif_samples import predict_sample_scenarios, read_sample_plan
 from hetconv.errors import UserError
-from hetconv.master import whatif
-from hetconv.master.sample_plan import predict_sample_step, sample_slices
-from hetconv.master.whatif_samples import predict_sample_scenarios, read_sample_plan
+from hetconv.master.samples.plan import predict_sample_step, sample_slices
 from hetconv.model import conv_layer_shapes
 from tests.unit.test_whatif import FAST, MASTER, MODEL, SLOW, measured
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hetconv.wire_cast import BLOCK, float32_to_float16, to_wire
+from hetconv.participant.wire_cast import BLOCK, float32_to_float16, to_wire
 
 
 def reference(x: np.ndarray) -> np.ndarray:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from hetconv.engine.shard import ConvShard, LayerSettings
 from hetconv.model import ModelConfig, init_parameters
 from hetconv.protocol import (
     Ack,
@@ -19,7 +20,6 @@ from hetconv.protocol import (
     SnapshotReply,
     SnapshotRequest,
 )
-from hetconv.shard import ConvShard, LayerSettings
 from hetconv.worker.service import WorkerService
 
 

@@ -1,5 +1,5 @@
 #!/bin/bash
-# A/B of the master-alone check's trigger (master/fall_back.py): the code before it (OLD)
+# A/B of the master-alone check's trigger (master/samples/fall_back.py): the code before it (OLD)
 # and this checkout, alternated, 2 x 0.45 core, 32:64, one repeat each (root: the lab).
 # Results: alone-trigger-ab.log beside this file.
 NEW=$(git -C "$(dirname "$0")" rev-parse --show-toplevel)

@@ -1,6 +1,6 @@
 """Replay recorded compute per sample through the sample split's re-slicing, two versions.
 
-The re-slicing (``SampleBalance``, master/sample_balance.py) decides from each
+The re-slicing (``SampleBalance``, master/samples/balance.py) decides from each
 participant's measured compute per sample. This replays recorded runs' series of it
 (per step and participant, from ``hetconv bench scale`` work directories' metrics) at
 the slices each version chooses: a participant's compute in a step is its recorded
@@ -14,8 +14,8 @@ good as knowing the average in advance.
 
     python docs/figures/ab/rebalance-replay.py --old REV [--runs FILE] [--extract FILE] [RUN_DIR/metrics.jsonl ...]
 
-``--old REV``: the other version, ``SampleBalance`` at that git revision (master/sample_balance.py,
-or master/sample_plan.py where it lived before 2026-11-30; the
+``--old REV``: the other version, ``SampleBalance`` at that git revision (master/samples/balance.py,
+or master/samples/plan.py where it lived before 2026-11-30; the
 working tree's is the new one). Metrics files given: their runs are read (and, with
 ``--extract FILE``, written to FILE as JSON: recorded_runs.py); without them the runs
 come from ``--runs FILE`` (default: recorded-runs.json beside this script, the bench
@@ -37,8 +37,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).parent))
 import recorded_runs  # noqa: E402
 
-from hetconv.master import sample_balance as new_plan  # noqa: E402
-from hetconv.master.sample_plan import sample_slices  # noqa: E402
+from hetconv.master.samples import balance as new_plan  # noqa: E402
+from hetconv.master.samples.plan import sample_slices  # noqa: E402
 
 Series = list[dict[str, float]]  # per step: participant -> seconds per sample
 
@@ -116,9 +116,9 @@ def main() -> None:
             for name, series, run in ((name, series_of(run), run) for name, run in recorded.items())
             if len(series) >= 40}
     try:
-        old = recorded_runs.module_at(args.old, "master/sample_balance.py", ROOT)
+        old = recorded_runs.module_at(args.old, "master/samples/balance.py", ROOT)
     except subprocess.CalledProcessError:  # before 2026-11-30 it lived in sample_plan.py
-        old = recorded_runs.module_at(args.old, "master/sample_plan.py", ROOT)
+        old = recorded_runs.module_at(args.old, "master/samples/plan.py", ROOT)
     print(f"| run | steps | re-slices, {args.old} | cost, {args.old} | re-slices, new | cost, new |")
     print("|---|---|---|---|---|---|")
     groups: dict[str, list[tuple[int, float, int, float]]] = {}

@@ -1,6 +1,6 @@
 """Replay recorded runs' steps through the step model calibrated in place, two versions.
 
-The step model (master/step_model.py) fits its terms on a run's first steps and checks
+The step model (master/samples/step_model.py) fits its terms on a run's first steps and checks
 its prediction on the next ones (``model`` records). This feeds each recorded run's
 steps (recorded_runs.py: the step, its conv part as the rounds' wall time, one round a
 step as under the step chain, each participant's compute and samples) to the model of
@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).parent))
 import recorded_runs  # noqa: E402
 
-from hetconv.master import step_model as new_model  # noqa: E402
+from hetconv.master.samples import step_model as new_model  # noqa: E402
 
 
 def checks(model: Any, run: recorded_runs.Run) -> list[float]:
@@ -59,7 +59,7 @@ def main() -> None:
                         default=Path(__file__).with_name("recorded-runs.json"))
     args = parser.parse_args()
     runs = recorded_runs.load(args.runs)
-    old = recorded_runs.module_at(args.old, "master/step_model.py", ROOT)
+    old = recorded_runs.module_at(args.old, "master/samples/step_model.py", ROOT)
     percent = lambda errors: " ".join(f"{e:+.0%}" for e in errors) or "-"  # noqa: E731
     print(f"| run | recorded checks | {args.old} replayed | new replayed |")
     print("|---|---|---|---|")
