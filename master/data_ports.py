@@ -24,10 +24,6 @@ ENDPOINT_WAIT_S = 5.0
 """How long the master waits for a worker's DataEndpoint after setup (it comes right
 after the Welcome, so normally long before)."""
 
-PEER_ENTRY_FIELDS = {"peer_bytes_sent": 0, "peer_bytes_received": 0, "peer_wait_s": 0.0}
-"""The peer plane's fields of every timing entry (docs/metrics.md)."""
-
-
 class DataPortUnreachable(WorkerLost):
     """A participant cannot reach worker ``participant``'s data port (one line saying
     who, whose port and why): a fault of that worker, alive or not (a dead worker's

@@ -208,7 +208,7 @@ class Membership:
             case BadMessage():
                 identity, user_id = event.error.identity, event.user_id
                 if identity and user_id is not None:
-                    refused = self._refused(identity, "bad message", user_id, event.now)
+                    refused = self._refused(identity, "bad message", user_id, event.now or 0.0)
                     if refused is not None:
                         return refused
                 return self._bad_message(event.error)

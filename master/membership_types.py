@@ -32,7 +32,6 @@ from hetconv.protocol import (
     PeerBackwardRequest,
     PeerForwardReply,
     PeerForwardRequest,
-    ProtocolError,
     SampleBackwardReply,
     SampleBackwardRequest,
     SampleForwardReply,
@@ -41,6 +40,9 @@ from hetconv.protocol import (
     SnapshotRequest,
     limits,
 )
+from hetconv.session_events import BadMessage as BadMessage  # re-exported: shared vocabulary
+from hetconv.session_events import Log as Log  # re-exported
+from hetconv.session_events import Tick as Tick  # re-exported
 
 REPLY_TYPES: tuple[type[Message], ...] = (ForwardReply, BackwardReply, CalibrateReply,
                                           SnapshotReply, Ack, ErrorReply, PeerForwardReply,
@@ -181,28 +183,6 @@ class MessageReceived:
 
 
 @dataclass(frozen=True)
-class BadMessage:
-    """A message that did not decode (``error.identity`` says from whom, if known);
-    a :class:`~hetconv.protocol.VersionMismatch` for another protocol version.
-    ``user_id``: the ZAP User-Id of its connection, None where unknown."""
-
-    error: ProtocolError
-    user_id: str | None = None
-    now: float = 0.0
-
-
-@dataclass(frozen=True)
-class Tick:
-    """Time passed. ``now`` is monotonic seconds; ``wall_time`` is ``time.time()``,
-    only stamped on heartbeats; ``stalled_peers``: the addresses whose TCP connection
-    is retransmitting unacknowledged bytes (a dead link, master/liveness.py)."""
-
-    now: float
-    wall_time: float
-    stalled_peers: frozenset[str] = frozenset()
-
-
-@dataclass(frozen=True)
 class RequestSent:
     """``request`` went to ``worker`` at ``now``; its reply is expected from that worker."""
 
@@ -241,14 +221,6 @@ class Send:
 
     identity: bytes
     message: Message
-
-
-@dataclass(frozen=True)
-class Log:
-    """Write one log line at ``level`` (a ``logging`` level)."""
-
-    level: int
-    text: str
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The master's own share of a round, computed in a helper thread.
+"""The master's own share of a phase or a round, computed in a helper thread (both splits).
 
 While the helper thread computes, the main thread gathers the workers' replies, so each
 reply is stamped when it arrives (a measure the sample split's re-slicing relies on:
@@ -28,23 +28,25 @@ class JobCancelled(Exception):
 
 
 class OwnJob:
-    """One job's outcome: ``result`` or ``error``, and when it finished (monotonic s).
-    ``cancelled`` set before the job starts makes it end at once with JobCancelled."""
+    """One job's outcome: ``result`` or ``error``, how long it ran (``seconds``, s) and
+    when it finished (monotonic s). ``cancelled`` set before the job starts makes it end
+    at once with JobCancelled."""
 
     def __init__(self) -> None:
         self.done = threading.Event()
         self.cancelled = threading.Event()
         self.result: Any = None
         self.error: BaseException | None = None
+        self.seconds = 0.0
         self.finished_at = 0.0
 
 
 class OwnShare:
     """A one-thread executor that wakes the cluster's gather loop when a job ends."""
 
-    def __init__(self, cluster: Cluster):
+    def __init__(self, cluster: Cluster, thread_name: str = "hetconv-own"):
         self.cluster = cluster
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hetconv-own")
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=thread_name)
         self._endpoint = f"inproc://own-share-{uuid.uuid4().hex}"
         wake = cluster.ctx.socket(zmq.PAIR)
         wake.bind(self._endpoint)
@@ -55,6 +57,7 @@ class OwnShare:
         job = OwnJob()
 
         def run() -> None:
+            start = time.perf_counter()
             try:
                 if job.cancelled.is_set():
                     raise JobCancelled("cancelled before it started")
@@ -62,6 +65,7 @@ class OwnShare:
             except BaseException as error:  # re-raised by the main thread
                 job.error = error
             finally:
+                job.seconds = time.perf_counter() - start
                 job.finished_at = time.monotonic()
                 job.done.set()
                 if self._sender is None:
@@ -80,6 +84,10 @@ class OwnShare:
         if job.error is not None:
             raise job.error
         return job.result
+
+    def wait_idle(self) -> None:
+        """Return once every job submitted so far has finished (the helper thread idle)."""
+        self._executor.submit(lambda: None).result()
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)

@@ -31,7 +31,6 @@ from hetconv.keys import server_keys
 from hetconv.master.assign import assign
 from hetconv.master.calibration import LayerCalibration, calibrate, calibrate_samples
 from hetconv.master.cluster import Cluster, ClusterSettings, WorkerHandle
-from hetconv.master.data_ports import PEER_ENTRY_FIELDS
 from hetconv.master.kernels.peer_plane import open_peer_plane
 from hetconv.master.kernels.phases import Phases
 from hetconv.master.kernels.planes import DataPlane, StarPlane
@@ -349,7 +348,7 @@ def build_stage(cluster: Cluster, config: MasterConfig, plan: list[list[Shard]],
                          stop_on_worker_loss=config.on_worker_loss == "stop")
     peer = config.data_plane == "peer"
     phases = Phases(cluster, plan, local, config.wire_dtype, shapes, control.request_deadline_s,
-                    PEER_ENTRY_FIELDS if peer else None)
+                    peers=peer)
     try:
         plane: DataPlane = (open_peer_plane(phases, config.peer_timeout_s) if peer
                             else StarPlane(phases))

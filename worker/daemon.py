@@ -234,7 +234,7 @@ class WorkerDaemon:
             try:
                 message = transport.recv_message(sock, 0)
             except ProtocolError as error:
-                events.append(BadMessage(error, time.monotonic()))
+                events.append(BadMessage(error, now=time.monotonic()))
                 continue
             if message is None:
                 break

@@ -44,6 +44,9 @@ from hetconv.protocol import (
     admission,
     limits,
 )
+from hetconv.session_events import BadMessage as BadMessage  # re-exported: shared vocabulary
+from hetconv.session_events import Log as Log  # re-exported
+from hetconv.session_events import Tick as Tick  # re-exported
 from hetconv.worker.validation import refusal
 
 WAITING_LOG_INTERVAL_S = 30.0
@@ -61,29 +64,11 @@ EXIT_REFUSED = 3
 
 # --- events in ---------------------------------------------------------------------
 @dataclass(frozen=True)
-class Tick:
-    """Time passed. ``now`` is monotonic seconds; ``wall_time`` is ``time.time()``,
-    only stamped on heartbeats."""
-
-    now: float
-    wall_time: float
-
-
-@dataclass(frozen=True)
 class MessageReceived:
     """A message from the master decoded at ``now``."""
 
     message: Message
     now: float
-
-
-@dataclass(frozen=True)
-class BadMessage:
-    """A message from the master that did not decode (or was too big), at ``now``
-    (None: the time of the last event that carried one)."""
-
-    error: ProtocolError
-    now: float | None = None
 
 
 @dataclass(frozen=True)
@@ -117,14 +102,6 @@ class Compute:
     :class:`ReplyReady`, in the order the requests were handed over."""
 
     request: Message
-
-
-@dataclass(frozen=True)
-class Log:
-    """Write one log line at ``level`` (a ``logging`` level)."""
-
-    level: int
-    text: str
 
 
 @dataclass(frozen=True)

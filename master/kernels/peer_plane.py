@@ -44,8 +44,9 @@ from hetconv.master.data_ports import (
     diagnosed,
     unreachable_fault,
 )
-from hetconv.master.kernels.phases import OpenPhase, Phases, checked_result
+from hetconv.master.kernels.phases import OpenPhase, Phases
 from hetconv.master.plan import Shard
+from hetconv.master.results import checked_result
 from hetconv.model import ConvLayerShape
 from hetconv.participant.dataplane import ExchangeStats, PeerLost, PeerParticipant
 from hetconv.participant.peer_plan import PHASE_FORWARD, KernelRange, PeerPlan
@@ -217,7 +218,7 @@ class PeerPlane:
                         assert isinstance(message, PeerForwardReply)
                         if message.y is not None:
                             last_output.append(checked_result(
-                                shard, "y", message.y,
+                    shard.participant, layer, "y", message.y,
                                 self.phases.output_shape(layer, self._batch, shard.kernels)))
                     else:
                         assert isinstance(message, PeerBackwardReply)

@@ -17,51 +17,19 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import zmq
 
 from hetconv.engine.shard import ConvShard
 from hetconv.master.cluster import Cluster, Reply, WorkerHandle, WorkerLost
+from hetconv.master.own_share import OwnJob, OwnShare
 from hetconv.master.plan import Shard
+from hetconv.master.timing import timing_entry
 from hetconv.model import ConvLayerShape
 from hetconv.participant.dataplane import PeerLost
-
-
-def checked_result(shard: Shard, name: str, array: np.ndarray,
-                   expected: Sequence[int | None]) -> np.ndarray:
-    """A worker's result array if its shape is ``expected`` (batch, channels, H, W;
-    None: any size on that axis) and it is finite; otherwise WorkerLost that evicts
-    the worker (its work is recomputed from the snapshot)."""
-    problem = None
-    if array.ndim != len(expected) or any(
-            want is not None and got != want for got, want in zip(array.shape, expected)):
-        wanted = ", ".join("?" if want is None else str(want) for want in expected)
-        problem = f"{name} of shape {tuple(array.shape)}, expected ({wanted})"
-    elif array.dtype.kind != "f":
-        problem = f"{name} of dtype {array.dtype}"
-    elif not np.isfinite(array).all():
-        problem = f"{name} holding NaN or Inf"
-    if problem is not None:
-        raise WorkerLost(f"worker {shard.participant} answered with {problem}; evicting it",
-                         shard.participant, evict=True)
-    return array
-
-
-@dataclass
-class LocalJob:
-    """The master's own share of one layer phase, computed in the helper thread."""
-
-    done: threading.Event = field(default_factory=threading.Event)
-    result: Any = None
-    error: BaseException | None = None
-    seconds: float = 0.0
-    finished_at: float = 0.0
 
 
 @dataclass
@@ -75,7 +43,7 @@ class OpenPhase:
     pending: dict[int, WorkerHandle] = field(default_factory=dict)
     by_rid: dict[int, Shard] = field(default_factory=dict)
     sent: dict[str, int] = field(default_factory=dict)
-    job: LocalJob | None = None
+    job: OwnJob | None = None
     replies: dict[str, Reply] = field(default_factory=dict)
 
 
@@ -83,13 +51,12 @@ class Phases:
     """Runs layer phases over a cluster and the master's own shards (see the module doc).
 
     ``deadline_s``: how long a phase's requests may stay unanswered (the run's state
-    machine says); ``entry_fields``: extra zeroed fields of every timing entry (the
-    peer plane's)."""
+    machine says); ``peers``: the timing entries carry the peer plane's fields."""
 
     def __init__(self, cluster: Cluster, shards: list[list[Shard]],
                  local_shards: dict[int, ConvShard], wire_dtype: str,
                  layer_shapes: Sequence[ConvLayerShape], deadline_s: Callable[[], float],
-                 entry_fields: Mapping[str, Any] | None = None):
+                 peers: bool = False):
         self.cluster = cluster
         self.shards = shards  # shards[layer] in kernel order, empty ranges included
         self.local_shards = local_shards
@@ -98,53 +65,25 @@ class Phases:
         self.layer_shapes = tuple(layer_shapes)
         self.step = 0  # the last step a training forward request was sent for
         self.deadline_s = deadline_s
-        self._entry_fields = dict(entry_fields or {})
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hetconv-local")
-        self._wake_endpoint = f"inproc://local-done-{uuid.uuid4().hex}"
-        wake = cluster.ctx.socket(zmq.PAIR)
-        wake.bind(self._wake_endpoint)
-        cluster.extra_sockets.append(wake)
-        self._wake_sender: Any = None
+        self._peers = peers
+        self._own = OwnShare(cluster, "hetconv-local")  # the master's share, one at a time
         self._timings: dict[int, dict[str, dict[str, Any]]] = {}
         self._comm_s = 0.0
         self.cancel_local = threading.Event()  # set when a phase fails: stop local waits
 
     # --- local share in a helper thread ------------------------------------------------
-    def notify(self) -> None:
-        if self._wake_sender is None:  # created in, and only used by, the helper thread
-            self._wake_sender = self.cluster.ctx.socket(zmq.PAIR)
-            self._wake_sender.setsockopt(zmq.LINGER, 0)
-            self._wake_sender.connect(self._wake_endpoint)
-        self._wake_sender.send(b"")
-
-    def run_local(self, work: Callable[[], Any]) -> LocalJob:
-        """Run ``work`` in the helper thread; the job's ``done`` is set *before* the
-        main thread is woken, so the gather loop never sleeps on a finished job."""
-        job = LocalJob()
-
-        def timed() -> None:
-            start = time.perf_counter()
-            try:
-                job.result = work()
-            except BaseException as error:  # re-raised in the main thread
-                job.error = error
-            finally:
-                job.seconds = time.perf_counter() - start
-                job.finished_at = time.monotonic()
-                job.done.set()
-                self.notify()
-
-        self._executor.submit(timed)
-        return job
+    def run_local(self, work: Callable[[], Any]) -> OwnJob:
+        """Run ``work`` in the helper thread (:class:`~hetconv.master.own_share.OwnShare`:
+        the job's ``done`` is set before the gather loop is woken)."""
+        return self._own.submit(work)
 
     # --- bookkeeping -------------------------------------------------------------------
     def entry(self, layer: int, shard: Shard) -> dict[str, Any]:
         devices = self._timings.setdefault(layer, {})
-        return devices.setdefault(shard.participant, {
-            "participant": shard.participant, "kernels": shard.kernels, "forward_s": 0.0,
-            "backward_s": 0.0,
-            "wait_s": 0.0, "forward_latency_s": 0.0, "backward_latency_s": 0.0,
-            "bytes_sent": 0, "bytes_received": 0, **self._entry_fields})
+        if shard.participant not in devices:
+            devices[shard.participant] = timing_entry(shard.participant, shard.kernels,
+                                                      peers=self._peers)
+        return devices[shard.participant]
 
     def account(self, layer: int, phase: str, started: float, local_done: float,
                  results: list[tuple[Shard, float, float, int, int]], record: bool,
@@ -244,13 +183,10 @@ class Phases:
         requests failed may have left some), and wait until the helper thread is idle."""
         self.cancel_local.set()
         try:
-            self._executor.submit(lambda: None).result()
+            self._own.wait_idle()
         finally:
             self.cancel_local.clear()
 
     def close(self) -> None:
         """End the helper thread (after its last job) and its wake-up socket."""
-        self._executor.shutdown(wait=True)
-        if self._wake_sender is not None:  # the helper thread is gone: safe to close here
-            self._wake_sender.close(linger=0)
-            self._wake_sender = None
+        self._own.close()

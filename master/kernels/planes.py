@@ -29,7 +29,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from hetconv.master.kernels.phases import Phases, checked_result
+from hetconv.master.kernels.phases import Phases
+from hetconv.master.results import checked_result
 from hetconv.participant.wire_cast import to_wire
 from hetconv.protocol import BackwardReply, BackwardRequest, ForwardReply, ForwardRequest
 
@@ -87,7 +88,7 @@ class StarPlane:
                 forward = reply.message
                 assert isinstance(forward, ForwardReply)
                 outputs.append(checked_result(
-                    shard, "y", forward.y, self.phases.output_shape(layer, x.shape[0], shard.kernels)))
+                    shard.participant, layer, "y", forward.y, self.phases.output_shape(layer, x.shape[0], shard.kernels)))
                 results.append((shard, forward.compute_s, reply.received_at,
                                 sent[shard.participant], reply.payload_bytes))
         self.phases.account(layer, "forward", started, local_done, results, train)
@@ -123,7 +124,7 @@ class StarPlane:
                 backward = reply.message
                 assert isinstance(backward, BackwardReply)
                 partial = (None if backward.dx is None else checked_result(
-                    shard, "dx", backward.dx, self.phases.input_shape(layer, dy.shape[0])))
+                    shard.participant, layer, "dx", backward.dx, self.phases.input_shape(layer, dy.shape[0])))
                 results.append((shard, backward.compute_s, reply.received_at,
                                 sent[shard.participant], reply.payload_bytes))
             if need_dx and partial is not None:

@@ -90,33 +90,6 @@ def update_fields(update: PendingUpdate | None) -> dict[str, Any]:
             "contributors": list(update.contributors), "update_stop": update.stop}
 
 
-def checked_result(participant: str, layer: int, name: str, array: Any,
-                   shape: tuple[int, ...]) -> np.ndarray:
-    """A worker's ``array`` of ``shape``, finite, as float32; WorkerLost evicting it
-    otherwise (its results are wrong)."""
-    if not isinstance(array, np.ndarray) or tuple(array.shape) != shape:
-        got = "nothing" if array is None else f"shape {tuple(getattr(array, 'shape', ()))}"
-        raise WorkerLost(f"worker {participant} sent {name} of layer {layer + 1} with "
-                         f"{got}, expected {shape}; evicting it", participant, evict=True)
-    if not np.isfinite(array).all():
-        raise WorkerLost(f"worker {participant} sent {name} of layer {layer + 1} holding "
-                         "NaN or Inf; evicting it", participant, evict=True)
-    return np.asarray(array, dtype=np.float32)
-
-
-def timing_entry(piece: Slice, kernels: int, peers: bool) -> dict[str, Any]:
-    """A participant's empty timing entry of one layer in a step record
-    (docs/metrics.md; the peer fields with the reduction among the peers)."""
-    entry: dict[str, Any] = {
-        "participant": piece.participant, "kernels": kernels, "samples": piece.samples,
-        "split_by": "samples", "forward_s": 0.0, "backward_s": 0.0, "wait_s": 0.0,
-        "forward_latency_s": 0.0, "backward_latency_s": 0.0, "bytes_sent": 0,
-        "bytes_received": 0}
-    if peers:
-        entry.update(peer_bytes_sent=0, peer_bytes_received=0, peer_wait_s=0.0)
-    return entry
-
-
 @dataclass(frozen=True)
 class SampleSetup:
     """What the sample stage needs besides its cluster and members."""

@@ -36,7 +36,8 @@ from hetconv.config import MASTER_PARTICIPANT
 from hetconv.engine.dense_part import DensePart
 from hetconv.engine.optim import OptimizerConfig
 from hetconv.master.cluster import Cluster, WorkerLost
-from hetconv.master.samples.between import PendingUpdate, SampleSetup, checked_result
+from hetconv.master.results import checked_result
+from hetconv.master.samples.between import PendingUpdate, SampleSetup
 from hetconv.master.samples.between import update_fields as _update_fields
 from hetconv.master.samples.plan import Slice
 from hetconv.participant.samples.dense_replica import DenseReplica

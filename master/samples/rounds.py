@@ -16,9 +16,10 @@ from hetconv.master.cluster import Cluster, WorkerHandle, WorkerLost
 from hetconv.master.own_share import OwnJob, OwnShare
 from hetconv.master.plan import Participant
 from hetconv.master.run import RunControl
-from hetconv.master.samples.between import SampleSetup, StepFigures, timing_entry
+from hetconv.master.samples.between import SampleSetup, StepFigures
 from hetconv.master.samples.chains import InFlightStep, SentRound
 from hetconv.master.samples.plan import Slice
+from hetconv.master.timing import timing_entry
 from hetconv.participant.dataplane import PeerLost
 from hetconv.participant.samples.runner import SampleRunner
 from hetconv.protocol import SampleForwardRequest
@@ -168,5 +169,6 @@ class RoundTrips(StepFigures):
         devices = self._timings.setdefault(layer, {})
         if piece.participant not in devices:
             devices[piece.participant] = timing_entry(
-                piece, self.setup.shapes[layer].kernels, self.peers is not None)
+                piece.participant, self.setup.shapes[layer].kernels, piece.samples,
+                self.peers is not None)
         return devices[piece.participant]

@@ -40,6 +40,7 @@ from hetconv.engine.shard import ConvShard
 from hetconv.master.cluster import Cluster, WorkerLost
 from hetconv.master.own_share import OwnShare
 from hetconv.master.plan import Participant
+from hetconv.master.results import checked_result
 from hetconv.master.run import (
     RunControl,
 )
@@ -48,7 +49,6 @@ from hetconv.master.samples.between import (
     BetweenSteps,
     PendingUpdate,
     SampleSetup,
-    checked_result,
 )
 from hetconv.master.samples.between import update_fields as _update_fields
 from hetconv.master.samples.chains import ChainedSteps, InFlightStep

@@ -8,7 +8,7 @@ the weight reduction, and applies every update, whatever its slice. The rebalanc
 barriers' messages, the updates, the reduction's pieces) does not shrink with the
 slice, and every peer waits for it at every barrier: on the lab a 0.1-core machine
 beside three 0.45-core ones got 8 of 128 samples and made the step 17 % longer than
-the three alone (docs/sample-split.md "A worker slower than its slice"). The setup's
+the three alone (docs/sample-split.md "Never slower than with one worker fewer"). The setup's
 model does not see that cost (it charges compute per sample only), so it is measured:
 when a worker's slice is under ``SMALL_SHARE`` of an even share, the run goes on
 without it from one snapshot to the next (:class:`TryWithout`), and the medians of the

@@ -1,6 +1,6 @@
 """Imports point one way: protocol <- core <- participant <- master, worker <- analysis <- top.
 
-The rules (DESIGN.md §4, house style habit 1, docs/architecture.md), checked over the
+The rules (docs/architecture.md), checked over the
 source with :mod:`ast` so that imports inside functions, under ``if TYPE_CHECKING`` and
 through ``importlib.import_module("...")`` count too:
 

@@ -8,10 +8,10 @@ import pytest
 
 from hetconv.master.audit import AUDIT_SAMPLES, audit_input, audit_mismatch
 from hetconv.master.cluster import WorkerLost
-from hetconv.master.kernels.phases import checked_result
 from hetconv.master.kernels.planner import ParticipantProfile
 from hetconv.master.kernels.rebalance import Rebalancer, RebalanceSettings
 from hetconv.master.plan import Shard
+from hetconv.master.results import checked_result
 from hetconv.model import ConvLayerShape
 from hetconv.participant.peer_pieces import RowGather
 from hetconv.participant.peer_plan import KernelRange, PeerPlan
@@ -23,15 +23,15 @@ SHARD = Shard("b", None, 0, 3)
 
 def test_checked_result_takes_the_expected_shape() -> None:
     y = np.ones((4, 3, 6, 6), np.float32)
-    assert checked_result(SHARD, "y", y, (4, 3, 6, 6)) is y
-    assert checked_result(SHARD, "dx", y, (4, None, None, None)) is y
+    assert checked_result("b", 0, "y", y, (4, 3, 6, 6)) is y
+    assert checked_result("b", 0, "dx", y, (4, None, None, None)) is y
 
 
 @pytest.mark.parametrize("shape", [(4, 3, 5, 6), (4, 3, 6, 5), (4, 2, 6, 6), (3, 3, 6, 6),
                                    (4, 3, 6)])
 def test_checked_result_evicts_a_wrong_shape(shape: tuple[int, ...]) -> None:
     with pytest.raises(WorkerLost) as caught:
-        checked_result(SHARD, "y", np.ones(shape, np.float32), (4, 3, 6, 6))
+        checked_result("b", 0, "y", np.ones(shape, np.float32), (4, 3, 6, 6))
     assert caught.value.evict and caught.value.participant == "b"
     assert "expected (4, 3, 6, 6)" in str(caught.value)
 
@@ -40,7 +40,7 @@ def test_checked_result_evicts_non_finite() -> None:
     y = np.ones((1, 3, 2, 2), np.float32)
     y[0, 1, 1, 1] = np.inf
     with pytest.raises(WorkerLost, match="NaN or Inf"):
-        checked_result(SHARD, "y", y, (1, 3, 2, 2))
+        checked_result("b", 0, "y", y, (1, 3, 2, 2))
 
 
 def test_audit_accepts_rounding_and_refuses_a_scaled_answer() -> None:
