@@ -182,7 +182,7 @@ def hetconv_step(model: ModelConfig, params: dict[str, np.ndarray], x: np.ndarra
                     trainer.train_step(x, labels, next(counter), LEARNING_RATE)
                 finally:
                     conv_layer.FUSED = fused
-                stage.take_step_timings()
+                stage.end_step()
             yield step
         stage.close()
 

@@ -84,8 +84,10 @@ class ConvStage(Protocol):
     def backward(self, layer: int, dy: np.ndarray, need_dx: bool, learning_rate: float,
                  step: int) -> np.ndarray | None: ...
 
-    def take_step_timings(self) -> dict[str, Any]:
-        """Per-layer, per-device timings and bytes of the step just done, and its
+    def end_step(self) -> dict[str, Any]:
+        """The training step is over: every decision that watches steps hears of it (the
+        run state machine, re-balancing, trials, a model fitted in place, whatever the
+        stage has), then its record: per-layer, per-device timings and bytes, and its
         communication seconds: ``{"layers": [{"layer", "devices": [...]}], "comm_s"}``
         (and ``"sent_ahead"``, where the stage runs steps ahead: docs/metrics.md)."""
         ...
@@ -158,7 +160,7 @@ class LocalConvStage:
         self._record(layer, "backward_s", time.perf_counter() - start)
         return out
 
-    def take_step_timings(self) -> dict[str, Any]:
+    def end_step(self) -> dict[str, Any]:
         layers = [{"layer": layer, "devices": [entry]}
                   for layer, entry in sorted(self._timings.items())]
         self._timings = {}

@@ -298,7 +298,7 @@ class Trainer:
                         loss_sum += record["loss"] * record["images"]
                         train_s += record["step_s"] + data_s
                         losses.append(record["loss"])
-                        timings = self.stage.take_step_timings()
+                        timings = self.stage.end_step()
                         self.metrics.write(
                             "step", epoch=epoch, step=step, loss=record["loss"],
                             accuracy=record["correct"] / record["images"],

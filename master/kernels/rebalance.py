@@ -84,7 +84,7 @@ class RebalanceDecision:
 
 def measured_compute(timings: Mapping[str, Any]) -> list[dict[str, tuple[int, float]]]:
     """Per layer, participant -> (kernels, forward_s + backward_s) from a stage's
-    ``take_step_timings()`` result."""
+    ``end_step()`` result."""
     layers: dict[int, dict[str, tuple[int, float]]] = {}
     for layer in timings.get("layers", []):
         layers[int(layer["layer"])] = {

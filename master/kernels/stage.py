@@ -112,7 +112,7 @@ class DistributedConvStage:
                  step: int) -> np.ndarray | None:
         return self.plane.backward(layer, dy, need_dx, learning_rate, step)
 
-    def take_step_timings(self) -> dict[str, Any]:
+    def end_step(self) -> dict[str, Any]:
         """The step's timings; between steps, a rebalancing re-split where one is due."""
         self.control.handle(StepDone(time.monotonic()))  # faults so far were transient
         timings = self.phases.take_timings()

@@ -1,17 +1,16 @@
 """The sample split's step as two chains, the master's side (``--data-plane peer``).
 
 With the weight gradients reduced among the peers, a training step is one forward
-chain and one backward chain per participant (hetconv/participant/samples/chain.py: the batch-norm
-statistics exchanged among the peers, each participant combining them itself), not
-2L + 2 rounds through the master. Here the master sends each chain's requests, runs
-its own share (it always takes part: its replica is what a snapshot reads), joins the
-output slices, and leaves the update of every layer pending, to ride with the next
-forward chain (or an update-only round before a snapshot or an evaluation).
+chain and one backward chain per participant (hetconv/participant/samples/chain.py: the
+batch-norm statistics exchanged among the peers, each participant combining them
+itself), not 2L + 2 rounds through the master. Here the master sends each chain's
+requests, runs its own share (it always takes part: its replica is what a snapshot
+reads), joins the output slices, and leaves the update of every layer pending, to ride
+with the next forward chain (or an update-only round before a snapshot or an evaluation).
 
 With the dense part replicated (docs/dense-replica.md) the two chains are one step
 chain: the trainer hands the stage whole steps (``train_step``), each one request per
-participant, and the master's replica of the dense part is the trainer's own
-(``attach_dense``).
+participant, and the master's replica of the dense part is the trainer's own.
 
 Two steps in flight (docs/sample-split.md, "The step boundary"): the trainer may hand
 ``train_step`` the next step too (``ahead``); its requests go out, and the master's own
@@ -28,44 +27,24 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from hetconv.config import MASTER_PARTICIPANT
-from hetconv.engine.dense_part import DensePart
-from hetconv.engine.optim import OptimizerConfig
 from hetconv.master.cluster import Cluster, WorkerLost
 from hetconv.master.results import checked_result
-from hetconv.master.samples.between import PendingUpdate, SampleSetup
-from hetconv.master.samples.between import update_fields as _update_fields
+from hetconv.master.samples.figures import StepState
+from hetconv.master.samples.members import SampleMembers
+from hetconv.master.samples.peers import SamplePeers
 from hetconv.master.samples.plan import Slice
-from hetconv.participant.samples.dense_replica import DenseReplica
-from hetconv.participant.samples.runner import SampleRunner
+from hetconv.master.samples.replicas import MasterReplicas
+from hetconv.master.samples.rounds import Rounds, SentRound
+from hetconv.master.samples.settings import SampleSetup
+from hetconv.master.samples.updates import PendingUpdate, Updates, update_fields
 from hetconv.participant.wire_cast import to_wire
 from hetconv.protocol import SampleBackwardRequest, SampleForwardRequest
 from hetconv.protocol.samples import NO_LAYER
-
-if TYPE_CHECKING:
-    from hetconv.master.cluster import WorkerHandle
-    from hetconv.master.own_share import OwnJob
-
-
-@dataclass
-class SentRound:
-    """A round sent and not yet collected: every worker's request out, the master's
-    own share queued (``job``; None when it has nothing to do)."""
-
-    what: str
-    layer: int
-    phase: str
-    started: float  # when it was sent (monotonic s)
-    pending: dict[int, WorkerHandle]  # request id -> worker
-    names: dict[int, str]  # request id -> participant
-    sent: dict[str, int]  # participant -> payload bytes sent
-    own: Slice  # the master's slice
-    job: OwnJob | None
-    slices: list[Slice]  # the slices it was sent for
 
 
 @dataclass
@@ -78,104 +57,49 @@ class InFlightStep:
     sent_ahead: bool = False  # sent before the step before it was gathered
 
 
-class ChainedSteps:
-    """The chains of a :class:`~hetconv.master.samples.stage.SampleConvStage`."""
+class Chains:
+    """The chains of a run whose peers reduce the weight gradients; the step sent ahead
+    (``ahead``) is theirs."""
 
-    cluster: Cluster
-    setup: SampleSetup
-    slices: list[Slice]
-    _x: np.ndarray
-    _learning_rate: float
-    _dweight: PendingUpdate | None
-    _round: Callable[..., dict[str, Any]]
-    _entry: Callable[[int, Slice], dict[str, Any]]
-    _step_dense: dict[str, float]
-    dense: DenseReplica | None
-    runner: SampleRunner
-    pending_fault: WorkerLost | None
-    peers: Any
-    step: int
-    _ahead: InFlightStep | None
-    _collected_at: float
-    _step_sent_ahead: bool
-    _step_started: float | None
-    _send_round: Callable[..., SentRound]
-    _collect_round: Callable[[SentRound, bool], dict[str, Any]]
-    _slice_batch: Callable[[int], list[Slice]]
-    _take_update: Callable[[], PendingUpdate | None]
-    flush: Callable[[], None]
-    assign_dense: Callable[[], None]
-    assign_peers: Callable[[], None]
+    def __init__(self, cluster: Cluster, setup: SampleSetup, members: SampleMembers,
+                 replicas: MasterReplicas, rounds: Rounds, updates: Updates,
+                 state: StepState, peers: SamplePeers):
+        self.cluster = cluster
+        self.setup = setup
+        self.members = members
+        self.replicas = replicas
+        self.rounds = rounds
+        self.updates = updates
+        self.state = state
+        self.peers = peers
+        self.ahead: InFlightStep | None = None  # a step chain sent ahead (two in flight)
 
-    @property
-    def layers(self) -> int:
-        return len(self.setup.shapes)
-
-    @property
-    def chained(self) -> bool:
-        """Whether steps are chains (the subclass's: the peers reduce the gradients)."""
-        raise NotImplementedError
-
-    def _members(self) -> list[str]:
-        return [p.participant for p in self.slices if p.samples > 0]
-
-    # --- the dense part replicated (docs/dense-replica.md) -----------------------------
-    @property
-    def replicates_dense(self) -> bool:
-        """Whether a training step is one step chain (the dense part on every
-        participant's slice) rather than the trainer's conv calls."""
-        return self.chained and self.dense is not None
-
-    @property
-    def runs_ahead(self) -> bool:
-        """Whether the trainer may hand ``train_step`` the next step too (two steps in
-        flight: step chains, ``--steps-in-flight 2``)."""
-        return self.replicates_dense and self.setup.steps_in_flight > 1
-
-    def attach_dense(self, part: DensePart, optimizer: OptimizerConfig) -> None:
-        """Replicate the trainer's dense part (``--dense-part replicas``, chains only):
-        the master's replica is ``part`` itself; every worker gets it now and at every
-        hand-out of the layers. Between steps only."""
-        if not self.chained or not self.setup.dense_replicas:
-            return
-        self.dense = DenseReplica(part, self.layers, optimizer.momentum,
-                                  optimizer.weight_decay)
-        self.flush()
-        self.runner.layers.dense = self.dense
-        try:
-            self.assign_dense()
-            self.assign_peers()
-        except WorkerLost as fault:  # as at setup: the first step raises it (a recovery)
-            self.pending_fault = self.pending_fault or fault
-
-    def train_step(self, x: np.ndarray, labels: np.ndarray, step: int,
-                   learning_rate: float,
-                   ahead: tuple[np.ndarray, np.ndarray, int, float] | None = None
-                   ) -> dict[str, Any]:
+    # --- whole steps (the dense part replicated: docs/dense-replica.md) ------------------
+    def train_step(self, x: np.ndarray, labels: np.ndarray, step: int, learning_rate: float,
+                   ahead: tuple[np.ndarray, np.ndarray, int, float] | None,
+                   raise_pending_fault: Callable[[], None]) -> dict[str, Any]:
         """One SGD step as one step chain per participant (the trainer's step record:
         the loss is the members' sums added in member order over the batch). ``ahead``
         (x, labels, step, learning rate): the next step, sent before this one's replies
         are gathered (two steps in flight); the trainer hands it only where nothing
         reads the replicas between the two (no snapshot, evaluation or epoch end)."""
         started = time.perf_counter()
-        current, self._ahead = self._ahead, None
+        current, self.ahead = self.ahead, None
         try:
             if current is not None and current.step != step:
                 raise RuntimeError(f"internal error: step {current.step} was sent ahead, "
                                    f"then step {step} was asked for")
-            if self.pending_fault is not None:
-                fault, self.pending_fault = self.pending_fault, None
-                raise fault  # the trainer's recovery: a re-plan that checks again
+            raise_pending_fault()  # the trainer's recovery: a re-plan that checks again
             if current is None:
                 current = self._send_step(x, labels, step, learning_rate)
             if ahead is not None:
-                self._ahead = replace(self._send_step(*ahead), sent_ahead=True)
-            self._begin_current(current)
+                self.ahead = replace(self._send_step(*ahead), sent_ahead=True)
+            self._begin(current)
             loss_sum, correct, dense_s = self._finish_step(current)
         except BaseException:
-            self._abandon([s for s in (current, self._ahead) if s is not None])
-            self._ahead = None
-            self._dweight = None  # as if no step had been sent: a recovery re-assigns
+            self._abandon([s for s in (current, self.ahead) if s is not None])
+            self.ahead = None
+            self.updates.pending = None  # as if no step had been sent: a recovery re-assigns
             raise
         step_s = time.perf_counter() - started
         return {"loss": loss_sum / x.shape[0], "correct": correct, "images": int(x.shape[0]),
@@ -184,10 +108,10 @@ class ChainedSteps:
     def drain(self) -> None:
         """Nothing in flight any more (a step sent ahead that will not be asked for is
         abandoned): before the run ends."""
-        if self._ahead is not None:
-            self._abandon([self._ahead])
-            self._ahead = None
-            self._dweight = None
+        if self.ahead is not None:
+            self._abandon([self.ahead])
+            self.ahead = None
+            self.updates.pending = None
 
     def _abandon(self, steps: list[InFlightStep]) -> None:
         """Give up on steps sent and not collected: the master's own share of each
@@ -196,60 +120,23 @@ class ChainedSteps:
         jobs = [s.round.job for s in steps if s.round.job is not None]
         for job in jobs:
             job.cancelled.set()
-        if self.peers is not None and not all(job.done.is_set() for job in jobs):
+        if not all(job.done.is_set() for job in jobs):
             self.peers.cancel.set()
         for job in jobs:
             job.done.wait()
-        if self.peers is not None:
-            self.peers.cancel.clear()
+        self.peers.cancel.clear()
         for step in steps:
             self.cluster.membership.abandon(step.round.pending)
 
-    def _begin_current(self, current: InFlightStep) -> None:
-        """The stage's per-step state now describes ``current`` (the step collected
-        next): its batch, its slices, its clock (from when the master turns to it)."""
-        self.step = current.step
-        self._step_sent_ahead = current.sent_ahead
-        self._x = current.x
-        self.slices = current.round.slices
-        self._step_started = max(current.round.started, self._collected_at)
-
-    def _chain_fields(self, step_chain: bool = False) -> dict[str, Any]:
-        """A forward chain's fields: a new ``sync_id`` (newer than the update's
-        reduction), the members and their samples, each layer's output positions."""
-        return {"sync_id": self.cluster.request_id(), "members": self._members(),
-                "member_samples": [p.samples for p in self.slices if p.samples > 0],
-                "positions": [s.conv_height * s.conv_width for s in self.setup.shapes],
-                "slice_statistics": self.setup.slice_statistics, "step_chain": step_chain}
-
-    def _forward_chain(self, step: int, update: PendingUpdate | None) -> np.ndarray:
-        """Every layer's forward in one request per participant, the statistics
-        exchanged among the peers (hetconv/participant/samples/chain.py); the output joined."""
-        total = self._x.shape[0]
-        chain = self._chain_fields()
-
-        def make(piece: Slice) -> SampleForwardRequest:
-            x = None
-            if piece.samples:
-                x = self._x[piece.start:piece.stop]
-                x = x if piece.participant == MASTER_PARTICIPANT \
-                    else to_wire(x, self.setup.wire_for(piece.participant))
-            return SampleForwardRequest(
-                request_id=self.cluster.request_id(), step=step, attempt=0, train=True,
-                total_batch=total, finish_layer=NO_LAYER, start_layer=0,
-                stop_layer=self.layers, return_output=True,
-                learning_rate=self._learning_rate, total_count=0, mean=None, var=None, x=x,
-                **_update_fields(update), **chain)
-
-        replies = self._round(f"forward chain (step {step})", 0, "forward", make, True, make,
-                              peer_update=True)
-        last = self.setup.shapes[-1]
-        outputs = [checked_result(piece.participant, self.layers - 1, "y",
-                                  replies[piece.participant].y,
-                                  (piece.samples, last.kernels, last.pooled_height,
-                                   last.pooled_width))
-                   for piece in self.slices if piece.samples > 0]
-        return np.concatenate(outputs, axis=0) if len(outputs) > 1 else outputs[0]
+    def _begin(self, current: InFlightStep) -> None:
+        """The step state now describes ``current`` (the step collected next): its
+        batch, its slices, its clock (from when the master turns to it)."""
+        state = self.state
+        state.step = current.step
+        state.figures.sent_ahead = current.sent_ahead
+        state.x = current.x
+        state.slices = current.round.slices
+        state.figures.started = max(current.round.started, self.rounds.collected_at)
 
     def _send_step(self, x: np.ndarray, labels: np.ndarray, step: int,
                    learning_rate: float) -> InFlightStep:
@@ -260,15 +147,13 @@ class ChainedSteps:
         reduction) is left pending, to ride with the next step."""
         x = np.ascontiguousarray(x, dtype=np.float32)
         total = x.shape[0]
-        slices = self._slice_batch(total)
-        update = self._take_update()
+        slices = self.members.slices(total)
+        update = self.updates.take()
         members = [p.participant for p in slices if p.samples > 0]
         sync_id = self.cluster.request_id()
-        chain: dict[str, Any] = {"sync_id": sync_id, "members": members,
-                 "member_samples": [p.samples for p in slices if p.samples > 0],
-                 "positions": [s.conv_height * s.conv_width for s in self.setup.shapes],
-                 "slice_statistics": self.setup.slice_statistics, "step_chain": True}
-        update_lr = self._learning_rate
+        chain = self._chain_fields(sync_id, slices, step_chain=True)
+        update_lr = self.updates.learning_rate
+        layers = self.setup.layers
 
         def make(piece: Slice) -> SampleForwardRequest:
             part = part_labels = None
@@ -281,20 +166,25 @@ class ChainedSteps:
             return SampleForwardRequest(
                 request_id=self.cluster.request_id(), step=step, attempt=0, train=True,
                 total_batch=total, finish_layer=NO_LAYER, start_layer=0,
-                stop_layer=self.layers, return_output=False,
+                stop_layer=layers, return_output=False,
                 learning_rate=update_lr, total_count=0, mean=None, var=None, x=part,
-                labels=part_labels, **_update_fields(update), **chain)
+                labels=part_labels, **update_fields(update), **chain)
 
-        sent = self._send_round(f"step chain (step {step})", 0, "forward", make, make,
+        sent = self.rounds.send(f"step chain (step {step})", 0, "forward", make, make,
                                 True, slices)
-        self._learning_rate = learning_rate
-        self._dweight = PendingUpdate(0, None, None, sync_id, tuple(members), self.layers + 1)
+        self.updates.learning_rate = learning_rate
+        self.updates.pending = PendingUpdate(0, None, None, sync_id, tuple(members),
+                                             layers + 1)
         return InFlightStep(step, x, sent)
 
     def _finish_step(self, current: InFlightStep) -> tuple[float, int, float]:
         """Gather a step chain's replies. Returns (the loss summed over the batch, in
         member order; correct answers; the slowest member's seconds of the dense part)."""
-        replies = self._collect_round(current.round, True)
+        ahead = self.ahead
+        behind = [ahead.round.job] if ahead is not None and ahead.round is not current.round \
+            and ahead.round.job is not None else []
+        figures = self.state.figures
+        replies = self.rounds.collect(current.round, figures, behind)
         active = [p for p in current.round.slices if p.samples > 0]
         values = {p.participant: float(replies[p.participant].loss_sum) for p in active}
         finite = [n for n, v in values.items() if np.isfinite(v)]
@@ -313,8 +203,7 @@ class ChainedSteps:
             loss_sum += value
             correct += right
             dense_s = max(dense_s, float(reply.dense_s))
-            self._step_dense[piece.participant] = min(float(reply.dense_s),
-                                                      float(reply.compute_s))
+            figures.dense[piece.participant] = min(float(reply.dense_s), float(reply.compute_s))
             self._spread_over_layers(piece, reply)
         return loss_sum, correct, dense_s
 
@@ -326,30 +215,76 @@ class ChainedSteps:
         list leaves the totals under layer 0; what no layer waited, the update's
         reduction at the chain's start and the dense part's, stays there)."""
         seconds = reply.layer_seconds
-        if not isinstance(seconds, list) or len(seconds) != self.layers or not all(
+        if not isinstance(seconds, list) or len(seconds) != self.setup.layers or not all(
                 isinstance(row, list) and len(row) == 4
                 and all(isinstance(v, (int, float)) and 0 <= v < 1e6 for v in row)
                 for row in seconds):
             return
-        first = self._entry(0, piece)
+        figures = self.state.figures
+        first = self.rounds.entry(figures, 0, piece)
         first["forward_s"] = max(0.0, first["forward_s"] - float(reply.compute_s))
         waited = sum(float(row[2]) + float(row[3]) for row in seconds)
         if "peer_wait_s" in first and waited <= first["peer_wait_s"] + 1e-6:
             first["peer_wait_s"] = max(0.0, first["peer_wait_s"] - waited)
             for layer, row in enumerate(seconds):
-                entry = self._entry(layer, piece)
+                entry = self.rounds.entry(figures, layer, piece)
                 entry["peer_wait_s"] += float(row[2]) + float(row[3])
         for layer, row in enumerate(seconds):
-            entry = self._entry(layer, piece)
+            entry = self.rounds.entry(figures, layer, piece)
             entry["forward_s"] += float(row[0])
             entry["backward_s"] += float(row[1])
 
-    def _backward_chain(self, step: int, learning_rate: float, dy: np.ndarray) -> None:
-        """Every layer's backward in one request per participant (hetconv/participant/samples/chain.py);
-        the update of every layer is left pending, to ride with the next forward chain."""
-        self._learning_rate = learning_rate
+    # --- the two chains (the dense part on the master) -------------------------------
+    def _chain_fields(self, sync_id: int, slices: list[Slice],
+                      step_chain: bool = False) -> dict[str, Any]:
+        """A forward chain's fields: its ``sync_id`` (newer than the update's
+        reduction), the members and their samples, each layer's output positions."""
+        return {"sync_id": sync_id, "members": [p.participant for p in slices if p.samples > 0],
+                "member_samples": [p.samples for p in slices if p.samples > 0],
+                "positions": [s.conv_height * s.conv_width for s in self.setup.shapes],
+                "slice_statistics": self.setup.slice_statistics, "step_chain": step_chain}
+
+    def forward(self, step: int, update: PendingUpdate | None) -> np.ndarray:
+        """Every layer's forward in one request per participant, the statistics
+        exchanged among the peers (hetconv/participant/samples/chain.py); the output
+        joined. The step state holds the batch and its slices."""
+        state = self.state
+        total = state.x.shape[0]
+        chain = self._chain_fields(self.cluster.request_id(), state.slices)
+        layers = self.setup.layers
+
+        def make(piece: Slice) -> SampleForwardRequest:
+            x = None
+            if piece.samples:
+                x = state.x[piece.start:piece.stop]
+                x = x if piece.participant == MASTER_PARTICIPANT \
+                    else to_wire(x, self.setup.wire_for(piece.participant))
+            return SampleForwardRequest(
+                request_id=self.cluster.request_id(), step=step, attempt=0, train=True,
+                total_batch=total, finish_layer=NO_LAYER, start_layer=0,
+                stop_layer=layers, return_output=True,
+                learning_rate=self.updates.learning_rate, total_count=0, mean=None,
+                var=None, x=x, **update_fields(update), **chain)
+
+        replies = self.rounds.run(f"forward chain (step {step})", 0, "forward", make,
+                                  state.slices, state.figures, make, peer_update=True)
+        last = self.setup.shapes[-1]
+        outputs = [checked_result(piece.participant, layers - 1, "y",
+                                  replies[piece.participant].y,
+                                  (piece.samples, last.kernels, last.pooled_height,
+                                   last.pooled_width))
+                   for piece in state.slices if piece.samples > 0]
+        return np.concatenate(outputs, axis=0) if len(outputs) > 1 else outputs[0]
+
+    def backward(self, step: int, learning_rate: float, dy: np.ndarray) -> None:
+        """Every layer's backward in one request per participant
+        (hetconv/participant/samples/chain.py); the update of every layer is left
+        pending, to ride with the next forward chain."""
+        state = self.state
+        self.updates.learning_rate = learning_rate
         reduce_id = self.cluster.request_id()
-        members = self._members()
+        members = state.members()
+        layers = self.setup.layers
 
         def make(piece: Slice) -> SampleBackwardRequest:
             part = None
@@ -361,11 +296,10 @@ class ChainedSteps:
             return SampleBackwardRequest(
                 request_id=self.cluster.request_id(), step=step, attempt=0,
                 learning_rate=learning_rate, finish_layer=NO_LAYER,
-                start_layer=self.layers - 1, dgamma=None, dbeta=None, dy=part,
+                start_layer=layers - 1, dgamma=None, dbeta=None, dy=part,
                 reduce_id=reduce_id, sync_id=reduce_id, members=members,
-                slice_statistics=self.setup.slice_statistics, **_update_fields(None))
+                slice_statistics=self.setup.slice_statistics, **update_fields(None))
 
-        self._round(f"backward chain (step {step})", self.layers - 1, "backward", make, True,
-                    make, peer_update=True)
-        self._dweight = PendingUpdate(0, None, None, reduce_id, tuple(members), self.layers)
-
+        self.rounds.run(f"backward chain (step {step})", layers - 1, "backward", make,
+                        state.slices, state.figures, make, peer_update=True)
+        self.updates.pending = PendingUpdate(0, None, None, reduce_id, tuple(members), layers)

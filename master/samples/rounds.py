@@ -1,59 +1,76 @@
 """A sample-split round trip, the master's side: every worker's request sent and the
-master's own share queued (:meth:`RoundTrips._send_round`), then the replies gathered
-and recorded (:meth:`RoundTrips._collect_round`). Apart, so that a step chain can be
-sent before the one before it is gathered (two steps in flight, master/samples/chains.py).
-Mixed into :class:`~hetconv.master.samples.stage.SampleConvStage`, which holds the state.
+master's own share queued (:meth:`Rounds.send`), then the replies gathered and recorded
+(:meth:`Rounds.collect`). Apart, so that a step chain can be sent before the one before
+it is gathered (two steps in flight, master/samples/chains.py).
 """
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from hetconv.config import MASTER_PARTICIPANT
-from hetconv.engine.shard import ConvShard
 from hetconv.master.cluster import Cluster, WorkerHandle, WorkerLost
 from hetconv.master.own_share import OwnJob, OwnShare
-from hetconv.master.plan import Participant
 from hetconv.master.run import RunControl
-from hetconv.master.samples.between import SampleSetup, StepFigures
-from hetconv.master.samples.chains import InFlightStep, SentRound
+from hetconv.master.samples.figures import StepFigures
+from hetconv.master.samples.members import SampleMembers
+from hetconv.master.samples.peers import SamplePeers
 from hetconv.master.samples.plan import Slice
-from hetconv.master.timing import timing_entry
+from hetconv.master.samples.replicas import MasterReplicas
+from hetconv.master.samples.settings import SampleSetup
 from hetconv.participant.dataplane import PeerLost
-from hetconv.participant.samples.runner import SampleRunner
 from hetconv.protocol import SampleForwardRequest
 
+MakeRequest = Callable[[Slice], Any]
 
-class RoundTrips(StepFigures):
-    """Send a round, collect it; the step's timing entries it fills."""
 
-    cluster: Cluster
-    workers: dict[str, Participant]
-    local: dict[int, ConvShard]
-    control: RunControl
-    setup: SampleSetup
-    peers: Any
-    runner: SampleRunner
-    own_share: OwnShare
-    slices: list[Slice]
-    _collected_at: float
-    _ahead: InFlightStep | None
+@dataclass
+class SentRound:
+    """A round sent and not yet collected: every worker's request out, the master's
+    own share queued (``job``; None when it has nothing to do)."""
 
-    # --- one round ---------------------------------------------------------------------
-    def _round(self, what: str, layer: int, phase: str, make: Callable[[Slice], Any],
-               record: bool, idle: Callable[[Slice], Any] | None = None,
-               peer_update: bool = False) -> dict[str, Any]:
+    what: str
+    layer: int
+    phase: str
+    started: float  # when it was sent (monotonic s)
+    pending: dict[int, WorkerHandle]  # request id -> worker
+    names: dict[int, str]  # request id -> participant
+    sent: dict[str, int]  # participant -> payload bytes sent
+    own: Slice  # the master's slice
+    job: OwnJob | None
+    slices: list[Slice]  # the slices it was sent for
+
+
+class Rounds:
+    """Sends rounds and collects them; the master's own share runs in its helper thread
+    (``own_share``) meanwhile, over its replicas."""
+
+    def __init__(self, cluster: Cluster, control: RunControl, members: SampleMembers,
+                 replicas: MasterReplicas, setup: SampleSetup, peers: SamplePeers | None):
+        self.cluster = cluster
+        self.control = control
+        self.members = members
+        self.replicas = replicas
+        self.setup = setup
+        self.peers = peers
+        self.own_share = OwnShare(cluster)
+        self.collected_at = 0.0  # when the last round was collected (monotonic s)
+
+    def run(self, what: str, layer: int, phase: str, make: MakeRequest,
+            slices: list[Slice], figures: StepFigures | None,
+            idle: MakeRequest | None = None, peer_update: bool = False) -> dict[str, Any]:
         """Send ``make(slice)`` to every worker with samples (and ``idle(slice)``, when
         not None, to those without), serve the master's own slice meanwhile (or, with
         ``peer_update``, its part of the weight reduction even without samples), gather;
-        the replies of the slices with samples by participant, in slice order."""
-        return self._collect_round(self._send_round(what, layer, phase, make, idle,
-                                                    peer_update, self.slices), record)
+        the replies of the slices with samples by participant, in slice order. With
+        ``figures``, the round is recorded in them."""
+        return self.collect(self.send(what, layer, phase, make, idle, peer_update, slices),
+                            figures)
 
-    def _send_round(self, what: str, layer: int, phase: str, make: Callable[[Slice], Any],
-                    idle: Callable[[Slice], Any] | None, peer_update: bool,
-                    slices: list[Slice]) -> SentRound:
+    def send(self, what: str, layer: int, phase: str, make: MakeRequest,
+             idle: MakeRequest | None, peer_update: bool, slices: list[Slice]) -> SentRound:
         """The first half of a round: every worker's request sent and the master's own
         share queued (behind any job still queued: a step sent ahead runs after the one
         before it)."""
@@ -67,7 +84,7 @@ class RoundTrips(StepFigures):
             message = make(piece) if piece.samples else (idle(piece) if idle else None)
             if message is None:
                 continue
-            worker = self.workers[piece.participant].worker
+            worker = self.members.workers[piece.participant].worker
             assert worker is not None
             sent[piece.participant] = self.cluster.send(worker, message)
             pending[message.request_id] = worker
@@ -79,17 +96,21 @@ class RoundTrips(StepFigures):
             idle(own) if idle is not None and peer_update else None)
         if own_message is not None:
             message = own_message
-            serve = (self.runner.forward if isinstance(message, SampleForwardRequest)
-                     else self.runner.backward)
-            job = self.own_share.submit(lambda: serve(message, self.local))
+            runner, replicas = self.replicas.runner, self.replicas
+            serve = (runner.forward if isinstance(message, SampleForwardRequest)
+                     else runner.backward)
+            job = self.own_share.submit(lambda: serve(message, replicas.local))
         return SentRound(what, layer, phase, started, pending, names, sent, own, job,
                          list(slices))
 
-    def _collect_round(self, sent: SentRound, record: bool) -> dict[str, Any]:
+    def collect(self, sent: SentRound, figures: StepFigures | None,
+                behind: Sequence[OwnJob] = ()) -> dict[str, Any]:
         """The second half: gather the workers' replies and the master's own share.
         The round's clock starts when it was sent or when the round before it was
-        collected, whichever is later (a round sent ahead waits in the queues first)."""
-        started = max(sent.started, self._collected_at)
+        collected, whichever is later (a round sent ahead waits in the queues first).
+        ``behind``: the master's jobs queued behind this round's (a step sent ahead),
+        cancelled when the round fails."""
+        started = max(sent.started, self.collected_at)
         what, layer, phase, own, job = sent.what, sent.layer, sent.phase, sent.own, sent.job
         local_reply, local_done = None, started
         failed = True
@@ -99,16 +120,16 @@ class RoundTrips(StepFigures):
                                            timeout_s=self.control.request_deadline_s())
             failed = False
         finally:
-            behind = [queued for queued in self._queued_jobs(sent) if failed]
-            for queued in behind:
+            cancelled = list(behind) if failed else []
+            for queued in cancelled:
                 queued.cancelled.set()  # a step sent ahead: it never starts
-            if failed and self.peers is not None and (job is not None or behind):
+            if failed and self.peers is not None and (job is not None or cancelled):
                 self.peers.cancel.set()  # its wait for a lost peer ends at once
-            for waited in ([job] if job is not None else []) + behind:
+            for waited in ([job] if job is not None else []) + cancelled:
                 waited.done.wait()  # never leave the helper thread on the replicas
             if self.peers is not None:
                 self.peers.cancel.clear()
-            self._collected_at = time.monotonic()
+            self.collected_at = time.monotonic()
         if job is not None:
             try:
                 local_reply, local_done = self.own_share.wait(job), job.finished_at
@@ -132,8 +153,8 @@ class RoundTrips(StepFigures):
                 reply, arrival, received = got.message, got.received_at, got.payload_bytes
             replies[piece.participant] = reply
             slowest = max(slowest, reply.compute_s)
-            if record:
-                entry = self._entry(layer, piece)
+            if figures is not None:
+                entry = self.entry(figures, layer, piece)
                 entry[f"{phase}_s"] += reply.compute_s
                 entry[f"{phase}_latency_s"] += max(0.0, arrival - started)
                 if piece.participant != MASTER_PARTICIPANT:
@@ -144,31 +165,16 @@ class RoundTrips(StepFigures):
                     entry["peer_bytes_sent"] += reply.peer_bytes_sent
                     entry["peer_bytes_received"] += reply.peer_bytes_received
                     entry["peer_wait_s"] += reply.peer_wait_s
-                # its compute, and what the barrier waits for: its whole round (compute,
-                # its share of the wire and its message handling, throttling included)
-                self._step_compute[piece.participant] = \
-                    self._step_compute.get(piece.participant, 0.0) + reply.compute_s
-                self._step_latency[piece.participant] = \
-                    self._step_latency.get(piece.participant, 0.0) + max(0.0, arrival - started)
-                self._step_waits[piece.participant] = \
-                    self._step_waits.get(piece.participant, 0.0) + reply.peer_wait_s
-        if record:
-            self._comm_s += max(0.0, time.monotonic() - started - slowest)
-            self._step_wall += time.monotonic() - started
-            self._step_rounds += 1
+                figures.add_reply(piece.participant, reply.compute_s,
+                                  max(0.0, arrival - started), reply.peer_wait_s)
+        if figures is not None:
+            figures.add_round(time.monotonic() - started, slowest)
         return replies
 
-    def _queued_jobs(self, sent: SentRound) -> list[OwnJob]:
-        """The master's own jobs queued behind ``sent``'s (a step sent ahead)."""
-        ahead = self._ahead
-        if ahead is None or ahead.round is sent or ahead.round.job is None:
-            return []
-        return [ahead.round.job]
+    def entry(self, figures: StepFigures, layer: int, piece: Slice) -> dict[str, Any]:
+        """``piece``'s timing entry of ``layer`` in ``figures``."""
+        return figures.entry(layer, piece.participant, self.setup.shapes[layer].kernels,
+                             piece.samples, self.peers is not None)
 
-    def _entry(self, layer: int, piece: Slice) -> dict[str, Any]:
-        devices = self._timings.setdefault(layer, {})
-        if piece.participant not in devices:
-            devices[piece.participant] = timing_entry(
-                piece.participant, self.setup.shapes[layer].kernels, piece.samples,
-                self.peers is not None)
-        return devices[piece.participant]
+    def close(self) -> None:
+        self.own_share.close()

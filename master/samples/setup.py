@@ -28,7 +28,6 @@ from hetconv.master.data_ports import DataPortUnreachable
 from hetconv.master.plan import Participant, Shard
 from hetconv.master.run import RunControl
 from hetconv.master.samples.balance import SampleBalance
-from hetconv.master.samples.between import SampleSetup
 from hetconv.master.samples.peers import SamplePeers
 from hetconv.master.samples.plan import (
     choose_dense_part,
@@ -41,6 +40,7 @@ from hetconv.master.samples.plan import (
     sample_slices,
     samples_refusal,
 )
+from hetconv.master.samples.settings import SampleSetup
 from hetconv.master.samples.stage import SampleConvStage
 from hetconv.metrics import MetricsWriter
 from hetconv.model import ConvLayerShape, ModelConfig, dense_parameter_names, layer_parameters
@@ -279,13 +279,13 @@ def open_sample_stage(cluster: Cluster, config: MasterConfig, participants: list
     except DataPortUnreachable as fault:
         stage.pending_fault = fault  # the first forward raises it (a recovery)
     except BaseException:
-        stage.own_share.close()
+        stage.rounds.close()
         if peers is not None:
             peers.close()
         raise  # the caller ends the run
-    slices = stage._slice_batch(batch)
+    slices = stage.members.slices(batch)
     share = {s.participant: s.samples for s in slices}
-    exchange = stage.runner.layers.exchange  # the peers' reduction plan (None under star)
+    exchange = stage.replicas.runner.layers.exchange  # the peers' reduction plan (None under star)
     bucket = exchange.plan.bucket if exchange is not None else []
     for shape, cal in zip(shapes, calibration):  # what `hetconv plan` and the report read
         metrics.write("calibration", layer=shape.index, split=config.split, split_by="samples",

@@ -65,11 +65,11 @@ class TrialAloneStage:
         finally:
             self._conv_s += self.clock() - started
 
-    def take_step_timings(self) -> dict[str, Any]:
+    def end_step(self) -> dict[str, Any]:
         self.check.trial_step(self._conv_s)
         self._conv_s = 0.0
         self.waiting.keep_alive()
-        return self.local.take_step_timings()
+        return self.local.end_step()
 
     def wants_replan_point(self) -> bool:
         """The trial measured enough to decide: a snapshot now, not at the next one due."""

@@ -148,7 +148,7 @@ class _Local:
         self.clock[0] += self.seconds
         return dy
 
-    def take_step_timings(self) -> dict[str, Any]:
+    def end_step(self) -> dict[str, Any]:
         return {"layers": [], "comm_s": 0.0}
 
     def snapshot(self) -> dict[str, np.ndarray]:
@@ -200,7 +200,7 @@ def _trial(seconds_per_call: float, with_workers_s: float) -> tuple[TrialAloneSt
         stage.forward(0, x, False, step)  # an evaluation: not the step's conv part
         for layer in (1, 0):
             stage.backward(layer, x, layer > 0, 0.1, step)
-        stage.take_step_timings()
+        stage.end_step()
     return stage, local, waiting
 
 
@@ -234,7 +234,7 @@ def test_the_trial_stage_asks_for_a_snapshot_once_it_can_decide() -> None:
             stage.forward(layer, x, True, step)
         for layer in (1, 0):
             stage.backward(layer, x, layer > 0, 0.1, step)
-        stage.take_step_timings()
+        stage.end_step()
         asked.append(stage.wants_replan_point())
     assert asked == [False] * (EARLY_STEPS - 1) + [True]
     assert stage.replan_point({}) is waiting.back and waiting.events[-1] == "back 0.016"

@@ -133,9 +133,9 @@ class EarlyReplanLocal(LocalConvStage):
         self.steps_done = 0
         self.points: list[int] = []
 
-    def take_step_timings(self) -> dict[str, Any]:
+    def end_step(self) -> dict[str, Any]:
         self.steps_done += 1
-        return super().take_step_timings()
+        return super().end_step()
 
     def wants_replan_point(self) -> bool:
         return self.steps_done in self.want_after
