@@ -9,7 +9,11 @@ codec (so nothing is shared with the master's arrays) to a real
 :class:`hetconv.worker.service.WorkerService` in one thread per worker (requests served
 in order, as a daemon's compute thread does), and ``gather`` hands back its replies. An
 ``ErrorReply`` becomes a ``WorkerLost`` as ``Membership`` makes it one. A worker can be
-lost on cue, at ``send`` (its request never leaves) or at ``gather`` (it never answers).
+lost on cue, at ``send`` (its request never leaves) or at ``gather`` (it never answers),
+and one reply can be made wrong on cue (``tamper``: a worker that computes wrong). A
+request sent and then neither awaited by a ``gather`` nor abandoned is *stray*, as
+``Membership`` keeps it: its late ErrorReply would be a fault at the master's next pump
+(``stray_errors``).
 
 With the peer data plane, :class:`FakeSamplePeers` stands in for
 :class:`hetconv.master.samples.peers.SamplePeers`: the same plan, handed out with real
@@ -42,7 +46,7 @@ from hetconv.master.membership_types import expected_reply
 from hetconv.master.plan import Participant, Shard
 from hetconv.master.run import RunControl
 from hetconv.master.samples.balance import SampleBalance
-from hetconv.master.samples.between import SampleSetup
+from hetconv.master.samples.settings import SampleSetup
 from hetconv.master.samples.stage import SampleConvStage
 from hetconv.metrics import MetricsWriter
 from hetconv.model import ModelConfig, conv_layer_shapes, layer_parameters
@@ -122,6 +126,17 @@ class LossCue:
 
 
 @dataclass
+class TamperCue:
+    """Replace the reply of worker ``name`` to the first request ``when`` holds for by
+    ``change(reply)`` (a worker that computes wrong)."""
+
+    name: str
+    when: Callable[[Message], bool]
+    change: Callable[[Message], Message]
+    fired: bool = False
+
+
+@dataclass
 class FakeWorker:
     """One in-process worker: its handle, its real service and its compute thread."""
 
@@ -133,13 +148,19 @@ class FakeWorker:
 
 
 class _Membership:
-    """What the stage asks of ``Cluster.membership``."""
+    """What the stage asks of ``Cluster.membership``; ``requests``: those sent and still
+    awaited as ``Membership.requests`` keeps them (request id -> worker, its future or
+    None when never served, the request), forgotten by a gather or ``abandon``."""
 
     def __init__(self) -> None:
         self.abandoned: list[int] = []
+        self.requests: dict[int, tuple[FakeWorker, Future[tuple[Message, float]] | None,
+                                       Message]] = {}
 
     def abandon(self, request_ids: Any) -> None:
-        self.abandoned += list(request_ids)
+        for request_id in request_ids:
+            self.requests.pop(request_id, None)
+            self.abandoned.append(request_id)
 
 
 class FakeSampleCluster:
@@ -159,10 +180,13 @@ class FakeSampleCluster:
         self.layers = 1  # the model's conv layers (a calibration reply's share)
         self.lines: list[str] = []  # the stage's console lines (the factory's report)
         self.cues: list[LossCue] = []
+        self.tampers: list[TamperCue] = []
+        self.gathers: list[tuple[int, str]] = []  # (len(sent) when it began, what)
         self.dropped: list[str] = []
         self.closed = False  # close() was called (the stage's on_close)
         self.sent: list[tuple[str, Message]] = []  # (worker, message), as sent
         self._futures: dict[int, tuple[FakeWorker, Future[tuple[Message, float]], Message]] = {}
+        self._answers: dict[int, Future[tuple[Message, float]]] = {}  # every request served
         self._lost_at_gather: dict[int, FakeWorker] = {}
         self._next = 0
         self._lock = threading.Lock()
@@ -187,6 +211,32 @@ class FakeSampleCluster:
         cue = LossCue(name, when, at)
         self.cues.append(cue)
         return cue
+
+    def tamper(self, name: str, when: Callable[[Message], bool],
+               change: Callable[[Message], Message]) -> TamperCue:
+        cue = TamperCue(name, when, change)
+        self.tampers.append(cue)
+        return cue
+
+    def stray_errors(self, timeout_s: float = GATHER_LIMIT_S) -> list[tuple[str, Message,
+                                                                             Message]]:
+        """(worker, request, ErrorReply) of every stray request (sent, never awaited nor
+        abandoned) whose reply is an error, once each has answered: what ``Membership``
+        turns into a fault (``Fail``) at the master's next pump. A stray request never
+        served, or answered without an error, is no fault (``Completed``, kept)."""
+        errors: list[tuple[str, Message, Message]] = []
+        for worker, future, request in list(self.membership.requests.values()):
+            if future is None:
+                continue
+            reply, _ = future.result(timeout=timeout_s)
+            if isinstance(reply, ErrorReply):
+                errors.append((worker.name, request, reply))
+        return errors
+
+    def answer(self, request_id: int, timeout_s: float = GATHER_LIMIT_S) -> Message:
+        """The worker's answer to request ``request_id``, gathered or not (late), once
+        it has come."""
+        return self._answers[request_id].result(timeout=timeout_s)[0]
 
     def served(self, name: str, kind: type[M]) -> list[M]:
         """The requests of type ``kind`` worker ``name`` served, as it decoded them."""
@@ -225,12 +275,16 @@ class FakeSampleCluster:
         self.sent.append((worker.name, message))
         if cue is not None:  # at gather: the request never reaches it
             self._lost_at_gather[request_id] = worker
+            self.membership.requests[request_id] = (worker, None, message)
             return payload_bytes(message)
         decoded = over_the_wire(message)
         if isinstance(decoded, ENDS_EXCHANGES):
             worker.service.cancel_wait.set()  # as the daemon's receive loop does
-        self._futures[request_id] = (worker, worker.thread.submit(self._serve, worker, decoded),
-                                     message)
+        future = worker.thread.submit(self._serve, worker, decoded)
+        self._futures[request_id] = (worker, future, message)
+        self._answers[request_id] = future
+        if expected_reply(message) is not None:  # Membership's RequestSent
+            self.membership.requests[request_id] = (worker, future, message)
         return payload_bytes(message)
 
     def _serve(self, worker: FakeWorker, request: Message) -> tuple[Message, float]:
@@ -241,6 +295,11 @@ class FakeSampleCluster:
                                             seconds=seconds)
         else:
             reply = worker.service.handle(request)
+            for cue in self.tampers:
+                if not cue.fired and cue.name == worker.name and cue.when(request):
+                    cue.fired = True
+                    reply = cue.change(reply)
+                    break
         return over_the_wire(reply), time.monotonic()
 
     def _cue(self, name: str, message: Message) -> LossCue | None:
@@ -253,6 +312,9 @@ class FakeSampleCluster:
     def gather(self, pending: dict[int, WorkerHandle], what: str,
                done: Callable[[], bool] = lambda: True,
                timeout_s: float | None = None) -> dict[int, Reply]:
+        self.gathers.append((len(self.sent), what))
+        for request_id in pending:  # awaited now: forgotten at the end, whatever it is
+            self.membership.requests.pop(request_id, None)
         for request_id in pending:
             lost = self._lost_at_gather.pop(request_id, None)
             if lost is not None:
@@ -384,6 +446,7 @@ def make_sample_stage(model: ModelConfig, params: dict[str, np.ndarray], run_dir
                       rebalancing: bool = False, fall_back: bool = False,
                       local_delay_s: float = 0.0,
                       faults: dict[str, FaultInjector] | None = None,
+                      dense_replicas: bool = False, steps_in_flight: int = 1,
                       cluster: FakeSampleCluster | None = None,
                       report: Callable[[str], None] | None = None,
                       ) -> tuple[SampleConvStage, FakeSampleCluster]:
@@ -394,9 +457,15 @@ def make_sample_stage(model: ModelConfig, params: dict[str, np.ndarray], run_dir
     ``data_plane``: "star" (rounds through the master) or "peer" (chains, the weight
     reduction over :class:`FakeSamplePeers`). ``local_delay_s``: the master alone (the
     setup's ``local_stage``) sleeps that much per conv call. ``faults``: a worker's
-    FaultInjector (tests/support/faulty_worker.py's WorkerFaults). ``report``: the
-    console lines (default: kept in ``cluster.lines``)."""
+    FaultInjector (tests/support/faulty_worker.py's WorkerFaults). ``dense_replicas``
+    and ``steps_in_flight`` (the peer data plane only, as ``open_sample_stage`` sets
+    them): the dense part on every participant, the next step sent ahead (2); the
+    Trainer attaches its dense part (``attach_dense``: AssignDense to every worker, and
+    the peers' plan again with the dense part's layer). ``report``: the console lines
+    (default: kept in ``cluster.lines``)."""
     assert data_plane in ("star", "peer")
+    assert data_plane == "peer" or not (dense_replicas or steps_in_flight > 1), \
+        "the dense part is replicated, and steps run ahead, over the peer data plane only"
     settings = settings or layer_settings(model, 0.9, 0.0)
     shapes = conv_layer_shapes(model)
     cluster = cluster or FakeSampleCluster()
@@ -428,8 +497,9 @@ def make_sample_stage(model: ModelConfig, params: dict[str, np.ndarray], run_dir
     metrics = MetricsWriter(run_dir / "metrics.jsonl")
     setup = SampleSetup(tuple(shapes), settings, "cpu", "float32", batch, master_computes,
                         local_stage, metrics, report or cluster.lines.append, rebalancing=rebalancing,
-                        fall_back=fall_back, slice_statistics=False, dense_replicas=False,
-                        steps_in_flight=1)
+                        fall_back=fall_back, slice_statistics=False,
+                        dense_replicas=dense_replicas and data_plane == "peer",
+                        steps_in_flight=steps_in_flight)
     control = RunControl(p.participant for p in members)
 
     def finish() -> None:  # open_sample_stage's
