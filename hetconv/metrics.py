@@ -5,7 +5,9 @@ reader (``hetconv report``) can follow a run that is still in progress.
 :func:`read_metrics` parses a file, skipping a cut-off last line with a warning;
 :class:`MetricsTail` follows a live run's file, reading only what was appended.
 :func:`participant_of` reads the participant id of a per-participant entry, in files
-written before the key was ``participant`` (it was ``device``) as well.
+written before the key was ``participant`` (it was ``device``) as well;
+:func:`participant_entries` reads a list of such entries, in files written before the
+lists were ``participants`` (they were ``devices``) as well.
 """
 from __future__ import annotations
 
@@ -17,16 +19,19 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 2  # 2: participant ids under "participant" (1: "device")
+SCHEMA_VERSION = 3  # 3: per-participant lists under "participants" (2: "devices");
+# 2: participant ids under "participant" (1: "device")
 PARTICIPANT_KEY = "participant"
 LEGACY_PARTICIPANT_KEY = "device"  # the key before it was "participant"; still read
+PARTICIPANTS_KEY = "participants"
+LEGACY_PARTICIPANTS_KEY = "devices"  # the lists' key before schema 3; still read
 log = logging.getLogger(__name__)
 
 
 def participant_of(entry: Mapping[str, Any]) -> str:
     """The participant id (``master`` or a worker id) of one per-participant entry of a
-    record (a step's ``layers[].devices[]``, a calibration's ``devices[]``, a plan's
-    ``links[]`` and ``samples[]``, a re-split's ``counts[].devices[]``): its
+    record (a step's ``layers[].participants[]``, a calibration's ``participants[]``, a
+    plan's ``links[]`` and ``samples[]``, a re-split's ``counts[].participants[]``): its
     ``participant`` key, or ``device`` in files written before the rename. KeyError
     when it has neither."""
     if PARTICIPANT_KEY in entry:
@@ -34,6 +39,17 @@ def participant_of(entry: Mapping[str, Any]) -> str:
     if LEGACY_PARTICIPANT_KEY in entry:
         return str(entry[LEGACY_PARTICIPANT_KEY])
     raise KeyError(PARTICIPANT_KEY)
+
+
+def participant_entries(container: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The per-participant entries of a calibration record, of one layer of a step's
+    ``layers`` or of one row of a re-split's ``counts``: its ``participants`` list, or
+    ``devices`` in files written before schema version 3 ([] when it has neither). Not
+    for the ``devices`` record, whose ``devices`` are the participants' devices."""
+    value = container.get(PARTICIPANTS_KEY)
+    if value is None:
+        value = container.get(LEGACY_PARTICIPANTS_KEY)
+    return list(value or [])
 
 
 def drop_cut_off_line(path: Path) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from hetconv.errors import UserError
-from hetconv.metrics import participant_of
+from hetconv.metrics import participant_entries, participant_of
 
 # labels of hetconv_participant_info, from the ``devices`` record (``device``: cpu, gpu:N)
 PARTICIPANT_INFO_KEYS = ("device", "kind", "name", "hostname")
@@ -80,7 +80,7 @@ class TrainingTotals:
                 self.participant(str(entry.get("id"))).info = {
                     key: str(entry.get(key, "")) for key in PARTICIPANT_INFO_KEYS}
         elif kind == "calibration":
-            for entry in record.get("devices", []):
+            for entry in participant_entries(record):
                 self.participant(participant_of(entry)).calibrated_s[int(record["layer"])] = \
                     float(entry["seconds"])
         elif kind == "step":
@@ -111,7 +111,7 @@ class TrainingTotals:
         self.last_step["images_per_s"] = record["images"] / max(float(record["step_s"]), 1e-9)
         kernels: dict[str, int] = {}
         for layer in record.get("layers", []):
-            for entry in layer.get("devices", []):
+            for entry in participant_entries(layer):
                 name = participant_of(entry)
                 totals = self.participant(name)
                 totals.compute_s += float(entry.get("forward_s", 0.0)) + \

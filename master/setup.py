@@ -157,7 +157,7 @@ class RunPlanning:
             f"layer {layer + 1}: " + ", ".join(f"{p} {c}" for p, c in zip(names, row))
             for layer, row in enumerate(counts)))
         self.metrics.write("replan", reason=reason, counts=[
-            {"layer": layer, "devices": [{"participant": p, "kernels": c}
+            {"layer": layer, "participants": [{"participant": p, "kernels": c}
                                          for p, c in zip(names, row)]}
             for layer, row in enumerate(counts)])
 
@@ -305,7 +305,7 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
             metrics.write("calibration", layer=shape.index, split=config.split,
                           calibrated_kernels=cal.calibrated_kernels, kernels=shape.kernels,
                           small_kernels=cal.small_kernels,
-                          devices=[{"participant": p.participant, "seconds": s,
+                          participants=[{"participant": p.participant, "seconds": s,
                                     "small_seconds": small, "fixed_s": cost[0],
                                     "per_kernel_s": cost[1], "kernels": shard.kernels,
                                     "kernel_start": shard.start, "kernel_stop": shard.stop,

@@ -13,7 +13,7 @@ from typing import Any
 
 from hetconv.bench.chaos_plan import RESTART, SIGKILL
 from hetconv.errors import UserError
-from hetconv.metrics import participant_of
+from hetconv.metrics import participant_entries, participant_of
 
 AUTO_MARGIN = 1.25  # --epochs auto: the runs last this many times --minutes
 
@@ -24,7 +24,7 @@ def _takes_in(join: dict[str, Any], name: str, workers: set[str]) -> bool:
     back and got no kernels)."""
     named = set(str(join.get("reason", "")).replace(",", " ").split())
     gives = any(participant_of(d) == name and int(d.get("kernels", 0)) > 0
-                for layer in join.get("counts", []) for d in layer.get("devices", []))
+                for layer in join.get("counts", []) for d in participant_entries(layer))
     return name in named or gives or not named & workers
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hetconv.errors import UserError
-from hetconv.metrics import participant_of
+from hetconv.metrics import participant_entries, participant_of
 
 SIGKILL, SIGSTOP, RESTART, CPU_QUOTA, LINK_DOWN_SHORT, LINK_DOWN_LONG = (
     "sigkill", "sigstop", "restart", "cpu-quota", "link-down-2s", "link-down-20s")
@@ -83,7 +83,7 @@ def kernels_held(records: Sequence[dict[str, Any]]) -> dict[str, int]:
     last = next((r for r in reversed(records) if r.get("type") == "step"), None)
     held: dict[str, int] = {}
     for layer in (last or {}).get("layers", []):
-        for entry in layer.get("devices", []):
+        for entry in participant_entries(layer):
             name = participant_of(entry)
             held[name] = held.get(name, 0) + int(entry.get("kernels", 0))
     return held

@@ -23,7 +23,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from hetconv.metrics import participant_of
+from hetconv.metrics import participant_entries, participant_of
 
 FIELDS = ("compute_s", "latency_s", "wait_s", "peer_wait_s")
 
@@ -35,7 +35,7 @@ def step_breakdown(steps: Sequence[dict[str, Any]]) -> dict[str, dict[str, float
     for step in steps:
         totals: dict[str, dict[str, float]] = {}
         for layer in step.get("layers", []):
-            for timing in layer.get("devices", []):
+            for timing in participant_entries(layer):
                 entry = totals.setdefault(participant_of(timing),
                                           {field: 0.0 for field in FIELDS})
                 entry["compute_s"] += float(timing.get("forward_s", 0.0)) + float(
@@ -60,7 +60,7 @@ def layer_breakdown(steps: Sequence[dict[str, Any]]
     per: dict[int, dict[str, dict[str, list[float]]]] = {}
     for step in steps:
         for layer in step.get("layers", []):
-            for timing in layer.get("devices", []):
+            for timing in participant_entries(layer):
                 entry = per.setdefault(int(layer.get("layer", 0)), {}).setdefault(
                     participant_of(timing), {"compute_s": [], "peer_wait_s": []})
                 entry["compute_s"].append(float(timing.get("forward_s", 0.0))

@@ -26,7 +26,7 @@ from hetconv.bench.scale_cpu import merge_cpu_repeats, steady_window
 from hetconv.errors import UserError
 from hetconv.master.samples.fall_back import STAY_ALONE_REASON
 from hetconv.master.samples.step_model import terms_from_record
-from hetconv.metrics import participant_of, read_metrics
+from hetconv.metrics import participant_entries, participant_of, read_metrics
 from hetconv.participant.samples.barrier_trace import barrier_breakdown, read_trace, step_timeline
 from hetconv.planning.perf_model import ParticipantCost, ideal_speedup, star_step_seconds
 
@@ -93,7 +93,7 @@ def typical_step_timeline(steps: list[dict[str, Any]], events: list[dict[str, An
         return {}
     latency: dict[str, float] = {}
     for layer in step.get("layers", [])[:1]:  # a chain's round: recorded under layer 0
-        for timing in layer.get("devices", []):
+        for timing in participant_entries(layer):
             latency[participant_of(timing)] = float(timing.get("forward_latency_s") or 0.0)
     return {"step": int(step["step"]), "step_s": float(step["step_s"]),
             "participants": {name: {"marks": [[m.layer, m.phase, m.shared_s, m.held_s]
@@ -109,7 +109,7 @@ def measured_slices(steps: list[dict[str, Any]]) -> dict[str, int]:
     for step in steps:
         layers = step.get("layers") or [{}]
         slicing = tuple(sorted((participant_of(t), int(t.get("samples", 0)))
-                               for t in layers[0].get("devices", [])
+                               for t in participant_entries(layers[0])
                                if int(t.get("samples", 0)) > 0))
         if slicing:
             seen[slicing] = seen.get(slicing, 0) + 1
@@ -153,7 +153,7 @@ def run_figures(run_dir: Path, link_bytes_per_s: float | None) -> RunFigures:
         master_link: dict[str, int] = {}  # per worker: its traffic with the master
         worker_link: dict[str, int] = {}  # per worker: everything on its link
         for layer in step.get("layers", []):
-            for timing in layer.get("devices", []):
+            for timing in participant_entries(layer):
                 name = participant_of(timing)
                 if name == "master":
                     continue
@@ -184,7 +184,7 @@ def run_figures(run_dir: Path, link_bytes_per_s: float | None) -> RunFigures:
         predicted = float(plans[-1]["predicted_step_s"]) + dense_s
     elif calibration and link_bytes_per_s:
         layers = [[ParticipantCost(float(d["fixed_s"]), float(d["per_kernel_s"]),
-                                   int(d["kernels"])) for d in c["devices"]]
+                                   int(d["kernels"])) for d in participant_entries(c)]
                   for c in sorted(calibration, key=lambda c: int(c["layer"]))]
         predicted = star_step_seconds(layers, dense_s, statistics.median(master_bytes),
                                       link_bytes_per_s)

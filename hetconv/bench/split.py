@@ -28,7 +28,7 @@ from typing import Any
 
 from hetconv.errors import UserError
 from hetconv.lab import LocalWorkers, cpu_quota_unavailable_reason, free_port
-from hetconv.metrics import participant_of
+from hetconv.metrics import participant_entries, participant_of
 
 RUN_LABELS = {"one": "(a) fast worker alone", "equal": "(b) equal split",
               "calibrated": "(c) calibrated (eq. 1)", "model": "(d) cost-model split"}
@@ -99,9 +99,9 @@ def run_split_bench(slow_fraction: float = 0.3, arch: str = "32:256", batch: int
     med = {name: {key: statistics.median(f[key] for f in runs) for key in runs[0]}
            for name, runs in figures.items()}
     # combined speed from calibration: sum over layers of per-participant seconds for equal work
-    fast_s = sum(d["seconds"] for c in calibration for d in c["devices"]
+    fast_s = sum(d["seconds"] for c in calibration for d in participant_entries(c)
                  if participant_of(d) == "fast")
-    slow_s = sum(d["seconds"] for c in calibration for d in c["devices"]
+    slow_s = sum(d["seconds"] for c in calibration for d in participant_entries(c)
                  if participant_of(d) == "slow")
     ideal_conv = med["one"]["conv_s"] / (1.0 + fast_s / slow_s)
     result = {"settings": {"slow_fraction": slow_fraction, "arch": arch, "batch": batch,
@@ -115,11 +115,11 @@ def run_split_bench(slow_fraction: float = 0.3, arch: str = "32:256", batch: int
               "equal_over_model_conv": med["equal"]["conv_s"] / med["model"]["conv_s"],
               "one_over_model_step": med["one"]["step_s"] / med["model"]["step_s"],
               "model_split": [{"layer": c["layer"], **{participant_of(d): d["kernels"]
-                                                      for d in c["devices"]}}
+                                                      for d in participant_entries(c)}}
                               for c in model_split],
               "calibrated_slow_speed": fast_s / slow_s,
               "split": [{"layer": c["layer"],
-                         **{participant_of(d): d["kernels"] for d in c["devices"]}}
+                         **{participant_of(d): d["kernels"] for d in participant_entries(c)}}
                         for c in calibration]}
     out(f"{'run':<28}{'conv phase ms':>15}{'comm ms':>10}{'step ms':>10}")
     for name, label in RUN_LABELS.items():

@@ -88,7 +88,7 @@ class ConvStage(Protocol):
         """The training step is over: every decision that watches steps hears of it (the
         run state machine, re-balancing, trials, a model fitted in place, whatever the
         stage has), then its record: per-layer, per-device timings and bytes, and its
-        communication seconds: ``{"layers": [{"layer", "devices": [...]}], "comm_s"}``
+        communication seconds: ``{"layers": [{"layer", "participants": [...]}], "comm_s"}``
         (and ``"sent_ahead"``, where the stage runs steps ahead: docs/metrics.md)."""
         ...
 
@@ -161,7 +161,7 @@ class LocalConvStage:
         return out
 
     def end_step(self) -> dict[str, Any]:
-        layers = [{"layer": layer, "devices": [entry]}
+        layers = [{"layer": layer, "participants": [entry]}
                   for layer, entry in sorted(self._timings.items())]
         self._timings = {}
         return {"layers": layers, "comm_s": 0.0}

@@ -173,7 +173,7 @@ class Phases:
     def take_timings(self) -> dict[str, Any]:
         """The step's timings by layer and participant, and its communication seconds;
         starts the next step's."""
-        layers = [{"layer": layer, "devices": list(devices.values())}
+        layers = [{"layer": layer, "participants": list(devices.values())}
                   for layer, devices in sorted(self._timings.items())]
         comm_s, self._comm_s, self._timings = self._comm_s, 0.0, {}
         return {"layers": layers, "comm_s": comm_s}

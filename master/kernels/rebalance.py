@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from hetconv.master.kernels.planner import ParticipantProfile, choose_plan, predict
-from hetconv.metrics import participant_of
+from hetconv.metrics import participant_entries, participant_of
 from hetconv.planning.perf_model import LayerTraffic
 
 DRIFT_FRACTION = 0.25
@@ -76,7 +76,7 @@ class RebalanceDecision:
         return {"step": self.step, "reason": self.reason,
                 "old_predicted_step_s": self.old_predicted_step_s,
                 "new_predicted_step_s": self.new_predicted_step_s,
-                "counts": [{"layer": layer, "devices": [
+                "counts": [{"layer": layer, "participants": [
                     {"participant": p, "kernels": count, "scale": scale}
                     for p, count, scale in zip(self.participants, row, self.scales[layer])]}
                     for layer, row in enumerate(self.counts)]}
@@ -89,7 +89,7 @@ def measured_compute(timings: Mapping[str, Any]) -> list[dict[str, tuple[int, fl
     for layer in timings.get("layers", []):
         layers[int(layer["layer"])] = {
             participant_of(d): (int(d["kernels"]), float(d["forward_s"]) + float(d["backward_s"]))
-            for d in layer["devices"]}
+            for d in participant_entries(layer)}
     return [layers.get(index, {}) for index in range(max(layers, default=-1) + 1)]
 
 

@@ -62,7 +62,7 @@ class StepFigures:
 
     def record(self) -> dict[str, Any]:
         """The step record's figures (docs/metrics.md)."""
-        layers = [{"layer": layer, "devices": list(devices.values())}
+        layers = [{"layer": layer, "participants": list(devices.values())}
                   for layer, devices in sorted(self.timings.items())]
         return {"layers": layers, "comm_s": self.comm_s, "sent_ahead": self.sent_ahead}
 
@@ -99,6 +99,6 @@ def sample_counts(shapes: Sequence[ConvLayerShape], counts: Mapping[str, int]
     """A ``rebalance``/``replan`` record's ``counts`` under the sample split: per layer,
     every participant of ``counts`` (in its order) with its samples and the whole
     layer's kernels (docs/metrics.md)."""
-    return [{"layer": shape.index, "devices": [
+    return [{"layer": shape.index, "participants": [
         {"participant": name, "kernels": shape.kernels, "samples": samples}
         for name, samples in counts.items()]} for shape in shapes]

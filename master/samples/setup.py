@@ -291,7 +291,7 @@ def open_sample_stage(cluster: Cluster, config: MasterConfig, participants: list
         metrics.write("calibration", layer=shape.index, split=config.split, split_by="samples",
                       calibrated_kernels=cal.calibrated_kernels, kernels=shape.kernels,
                       small_kernels=cal.small_kernels,
-                      devices=[{"participant": p.participant, "seconds": t, "small_seconds": small,
+                      participants=[{"participant": p.participant, "seconds": t, "small_seconds": small,
                                 "fixed_s": cost[0], "per_kernel_s": cost[1],
                                 "kernels": shape.kernels, "kernel_start": 0,
                                 "kernel_stop": shape.kernels,

@@ -57,5 +57,5 @@ def test_a_spec_over_two_workers_reproduces_the_local_run(endpoint: str, workers
     calibrations = [r for r in run if r["type"] == "calibration"]
     assert len(calibrations) == 3
     for calibration in calibrations:  # every conv layer is spread over the workers
-        held = {d["participant"] for d in calibration["devices"] if d["kernels"] > 0}
+        held = {d["participant"] for d in calibration["participants"] if d["kernels"] > 0}
         assert {"w1", "w2"} <= held

@@ -112,7 +112,7 @@ def test_a_join_that_takes_the_worker_in_counts_as_back() -> None:
     other = InjectedFault("sigkill", "w1", 30.0, 1030.0, ended=1035.0)
     evicted = {"type": "recovery", "time": 1016.0, "failed_step": 50, "resumed_step": 40,
                "seconds": 0.1, "participant": "w2"}
-    counts = [{"layer": 0, "devices": [{"participant": "w2", "kernels": 3}]}]
+    counts = [{"layer": 0, "participants": [{"participant": "w2", "kernels": 3}]}]
     records = [evicted,
                {"type": "replan", "time": 1022.0, "reason": "join of w1", "counts": []},
                {"type": "replan", "time": 1025.0, "reason": "join of w1, w3",
@@ -131,9 +131,9 @@ def test_a_join_that_takes_the_worker_in_counts_as_back() -> None:
 
 def test_faults_strike_workers_holding_kernels_where_there_are_any() -> None:
     step = {"type": "step", "layers": [
-        {"devices": [{"participant": "master", "kernels": 2}, {"participant": "w1", "kernels": 0},
+        {"participants": [{"participant": "master", "kernels": 2}, {"participant": "w1", "kernels": 0},
                      {"participant": "w2", "kernels": 3}]},
-        {"devices": [{"participant": "w1", "kernels": 0}, {"participant": "w2", "kernels": 1}]}]}
+        {"participants": [{"participant": "w1", "kernels": 0}, {"participant": "w2", "kernels": 1}]}]}
     held = kernels_held([{"type": "recovery"}, step, {"type": "checkpoint"}])
     assert held == {"master": 2, "w1": 0, "w2": 4}
     rng = random.Random(0)

@@ -135,7 +135,7 @@ def test_a_blocked_data_port_is_one_line_on_both_sides_and_the_run_goes_on(
     assert recoveries and all(r["participant"] == "a" for r in recoveries), recoveries
     steps = [r for r in events if r["type"] == "step"]
     assert steps and all(d["kernels"] == 0 for s in steps for layer in s["layers"]
-                         for d in layer["devices"] if d["participant"] == "a")
+                         for d in layer["participants"] if d["participant"] == "a")
     assert seconds < 60, f"the run took {seconds:.0f} s"
 
 

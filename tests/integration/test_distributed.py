@@ -59,12 +59,12 @@ def test_two_workers_reproduce_local_run(endpoint: str, workers: Any, tmp_path: 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     calibrations = [r for r in records if r["type"] == "calibration"]
     assert len(calibrations) == 2
-    assert all(sum(d["kernels"] for d in c["devices"]) == c["kernels"] for c in calibrations)
+    assert all(sum(d["kernels"] for d in c["participants"]) == c["kernels"] for c in calibrations)
     steps = [r for r in records if r["type"] == "step"]
-    devices = {d["participant"] for s in steps for layer in s["layers"] for d in layer["devices"]
+    devices = {d["participant"] for s in steps for layer in s["layers"] for d in layer["participants"]
                if d["kernels"] > 0}
     assert devices <= {"master", "w1", "w2"}
-    first = {d["participant"] for layer in steps[0]["layers"] for d in layer["devices"]
+    first = {d["participant"] for layer in steps[0]["layers"] for d in layer["participants"]
              if d["kernels"] > 0}
     if split == "model":  # the planner's choice, recorded
         (plan,) = [r for r in records if r["type"] == "plan"]
@@ -189,7 +189,7 @@ def test_float16_on_the_wire_halves_traffic_and_still_trains(endpoint: str, work
     # the planner (--split model) may keep the small first layer on the master alone
     # when the workers measure slow, so check every layer a worker holds kernels of
     shapes = {0: (64 * 1 * 28 * 28, 12 * 12), 1: (64 * 4 * 12 * 12, 4 * 4)}
-    held = [(entry["layer"], d) for entry in step["layers"] for d in entry["devices"]
+    held = [(entry["layer"], d) for entry in step["layers"] for d in entry["participants"]
             if d["participant"] != "master" and d["kernels"] > 0]
     assert held, f"no worker held kernels at step 1: nothing crossed the wire {step['layers']}"
     for layer, device in held:

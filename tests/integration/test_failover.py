@@ -105,7 +105,7 @@ def test_a_killed_worker_is_replaced_and_nothing_is_lost(endpoint: str, workers:
     assert records(run_dir)[-1]["status"] == "completed"
     assert_reproduces_all(run_dir, local_reference)
     last = [r for r in records(run_dir) if r["type"] == "step"][-1]
-    holders = {d["participant"] for layer in last["layers"] for d in layer["devices"]
+    holders = {d["participant"] for layer in last["layers"] for d in layer["participants"]
                if d["kernels"] > 0}
     assert "w2" not in holders and {"master", "w1", "w3"} <= holders  # the master kept its share
 

@@ -56,7 +56,7 @@ def holders_now(run_dir: Path, before_the_last_layer: bool = False) -> list[str]
     if not steps:
         return []
     layers = steps[-1]["layers"][:-1] if before_the_last_layer else steps[-1]["layers"]
-    return sorted({d["participant"] for layer in layers for d in layer["devices"]
+    return sorted({d["participant"] for layer in layers for d in layer["participants"]
                    if d["kernels"] > 0 and d["participant"] != "master"})
 
 
@@ -127,7 +127,7 @@ def turn_a_holder_bad(run_dir: Path, flags: dict[str, Path]) -> str:
             return bad  # seen wrong already
         steps = [r for r in events if r["type"] == "step"]
         if steps and any(d["participant"] == bad and d["kernels"] > 0
-                         for layer in steps[-1]["layers"] for d in layer["devices"]):
+                         for layer in steps[-1]["layers"] for d in layer["participants"]):
             return bad  # wrong while holding kernels: the next check or audit sees it
         flags[bad].unlink()
     raise AssertionError("no worker kept its kernels long enough to turn it bad")
@@ -239,7 +239,7 @@ def test_a_lost_worker_costs_at_most_two_recoveries(endpoint: str, workers: Any,
         recovered_at = recoveries[0]["time"]
         for replan in (r for r in window if r["type"] in ("replan", "rebalance")):
             if replan["time"] >= recovered_at and not replan["reason"].startswith("join"):
-                held = [d for layer in replan["counts"] for d in layer["devices"]
+                held = [d for layer in replan["counts"] for d in layer["participants"]
                         if d["participant"] == victim and d["kernels"] > 0]
                 if joins_of([r for r in window if r["time"] <= replan["time"]], victim):
                     continue  # back through a join: it may hold kernels again
@@ -270,5 +270,5 @@ def test_a_worker_answering_wrong_results_is_evicted_for_good(
     assert evidence in first["reason"], first
     assert not joins_of(events, bad), "a worker evicted for wrong results was taken back"
     last = [r for r in events if r["type"] == "step"][-1]
-    assert all(d["kernels"] == 0 for layer in last["layers"] for d in layer["devices"]
+    assert all(d["kernels"] == 0 for layer in last["layers"] for d in layer["participants"]
                if d["participant"] == bad)

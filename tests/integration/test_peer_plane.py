@@ -27,7 +27,7 @@ def steps_of(run_dir: Path) -> list[dict[str, Any]]:
 def master_link_bytes(step: dict[str, Any]) -> int:
     """Array bytes on the master's link in one step: every worker's bytes_sent + received."""
     return sum(d["bytes_sent"] + d["bytes_received"] for layer in step["layers"]
-               for d in layer["devices"] if d["participant"] != "master")
+               for d in layer["participants"] if d["participant"] != "master")
 
 
 @pytest.mark.timeout(180)
@@ -48,7 +48,7 @@ def test_two_workers_and_the_master_reproduce_the_local_run(endpoint: str, worke
         assert local_w[name].shape == peer_w[name].shape
         np.testing.assert_allclose(peer_w[name], local_w[name], rtol=1e-3, atol=1e-4)
     step = steps_of(run_dir)[1]
-    w1 = {layer["layer"]: d for layer in step["layers"] for d in layer["devices"]
+    w1 = {layer["layer"]: d for layer in step["layers"] for d in layer["participants"]
           if d["participant"] == "w1"}
     assert w1[0]["peer_bytes_sent"] > 0 and w1[1]["peer_bytes_received"] > 0
     config = json.loads((run_dir / "config.json").read_text())
@@ -102,7 +102,7 @@ def test_curve_run_trains_over_the_peer_plane(endpoint: str, workers: Any,
                          "--curve-allow", str(allowed))
     assert result.returncode == 0, result.stderr
     assert any(d["peer_bytes_sent"] > 0 for s in steps_of(tmp_path / "r")
-               for layer in s["layers"] for d in layer["devices"])
+               for layer in s["layers"] for d in layer["participants"])
 
 
 @pytest.mark.timeout(30)

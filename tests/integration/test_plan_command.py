@@ -42,7 +42,7 @@ def distributed_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.timeout(240)
 def test_the_table_and_the_measured_step(distributed_run: Path, tmp_path: Path) -> None:
     records = metrics(distributed_run)
-    participants = next(r for r in records if r["type"] == "calibration")["devices"]
+    participants = next(r for r in records if r["type"] == "calibration")["participants"]
     steps = [r["step_s"] for r in records if r["type"] == "step"][1:]
     markdown, data = tmp_path / "plan.md", tmp_path / "plan.json"
     result = run_hetconv("plan", str(distributed_run), "--machines", "1,2,4,128",

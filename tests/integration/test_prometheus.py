@@ -51,7 +51,7 @@ def expected_from_jsonl(records: list[dict[str, Any]], steps: int) -> dict[str, 
     per: dict[str, dict[str, float]] = {}
     for record in step_records:
         for layer in record["layers"]:
-            for entry in layer["devices"]:
+            for entry in layer["participants"]:
                 totals = per.setdefault(entry["participant"], {})
                 for key, amount in (("compute", entry["forward_s"] + entry["backward_s"]),
                                     ("wait", entry["wait_s"]),
@@ -61,7 +61,7 @@ def expected_from_jsonl(records: list[dict[str, Any]], steps: int) -> dict[str, 
     last = step_records[-1]
     kernels: dict[str, int] = {}
     for layer in last["layers"]:
-        for entry in layer["devices"]:
+        for entry in layer["participants"]:
             kernels[entry["participant"]] = kernels.get(entry["participant"], 0) + entry["kernels"]
     return {"images": sum(r["images"] for r in step_records),
             "step_seconds": sum(r["step_s"] for r in step_records),
@@ -128,7 +128,7 @@ def test_scraped_metrics_equal_metrics_jsonl(workers: Any, endpoint: str, tmp_pa
                      device=device["device"], kind=device["kind"], name=device["name"],
                      hostname=device["hostname"]) == 1
     for calibration in (r for r in records if r["type"] == "calibration"):
-        for entry in calibration["devices"]:
+        for entry in calibration["participants"]:
             assert value(found, "hetconv_participant_calibrated_seconds",
                          participant=entry["participant"],
                          layer=str(calibration["layer"])) == entry["seconds"]
@@ -153,15 +153,15 @@ def test_scraped_metrics_equal_metrics_jsonl(workers: Any, endpoint: str, tmp_pa
         assert text is not None, f"worker {name} serves no /metrics"
         worker = samples(text)
         backward = sum(1 for r in all_steps for layer in r["layers"]
-                       for entry in layer["devices"] if entry["participant"] == name)
+                       for entry in layer["participants"] if entry["participant"] == name)
         served = sum(worker.get(("hetconv_worker_requests_total", (("type", kind),)), 0.0)
                      for kind in ("backward_request", "peer_backward_request"))
         assert served == backward  # the star or the peer data plane, whichever is on
         backward_s = sum(entry["backward_s"] for r in all_steps for layer in r["layers"]
-                         for entry in layer["devices"] if entry["participant"] == name)
+                         for entry in layer["participants"] if entry["participant"] == name)
         assert value(worker, "hetconv_worker_compute_seconds_total") >= backward_s
         sent = sum(entry["bytes_received"] for r in all_steps for layer in r["layers"]
-                   for entry in layer["devices"] if entry["participant"] == name)
+                   for entry in layer["participants"] if entry["participant"] == name)
         assert value(worker, "hetconv_worker_bytes_sent_total") >= sent
         assert value(worker, "hetconv_worker_runs_joined_total") == 1
         assert value(worker, "hetconv_worker_evictions_seen_total") == 0

@@ -28,7 +28,7 @@ def records(run_dir: Path, kind: str) -> list[dict[str, Any]]:
 
 
 def kernels_of(step: dict[str, Any], participant: str) -> int:
-    return sum(d["kernels"] for layer in step["layers"] for d in layer["devices"]
+    return sum(d["kernels"] for layer in step["layers"] for d in layer["participants"]
                if d["participant"] == participant)
 
 
@@ -52,7 +52,7 @@ def test_a_slow_worker_loses_kernels_and_the_run_stays_exact(
     assert kernels_of(steps[-1], "slow") < kernels_of(steps[0], "slow")
     for layer, row in zip(records(run_dir, "run_start")[0]["layers"],
                           rebalances[-1]["counts"]):
-        assert sum(d["kernels"] for d in row["devices"]) == layer["kernels"]
+        assert sum(d["kernels"] for d in row["participants"]) == layer["kernels"]
     assert_reproduces(run_dir, local_reference)  # every step's loss within rtol 1e-4
     assert json.loads((run_dir / "config.json").read_text())["rebalance"] is True
 

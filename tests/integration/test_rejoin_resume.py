@@ -40,7 +40,7 @@ def master(endpoint: str, run_dir: Path, workers: int, *extra: str) -> Any:
 def holders_after(run_dir: Path, step: int) -> set[str]:
     """Participants holding kernels in the step records after ``step``."""
     return {d["participant"] for r in records(run_dir) if r["type"] == "step" and r["step"] > step
-            for layer in r["layers"] for d in layer["devices"] if d["kernels"] > 0}
+            for layer in r["layers"] for d in layer["participants"] if d["kernels"] > 0}
 
 
 def evicted(run_dir: Path, name: str) -> bool:

@@ -74,7 +74,7 @@ def test_terminal_and_json_figures(distributed_run: Path) -> None:
     assert max(len(line) for line in text.splitlines()) <= 100
     assert re.search(rf"median step time\s+{median_step_ms:.1f} ms", text), text
     for calibration in (r for r in records if r["type"] == "calibration"):
-        for entry in calibration["devices"]:
+        for entry in calibration["participants"]:
             row = rf"^{calibration['layer'] + 1}\s+{re.escape(entry['participant'])}\s+" \
                   rf"{entry.get('samples', entry['kernels'])}\s"
             assert re.search(row, text, re.MULTILINE), (row, text)
@@ -89,7 +89,7 @@ def test_terminal_and_json_figures(distributed_run: Path) -> None:
     assert {"w1", "w2"} <= set(kernels)
     last = used[-1]
     for layer in last["layers"]:
-        for entry in layer["devices"]:
+        for entry in layer["participants"]:
             # work units: kernels, or samples under the sample split
             assert kernels[entry["participant"]][layer["layer"]] == entry.get("samples",
                                                                              entry["kernels"])

@@ -58,7 +58,7 @@ def test_two_workers_and_the_master_reproduce_the_local_run(
         np.testing.assert_allclose(dist_w[name], local_w[name], rtol=1e-3, atol=1e-4)
     steps = _records(run_dir, "step")
     for step in steps:
-        samples = {d["participant"]: d["samples"] for d in step["layers"][0]["devices"]}
+        samples = {d["participant"]: d["samples"] for d in step["layers"][0]["participants"]}
         assert set(samples) <= {"master", "w1", "w2"} and sum(samples.values()) == 64
     # two steps in flight by default (the step chains): every step but the first after a
     # snapshot (every 20 steps) went out before the one before it was gathered
@@ -73,12 +73,12 @@ def test_two_workers_and_the_master_reproduce_the_local_run(
     # plan record says so (the re-slicing may later leave one out on a busy host too)
     plan = _records(run_dir, "plan")[0]
     planned = {p["participant"] for p in plan["samples"] if p["samples"] > 0}
-    computing = {d["participant"] for d in steps[0]["layers"][0]["devices"] if d["samples"] > 0}
+    computing = {d["participant"] for d in steps[0]["layers"][0]["participants"] if d["samples"] > 0}
     assert computing & {"w1", "w2"}, computing  # a distributed run
     assert {"w1", "w2"} - computing <= {"w1", "w2"} - planned, (computing, plan)
     # who carried the weight gradients: the peers (default) or the master's link (star)
     peer_bytes = {name: sum(d.get("peer_bytes_sent", 0) for step in steps
-                            for layer in step["layers"] for d in layer["devices"]
+                            for layer in step["layers"] for d in layer["participants"]
                             if d["participant"] == name) for name in ("w1", "w2")}
     star = "star" in plane
     if star:
@@ -112,7 +112,7 @@ def test_two_workers_and_the_master_reproduce_the_local_run(
         assert not replicated
     assert model["rounds"] == (2 * 2 + 2 if star else 1 if replicated else 2)
     if replicated:  # a step chain's peer waits on the layers that waited, not on layer 0
-        assert any(d["peer_wait_s"] > 0 for step in steps for d in step["layers"][1]["devices"]
+        assert any(d["peer_wait_s"] > 0 for step in steps for d in step["layers"][1]["participants"]
                    if d["participant"] in ("w1", "w2")), steps[-1]
     assert model["predicted_step_s"] == pytest.approx(
         model["compute_s"] + model["rounds"] * model["round_s"] + model["serial_s"])
@@ -148,7 +148,7 @@ def test_workers_slower_than_the_master_alone_are_dropped_and_the_run_stays_exac
     assert replans[0]["measured_step_s"] > replans[0]["alone_step_s"]
     steps = _records(run_dir, "step")
     after = [s for s in steps if s["step"] >= 20]
-    assert after and all({d["participant"] for layer in s["layers"] for d in layer["devices"]}
+    assert after and all({d["participant"] for layer in s["layers"] for d in layer["participants"]}
                          <= {"master"} for s in after)
     assert_reproduces(run_dir, local_reference)
 
@@ -234,7 +234,7 @@ def test_a_worker_without_samples_keeps_its_replica_in_step(endpoint: str, worke
     assert result.returncode == 0, result.stderr
     assert not _records(run_dir, "recovery"), result.stdout
     steps = _records(run_dir, "step")
-    idle = {d["participant"] for s in steps for d in s["layers"][0]["devices"]}
+    idle = {d["participant"] for s in steps for d in s["layers"][0]["participants"]}
     assert len(idle) < 4  # the slices are the same every step: one participant sits out
     local_losses = [r["loss"] for r in _records(local_dir, "step")]
     np.testing.assert_allclose([r["loss"] for r in steps], local_losses, rtol=1e-4)

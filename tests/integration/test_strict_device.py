@@ -65,7 +65,7 @@ def assert_matches_cpu(run_dir: Path, reference: Path, rtol: float = DISTRIBUTED
 def layers_held(run_dir: Path, participant: str) -> int:
     """Conv layers in which ``participant`` was given kernels."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return sum(any(d["participant"] == participant and d["kernels"] > 0 for d in r["devices"])
+    return sum(any(d["participant"] == participant and d["kernels"] > 0 for d in r["participants"])
                for r in records if r["type"] == "calibration")
 
 

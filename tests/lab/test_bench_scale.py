@@ -93,10 +93,10 @@ def test_bench_scale_small_configuration(tmp_path: Path) -> None:
         records = read_metrics(run_dir / "metrics.jsonl")
         for calibration in (r for r in records if r["type"] == "calibration"):
             assert calibration["split"] == "equal"
-            assert [(d["participant"], d["kernels"] > 0) for d in calibration["devices"]] == [
+            assert [(d["participant"], d["kernels"] > 0) for d in calibration["participants"]] == [
                 ("master", True), ("m1", True), ("m2", True)], calibration
         steps = [r for r in records if r["type"] == "step"]
-        assert steps and all({d["participant"] for d in layer["devices"]} == {"master", "m1", "m2"}
+        assert steps and all({d["participant"] for d in layer["participants"]} == {"master", "m1", "m2"}
                              for step in steps for layer in step["layers"])
         # the probe saw the cap (1 Gbit/s), not loopback: "link to m1: 941 Mbit/s down, ..."
         log = (run_dir.parent / "repeat0.log").read_text()
@@ -124,7 +124,7 @@ def test_on_a_slow_lan_the_master_trains_alone(tmp_path: Path) -> None:
         assert 0.3 * 1.25e6 < link["down_bytes_per_s"] < 1.3 * 1.25e6, link
     steps = [r for r in records if r["type"] == "step"]
     assert steps and all(d["participant"] == "master"
-                         for s in steps for layer in s["layers"] for d in layer["devices"])
+                         for s in steps for layer in s["layers"] for d in layer["participants"])
     assert records[-1]["type"] == "run_end" and records[-1]["status"] == "completed"
 
 

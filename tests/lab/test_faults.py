@@ -85,7 +85,7 @@ def holders_now(run_dir: Path) -> list[str]:
     if not splits:
         return []
     layers = splits[-1]["layers" if splits[-1]["type"] == "step" else "counts"]
-    return sorted({d["participant"] for layer in layers for d in layer["devices"]
+    return sorted({d["participant"] for layer in layers for d in layer["participants"]
                    if d["kernels"] > 0 and d["participant"] != "master"})
 
 
@@ -99,7 +99,7 @@ def nobody_away(run_dir: Path, since: float) -> bool:
 
 def gives_kernels(record: dict[str, Any], name: str) -> bool:
     return any(d["participant"] == name and d["kernels"] > 0
-               for layer in record["counts"] for d in layer["devices"])
+               for layer in record["counts"] for d in layer["participants"])
 
 
 @pytest.fixture(scope="module")
@@ -431,7 +431,7 @@ def test_a_machine_that_slows_down_loses_kernels(endpoint: str, workers: Any,
     resplits = [r for r in records(run_dir) if r["type"] == "rebalance"]
 
     def kernels(record: dict[str, Any], who: str) -> int:
-        return sum(d["kernels"] for layer in record["counts"] for d in layer["devices"]
+        return sum(d["kernels"] for layer in record["counts"] for d in layer["participants"]
                    if d["participant"] == who)
     # decided after the slow-down (a re-split of the same step may have been decided on
     # the steps before it: CI once saw one at step 25 give busy more kernels), and busy

@@ -36,7 +36,7 @@ def test_calibrated_share_follows_the_cpu_quota(endpoint: str, workers: Any,
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     layer2 = [r for r in records if r["type"] == "calibration"][1]
     unit = "kernels" if split_by == "kernels" else "samples"  # what is shared out
-    kernels = {d["participant"]: d[unit] for d in layer2["devices"]}
+    kernels = {d["participant"]: d[unit] for d in layer2["participants"]}
     whole = layer2["kernels"] if split_by == "kernels" else 64  # the batch
     # speeds 1 : QUOTA -> the slow worker's share is QUOTA / (1 + QUOTA) of the whole
     predicted = whole * QUOTA / (1 + QUOTA)
@@ -49,7 +49,7 @@ def test_calibrated_share_follows_the_cpu_quota(endpoint: str, workers: Any,
     assert kernels["slow"] < kernels["fast"], kernels
     assert kernels["fast"] + kernels["slow"] == whole
     if split_by == "kernels":  # exactly the paper's equation (1) of what was measured
-        seconds = {d["participant"]: d["seconds"] for d in layer2["devices"]}
+        seconds = {d["participant"]: d["seconds"] for d in layer2["participants"]}
         share = (1 / seconds["slow"]) / (1 / seconds["slow"] + 1 / seconds["fast"])
         assert abs(kernels["slow"] - whole * share) <= 1.0, (kernels, seconds)
     if split_by == "samples":  # exactly the paper's equation (1) of what was measured

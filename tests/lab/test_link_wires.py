@@ -80,7 +80,7 @@ def records_of(run_dir: Path) -> list[dict[str, Any]]:
 def worked(records: list[dict[str, Any]]) -> set[str]:
     """Participants that held samples or kernels in some step."""
     return {d["participant"] for r in records if r["type"] == "step" for layer in r["layers"]
-            for d in layer["devices"] if d.get("samples", 0) > 0 or d.get("kernels", 0) > 0}
+            for d in layer["participants"] if d.get("samples", 0) > 0 or d.get("kernels", 0) > 0}
 
 
 @pytest.mark.timeout(240)

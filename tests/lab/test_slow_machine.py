@@ -79,7 +79,7 @@ def test_a_machine_slower_than_its_slice_is_tried_without_and_left_out(
     after = [r for r in records[last:] if r["type"] == "step"]
     assert after, "no step after the last re-plan"
     assert all(d["participant"] != "w3" for step in after for layer in step["layers"]
-               for d in layer["devices"]), after[-1]
+               for d in layer["participants"]), after[-1]
     if "--no-local" not in flags and "slower than the master alone" in result.stdout:
         # on this small network the master alone beat the run with w3 and its trial
         # came first (master/samples/fall_back.py): also never slower than with w3

@@ -148,7 +148,7 @@ def test_sbatch_script_trains_with_two_curve_workers(slurm_cluster: dict[str, st
     assert sorted(d["id"] for d in devices) == [f"{host}-0", f"{host}-1"]
     steps = [r for r in records if r["type"] == "step"]
     assert len(steps) == 20 and {entry["participant"] for r in steps for layer in r["layers"]
-                                 for entry in layer["devices"]} <= {f"{host}-0", f"{host}-1"}
+                                 for entry in layer["participants"]} <= {f"{host}-0", f"{host}-1"}
     assert sorted(worker_logs) == ["worker-0.log", "worker-1.log"]
     for text in worker_logs.values():
         assert "CURVE on" in text, worker_logs

@@ -67,7 +67,7 @@ def _sliced_step(step: int, step_s: float, slices: dict[str, int]) -> dict[str, 
                 "forward_latency_s": step_s, "backward_latency_s": 0.0, "bytes_sent": 0,
                 "bytes_received": 0, "peer_bytes_sent": 0, "peer_bytes_received": 0}
                for name, count in slices.items()]
-    return {**_step(step, 100.0 + step, step_s), "layers": [{"layer": 0, "devices": devices}]}
+    return {**_step(step, 100.0 + step, step_s), "layers": [{"layer": 0, "participants": devices}]}
 
 
 def test_the_prediction_is_the_step_models_at_the_slices_the_figures_were_measured_on(

@@ -1,5 +1,6 @@
-"""Metrics files written before the rename (schema version 1: a participant id under
-``device``, not ``participant``) still read the same: the report, the Prometheus totals,
+"""Metrics files written before the renames (schema version 1: a participant id under
+``device``, not ``participant``; versions 1 and 2: the lists of per-participant entries
+under ``devices``, not ``participants``) still read the same: the report, the Prometheus totals,
 ``hetconv status``, the what-if links and the benches' readers see no difference."""
 from __future__ import annotations
 
@@ -46,33 +47,55 @@ def entries(record: dict[str, Any]) -> list[dict[str, Any]]:
     """The per-participant entries of one record (docs/metrics.md)."""
     kind = record["type"]
     if kind == "calibration":
-        return list(record["devices"])
+        return list(record["participants"])
     if kind == "plan":
         return [*record.get("links", []), *record.get("samples", [])]
+    if kind == "step":
+        return [entry for layer in record["layers"] for entry in layer["participants"]]
+    if kind in ("rebalance", "replan"):
+        return [entry for layer in record.get("counts", []) for entry in layer["participants"]]
+    return []
+
+
+def legacy(records: list[dict[str, Any]], schema: int = 1) -> list[dict[str, Any]]:
+    """The same records as schema version ``schema`` (1 or 2) wrote them: the lists of
+    per-participant entries under ``devices``, and in version 1 ``device`` for the
+    participant id in every entry (a recovery's own ``participant`` field stays)."""
+    old = copy.deepcopy(records)
+    for record in old:
+        if schema == 1:
+            for entry in entries(record):
+                entry["device"] = entry.pop("participant")
+        lists = ([record] if record["type"] == "calibration" else
+                 record.get("layers", []) if record["type"] == "step" else
+                 record.get("counts", []) if record["type"] in ("rebalance", "replan") else [])
+        for holder in lists:
+            holder["devices"] = holder.pop("participants")
+    return old
+
+
+def legacy_entries(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """:func:`entries` of a record as schema version 1 or 2 wrote it."""
+    kind = record["type"]
+    if kind == "calibration":
+        return list(record["devices"])
     if kind == "step":
         return [entry for layer in record["layers"] for entry in layer["devices"]]
     if kind in ("rebalance", "replan"):
         return [entry for layer in record.get("counts", []) for entry in layer["devices"]]
-    return []
+    return entries(record)
 
 
-def legacy(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The same records as schema version 1 wrote them: ``device`` for the participant
-    id in every per-participant entry (a recovery's own ``participant`` field stays)."""
-    old = copy.deepcopy(records)
-    for record in old:
-        for entry in entries(record):
-            entry["device"] = entry.pop("participant")
-    return old
-
-
-@pytest.fixture()
-def runs(tmp_path: Path) -> tuple[Path, Path]:
+@pytest.fixture(params=[1, 2], ids=["schema-1", "schema-2"])
+def runs(tmp_path: Path, request: pytest.FixtureRequest) -> tuple[Path, Path]:
     new = write_run(tmp_path / "new", current_run())
-    old = write_run(tmp_path / "old", legacy(current_run()))
+    old = write_run(tmp_path / "old", legacy(current_run(), request.param))
     written = read_metrics(old / "metrics.jsonl")
-    assert all("device" in e and "participant" not in e for r in written for e in entries(r))
-    assert sum(len(entries(r)) for r in written) > 50  # every kind of entry is there
+    key = "device" if request.param == 1 else "participant"
+    assert all(key in e for r in written for e in legacy_entries(r))
+    assert not any("participants" in holder for r in written
+                   for holder in [r, *r.get("layers", []), *r.get("counts", [])])
+    assert sum(len(legacy_entries(r)) for r in written) > 50  # every kind of entry is there
     return new, old
 
 

@@ -15,7 +15,7 @@ def step(number: int, time: float, kernels: dict[str, int]) -> dict[str, object]
     return {"type": "step", "time": time, "epoch": 0, "step": number, "loss": 1.0 / (number + 1),
             "accuracy": 0.5, "images": 64, "learning_rate": 0.05, "step_s": 0.25,
             "conv_s": 0.2, "dense_s": 0.01, "comm_s": 0.05, "data_s": 0.0,
-            "layers": [{"layer": 0, "devices": [
+            "layers": [{"layer": 0, "participants": [
                 {"participant": name, "kernels": count, "forward_s": 0.01, "backward_s": 0.02,
                  "wait_s": 0.005, "bytes_sent": 1000, "bytes_received": 500}
                 for name, count in kernels.items()]}]}
@@ -29,7 +29,7 @@ def test_records_fold_into_totals() -> None:
                                          "name": "EPYC", "hostname": "h1"},
                                         {"id": "b", "device": "gpu:0", "kind": "gpu",
                                          "name": "T4", "hostname": "h2"}]},
-        {"type": "calibration", "layer": 0, "devices": [{"participant": "a", "seconds": 0.5},
+        {"type": "calibration", "layer": 0, "participants": [{"participant": "a", "seconds": 0.5},
                                                         {"participant": "b", "seconds": 0.1}]},
         {"type": "checkpoint", "seconds": 0.3},
         step(0, 100.0, {"a": 2, "b": 6}),

@@ -86,8 +86,8 @@ def test_a_participant_measured_twice_as_slow_loses_kernels() -> None:
     for row, t in zip(decision.counts, TRAFFIC):
         assert sum(row) == t.kernels
     record = decision.record()
-    assert record["step"] == 7 and record["counts"][0]["devices"][2]["participant"] == "w2"
-    assert sum(d["kernels"] for d in record["counts"][1]["devices"]) == 64
+    assert record["step"] == 7 and record["counts"][0]["participants"][2]["participant"] == "w2"
+    assert sum(d["kernels"] for d in record["counts"][1]["participants"]) == 64
 
 
 def test_noise_within_the_threshold_changes_nothing() -> None:
@@ -141,11 +141,11 @@ def test_a_participant_without_kernels_keeps_its_profile() -> None:
 
 def test_measured_compute_reads_the_stage_timings() -> None:
     timings = {"comm_s": 0.0, "layers": [
-        {"layer": 0, "devices": [{"participant": "master", "kernels": 3, "forward_s": 0.01,
+        {"layer": 0, "participants": [{"participant": "master", "kernels": 3, "forward_s": 0.01,
                                   "backward_s": 0.02},
                                  {"participant": "w1", "kernels": 1, "forward_s": 0.005,
                                   "backward_s": 0.01}]},
-        {"layer": 1, "devices": [{"participant": "w1", "kernels": 8, "forward_s": 0.1,
+        {"layer": 1, "participants": [{"participant": "w1", "kernels": 8, "forward_s": 0.1,
                                   "backward_s": 0.2}]}]}
     layers = measured_compute(timings)
     assert layers[0]["master"] == (3, pytest.approx(0.03))

@@ -33,7 +33,7 @@ def step(number: int, step_s: float, conv_s: float, comm_s: float, dense_s: floa
             "loss": 2.0 / (number + 1), "accuracy": min(1.0, 0.1 * (number + 1)), "images": 64,
             "learning_rate": 0.05, "step_s": step_s, "conv_s": conv_s, "dense_s": dense_s,
             "comm_s": comm_s, "data_s": 0.001,
-            "layers": [{"layer": i, "devices": devices} for i, devices in enumerate(layers)]}
+            "layers": [{"layer": i, "participants": devices} for i, devices in enumerate(layers)]}
 
 
 def run_start(mode: str = "distributed", arch: tuple[int, ...] = (4, 8)) -> dict[str, Any]:
@@ -59,7 +59,7 @@ def calibration(layer: int, kernels: int, calibrated: int,
                         "share": count / kernels})
         start += count
     return {"type": "calibration", "time": 999.2, "layer": layer, "split": "calibrated",
-            "kernels": kernels, "calibrated_kernels": calibrated, "devices": entries}
+            "kernels": kernels, "calibrated_kernels": calibrated, "participants": entries}
 
 
 def epoch_record(epoch: int = 0, test_accuracy: float = 0.75) -> dict[str, Any]:

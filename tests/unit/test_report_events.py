@@ -51,7 +51,7 @@ def checkpoint(number: int, time: float, seconds: float = 0.010) -> dict[str, An
 
 
 def counts(split: dict[str, tuple[int, int]]) -> list[dict[str, Any]]:
-    return [{"layer": layer, "devices": [{"participant": name, "kernels": kernels[layer]}
+    return [{"layer": layer, "participants": [{"participant": name, "kernels": kernels[layer]}
                                          for name, kernels in split.items()]}
             for layer in (0, 1)]
 
@@ -82,7 +82,7 @@ def faulty_run() -> list[dict[str, Any]]:
     records += [{"type": "rebalance", "time": 1016.0, "step": 7,
                  "reason": "w1 measured 0.8 of calibrated; step 120 -> 100 ms",
                  "old_predicted_step_s": 0.12, "new_predicted_step_s": 0.10,
-                 "counts": [{"layer": layer, "devices": [
+                 "counts": [{"layer": layer, "participants": [
                      {"participant": "master", "kernels": k[0], "scale": 1.0},
                      {"participant": "w1", "kernels": k[1], "scale": 0.8},
                      {"participant": "w2", "kernels": 0, "scale": 1.0}]}
@@ -236,7 +236,7 @@ def test_a_sample_split_re_slice_names_the_samples_not_the_kernels() -> None:
     participant; what changed is the slices, and that is what the event says."""
     rebalance = {"type": "rebalance", "time": 1002.0, "split_by": "samples", "step": 3,
                  "reason": "measured compute per sample",
-                 "counts": [{"layer": layer, "devices": [
+                 "counts": [{"layer": layer, "participants": [
                      {"participant": "worker-a", "kernels": kernels, "samples": 71},
                      {"participant": "worker-b", "kernels": kernels, "samples": 57},
                      {"participant": "worker-c", "kernels": kernels, "samples": 0}]}
@@ -246,6 +246,6 @@ def test_a_sample_split_re_slice_names_the_samples_not_the_kernels() -> None:
     (event,) = events
     assert event.kind == RESPLIT and event.step == 4
     assert event.split == "samples of every batch: worker-a 71, worker-b 57"
-    kernel_split = [{"layer": 0, "devices": [{"participant": "w1", "kernels": 3},
+    kernel_split = [{"layer": 0, "participants": [{"participant": "w1", "kernels": 3},
                                              {"participant": "w2", "kernels": 0}]}]
     assert split_text(kernel_split) == "layer 1: w1 3"

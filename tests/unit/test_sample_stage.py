@@ -208,7 +208,7 @@ def test_steps_over_two_workers_equal_the_local_run(tmp_path: Path, plane: str,
             assert chained == ([], [])
             assert [m.step for m in forwards] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     timings = dist.timings[-1]["layers"]
-    assert {d["participant"]: d["samples"] for d in timings[0]["devices"]} == expected
+    assert {d["participant"]: d["samples"] for d in timings[0]["participants"]} == expected
 
 
 # --- 2. a worker lost mid-step ---------------------------------------------------------

@@ -20,8 +20,8 @@ def _step(compute: float, latency: float, comm: float) -> dict[str, object]:
               "backward_latency_s": latency / 2, "wait_s": 0.001, "peer_wait_s": 0.002}
     master = {"participant": "master", "samples": 96, "forward_s": 0.010, "backward_s": 0.020}
     return {"step_s": 0.050, "comm_s": comm,
-            "layers": [{"layer": 0, "devices": [master, timing]},
-                       {"layer": 1, "devices": [master, timing]}]}
+            "layers": [{"layer": 0, "participants": [master, timing]},
+                       {"layer": 1, "participants": [master, timing]}]}
 
 
 def test_medians_per_step_summed_over_layers() -> None:
@@ -52,12 +52,12 @@ def test_each_layer_keeps_its_own_compute_and_waits() -> None:
     """The fourth table: per layer, the participants' medians (where the waits are)."""
     def step(wait_1: float) -> dict[str, object]:
         return {"step_s": 0.05, "layers": [
-            {"layer": 0, "devices": [
+            {"layer": 0, "participants": [
                 {"participant": "master", "forward_s": 0.001, "backward_s": 0.002,
                  "peer_wait_s": 0.004},
                 {"participant": "m1", "forward_s": 0.002, "backward_s": 0.002,
                  "peer_wait_s": 0.003}]},
-            {"layer": 1, "devices": [
+            {"layer": 1, "participants": [
                 {"participant": "master", "forward_s": 0.010, "backward_s": 0.020,
                  "peer_wait_s": wait_1},
                 {"participant": "m1", "forward_s": 0.011, "backward_s": 0.021,

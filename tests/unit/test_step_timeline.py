@@ -55,7 +55,7 @@ def test_a_step_is_laid_out_in_chain_order_since_its_start() -> None:
 def test_the_typical_step_is_the_median_one_with_each_round_latency() -> None:
     def record(step: int, step_s: float, started: float) -> dict[str, Any]:
         return {"type": "step", "step": step, "step_s": step_s, "time": started + step_s,
-                "layers": [{"devices": [{"participant": "a", "forward_latency_s": 0.05},
+                "layers": [{"participants": [{"participant": "a", "forward_latency_s": 0.05},
                                         {"participant": "b", "forward_latency_s": 0.06}]}]}
 
     steps = [record(3, 0.09, 50.0), record(4, 0.07, 100.0), record(5, 0.08, 200.0),
@@ -73,7 +73,7 @@ def test_the_typical_step_is_the_median_one_with_each_round_latency() -> None:
 
 def test_the_table_has_a_column_per_barrier_and_the_result() -> None:
     steps = [{"type": "step", "step": 4, "step_s": 0.07, "time": 100.07,
-              "layers": [{"devices": [{"participant": "a", "forward_latency_s": 0.05}]}]}]
+              "layers": [{"participants": [{"participant": "a", "forward_latency_s": 0.05}]}]}]
     row = {"machines": "2x[0.5,0.5] auto",
            "timeline": typical_step_timeline(steps, _step_events(100.0))}
     lines = format_step_timeline([row, {"machines": "kernels", "timeline": {}}])

@@ -41,7 +41,7 @@ def test_same_seed_same_loss_trace_and_files(tmp_path: Path, capsys: pytest.Capt
     assert records[-1]["status"] == "completed"
     step = next(r for r in records if r["type"] == "step")
     assert {"loss", "step_s", "conv_s", "dense_s", "comm_s", "layers"} <= set(step)
-    assert step["layers"][0]["devices"][0]["participant"] == "master"
+    assert step["layers"][0]["participants"][0]["participant"] == "master"
 
 
 def test_refuses_to_mix_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

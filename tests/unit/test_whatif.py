@@ -190,7 +190,7 @@ def write_run(directory: Path, records: list[dict[str, object]]) -> Path:
 def calibration(layer: int, kernels: int) -> dict[str, object]:
     return {"type": "calibration", "layer": layer, "split": "model", "kernels": kernels,
             "calibrated_kernels": kernels // 2, "small_kernels": kernels // 8,
-            "devices": [{"participant": d, "seconds": 0.01, "small_seconds": 0.005,
+            "participants": [{"participant": d, "seconds": 0.01, "small_seconds": 0.005,
                          "fixed_s": 0.002, "per_kernel_s": 0.0003, "kernels": kernels // 2,
                          "kernel_start": 0, "kernel_stop": kernels // 2, "share": 0.5}
                         for d in ("master", "w1")]}

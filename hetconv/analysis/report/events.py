@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hetconv.master.samples.fall_back import STAY_ALONE_REASON
-from hetconv.metrics import participant_of
+from hetconv.metrics import participant_entries, participant_of
 
 RESUME, RECOVERY, LOSS, JOIN, REPLAN, RESPLIT = (
     "resume", "recovery", "loss", "join", "re-plan", "re-split")
@@ -72,7 +72,7 @@ def _holders(counts: Sequence[dict[str, Any]]) -> dict[str, int]:
     """participant -> kernels summed over the layers of a ``counts`` list."""
     total: dict[str, int] = {}
     for layer in counts:
-        for entry in layer["devices"]:
+        for entry in participant_entries(layer):
             name = participant_of(entry)
             total[name] = total.get(name, 0) + int(entry["kernels"])
     return total
@@ -83,14 +83,14 @@ def split_text(counts: Sequence[dict[str, Any]]) -> str:
     left out; a sample split's record (every entry has ``samples``: every participant
     holds every layer whole, the slices are the same on every layer) is
     ``"samples of every batch: master 30, w1 34"``."""
-    entries = [entry for layer in counts for entry in layer["devices"]]
+    entries = [entry for layer in counts for entry in participant_entries(layer)]
     if entries and all("samples" in entry for entry in entries):
         return "samples of every batch: " + ", ".join(
             f"{participant_of(entry)} {int(entry['samples'])}"
-            for entry in counts[0]["devices"] if int(entry["samples"]) > 0)
+            for entry in participant_entries(counts[0]) if int(entry["samples"]) > 0)
     return "; ".join(
         f"layer {int(layer['layer']) + 1}: " + ", ".join(
-            f"{participant_of(entry)} {int(entry['kernels'])}" for entry in layer["devices"]
+            f"{participant_of(entry)} {int(entry['kernels'])}" for entry in participant_entries(layer)
             if int(entry["kernels"]) > 0)
         for layer in counts)
 
@@ -100,7 +100,7 @@ def _initial_holders(records: Iterable[dict[str, Any]]) -> dict[str, int]:
     total: dict[str, int] = {}
     for record in records:
         if record.get("type") == "calibration":
-            for entry in record.get("devices") or []:
+            for entry in participant_entries(record):
                 name = participant_of(entry)
                 total[name] = total.get(name, 0) + int(entry["kernels"])
     return total

@@ -36,7 +36,7 @@ from hetconv.analysis.report.plan_record import (
     wire_text,
 )
 from hetconv.errors import UserError
-from hetconv.metrics import iter_metrics, participant_of
+from hetconv.metrics import iter_metrics, participant_entries, participant_of
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.json"
@@ -254,7 +254,7 @@ def _calibration(raw: dict[str, Any]) -> LayerCalibration:
                                           share=float(d.get("share", 0.0)),
                                           fixed_s=_opt_float(d.get("fixed_s")),
                                           per_kernel_s=_opt_float(d.get("per_kernel_s")))
-                    for d in raw["devices"])
+                    for d in participant_entries(raw))
     return LayerCalibration(layer=int(raw["layer"]), split=str(raw.get("split", "?")),
                             kernels=int(raw["kernels"]),
                             calibrated_kernels=int(raw["calibrated_kernels"]), devices=devices)
@@ -278,7 +278,7 @@ def _participant_timing(raw: dict[str, Any]) -> ParticipantTiming:
 
 def _step(raw: dict[str, Any]) -> StepRecord:
     layers = tuple(LayerTiming(layer=int(layer["layer"]),
-                               devices=tuple(_participant_timing(d) for d in layer["devices"]))
+                               devices=tuple(_participant_timing(d) for d in participant_entries(layer)))
                    for layer in raw.get("layers", []))
     return StepRecord(epoch=int(raw["epoch"]), step=int(raw["step"]), loss=float(raw["loss"]),
                       accuracy=float(raw["accuracy"]), images=int(raw.get("images", 0)),
