@@ -78,17 +78,23 @@ class Rounds:
         pending: dict[int, WorkerHandle] = {}
         names: dict[int, str] = {}
         sent: dict[str, int] = {}
-        for piece in slices:
-            if piece.participant == MASTER_PARTICIPANT:
-                continue
-            message = make(piece) if piece.samples else (idle(piece) if idle else None)
-            if message is None:
-                continue
-            worker = self.members.workers[piece.participant].worker
-            assert worker is not None
-            sent[piece.participant] = self.cluster.send(worker, message)
-            pending[message.request_id] = worker
-            names[message.request_id] = piece.participant
+        try:
+            for piece in slices:
+                if piece.participant == MASTER_PARTICIPANT:
+                    continue
+                message = make(piece) if piece.samples else (idle(piece) if idle else None)
+                if message is None:
+                    continue
+                worker = self.members.workers[piece.participant].worker
+                assert worker is not None
+                sent[piece.participant] = self.cluster.send(worker, message)
+                pending[message.request_id] = worker
+                names[message.request_id] = piece.participant
+        except BaseException:
+            # a later send failed: the requests already out are forgotten, so that their
+            # late answers (a peer_lost error among them) are dropped, not taken as faults
+            self.cluster.membership.abandon(pending)
+            raise
         own = next((s for s in slices if s.participant == MASTER_PARTICIPANT),
                    Slice(MASTER_PARTICIPANT, 0, 0))
         job = None

@@ -298,10 +298,11 @@ def test_re_slicing_from_measured_compute_keeps_the_local_numbers(tmp_path: Path
     assert sum(after.values()) == BATCH and after["w1"] < 3, after
     assert any("re-sliced the batch from measured compute" in line for line in cluster.lines)
     dist.train(steps - REBALANCE_WINDOW)
-    assert _samples(stage) == after
+    final = _samples(stage)  # measured under whatever else the host runs: may move again
+    assert sum(final.values()) == BATCH and final["w1"] < 3, final
     inputs = [m.x.shape[0] for m in cluster.served("w2", SampleForwardRequest)
               if m.x is not None]
-    assert inputs[-1] == after["w2"]
+    assert inputs[-1] == final["w2"]
     assert_same_run(dist, local)
     assert_workers_hold(cluster, ["w1", "w2"], dist.stage.snapshot())
 
@@ -481,7 +482,7 @@ def assert_workers_hold_dense(cluster: FakeSampleCluster, names: list[str],
 def _step_samples(fit: Fit, step: int) -> dict[str, int]:
     """The slices of ``step`` by its (last) step record."""
     record = [r for r in fit.of("step") if r["step"] == step][-1]
-    return {d["participant"]: d["samples"] for d in record["layers"][0]["devices"]}
+    return {d["participant"]: d["samples"] for d in record["layers"][0]["participants"]}
 
 
 def _chain_requests(cluster: FakeSampleCluster, name: str, step: int,
@@ -581,19 +582,13 @@ def assert_abandoned(cluster: FakeSampleCluster, survivors: list[str],
             cluster.answer(m.request_id)
 
 
-STRAY_AHEAD = pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "production: Rounds.send (master/samples/rounds.py) loses the requests it already "
-    "sent when a later send raises; Chains.train_step never abandons w1's request of the "
-    "step sent ahead, whose late ErrorReply (peer_lost) Membership makes a spurious fault"))
-
-
 @pytest.mark.parametrize("lost,at,step,in_flight", [
     pytest.param("w1", "gather", FAULT_STEP, [("w1", 7), ("w1", 8), ("w2", 7), ("w2", 8)],
                  id="never-answers-the-step-in-flight"),
     pytest.param("w1", "send", FAULT_STEP + 1, [("w1", 7), ("w2", 7)],
                  id="lost-sending-the-step-ahead"),
     pytest.param("w2", "send", FAULT_STEP + 1, [("w1", 7), ("w1", 8), ("w2", 7)],
-                 id="lost-sending-the-step-ahead-after-w1", marks=STRAY_AHEAD)])
+                 id="lost-sending-the-step-ahead-after-w1")])
 def test_a_worker_lost_while_a_step_is_in_flight_ahead_is_recovered_over_the_survivor(
         tmp_path: Path, lost: str, at: str, step: int,
         in_flight: list[tuple[str, int]]) -> None:
