@@ -28,9 +28,13 @@ def exchange(cluster: Cluster, requests: Sequence[tuple[WorkerHandle, Any]], wha
     """Send every request (a message with a ``request_id``), gather every reply (in request order); also waits until
     ``done()``. Raises ``WorkerLost`` naming the first worker that failed."""
     pending: dict[int, WorkerHandle] = {}
-    for worker, message in requests:
-        cluster.send(worker, message)
-        pending[message.request_id] = worker
+    try:
+        for worker, message in requests:
+            cluster.send(worker, message)
+            pending[message.request_id] = worker
+    except BaseException:  # a later send failed: the requests already out are forgotten
+        cluster.membership.abandon(pending)
+        raise
     replies = cluster.gather(pending, what, done=done, timeout_s=timeout_s)
     return [replies[message.request_id] for _, message in requests]
 

@@ -109,11 +109,15 @@ class Phases:
         """Send ``requests`` and queue ``local`` on the helper thread; gather with
         :meth:`await_all`."""
         phase = OpenPhase(what, requests, time.monotonic())
-        for shard, message in requests:
-            assert shard.worker is not None
-            phase.sent[shard.participant] = self.cluster.send(shard.worker, message)
-            phase.pending[message.request_id] = shard.worker
-            phase.by_rid[message.request_id] = shard
+        try:
+            for shard, message in requests:
+                assert shard.worker is not None
+                phase.sent[shard.participant] = self.cluster.send(shard.worker, message)
+                phase.pending[message.request_id] = shard.worker
+                phase.by_rid[message.request_id] = shard
+        except BaseException:  # the requests already out: their late answers dropped
+            self.cluster.membership.abandon(phase.pending)
+            raise
         phase.job = self.run_local(local) if local is not None else None
         return phase
 

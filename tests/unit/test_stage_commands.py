@@ -26,11 +26,22 @@ MODEL = ModelConfig(conv_kernels=(4, 6), input_shape=(1, 28, 28), classes=3)
 SETTINGS = layer_settings(MODEL, 0.9, 0.0)
 
 
+class FakeMembership:
+    """Records the requests the stage gave up on."""
+
+    def __init__(self) -> None:
+        self.abandoned: list[int] = []
+
+    def abandon(self, request_ids: Any) -> None:
+        self.abandoned.extend(request_ids)
+
+
 class FakeCluster:
     """Answers every request with an Ack; a worker named in ``lose_on_assign`` is lost
     (gone) when it is sent an AssignShard."""
 
     def __init__(self) -> None:
+        self.membership = FakeMembership()
         self.ctx: zmq.Context[Any] = zmq.Context.instance()
         self.extra_sockets: list[Any] = []
         self.lose_on_assign: set[str] = set()
