@@ -32,10 +32,15 @@ from hetconv.protocol import (
     PeerBackwardRequest,
     PeerForwardReply,
     PeerForwardRequest,
+    SampleBackwardChain,
     SampleBackwardReply,
-    SampleBackwardRequest,
+    SampleBackwardRound,
+    SampleEvaluation,
+    SampleForwardChain,
     SampleForwardReply,
-    SampleForwardRequest,
+    SampleForwardRound,
+    SampleStepChain,
+    SampleUpdateRound,
     SnapshotReply,
     SnapshotRequest,
     limits,
@@ -149,9 +154,10 @@ def expected_reply(request: Message) -> type[Message] | None:
             return PeerForwardReply
         case PeerBackwardRequest():
             return PeerBackwardReply
-        case SampleForwardRequest():
+        case SampleForwardRound() | SampleEvaluation() | SampleForwardChain() \
+                | SampleStepChain():
             return SampleForwardReply
-        case SampleBackwardRequest():
+        case SampleBackwardRound() | SampleBackwardChain() | SampleUpdateRound():
             return SampleBackwardReply
         case AssignShard() | AssignPeers() | AssignDense() | EndRun():
             return Ack

@@ -30,10 +30,15 @@ from .peer_messages import PeerForwardReply as PeerForwardReply  # re-exported
 from .peer_messages import PeerForwardRequest as PeerForwardRequest  # re-exported
 from .peer_messages import PeerPiece as PeerPiece  # re-exported
 from .samples import AssignDense as AssignDense  # re-exported
+from .samples import SampleBackwardChain as SampleBackwardChain  # re-exported
 from .samples import SampleBackwardReply as SampleBackwardReply  # re-exported
-from .samples import SampleBackwardRequest as SampleBackwardRequest  # re-exported
+from .samples import SampleBackwardRound as SampleBackwardRound  # re-exported
+from .samples import SampleEvaluation as SampleEvaluation  # re-exported
+from .samples import SampleForwardChain as SampleForwardChain  # re-exported
 from .samples import SampleForwardReply as SampleForwardReply  # re-exported
-from .samples import SampleForwardRequest as SampleForwardRequest  # re-exported
+from .samples import SampleForwardRound as SampleForwardRound  # re-exported
+from .samples import SampleStepChain as SampleStepChain  # re-exported
+from .samples import SampleUpdateRound as SampleUpdateRound  # re-exported
 
 NO_REQUEST_ID = 0
 """Request id of an ``ErrorReply`` that answers no particular request."""
@@ -315,8 +320,9 @@ AnyMessage = (
     | CalibrateReply | LinkProbeRequest | LinkProbeReply | AssignShard | Ack | AssignPeers
     | ForwardRequest | ForwardReply | BackwardRequest | BackwardReply | PeerForwardRequest
     | PeerForwardReply | PeerBackwardRequest | PeerBackwardReply | SnapshotRequest
-    | SnapshotReply | EndRun | ErrorReply | PeerPiece | SampleForwardRequest
-    | SampleForwardReply | SampleBackwardRequest | SampleBackwardReply | AssignDense
+    | SnapshotReply | EndRun | ErrorReply | PeerPiece | SampleForwardRound | SampleEvaluation
+    | SampleForwardChain | SampleStepChain | SampleForwardReply | SampleBackwardRound
+    | SampleBackwardChain | SampleUpdateRound | SampleBackwardReply | AssignDense
 )
 """Union of all message classes, for exhaustive ``match`` statements."""
 

@@ -29,7 +29,7 @@ from hetconv.participant.calibration import time_block
 from hetconv.participant.dataplane import PeerLost, PeerParticipant, PiecePort
 from hetconv.participant.peer_plan import PeerPlan
 from hetconv.participant.samples.dense_replica import DenseReplica, dense_refusal, replica_from
-from hetconv.participant.samples.runner import SampleRequestError, SampleRunner
+from hetconv.participant.samples.runner import SampleRequest, SampleRequestError, SampleRunner
 from hetconv.participant.samples.weight_reduce import GradientExchange
 from hetconv.participant.wire_cast import to_wire
 from hetconv.protocol import (
@@ -55,8 +55,13 @@ from hetconv.protocol import (
     PeerBackwardRequest,
     PeerForwardReply,
     PeerForwardRequest,
-    SampleBackwardRequest,
-    SampleForwardRequest,
+    SampleBackwardChain,
+    SampleBackwardRound,
+    SampleEvaluation,
+    SampleForwardChain,
+    SampleForwardRound,
+    SampleStepChain,
+    SampleUpdateRound,
     SnapshotReply,
     SnapshotRequest,
     peer_error_message,
@@ -176,10 +181,10 @@ class WorkerService:
                 return self._peer_forward(message)
             case PeerBackwardRequest():
                 return self._peer_backward(message)
-            case SampleForwardRequest():
-                return self._sample_call(self.sample.forward, message)
-            case SampleBackwardRequest():
-                return self._sample_call(self.sample.backward, message)
+            case SampleForwardRound() | SampleEvaluation() | SampleForwardChain() \
+                    | SampleStepChain() | SampleBackwardRound() | SampleBackwardChain() \
+                    | SampleUpdateRound():
+                return self._sample_call(message)
             case EndRun():
                 self.sample.layers.reset()
                 self.sample.layers.exchange = None
@@ -192,12 +197,12 @@ class WorkerService:
                 return Ack(request_id=message.request_id)
         raise RequestError(ERR_BAD_REQUEST, f"a worker does not serve {type(message).__name__}")
 
-    def _sample_call(self, serve: Callable[[Any, dict[int, ConvShard]], Message],
-                     request: Message) -> Message:
-        """A sample-split round (hetconv/participant/samples/runner.py) over the shards held."""
-        self._at_step(max(int(getattr(request, "step", 0)), 0))
+    def _sample_call(self, request: SampleRequest) -> Message:
+        """A sample-split request (hetconv/participant/samples/runner.py) over the shards
+        held."""
+        self._at_step(max(request.step, 0))
         try:
-            return serve(request, self.shards)
+            return self.sample.serve(request, self.shards)
         except SampleRequestError as error:
             raise RequestError(error.code, str(error)) from None
 

@@ -30,8 +30,13 @@ from hetconv.protocol import (
     Message,
     PeerBackwardRequest,
     PeerForwardRequest,
-    SampleBackwardRequest,
-    SampleForwardRequest,
+    SampleBackwardChain,
+    SampleBackwardRound,
+    SampleEvaluation,
+    SampleForwardChain,
+    SampleForwardRound,
+    SampleStepChain,
+    SampleUpdateRound,
     limits,
 )
 
@@ -71,25 +76,37 @@ def refusal(message: Message) -> str | None:
                       or _at_least("pass_id", message.pass_id, 0)
                       or _rate_refusal(message.learning_rate)
                       or (None if message.dy is None else activation_refusal("dy", message.dy)))
-        case SampleForwardRequest():
+        case SampleForwardRound():
+            reason = (_ids_refusal(0, message.step, message.attempt, min_step=0)
+                      or _at_least("total_batch", message.total_batch, 1)
+                      or _update_refusal(message)
+                      or (None if message.x is None else activation_refusal("x", message.x)))
+        case SampleEvaluation():
             reason = (_ids_refusal(0, message.step, message.attempt, min_step=-1)
                       or _at_least("total_batch", message.total_batch, 1)
-                      or _reduction_refusal(0, message.update_id, message.contributors)
-                      or _chain_refusal(message.sync_id, message.members, message.update_layer,
-                                        message.update_stop, message.update_id,
+                      or _at_least("stop_layer", message.stop_layer, 1)
+                      or activation_refusal("x", message.x))
+        case SampleForwardChain() | SampleStepChain():
+            reason = (_ids_refusal(0, message.step, message.attempt, min_step=0)
+                      or _at_least("total_batch", message.total_batch, 1)
+                      or _update_refusal(message)
+                      or _chain_refusal(message.sync_id, message.members,
                                         message.member_samples, message.positions,
-                                        message.stop_layer - message.start_layer)
-                      or _slice_statistics_refusal(message.slice_statistics, message.sync_id)
-                      or _step_chain_refusal(message)
+                                        message.stop_layer)
+                      or _labels_refusal(message)
                       or (None if message.x is None else activation_refusal("x", message.x)))
-        case SampleBackwardRequest():
+        case SampleBackwardRound() | SampleUpdateRound():
             reason = (_ids_refusal(0, message.step, message.attempt, min_step=0)
                       or _rate_refusal(message.learning_rate)
-                      or _reduction_refusal(message.reduce_id, message.update_id,
-                                            message.contributors)
-                      or _chain_refusal(message.sync_id, message.members, message.update_layer,
-                                        message.update_stop, message.update_id)
-                      or _slice_statistics_refusal(message.slice_statistics, message.sync_id)
+                      or (_at_least("reduce_id", message.reduce_id, 0)
+                          if isinstance(message, SampleBackwardRound) else None)
+                      or _update_refusal(message)
+                      or (None if not isinstance(message, SampleBackwardRound)
+                          or message.dy is None else activation_refusal("dy", message.dy)))
+        case SampleBackwardChain():
+            reason = (_ids_refusal(0, message.step, message.attempt, min_step=0)
+                      or _rate_refusal(message.learning_rate)
+                      or _chain_refusal(message.sync_id, message.members)
                       or (None if message.dy is None else activation_refusal("dy", message.dy)))
         case AssignPeers():
             reason = assign_peers_refusal(message)
@@ -227,10 +244,13 @@ def _pool_refusal(pool: str) -> str | None:
     return None if pool in POOLS else f"pool must be one of {POOLS}, got {pool!r}"
 
 
-def _reduction_refusal(reduce_id: int, update_id: int, contributors: list[Any]) -> str | None:
-    """The sample split's weight reduction among the peers: ids >= 0, and the
-    contributors distinct participant ids (the codec bounds the list's length)."""
-    reason = _at_least("reduce_id", reduce_id, 0) or _at_least("update_id", update_id, 0)
+def _update_refusal(message: SampleForwardRound | SampleForwardChain | SampleStepChain
+                    | SampleBackwardRound | SampleUpdateRound) -> str | None:
+    """The update a request carries: ids >= 0, the contributors distinct participant
+    ids (the codec bounds the list's length), and an update of several layers reduced
+    among the peers."""
+    update_id, contributors = message.update_id, message.contributors
+    reason = _at_least("update_id", update_id, 0)
     if reason is not None:
         return reason
     if not all(isinstance(c, str) and c for c in contributors) \
@@ -238,46 +258,32 @@ def _reduction_refusal(reduce_id: int, update_id: int, contributors: list[Any]) 
         return "contributors must be distinct participant ids"
     if update_id > 0 and not contributors:
         return "a reduction among the peers needs its contributors"
+    if message.update_stop > message.update_layer + 1 and (
+            message.update_layer < 0 or update_id <= 0):
+        return "an update of several layers is reduced among the peers (update_id > 0)"
     return None
 
 
-def _slice_statistics_refusal(slice_statistics: bool, sync_id: int) -> str | None:
-    """Slice statistics only in a chain: the rounds combine every layer's statistics."""
-    if slice_statistics and sync_id <= 0:
-        return "slice_statistics needs a chain (sync_id > 0)"
-    return None
-
-
-def _step_chain_refusal(message: SampleForwardRequest) -> str | None:
-    """A step chain is a training chain with the conv layers from 0 (the dense part
-    follows them); labels come only in it, with the x of a member's slice."""
-    if message.step_chain and (message.sync_id <= 0 or not message.train
-                               or message.start_layer != 0):
-        return "a step chain is a training chain (sync_id > 0) from layer 0"
+def _labels_refusal(message: SampleForwardChain | SampleStepChain) -> str | None:
+    """Labels come only in a step chain, with the x of a member's slice."""
     labels = message.labels
     if labels is None:
         return None
-    if not message.step_chain or message.x is None:
+    if message.x is None:
         return "labels come only with a member's x in a step chain"
     if labels.dtype.kind not in "iu" or labels.shape != (message.x.shape[0],):
         return f"labels must be integer class ids, one per sample of x ({message.x.shape[0]})"
     return None
 
 
-def _chain_refusal(sync_id: int, members: list[Any], update_layer: int, update_stop: int,
-                   update_id: int, samples: list[Any] | None = None,
+def _chain_refusal(sync_id: int, members: list[Any], samples: list[Any] | None = None,
                    positions: list[Any] | None = None, layers: int = 0) -> str | None:
-    """The sample split's chain (hetconv/participant/samples/chain.py): ``sync_id`` >= 0; with one,
+    """The sample split's chain (hetconv/participant/samples/chain.py): ``sync_id`` >= 1,
     distinct member ids and, forward, one sample count (>= 1) per member and one
-    position count (>= 1) per layer run; an update of several layers is reduced among
-    the peers."""
-    reason = _at_least("sync_id", sync_id, 0)
+    position count (>= 1) per layer run."""
+    reason = _at_least("sync_id", sync_id, 1)
     if reason is not None:
         return reason
-    if update_stop > update_layer + 1 and (update_layer < 0 or update_id <= 0):
-        return "an update of several layers is reduced among the peers (update_id > 0)"
-    if sync_id == 0:
-        return None
     if not members or not all(isinstance(m, str) and m for m in members) \
             or len(set(members)) != len(members):
         return "a chain needs its members, distinct participant ids"

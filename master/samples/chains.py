@@ -43,8 +43,7 @@ from hetconv.master.samples.rounds import Rounds, SentRound
 from hetconv.master.samples.settings import SampleSetup
 from hetconv.master.samples.updates import PendingUpdate, Updates, update_fields
 from hetconv.participant.wire_cast import to_wire
-from hetconv.protocol import SampleBackwardRequest, SampleForwardRequest
-from hetconv.protocol.samples import NO_LAYER
+from hetconv.protocol import SampleBackwardChain, SampleForwardChain, SampleStepChain
 
 
 @dataclass
@@ -151,11 +150,11 @@ class Chains:
         update = self.updates.take()
         members = [p.participant for p in slices if p.samples > 0]
         sync_id = self.cluster.request_id()
-        chain = self._chain_fields(sync_id, slices, step_chain=True)
+        chain = self._chain_fields(sync_id, slices)
         update_lr = self.updates.learning_rate
         layers = self.setup.layers
 
-        def make(piece: Slice) -> SampleForwardRequest:
+        def make(piece: Slice) -> SampleStepChain:
             part = part_labels = None
             if piece.samples:
                 part = x[piece.start:piece.stop]
@@ -163,11 +162,9 @@ class Chains:
                 if piece.participant != MASTER_PARTICIPANT:
                     part = to_wire(part, self.setup.wire_for(piece.participant))
                     part_labels = part_labels.astype(np.int32)
-            return SampleForwardRequest(
-                request_id=self.cluster.request_id(), step=step, attempt=0, train=True,
-                total_batch=total, finish_layer=NO_LAYER, start_layer=0,
-                stop_layer=layers, return_output=False,
-                learning_rate=update_lr, total_count=0, mean=None, var=None, x=part,
+            return SampleStepChain(
+                request_id=self.cluster.request_id(), step=step, attempt=0,
+                total_batch=total, stop_layer=layers, learning_rate=update_lr, x=part,
                 labels=part_labels, **update_fields(update), **chain)
 
         sent = self.rounds.send(f"step chain (step {step})", 0, "forward", make, make,
@@ -235,14 +232,13 @@ class Chains:
             entry["backward_s"] += float(row[1])
 
     # --- the two chains (the dense part on the master) -------------------------------
-    def _chain_fields(self, sync_id: int, slices: list[Slice],
-                      step_chain: bool = False) -> dict[str, Any]:
-        """A forward chain's fields: its ``sync_id`` (newer than the update's
+    def _chain_fields(self, sync_id: int, slices: list[Slice]) -> dict[str, Any]:
+        """A forward or step chain's fields: its ``sync_id`` (newer than the update's
         reduction), the members and their samples, each layer's output positions."""
         return {"sync_id": sync_id, "members": [p.participant for p in slices if p.samples > 0],
                 "member_samples": [p.samples for p in slices if p.samples > 0],
                 "positions": [s.conv_height * s.conv_width for s in self.setup.shapes],
-                "slice_statistics": self.setup.slice_statistics, "step_chain": step_chain}
+                "slice_statistics": self.setup.slice_statistics}
 
     def forward(self, step: int, update: PendingUpdate | None) -> np.ndarray:
         """Every layer's forward in one request per participant, the statistics
@@ -253,18 +249,17 @@ class Chains:
         chain = self._chain_fields(self.cluster.request_id(), state.slices)
         layers = self.setup.layers
 
-        def make(piece: Slice) -> SampleForwardRequest:
+        def make(piece: Slice) -> SampleForwardChain:
             x = None
             if piece.samples:
                 x = state.x[piece.start:piece.stop]
                 x = x if piece.participant == MASTER_PARTICIPANT \
                     else to_wire(x, self.setup.wire_for(piece.participant))
-            return SampleForwardRequest(
-                request_id=self.cluster.request_id(), step=step, attempt=0, train=True,
-                total_batch=total, finish_layer=NO_LAYER, start_layer=0,
-                stop_layer=layers, return_output=True,
-                learning_rate=self.updates.learning_rate, total_count=0, mean=None,
-                var=None, x=x, **update_fields(update), **chain)
+            return SampleForwardChain(
+                request_id=self.cluster.request_id(), step=step, attempt=0,
+                total_batch=total, stop_layer=layers,
+                learning_rate=self.updates.learning_rate, x=x, **update_fields(update),
+                **chain)
 
         replies = self.rounds.run(f"forward chain (step {step})", 0, "forward", make,
                                   state.slices, state.figures, make, peer_update=True)
@@ -286,19 +281,18 @@ class Chains:
         members = state.members()
         layers = self.setup.layers
 
-        def make(piece: Slice) -> SampleBackwardRequest:
+        def make(piece: Slice) -> SampleBackwardChain:
             part = None
             if piece.samples:
                 part = dy[piece.start:piece.stop]
                 part = np.ascontiguousarray(part, np.float32) \
                     if piece.participant == MASTER_PARTICIPANT \
                     else to_wire(part, self.setup.wire_for(piece.participant))
-            return SampleBackwardRequest(
+            return SampleBackwardChain(
                 request_id=self.cluster.request_id(), step=step, attempt=0,
-                learning_rate=learning_rate, finish_layer=NO_LAYER,
-                start_layer=layers - 1, dgamma=None, dbeta=None, dy=part,
-                reduce_id=reduce_id, sync_id=reduce_id, members=members,
-                slice_statistics=self.setup.slice_statistics, **update_fields(None))
+                learning_rate=learning_rate, start_layer=layers - 1, dy=part,
+                sync_id=reduce_id, members=members,
+                slice_statistics=self.setup.slice_statistics)
 
         self.rounds.run(f"backward chain (step {step})", layers - 1, "backward", make,
                         state.slices, state.figures, make, peer_update=True)

@@ -28,7 +28,12 @@ from hetconv.master.samples.settings import SampleSetup
 from hetconv.master.samples.updates import PendingUpdate, Updates, update_fields
 from hetconv.participant.samples.replica import add_in_order, moments_to_statistics
 from hetconv.participant.wire_cast import to_wire
-from hetconv.protocol import SampleBackwardRequest, SampleForwardRequest
+from hetconv.protocol import (
+    SampleBackwardRound,
+    SampleEvaluation,
+    SampleForwardRound,
+    SampleUpdateRound,
+)
 from hetconv.protocol.samples import NO_LAYER
 
 
@@ -114,34 +119,32 @@ class LayerRounds:
         total = state.x.shape[0]
         learning_rate = self.updates.learning_rate
 
-        def make(piece: Slice) -> SampleForwardRequest:
+        def make(piece: Slice) -> SampleForwardRound:
             local = piece.participant == MASTER_PARTICIPANT
             x = None
             if start == 0:
                 x = state.x[piece.start:piece.stop]
                 x = x if local else to_wire(x, self.setup.wire_for(piece.participant))
-            return SampleForwardRequest(
-                request_id=self.cluster.request_id(), step=step, attempt=0, train=True,
+            return SampleForwardRound(
+                request_id=self.cluster.request_id(), step=step, attempt=0,
                 total_batch=total, finish_layer=finish, start_layer=start,
-                stop_layer=start + 1 if start >= 0 else NO_LAYER, return_output=output,
-                learning_rate=learning_rate,
+                return_output=output, learning_rate=learning_rate,
                 total_count=self._count(finish) if finish >= 0 else 0,
                 mean=None if statistics is None else statistics[0],
                 var=None if statistics is None else statistics[1], x=x,
                 **update_fields(update))
 
-        def idle(piece: Slice) -> SampleForwardRequest | None:
+        def idle(piece: Slice) -> SampleForwardRound | None:
             """A worker without samples this step still applies every update and follows
             the running statistics (the master's own replica follows them in ``forward``)."""
             follow = finish >= 0 and statistics is not None \
                 and piece.participant != MASTER_PARTICIPANT
             if update is None and not follow:
                 return None
-            return SampleForwardRequest(
-                request_id=self.cluster.request_id(), step=step, attempt=0, train=True,
+            return SampleForwardRound(
+                request_id=self.cluster.request_id(), step=step, attempt=0,
                 total_batch=total, finish_layer=finish if follow else NO_LAYER,
-                start_layer=NO_LAYER, stop_layer=NO_LAYER, return_output=False,
-                learning_rate=learning_rate,
+                start_layer=NO_LAYER, return_output=False, learning_rate=learning_rate,
                 total_count=self._count(finish) if follow else 0,
                 mean=statistics[0] if statistics is not None and follow else None,
                 var=statistics[1] if statistics is not None and follow else None, x=None,
@@ -163,16 +166,13 @@ class LayerRounds:
         self.flush()
         slices = self.state.slices = self.members.slices(x.shape[0])
 
-        def make(piece: Slice) -> SampleForwardRequest:
+        def make(piece: Slice) -> SampleEvaluation:
             part = x[piece.start:piece.stop]
-            return SampleForwardRequest(
-                request_id=self.cluster.request_id(), step=-1, attempt=0, train=False,
-                total_batch=x.shape[0], finish_layer=NO_LAYER, start_layer=0,
-                stop_layer=layers, return_output=True, learning_rate=0.0,
-                total_count=0, mean=None, var=None,
+            return SampleEvaluation(
+                request_id=self.cluster.request_id(), step=-1, attempt=0,
+                total_batch=x.shape[0], stop_layer=layers,
                 x=part if piece.participant == MASTER_PARTICIPANT
-                else to_wire(part, self.setup.wire_for(piece.participant)),
-                **update_fields(None))
+                else to_wire(part, self.setup.wire_for(piece.participant)))
 
         replies = self.rounds.run("evaluation forward", 0, "forward", make, slices, None)
         last = self.setup.shapes[-1]
@@ -203,28 +203,31 @@ class LayerRounds:
         sums = updates.sums.get(finish) if finish >= 0 else None
         reduce_id = self.cluster.request_id() if finish >= 0 and self.peers is not None else 0
 
-        def make(piece: Slice) -> SampleBackwardRequest:
+        def make(piece: Slice) -> SampleBackwardRound | SampleUpdateRound:
+            if finish < 0 and start < 0:  # the update alone (see ``flush``)
+                return SampleUpdateRound(
+                    request_id=self.cluster.request_id(), step=step, attempt=0,
+                    learning_rate=learning_rate, **update_fields(update))
             local = piece.participant == MASTER_PARTICIPANT
             part = None
             if dy is not None:
                 part = dy[piece.start:piece.stop]
                 part = np.ascontiguousarray(part, np.float32) if local \
                     else to_wire(part, self.setup.wire_for(piece.participant))
-            return SampleBackwardRequest(
+            return SampleBackwardRound(
                 request_id=self.cluster.request_id(), step=step, attempt=0,
                 learning_rate=learning_rate, finish_layer=finish, start_layer=start,
                 dgamma=None if sums is None else sums[0],
                 dbeta=None if sums is None else sums[1], dy=part, reduce_id=reduce_id,
                 **update_fields(update))
 
-        def idle(piece: Slice) -> SampleBackwardRequest | None:
+        def idle(piece: Slice) -> SampleUpdateRound | None:
             """A worker without samples this step still applies every update."""
             if update is None:
                 return None
-            return SampleBackwardRequest(
+            return SampleUpdateRound(
                 request_id=self.cluster.request_id(), step=step, attempt=0,
-                learning_rate=learning_rate, finish_layer=NO_LAYER, start_layer=NO_LAYER,
-                dgamma=None, dbeta=None, dy=None, reduce_id=0, **update_fields(update))
+                learning_rate=learning_rate, **update_fields(update))
 
         layer = start if start >= 0 else max(finish, 0)
         record = finish >= 0 or start >= 0

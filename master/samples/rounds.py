@@ -21,7 +21,6 @@ from hetconv.master.samples.plan import Slice
 from hetconv.master.samples.replicas import MasterReplicas
 from hetconv.master.samples.settings import SampleSetup
 from hetconv.participant.dataplane import PeerLost
-from hetconv.protocol import SampleForwardRequest
 
 MakeRequest = Callable[[Slice], Any]
 
@@ -103,9 +102,7 @@ class Rounds:
         if own_message is not None:
             message = own_message
             runner, replicas = self.replicas.runner, self.replicas
-            serve = (runner.forward if isinstance(message, SampleForwardRequest)
-                     else runner.backward)
-            job = self.own_share.submit(lambda: serve(message, replicas.local))
+            job = self.own_share.submit(lambda: runner.serve(message, replicas.local))
         return SentRound(what, layer, phase, started, pending, names, sent, own, job,
                          list(slices))
 

@@ -55,11 +55,11 @@ def main(samples: int = 32) -> None:
         for step in range(6):
             sync = 10 + 3 * step
             started = time.perf_counter()
-            runner.forward(_forward(step, sync, ["a"], [samples], x, layers, positions,
-                                    sync - 2 if step else 0, ("a",) if step else (),
-                                    by_slice=by_slice), shards)
-            runner.backward(_backward(step, sync + 1, ["a"], dy, layers, by_slice=by_slice),
-                            shards)
+            runner.serve(_forward(step, sync, ["a"], [samples], x, layers, positions,
+                                  sync - 2 if step else 0, ("a",) if step else (),
+                                  by_slice=by_slice), shards)
+            runner.serve(_backward(step, sync + 1, ["a"], dy, layers, by_slice=by_slice),
+                         shards)
             times.append(time.perf_counter() - started)
         print(f"{'slice' if by_slice else 'batch'}: "
               + " ".join(f"{t * 1e3:.1f}" for t in times) + " ms per step")

@@ -25,7 +25,7 @@ PROTOCOL_DIR = Path(protocol.__file__).parent
 
 
 def test_every_message_is_a_frozen_dataclass_with_a_unique_tag() -> None:
-    assert len(MESSAGE_TYPES) == len({cls.TYPE for cls in MESSAGE_TYPES.values()}) == 31
+    assert len(MESSAGE_TYPES) == len({cls.TYPE for cls in MESSAGE_TYPES.values()}) == 36
     for tag, cls in MESSAGE_TYPES.items():
         assert dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen  # type: ignore[attr-defined]
         assert tag == cls.TYPE and tag.isidentifier() and tag == tag.lower()

@@ -35,9 +35,14 @@ from hetconv.protocol import (
     CalibrateRequest,
     EndRun,
     Message,
-    SampleBackwardRequest,
+    SampleBackwardChain,
+    SampleBackwardRound,
+    SampleEvaluation,
+    SampleForwardChain,
     SampleForwardReply,
-    SampleForwardRequest,
+    SampleForwardRound,
+    SampleStepChain,
+    SampleUpdateRound,
 )
 from tests.support.fake_sample_cluster import (
     FakeSampleCluster,
@@ -63,6 +68,17 @@ def _batches() -> tuple[np.ndarray, np.ndarray, list[float]]:
 
 
 X, LABELS, LR = _batches()
+
+SampleForward = SampleForwardRound | SampleEvaluation | SampleForwardChain | SampleStepChain
+FORWARDS = (SampleForwardRound, SampleEvaluation, SampleForwardChain, SampleStepChain)
+"""The sample split's requests that run layers forward (one type per mode since protocol 13)."""
+SAMPLE_REQUESTS = FORWARDS + (SampleBackwardRound, SampleBackwardChain, SampleUpdateRound)
+"""Every request of the sample split."""
+
+
+def _forwards(messages: list[Message]) -> list[SampleForward]:
+    """The forward requests among ``messages`` (rounds, evaluations, chains), in order."""
+    return [m for m in messages if isinstance(m, FORWARDS)]
 
 
 OPEN: list[Run | Fit] = []  # closed after each test, whatever its outcome
@@ -194,19 +210,20 @@ def test_steps_over_two_workers_equal_the_local_run(tmp_path: Path, plane: str,
     assert_workers_hold(cluster, ["w1", "w2"], dist.stage.snapshot())
     start = expected.get("master", 0)  # the slices in participant order
     for name in ("w1", "w2"):
-        forwards = cluster.served(name, SampleForwardRequest)
-        backwards = cluster.served(name, SampleBackwardRequest)
+        forwards = _forwards(cluster.served(name, Message))
         inputs = [m.x for m in forwards if m.x is not None]
         assert [x.shape[0] for x in inputs] == [expected[name]] * 3
         np.testing.assert_array_equal(inputs[0], X[0][start:start + expected[name]])
         start += expected[name]
-        chained = ([m.step for m in forwards if m.sync_id > 0],
-                   [m.step for m in backwards if m.sync_id > 0])
+        chained = ([m.step for m in cluster.served(name, SampleForwardChain)],
+                   [m.step for m in cluster.served(name, SampleBackwardChain)])
         if plane == "peer":  # one chain each way a step
             assert chained == ([0, 1, 2], [0, 1, 2])
+            assert [m.step for m in forwards] == [0, 1, 2]
         else:  # L + 1 rounds each way a step
             assert chained == ([], [])
             assert [m.step for m in forwards] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+            assert all(isinstance(m, SampleForwardRound) for m in forwards)
     timings = dist.timings[-1]["layers"]
     assert {d["participant"]: d["samples"] for d in timings[0]["participants"]} == expected
 
@@ -216,9 +233,10 @@ def _mid_step(plane: str) -> Any:
     """w1's request of step 1 that loses it: star, the forward round of layer 2; peer,
     the step's forward chain."""
     def when(message: Message) -> bool:
-        if not isinstance(message, SampleForwardRequest) or message.step != 1:
-            return False
-        return plane == "peer" or message.start_layer == 1
+        if plane == "peer":
+            return isinstance(message, SampleForwardChain) and message.step == 1
+        return isinstance(message, SampleForwardRound) and message.step == 1 \
+            and message.start_layer == 1
     return when
 
 
@@ -300,7 +318,7 @@ def test_re_slicing_from_measured_compute_keeps_the_local_numbers(tmp_path: Path
     dist.train(steps - REBALANCE_WINDOW)
     final = _samples(stage)  # measured under whatever else the host runs: may move again
     assert sum(final.values()) == BATCH and final["w1"] < 3, final
-    inputs = [m.x.shape[0] for m in cluster.served("w2", SampleForwardRequest)
+    inputs = [m.x.shape[0] for m in _forwards(cluster.served("w2", Message))
               if m.x is not None]
     assert inputs[-1] == final["w2"]
     assert_same_run(dist, local)
@@ -330,7 +348,7 @@ def test_a_worker_waiting_at_a_snapshot_joins_with_the_layers_and_a_slice(
     assert "w3" in cluster.members
     dist.train(2)
     assert _samples(stage) == {"master": 2, "w1": 2, "w2": 2, "w3": 2}
-    assert [m.x.shape[0] for m in cluster.served("w3", SampleForwardRequest)
+    assert [m.x.shape[0] for m in _forwards(cluster.served("w3", Message))
             if m.x is not None] == [2, 2]
     assert_same_run(dist, local)
     assert_workers_hold(cluster, ["w1", "w2", "w3"], dist.stage.snapshot())
@@ -362,8 +380,8 @@ def test_the_trial_of_the_master_alone_stays_alone_or_goes_back(tmp_path: Path,
         dist.train(1)
         assert dist.step <= 2 * ALONE_WINDOW
     assert EARLY_STEPS <= dist.step - ALONE_WINDOW <= ALONE_WINDOW
-    assert not cluster.sent_to("w1", SampleForwardRequest, before)
-    assert not cluster.sent_to("w1", SampleBackwardRequest, before)
+    assert not [m for m in cluster.sent_to("w1", Message, before)
+                if isinstance(m, SAMPLE_REQUESTS)]
     state = dist.checkpoint()
     if slow_alone:
         assert dist.stage is stage
@@ -378,7 +396,7 @@ def test_the_trial_of_the_master_alone_stays_alone_or_goes_back(tmp_path: Path,
     dist.train(1)
     if slow_alone:  # with the workers again
         assert _samples(stage) == {"master": 3, "w1": 3, "w2": 2}
-        assert [m.step for m in cluster.sent_to("w1", SampleForwardRequest, before)
+        assert [m.step for m in _forwards(cluster.sent_to("w1", Message, before))
                 if m.x is not None] == [dist.step - 1]
     local = _local(tmp_path, dist.step)
     assert_same_run(dist, local, atol=1e-5)
@@ -486,12 +504,12 @@ def _step_samples(fit: Fit, step: int) -> dict[str, int]:
 
 
 def _chain_requests(cluster: FakeSampleCluster, name: str, step: int,
-                    since: int = 0) -> list[tuple[int, SampleForwardRequest]]:
+                    since: int = 0) -> list[tuple[int, SampleStepChain]]:
     """(index in ``cluster.sent``, request) of the step chains of ``step`` sent to
     ``name`` from ``sent[since]`` on."""
     return [(index, m) for index, (who, m) in enumerate(cluster.sent)
-            if index >= since and who == name and isinstance(m, SampleForwardRequest)
-            and m.step_chain and m.step == step]
+            if index >= since and who == name and isinstance(m, SampleStepChain)
+            and m.step == step]
 
 
 def _chain_gathered(cluster: FakeSampleCluster, step: int) -> int:
@@ -530,12 +548,14 @@ def test_the_default_path_over_two_workers_equals_the_local_run(tmp_path: Path) 
     assert not dist.of("recovery")
     assert _step_samples(dist, FIT_STEPS - 1) == {"master": 3, "w1": 3, "w2": 2}
     for name in ("w1", "w2"):
-        chains = [m for m in cluster.served(name, SampleForwardRequest) if m.step_chain]
+        chains = cluster.served(name, SampleStepChain)
         assert [m.step for m in chains] == list(range(FIT_STEPS))
-        flushes = cluster.served(name, SampleBackwardRequest)  # update-only, at snapshots
-        assert [(m.step, m.dy) for m in flushes] == [(s - 1, None) for s in (3, 5, 6, 9, 10)]
-        assert [m.step for m in cluster.served(name, SampleForwardRequest)
-                if m.train and not m.step_chain] == []
+        flushes = cluster.served(name, SampleUpdateRound)  # update-only, at snapshots
+        assert [m.step for m in flushes] == [s - 1 for s in (3, 5, 6, 9, 10)]
+        assert cluster.served(name, SampleBackwardRound) == []  # nothing layer by layer
+        assert cluster.served(name, SampleBackwardChain) == []
+        assert cluster.served(name, SampleForwardRound) == []
+        assert cluster.served(name, SampleForwardChain) == []
     for step in range(1, FIT_STEPS):  # on the wire: sent before the step before gathered
         sent_at = _chain_requests(cluster, "w1", step)[0][0]
         assert (sent_at < _chain_gathered(cluster, step - 1)) == (step in SENT_AHEAD), step
@@ -551,8 +571,7 @@ the last snapshot before it is at step 6."""
 
 def _chain_of(step: int) -> Any:
     def when(message: Message) -> bool:
-        return isinstance(message, SampleForwardRequest) and message.step_chain \
-            and message.step == step
+        return isinstance(message, SampleStepChain) and message.step == step
     return when
 
 
@@ -571,8 +590,7 @@ def assert_abandoned(cluster: FakeSampleCluster, survivors: list[str],
     (their chains of the abandoned steps ended)."""
     before = _recovery_began(cluster)
     sent = [(who, m) for who, m in cluster.sent[:before]
-            if isinstance(m, SampleForwardRequest) and m.step_chain
-            and m.step >= FAULT_STEP]
+            if isinstance(m, SampleStepChain) and m.step >= FAULT_STEP]
     assert sorted((who, m.step) for who, m in sent) == in_flight
     assert [(who, m.step) for who, m in sent
             if m.request_id not in cluster.membership.abandoned] == []
@@ -658,7 +676,7 @@ def test_a_wrong_result_on_the_default_path_is_evicted(tmp_path: Path, wrong: An
     assert stage.control.active == {"w2"} and stage.control.evictions == {"w1": 1}
     assert cluster.dropped == ["w1"]
     last, ahead = max((i, m) for i, (who, m) in enumerate(cluster.sent)
-                      if who == "w1" and isinstance(m, SampleForwardRequest))
+                      if who == "w1" and isinstance(m, FORWARDS))
     assert ahead.step == FAULT_STEP + 1  # the step sent ahead, then
     assert [type(m) for who, m in cluster.sent[last + 1:] if who == "w1"] == [EndRun]
     assert_same_fit(dist, local)

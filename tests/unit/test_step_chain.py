@@ -31,7 +31,7 @@ from hetconv.participant.samples.dense_replica import DenseReplica, dense_refusa
 from hetconv.participant.samples.reduction_plan import reduce_plan
 from hetconv.participant.samples.runner import SampleRequestError, SampleRunner
 from hetconv.participant.samples.weight_reduce import GradientExchange
-from hetconv.protocol import PeerPiece, SampleBackwardRequest, SampleForwardRequest
+from hetconv.protocol import PeerPiece, SampleStepChain, SampleUpdateRound
 from hetconv.protocol.samples import NO_LAYER
 from tests.unit.test_sample_chain import Port, _in_threads
 
@@ -85,16 +85,14 @@ def _runners(model: Any, params: dict[str, np.ndarray], settings: Any, members: 
 
 
 def _step(step: int, sync_id: int, members: list[str], cuts: list[int], x: Any, labels: Any,
-          layers: int, positions: list[int], update_id: int) -> SampleForwardRequest:
-    return SampleForwardRequest(
-        request_id=sync_id, step=step, attempt=0, train=True, total_batch=sum(cuts),
-        finish_layer=NO_LAYER, start_layer=0, stop_layer=layers, return_output=False,
-        update_layer=0 if update_id else NO_LAYER, learning_rate=LR[0] if update_id else 0.0,
-        total_count=0, mean=None, var=None, x=x, dweight=None, update_sums=None,
+          layers: int, positions: list[int], update_id: int) -> SampleStepChain:
+    return SampleStepChain(
+        request_id=sync_id, step=step, attempt=0, total_batch=sum(cuts), stop_layer=layers,
+        learning_rate=LR[0] if update_id else 0.0, x=x, labels=labels,
+        update_layer=0 if update_id else NO_LAYER, dweight=None, update_sums=None,
         update_id=update_id, contributors=list(members) if update_id else [],
         update_stop=layers + 1 if update_id else NO_LAYER, sync_id=sync_id,
-        members=members, member_samples=cuts, positions=positions, step_chain=True,
-        labels=labels)
+        members=members, member_samples=cuts, positions=positions, slice_statistics=False)
 
 
 @pytest.mark.parametrize("bulk_bytes", [None, 0, -1, -2],
@@ -160,7 +158,7 @@ def test_step_chains_equal_the_local_trainer(cuts: list[int], tmp_path: Path,
     for step, sync_id, update_id in ((0, 10, 0), (1, 20, 10)):
         requests = {n: _step(step, sync_id, members, cuts, part(n, x), labels_of(n), layers,
                              positions, update_id) for n in everyone}
-        replies = _in_threads({n: (lambda n=n, r=requests[n]: runners[n].forward(r, shards[n]))
+        replies = _in_threads({n: (lambda n=n, r=requests[n]: runners[n].serve(r, shards[n]))
                                for n in everyone})
         for name, reply in replies.items():
             assert not isinstance(reply, BaseException), (name, reply)
@@ -175,11 +173,10 @@ def test_step_chains_equal_the_local_trainer(cuts: list[int], tmp_path: Path,
             assert sum(fw + bw for _, _, fw, bw in seconds) \
                 <= replies[member].peer_wait_s + 1e-9
     # the second step's update: an update-only round (as before a snapshot)
-    flush = _in_threads({n: (lambda n=n: runners[n].backward(SampleBackwardRequest(
-        request_id=30, step=1, attempt=0, learning_rate=LR[1], update_layer=0,
-        finish_layer=NO_LAYER, start_layer=NO_LAYER, dweight=None, dgamma=None, dbeta=None,
-        dy=None, update_sums=None, reduce_id=0, update_id=20, contributors=list(members),
-        update_stop=layers + 1), shards[n])) for n in everyone})
+    flush = _in_threads({n: (lambda n=n: runners[n].serve(SampleUpdateRound(
+        request_id=30, step=1, attempt=0, learning_rate=LR[1], update_layer=0, dweight=None,
+        update_sums=None, update_id=20, contributors=list(members), update_stop=layers + 1),
+        shards[n])) for n in everyone})
     for name, reply in flush.items():
         assert not isinstance(reply, BaseException), (name, reply)
 
@@ -262,12 +259,12 @@ def test_a_step_chain_without_the_dense_part_or_with_bad_labels_is_a_bad_request
     x = np.zeros((3,) + model.input_shape, np.float32)
     out_of_range = np.array([0, 1, 5], np.int32)  # 5 classes: ids 0..4
     with pytest.raises(SampleRequestError, match="labels"):
-        runners["p0"].forward(_step(0, 10, ["p0"], [3], x, out_of_range, len(shapes),
-                                    positions, 0), shards["p0"])
+        runners["p0"].serve(_step(0, 10, ["p0"], [3], x, out_of_range, len(shapes),
+                                  positions, 0), shards["p0"])
     runners["p0"].layers.dense = None
     with pytest.raises(SampleRequestError, match="AssignDense"):
-        runners["p0"].forward(_step(0, 20, ["p0"], [3], x, np.zeros(3, np.int32),
-                                    len(shapes), positions, 0), shards["p0"])
+        runners["p0"].serve(_step(0, 20, ["p0"], [3], x, np.zeros(3, np.int32),
+                                  len(shapes), positions, 0), shards["p0"])
 
 
 def test_the_result_audit_asks_the_dense_part_and_catches_a_diverged_replica() -> None:

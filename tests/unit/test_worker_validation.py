@@ -26,8 +26,13 @@ from hetconv.protocol import (
     PeerBackwardRequest,
     PeerForwardRequest,
     ProtocolError,
-    SampleBackwardRequest,
-    SampleForwardRequest,
+    SampleBackwardChain,
+    SampleBackwardRound,
+    SampleEvaluation,
+    SampleForwardChain,
+    SampleForwardRound,
+    SampleStepChain,
+    SampleUpdateRound,
     Welcome,
     limits,
 )
@@ -107,23 +112,62 @@ def peer_backward(**changes: Any) -> PeerBackwardRequest:
     return dataclasses.replace(message, **changes)
 
 
-def sample_backward(**changes: Any) -> SampleBackwardRequest:
-    message = SampleBackwardRequest(
-        request_id=8, step=0, attempt=0, learning_rate=0.05, update_layer=1, finish_layer=0,
-        start_layer=-1, dweight=None, dgamma=None, dbeta=None, dy=None, update_sums=None,
-        reduce_id=12, update_id=9, contributors=["master", "w1"])
+def sample_backward(**changes: Any) -> SampleBackwardRound:
+    message = SampleBackwardRound(
+        request_id=8, step=0, attempt=0, learning_rate=0.05, finish_layer=0, start_layer=-1,
+        dgamma=None, dbeta=None, dy=None, reduce_id=12, update_layer=1, dweight=None,
+        update_sums=None, update_id=9, contributors=["master", "w1"])
     return dataclasses.replace(message, **changes)
 
 
-def step_chain(**changes: Any) -> SampleForwardRequest:
+def sample_update(**changes: Any) -> SampleUpdateRound:
+    """The update alone (the master's flush): layers [0, 3) reduced as reduction 9."""
+    message = SampleUpdateRound(
+        request_id=12, step=0, attempt=0, learning_rate=0.05, update_layer=0, dweight=None,
+        update_sums=None, update_id=9, contributors=["master", "w1"], update_stop=3)
+    return dataclasses.replace(message, **changes)
+
+
+def sample_forward(**changes: Any) -> SampleForwardRound:
+    """A forward round: start layer 0 on x, the update of layer 1 riding along."""
+    message = SampleForwardRound(
+        request_id=13, step=0, attempt=0, total_batch=4, finish_layer=-1, start_layer=0,
+        return_output=False, learning_rate=0.05, total_count=0, mean=None, var=None,
+        x=activation(), update_layer=1, dweight=None, update_sums=None, update_id=9,
+        contributors=["master", "w1"])
+    return dataclasses.replace(message, **changes)
+
+
+def sample_evaluation(**changes: Any) -> SampleEvaluation:
+    message = SampleEvaluation(request_id=14, step=-1, attempt=0, total_batch=4,
+                               stop_layer=2, x=activation())
+    return dataclasses.replace(message, **changes)
+
+
+def forward_chain(**changes: Any) -> SampleForwardChain:
+    """A member's forward chain of two layers."""
+    message = SampleForwardChain(
+        request_id=15, step=0, attempt=0, total_batch=4, stop_layer=2, learning_rate=0.05,
+        x=activation(), update_layer=-1, dweight=None, update_sums=None, update_id=0,
+        contributors=[], update_stop=-1, sync_id=10, members=["w1"], member_samples=[2],
+        positions=[256, 64], slice_statistics=False)
+    return dataclasses.replace(message, **changes)
+
+
+def backward_chain(**changes: Any) -> SampleBackwardChain:
+    message = SampleBackwardChain(request_id=16, step=0, attempt=0, learning_rate=0.05,
+                                  start_layer=1, dy=activation(), sync_id=11,
+                                  members=["w1"], slice_statistics=True)
+    return dataclasses.replace(message, **changes)
+
+
+def step_chain(**changes: Any) -> SampleStepChain:
     """A member's step chain (docs/dense-replica.md): x and its labels."""
-    message = SampleForwardRequest(
-        request_id=9, step=0, attempt=0, train=True, total_batch=4, finish_layer=-1,
-        start_layer=0, stop_layer=2, return_output=False, update_layer=-1,
-        learning_rate=0.05, total_count=0, mean=None, var=None, x=activation(),
-        dweight=None, update_sums=None, update_id=0, contributors=[], sync_id=10,
-        members=["w1"], member_samples=[2], positions=[256, 64], step_chain=True,
-        labels=np.array([1, 3], np.int32))
+    message = SampleStepChain(
+        request_id=9, step=0, attempt=0, total_batch=4, stop_layer=2, learning_rate=0.05,
+        x=activation(), labels=np.array([1, 3], np.int32), update_layer=-1, dweight=None,
+        update_sums=None, update_id=0, contributors=[], update_stop=-1, sync_id=10,
+        members=["w1"], member_samples=[2], positions=[256, 64], slice_statistics=False)
     return dataclasses.replace(message, **changes)
 
 
@@ -154,6 +198,10 @@ def assign_peers(**changes: Any) -> AssignPeers:
     backward(), backward(learning_rate=0.0), peer_forward(), peer_forward(x=activation()),
     peer_backward(), peer_backward(dy=activation(dtype=np.float16)), assign_peers(),
     sample_backward(), sample_backward(reduce_id=0, update_id=0, contributors=[]),
+    sample_update(), sample_update(update_stop=-1, update_id=0, contributors=[],
+                                   dweight=np.zeros((K, C, 3, 3), np.float32)),
+    sample_forward(), sample_evaluation(), forward_chain(), forward_chain(x=None),
+    backward_chain(), backward_chain(dy=None),
     step_chain(), step_chain(x=None, labels=None),  # a member's, a participant's without samples
     assign_dense(),
 ], ids=lambda message: message.TYPE)
@@ -241,14 +289,29 @@ REFUSED: list[tuple[Message, str]] = [
     (sample_backward(contributors=["w1", "w1"]), "contributors must be distinct"),
     (sample_backward(contributors=["w1", 3]), "contributors must be distinct"),
     (sample_backward(contributors=[]), "needs its contributors"),
+    (sample_update(update_id=0, contributors=[]), "an update of several layers is reduced"),
+    (sample_update(contributors=["w1", "w1"]), "contributors must be distinct"),
+    # one request type per mode (protocol 13): each one's own numbers
+    (sample_forward(step=-1), "step must be at least 0"),
+    (sample_forward(total_batch=0), "total_batch must be at least 1"),
+    (sample_forward(update_id=-1), "update_id must be at least 0"),
+    (sample_evaluation(stop_layer=0), "stop_layer must be at least 1"),
+    (sample_evaluation(x=activation(NAN)), "x holds NaN or Inf"),
+    (forward_chain(sync_id=0), "sync_id must be at least 1"),
+    (forward_chain(member_samples=[0]), "member_samples must give each member's samples"),
+    (backward_chain(sync_id=0), "sync_id must be at least 1"),
+    (backward_chain(members=["w1", "w1"]), "a chain needs its members"),
     # the step chain: labels only with a member's x in it, one class id per sample
     (step_chain(labels=np.array([1, 3, 0], np.int32)), "one per sample of x (2)"),
     (step_chain(labels=np.array([1.0, 3.0], np.float32)), "labels must be integer"),
     (step_chain(x=None), "labels come only with a member's x"),
-    (step_chain(step_chain=False), "labels come only with a member's x in a step chain"),
+    # labels in a forward chain: no such field since protocol 13 (a class attribute, None)
+    # a step chain outside a chain: the closest refusal left is its exchange's sync_id
     (step_chain(sync_id=0, members=[], member_samples=[], positions=[]),
-     "a step chain is a training chain"),
-    (step_chain(start_layer=1, stop_layer=2, positions=[64]), "from layer 0"),
+     "sync_id must be at least 1"),
+    # a step chain from a later layer: start_layer is 0 by construction since protocol 13;
+    # the closest refusal left is positions that miss the layers run
+    (step_chain(positions=[64]), "positions must give each of the 2 layers"),
     (assign_dense(values=np.full(8, np.nan, np.float32)), "values holds NaN or Inf"),
     (assign_dense(shapes=[[2, 3], [3]]), "must chain from the layer before"),
     (assign_dense(names=["fc.bias", "fc.weight"]), "names must be"),

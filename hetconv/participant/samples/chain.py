@@ -18,7 +18,7 @@ forward chain  (x slice; the previous step's updates of every layer ride along)
     finish (normalise, ReLU, pool); -> the last layer's output slice
 backward chain (dy slice)
     for each layer from the last: batch-norm sums of the slice, shared; the layer
-    above's dW_i computed and scattered to its owners (reduction ``reduce_id``) while
+    above's dW_i computed and scattered to its owners (reduction ``sync_id``) while
     the sums travel; every member's sums added -> kept for the update; finish: dx now,
     dW_i at the next layer's barrier (layer 0: at once) -> nothing but the figures
 
@@ -65,10 +65,11 @@ from hetconv.participant.samples.weight_reduce import PHASE_MOMENTS, PHASE_SUMS,
 from hetconv.participant.wire_cast import to_wire
 from hetconv.protocol import (
     ERR_BAD_REQUEST,
+    SampleBackwardChain,
     SampleBackwardReply,
-    SampleBackwardRequest,
+    SampleForwardChain,
     SampleForwardReply,
-    SampleForwardRequest,
+    SampleStepChain,
 )
 
 
@@ -97,14 +98,14 @@ class LayerClock:
             self._open = None
 
 
-def _members(request: SampleForwardRequest | SampleBackwardRequest) -> list[str]:
+def _members(request: SampleForwardChain | SampleStepChain | SampleBackwardChain) -> list[str]:
     members = [str(m) for m in request.members]
     if not members or len(set(members)) != len(members):
         raise SampleRequestError(ERR_BAD_REQUEST, "a chain needs its members, each once")
     return members
 
 
-def _whole_batch(exchange: GradientExchange, request: SampleForwardRequest, layer: int,
+def _whole_batch(exchange: GradientExchange, request: SampleForwardChain | SampleStepChain, layer: int,
                  counts: Mapping[str, int], positions: int, own: np.ndarray | None
                  ) -> tuple[np.ndarray, np.ndarray]:
     """The whole batch's (mean, var) (K,) of ``layer``: every member's moments (this
@@ -117,7 +118,7 @@ def _whole_batch(exchange: GradientExchange, request: SampleForwardRequest, laye
 
 
 def _updates_while_waiting(held: SliceLayers, shards: Mapping[int, ConvShard],
-                           request: SampleForwardRequest,
+                           request: SampleForwardChain | SampleStepChain,
                            begun: dict[int, np.ndarray | None] | None, pending: list[int],
                            layer: int, members: list[str]) -> None:
     """Inside ``layer``'s moments barrier (this participant's piece shared): apply the
@@ -136,7 +137,7 @@ def _updates_while_waiting(held: SliceLayers, shards: Mapping[int, ConvShard],
         held.finish_update(shards, request, begun, [ready])
 
 
-def forward_chain(held: SliceLayers, request: SampleForwardRequest,
+def forward_chain(held: SliceLayers, request: SampleForwardChain | SampleStepChain,
                   shards: Mapping[int, ConvShard]) -> SampleForwardReply:
     """Every layer of [start_layer, stop_layer) on this participant's slice (see the
     module doc); the reply carries the last layer's output (members only)."""
@@ -146,7 +147,7 @@ def forward_chain(held: SliceLayers, request: SampleForwardRequest,
     members = _members(request)
     counts = dict(zip(members, (int(n) for n in request.member_samples)))
     layers = range(request.start_layer, request.stop_layer)
-    if not request.train or len(counts) != len(members) or len(request.positions) != len(layers):
+    if len(counts) != len(members) or len(request.positions) != len(layers):
         raise SampleRequestError(ERR_BAD_REQUEST, "a forward chain trains, with one sample "
                                  "count per member and one position count per layer")
     begun = held.begin_update(shards, request)
@@ -219,7 +220,7 @@ def forward_chain(held: SliceLayers, request: SampleForwardRequest,
         held.replica(shards, layer).follow_statistics(mean, var,
                                                         request.total_batch * positions)
     held.finish_update(shards, request, begun, pending)
-    if request.step_chain:
+    if isinstance(request, SampleStepChain):
         return _dense_and_backward(held, request, shards, x, counts, started, clock)
     y = to_wire(x, held.wire_dtype) if member and request.return_output and x is not None \
         else None
@@ -229,7 +230,7 @@ def forward_chain(held: SliceLayers, request: SampleForwardRequest,
                               count=0, total=None, m2=None, y=y, **figures)
 
 
-def _dense_and_backward(held: SliceLayers, request: SampleForwardRequest,
+def _dense_and_backward(held: SliceLayers, request: SampleStepChain,
                         shards: Mapping[int, ConvShard], features: np.ndarray | None,
                         counts: Mapping[str, int], started: float,
                         forward: LayerClock) -> SampleForwardReply:
@@ -288,19 +289,19 @@ def _added_sums(exchange: GradientExchange, sync_id: int, layer: int,
                      add_in_order([pieces[m][1] for m in members])])
 
 
-def backward_chain(held: SliceLayers, request: SampleBackwardRequest,
+def backward_chain(held: SliceLayers, request: SampleBackwardChain,
                    shards: Mapping[int, ConvShard]) -> SampleBackwardReply:
     """From ``start_layer`` down to layer 0 on this participant's dy slice (see the
     module doc): the sums kept for the update, the weight gradients scattered."""
     started = time.perf_counter()
     members = _members(request)
-    if request.reduce_id <= 0 or request.start_layer < 0:
-        raise SampleRequestError(ERR_BAD_REQUEST, "a backward chain needs its reduce_id "
+    if request.sync_id <= 0 or request.start_layer < 0:
+        raise SampleRequestError(ERR_BAD_REQUEST, "a backward chain needs its sync_id "
                                  "and its first layer")
     if held.peers().participant in members and request.dy is None:
         raise SampleRequestError(ERR_BAD_REQUEST, "a member's backward chain needs its dy")
     _backward_layers(held, shards, request.step, request.start_layer, request.sync_id,
-                     request.reduce_id, members, request.slice_statistics, request.dy)
+                     request.sync_id, members, request.slice_statistics, request.dy)
     figures = held.peer_figures()
     return SampleBackwardReply(request_id=request.request_id, step=request.step,
                                attempt=request.attempt, compute_s=compute_seconds(started, figures),

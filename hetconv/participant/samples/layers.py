@@ -27,11 +27,16 @@ from hetconv.participant.samples.weight_reduce import GradientExchange
 from hetconv.protocol import (
     ERR_BAD_REQUEST,
     ERR_UNKNOWN_LAYER,
-    SampleBackwardRequest,
-    SampleForwardRequest,
+    SampleBackwardRound,
+    SampleForwardChain,
+    SampleForwardRound,
+    SampleStepChain,
+    SampleUpdateRound,
 )
 
-SampleUpdate = SampleForwardRequest | SampleBackwardRequest
+CarriesUpdate = (SampleForwardRound | SampleForwardChain | SampleStepChain | SampleBackwardRound
+                 | SampleUpdateRound)
+"""The requests that carry the pending update (its six fields)."""
 
 
 def compute_seconds(started: float, figures: dict[str, Any]) -> float:
@@ -102,7 +107,7 @@ class SliceLayers:
         return self.exchange
 
     @staticmethod
-    def update_layers(request: SampleUpdate) -> range:
+    def update_layers(request: CarriesUpdate) -> range:
         """The layers the request's update covers: [update_layer, update_stop), or the
         one layer ``update_layer`` (none when it is NO_LAYER)."""
         if request.update_layer < 0:
@@ -111,7 +116,7 @@ class SliceLayers:
             else request.update_layer + 1
         return range(request.update_layer, stop)
 
-    def begin_update(self, shards: Mapping[int, ConvShard], request: SampleUpdate
+    def begin_update(self, shards: Mapping[int, ConvShard], request: CarriesUpdate
                       ) -> dict[int, np.ndarray | None] | None:
         """First half of a peer-reduced update: reduce this participant's range of each
         layer and share it (None when the request carries its ``dweight`` or no update)."""
@@ -126,7 +131,7 @@ class SliceLayers:
             self.update_shape(shards, layer))
             for layer in self.update_layers(request)}
 
-    def finish_update(self, shards: Mapping[int, ConvShard], request: SampleUpdate,
+    def finish_update(self, shards: Mapping[int, ConvShard], request: CarriesUpdate,
                        begun: dict[int, np.ndarray | None] | None,
                        layers: Sequence[int] | None = None) -> None:
         """The update of ``layers`` (default: every layer of the request's), each dW

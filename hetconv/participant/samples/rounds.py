@@ -1,15 +1,17 @@
-"""The sample split's rounds, a participant's side: one layer boundary per request.
+"""The sample split's rounds, a participant's side: one request each, through the master.
 
-Under the star data plane (and for evaluation) the master drives each step as rounds
-(docs/sample-split.md): a forward round finishes one layer with the whole batch's
-statistics and starts the next on this participant's slice; a backward round does the
-same with the batch-norm sums. Each computes over the participant's
+Under the star data plane the master drives each step as rounds (docs/sample-split.md):
+a forward round finishes one layer with the whole batch's statistics and starts the
+next on this participant's slice; a backward round does the same with the batch-norm
+sums. An evaluation runs every layer on a slice; an update round only applies the
+pending update. Each computes over the participant's
 :class:`~hetconv.participant.samples.layers.SliceLayers`.
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -25,20 +27,21 @@ from hetconv.participant.wire_cast import to_wire
 from hetconv.protocol import (
     ERR_BAD_REQUEST,
     SampleBackwardReply,
-    SampleBackwardRequest,
+    SampleBackwardRound,
+    SampleEvaluation,
     SampleForwardReply,
-    SampleForwardRequest,
+    SampleForwardRound,
+    SampleUpdateRound,
 )
 
 
-def forward_round(held: SliceLayers, request: SampleForwardRequest,
+def forward_round(held: SliceLayers, request: SampleForwardRound,
                   shards: Mapping[int, ConvShard]) -> SampleForwardReply:
-    """One forward round of the master's (``sync_id`` 0): finish one layer with the
-    whole batch's statistics, start the next on this slice, the update riding along."""
+    """One forward round of a training step: finish one layer with the whole batch's
+    statistics, start the next on this slice, the update riding along."""
     started = time.perf_counter()
     begun = held.begin_update(shards, request)
-    uses_update = request.update_layer in (request.finish_layer, request.start_layer) \
-        or not request.train
+    uses_update = request.update_layer in (request.finish_layer, request.start_layer)
     if uses_update:
         held.finish_update(shards, request, begun)
     finished: np.ndarray | None = None
@@ -75,30 +78,22 @@ def forward_round(held: SliceLayers, request: SampleForwardRequest,
         if request.total_batch < x.shape[0]:
             raise SampleRequestError(ERR_BAD_REQUEST, f"total_batch {request.total_batch} "
                                      f"is smaller than this slice's {x.shape[0]} samples")
-        stop = request.stop_layer if not request.train else request.start_layer + 1
-        for layer in range(request.start_layer, max(stop, request.start_layer + 1)):
-            replica = held.replica(shards, layer)
-            weight = replica.shard.state["weight"]
-            if x.ndim != 4 or x.shape[1] != weight.shape[1]:
-                raise SampleRequestError(ERR_BAD_REQUEST, f"layer {layer}: input of shape "
-                                         f"{tuple(x.shape)} does not match its weights")
-            if not request.train:
-                x = replica.forward_eval(x)
-                finished = held.activation = x
-                continue
-            tests_delay(replica.shard)
-            try:
-                moments = replica.start_forward(x, request.total_batch, True)
-            except ValueError:
-                if request.x is not None:
-                    raise  # the master's input: a bad request
-                # this participant's own previous output does not fit the layer: its
-                # results are wrong; say so with moments over no values (the master
-                # evicts a participant whose moments miss its slice's values)
-                kernels = replica.shard.kernels
-                moments = (0, np.zeros(kernels, np.float32), np.zeros(kernels, np.float32))
-            if moments is not None:
-                count, total, m2 = moments
+        layer = request.start_layer
+        replica = held.replica(shards, layer)
+        _check_input(x, replica, layer)
+        tests_delay(replica.shard)
+        try:
+            moments = replica.start_forward(x, request.total_batch, True)
+        except ValueError:
+            if request.x is not None:
+                raise  # the master's input: a bad request
+            # this participant's own previous output does not fit the layer: its
+            # results are wrong; say so with moments over no values (the master
+            # evicts a participant whose moments miss its slice's values)
+            kernels = replica.shard.kernels
+            moments = (0, np.zeros(kernels, np.float32), np.zeros(kernels, np.float32))
+        if moments is not None:
+            count, total, m2 = moments
     if not uses_update:  # the gather's wait overlapped this round's compute
         held.finish_update(shards, request, begun)
     y = None
@@ -114,10 +109,38 @@ def forward_round(held: SliceLayers, request: SampleForwardRequest,
                               total=total, m2=m2, y=y, **figures)
 
 
-def backward_round(held: SliceLayers, request: SampleBackwardRequest,
+def evaluation_round(held: SliceLayers, request: SampleEvaluation,
+                     shards: Mapping[int, ConvShard]) -> SampleForwardReply:
+    """Layers [0, stop_layer) in evaluation mode on this slice; the last one's output."""
+    started = time.perf_counter()
+    x = request.x
+    held.wire_dtype = x.dtype
+    if request.total_batch < x.shape[0]:
+        raise SampleRequestError(ERR_BAD_REQUEST, f"total_batch {request.total_batch} "
+                                 f"is smaller than this slice's {x.shape[0]} samples")
+    for layer in range(0, max(request.stop_layer, 1)):
+        replica = held.replica(shards, layer)
+        _check_input(x, replica, layer)
+        x = replica.forward_eval(x)
+    held.activation = x
+    figures = held.peer_figures()
+    return SampleForwardReply(request_id=request.request_id, step=request.step,
+                              attempt=request.attempt,
+                              compute_s=compute_seconds(started, figures), count=0,
+                              total=None, m2=None, y=to_wire(x, held.wire_dtype), **figures)
+
+
+def _check_input(x: np.ndarray, replica: Any, layer: int) -> None:
+    weight = replica.shard.state["weight"]
+    if x.ndim != 4 or x.shape[1] != weight.shape[1]:
+        raise SampleRequestError(ERR_BAD_REQUEST, f"layer {layer}: input of shape "
+                                 f"{tuple(x.shape)} does not match its weights")
+
+
+def backward_round(held: SliceLayers, request: SampleBackwardRound,
                    shards: Mapping[int, ConvShard]) -> SampleBackwardReply:
-    """One backward round of the master's (``sync_id`` 0): finish one layer with the
-    whole batch's sums, start the next layer's sums on this slice."""
+    """One backward round: the update riding along, finish one layer with the whole
+    batch's sums, start the next layer's sums on this slice."""
     started = time.perf_counter()
     begun = held.begin_update(shards, request)
     uses_update = request.update_layer in (request.finish_layer, request.start_layer)
@@ -157,3 +180,15 @@ def backward_round(held: SliceLayers, request: SampleBackwardRequest,
                                compute_s=compute_seconds(started, figures),
                                dweight=dweight_out, dgamma=sums[0], dbeta=sums[1],
                                **figures)
+
+
+def update_round(held: SliceLayers, request: SampleUpdateRound,
+                 shards: Mapping[int, ConvShard]) -> SampleBackwardReply:
+    """The pending update, nothing else."""
+    started = time.perf_counter()
+    held.finish_update(shards, request, held.begin_update(shards, request))
+    figures = held.peer_figures()
+    return SampleBackwardReply(request_id=request.request_id, step=request.step,
+                               attempt=request.attempt,
+                               compute_s=compute_seconds(started, figures),
+                               dweight=None, dgamma=None, dbeta=None, **figures)

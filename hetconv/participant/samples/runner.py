@@ -2,9 +2,9 @@
 
 :class:`SampleRunner` holds the participant's
 :class:`~hetconv.participant.samples.layers.SliceLayers` and hands each request to the
-code that serves it: a whole pass in one request (``sync_id`` > 0,
-:mod:`~hetconv.participant.samples.chain`) or one round of the master's
-(:mod:`~hetconv.participant.samples.rounds`).
+code that serves it, by its type (protocol/samples.py): a chain, a whole pass or step in
+one request (:mod:`~hetconv.participant.samples.chain`), or a round through the master,
+an evaluation or an update (:mod:`~hetconv.participant.samples.rounds`).
 """
 from __future__ import annotations
 
@@ -13,15 +13,29 @@ from collections.abc import Mapping
 from hetconv.engine.shard import ConvShard
 from hetconv.participant.samples.chain import backward_chain, forward_chain
 from hetconv.participant.samples.layers import SampleRequestError, SliceLayers
-from hetconv.participant.samples.rounds import backward_round, forward_round
+from hetconv.participant.samples.rounds import (
+    backward_round,
+    evaluation_round,
+    forward_round,
+    update_round,
+)
 from hetconv.protocol import (
+    SampleBackwardChain,
     SampleBackwardReply,
-    SampleBackwardRequest,
+    SampleBackwardRound,
+    SampleEvaluation,
+    SampleForwardChain,
     SampleForwardReply,
-    SampleForwardRequest,
+    SampleForwardRound,
+    SampleStepChain,
+    SampleUpdateRound,
 )
 
-__all__ = ["SampleRequestError", "SampleRunner"]
+__all__ = ["SampleRequest", "SampleRequestError", "SampleRunner"]
+
+SampleRequest = (SampleForwardRound | SampleEvaluation | SampleForwardChain | SampleStepChain
+                 | SampleBackwardRound | SampleBackwardChain | SampleUpdateRound)
+"""Every request of the sample split (protocol/samples.py)."""
 
 
 class SampleRunner:
@@ -32,14 +46,20 @@ class SampleRunner:
     def __init__(self) -> None:
         self.layers = SliceLayers()
 
-    def forward(self, request: SampleForwardRequest, shards: Mapping[int, ConvShard]
-                ) -> SampleForwardReply:
-        if request.sync_id > 0:
-            return forward_chain(self.layers, request, shards)
-        return forward_round(self.layers, request, shards)
-
-    def backward(self, request: SampleBackwardRequest, shards: Mapping[int, ConvShard]
-                 ) -> SampleBackwardReply:
-        if request.sync_id > 0:
-            return backward_chain(self.layers, request, shards)
-        return backward_round(self.layers, request, shards)
+    def serve(self, request: SampleRequest, shards: Mapping[int, ConvShard]
+              ) -> SampleForwardReply | SampleBackwardReply:
+        """The reply to one request, computed over ``shards`` (the layers held whole)."""
+        held = self.layers
+        match request:
+            case SampleForwardRound():
+                return forward_round(held, request, shards)
+            case SampleEvaluation():
+                return evaluation_round(held, request, shards)
+            case SampleForwardChain() | SampleStepChain():
+                return forward_chain(held, request, shards)
+            case SampleBackwardRound():
+                return backward_round(held, request, shards)
+            case SampleBackwardChain():
+                return backward_chain(held, request, shards)
+            case SampleUpdateRound():
+                return update_round(held, request, shards)
