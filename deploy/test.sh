@@ -53,24 +53,32 @@ if ! torch_ok; then
   fi
 fi
 
-# ---- Quality gates: every finding fails the command, before any test runs.
-failed_gates=""
+# ---- Quality gates: every finding fails the command. ruff (a second) before any test;
+# mypy --strict (half a minute of one core, cold) alongside the first part of the tests,
+# and its findings fail the command before the second part starts.
 echo "== gate: ruff check ."
-"$venv/bin/python" -m ruff check . || failed_gates="$failed_gates ruff"
-echo "== gate: mypy --strict (hetconv, with protocol/, master/, worker/ through its symlinks)"
-"$venv/bin/python" -m mypy --strict || failed_gates="$failed_gates mypy"
-if [ -n "$failed_gates" ]; then
-  for gate in $failed_gates; do
-    case $gate in
-      ruff) echo "hetconv: error: quality gate failed: 'ruff check .' (findings above; '$venv/bin/ruff check . --fix' fixes some)" >&2 ;;
-      mypy) echo "hetconv: error: quality gate failed: 'mypy --strict' (findings above; files = [\"hetconv\"] in pyproject.toml)" >&2 ;;
-    esac
-  done
+if ! "$venv/bin/python" -m ruff check .; then
+  echo "hetconv: error: quality gate failed: 'ruff check .' (findings above; '$venv/bin/ruff check . --fix' fixes some)" >&2
   exit 1
 fi
+mypy_log=$(mktemp)
+echo "== gate: mypy --strict (hetconv, with protocol/, master/, worker/ through its symlinks), in the background"
+"$venv/bin/python" -m mypy --strict >"$mypy_log" 2>&1 &
+mypy_pid=$!
+mypy_gate() {  # wait for mypy, show what it said; non-zero when it found anything
+  local rc=0
+  wait "$mypy_pid" || rc=$?
+  echo "== gate: mypy --strict said:"
+  cat "$mypy_log"
+  rm -f "$mypy_log"
+  if [ "$rc" -ne 0 ]; then
+    echo "hetconv: error: quality gate failed: 'mypy --strict' (findings above; files = [\"hetconv\"] in pyproject.toml)" >&2
+  fi
+  return "$rc"
+}
 
-# ---- The tests. Extra arguments: one pytest run with them, as given. Without: first the
-# tests not marked `serial` on pytest-xdist workers, one more than the cores (at most 4:
+# ---- The tests. Extra arguments: one pytest run with them, as given (after mypy). Without:
+# first the tests not marked `serial` on pytest-xdist workers, two more than the cores (at most 4:
 # these tests spend part of their time waiting on sleeps and liveness deadlines; an idle
 # worker steals queued tests from a busy one), then the `serial` ones alone, since they time
 # themselves or give emulated machines CPU quotas that add up to the host's cores. Both
@@ -81,10 +89,11 @@ fi
 # each (collection 11.5 s cold, 4.1 s with the caches). The caches go to tests/__pycache__.
 unset PYTHONDONTWRITEBYTECODE
 if [ "$#" -gt 0 ]; then
+  mypy_gate || exit 1
   exec "$venv/bin/python" -m pytest "$@"
 fi
 cores=$(nproc 2>/dev/null || echo 1)
-workers=$(( cores + 1 > 4 ? 4 : cores + 1 ))
+workers=$(( cores + 2 > 4 ? 4 : cores + 2 ))
 parallel_rc=0
 if [ "$cores" -gt 1 ]; then
   echo "== pytest, part 1 of 2: the tests not marked serial, $workers at a time"
@@ -93,6 +102,7 @@ else
   echo "== pytest, part 1 of 2: the tests not marked serial (one core: one at a time)"
   "$venv/bin/python" -m pytest -m "not serial" || parallel_rc=$?
 fi
+mypy_gate || exit 1  # before part 2: nothing else may run beside the serial tests
 echo "== pytest, part 2 of 2: the tests marked serial, alone"
 serial_rc=0
 "$venv/bin/python" -m pytest -m serial || serial_rc=$?
