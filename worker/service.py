@@ -5,7 +5,7 @@ The service keeps the kernel shards assigned to this worker between batches
 backward (with the optimizer update) and hands shards back for snapshots. Every
 failure becomes an :class:`ErrorReply`, so one bad request never stops the worker.
 With the peer data plane (``AssignPeers``) it runs its side of the exchange through
-a :class:`~hetconv.participant.dataplane.PeerParticipant` over the ``data_plane`` it was given
+a :class:`~hetconv.participant.kernels.exchange.PeerParticipant` over the ``data_plane`` it was given
 (the sockets are the daemon's; the service only calls the port). Tests make a worker
 slow or wrong through a :class:`FaultInjector` given to the constructor.
 """
@@ -26,8 +26,9 @@ from hetconv.engine.shard import ConvShard, LayerSettings
 from hetconv.names import STATE_NAMES
 from hetconv.ops.conv_layer import POOLS
 from hetconv.participant.calibration import time_block
-from hetconv.participant.dataplane import PeerLost, PeerParticipant, PiecePort
+from hetconv.participant.kernels.exchange import PeerParticipant
 from hetconv.participant.peer_plan import PeerPlan
+from hetconv.participant.ports import PeerLost, PiecePort
 from hetconv.participant.samples.dense_replica import DenseReplica, dense_refusal, replica_from
 from hetconv.participant.samples.runner import SampleRequest, SampleRequestError, SampleRunner
 from hetconv.participant.samples.weight_reduce import GradientExchange

@@ -388,7 +388,7 @@ def master_link_bytes(counts: Counts, remote: Sequence[bool], traffic: Sequence[
     ``counts[layer][j]`` kernels of participant j; ``remote[j]`` False for the master's
     own device. Star: every worker with kernels gets the layer input and the output
     gradient slice and sends back its output slice and (but in layer 0) the input
-    gradient. Peer (``hetconv.participant.dataplane``): layer 0's input once to the relay, the last
+    gradient. Peer (``hetconv.participant.kernels.exchange``): layer 0's input once to the relay, the last
     layer's output slices and their gradients, and the pieces the master's own share
     exchanges with the workers (all-gather forward, reduce-scatter backward).
     """

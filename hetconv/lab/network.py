@@ -1,8 +1,8 @@
 """Emulated LAN links: network namespaces joined by veth pairs capped with ``tc tbf``.
 
 :class:`LanHost` is one namespace reached from the host over its own capped veth
-(a star through the host). :class:`SwitchedLan` is the honest setup of DESIGN.md
-section 7: a Linux bridge is the switch, and every machine (the master's included)
+(a star through the host). :class:`SwitchedLan` is the honest setup of a switched
+LAN: a Linux bridge is the switch, and every machine (the master's included)
 is a namespace attached to it by its own veth, capped in both directions, so the
 master's link is one link and worker-to-worker traffic never crosses it. Needs root
 and iproute2. Only addresses of namespaces made here receive traffic.

@@ -1,7 +1,7 @@
 """CPU quotas: a process runs at a fraction of one core (cgroup v1 ``cpu`` controller).
 
 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us`` with a short 10 ms period, so a
-throttled process is slow at every time scale (DESIGN.md section 7). Needs root
+throttled process is slow at every time scale, as a slower machine is. Needs root
 and a cgroup v1 cpu hierarchy at /sys/fs/cgroup/cpu.
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ Pure state, no sockets: :class:`Inbox` holds the pieces a participant received
 before it waits for them (keyed by :class:`PieceKey`, bounded, duplicates and
 strangers refused); :class:`RowGather` writes one exchange's pieces into host
 buffers as they come and says which samples are complete, and which piece cannot be
-right (the wrong size: bad data from its sender). :mod:`hetconv.participant.dataplane` drives them.
+right (the wrong size: bad data from its sender). :mod:`hetconv.participant.kernels.exchange` drives them.
 """
 from __future__ import annotations
 

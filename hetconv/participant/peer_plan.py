@@ -5,7 +5,7 @@ conv layer, who relays layer 0's input, who sends which piece to whom in each ph
 (when the master knows them) every layer's input H and W, so a piece of another
 size is bad data, and the sample split's *bucket*: the first layers whose weight
 gradients are reduced together (:mod:`hetconv.participant.samples.weight_reduce`). It travels in ``AssignPeers.plan`` (:meth:`PeerPlan.to_wire`).
-:mod:`hetconv.participant.dataplane` moves the pieces the plan describes.
+:mod:`hetconv.participant.kernels.exchange` moves the pieces the plan describes.
 """
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ import zmq
 
 from hetconv.config import MASTER_PARTICIPANT
 from hetconv.errors import UserError
-from hetconv.participant.dataplane import PeerLost
+from hetconv.participant.ports import PeerLost
 from hetconv.protocol import (
     PeerPiece,
     ProtocolError,

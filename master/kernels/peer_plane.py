@@ -1,6 +1,6 @@
 """The peer data plane (``--data-plane peer``): activations worker to worker.
 
-The participants exchange activations among themselves (:mod:`hetconv.participant.dataplane`):
+The participants exchange activations among themselves (:mod:`hetconv.participant.kernels.exchange`):
 the master sends layer 0's input once, with the ``PeerForwardRequest`` of layer 0 to
 the relay worker (which passes it on to the other workers of layer 0), gets the
 last layer's output slices back in the ``PeerForwardReply`` of the last layer, and
@@ -9,7 +9,7 @@ every other request carries no array. Each layer phase is still one request per
 worker with kernels in it, answered when that worker's part (waiting for its pieces,
 computing, sending its pieces on) is done, so the master's liveness and request
 deadlines cover every phase exactly as with the star plane. The master's own share
-is a participant too (its :class:`~hetconv.participant.dataplane.PeerParticipant` runs in the
+is a participant too (its :class:`~hetconv.participant.kernels.exchange.PeerParticipant` runs in the
 helper thread over the master's own data endpoint).
 
 The stage returns the real output only for the last layer, and ``None`` from
@@ -48,7 +48,7 @@ from hetconv.master.kernels.phases import OpenPhase, Phases
 from hetconv.master.plan import Shard
 from hetconv.master.results import checked_result
 from hetconv.model import ConvLayerShape
-from hetconv.participant.dataplane import ExchangeStats, PeerLost, PeerParticipant
+from hetconv.participant.kernels.exchange import ExchangeStats, PeerParticipant
 from hetconv.participant.peer_plan import PHASE_FORWARD, KernelRange, PeerPlan
 from hetconv.participant.peer_sockets import (
     DATA_PORT_PROBE_TIMEOUT_S,
@@ -56,6 +56,7 @@ from hetconv.participant.peer_sockets import (
     check_reachable,
     route_address,
 )
+from hetconv.participant.ports import PeerLost
 from hetconv.participant.wire_cast import to_wire
 from hetconv.protocol import (
     AssignPeers,
@@ -127,7 +128,7 @@ class PeerPlane:
     # The layer phases of a pass are pipelined: forward requests for every layer go out
     # without waiting for the previous layer's replies, so a worker starts computing
     # layer l+1 on the first samples its peers send while they still send the rest (the
-    # overlap of hetconv.participant.dataplane). The last layer's forward gathers every forward
+    # overlap of hetconv.participant.kernels.exchange). The last layer's forward gathers every forward
     # reply of the pass; layer 0's backward gathers every backward reply.
     def forward(self, layer: int, x: np.ndarray, train: bool, step: int) -> np.ndarray:
         if train:

@@ -29,7 +29,7 @@ from hetconv.master.own_share import OwnJob, OwnShare
 from hetconv.master.plan import Shard
 from hetconv.master.timing import timing_entry
 from hetconv.model import ConvLayerShape
-from hetconv.participant.dataplane import PeerLost
+from hetconv.participant.ports import PeerLost
 
 
 @dataclass

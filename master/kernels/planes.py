@@ -16,10 +16,9 @@ backward through a :class:`DataPlane`, chosen once when the run is set up:
 A plane builds the requests of a phase and reads its replies over the stage's
 :class:`~hetconv.master.kernels.phases.Phases` (which hold the current shards); it knows
 nothing of faults or plans. After the shards move (a re-split, a recovery, a join)
-the stage calls :meth:`DataPlane.after_resplit`. A plane that splits a layer by
-samples (issue 22: every participant holds the whole layer and computes a slice of
-the batch) fits the same interface: its forward scatters batch slices and
-concatenates along the batch axis, its backward reduces the weight gradients.
+the stage calls :meth:`DataPlane.after_resplit`. The sample split is not a data plane
+of this stage but a stage of its own (``master/samples/stage.py``): every participant
+holds whole layers, and what travels is batch-norm statistics and weight gradients.
 """
 from __future__ import annotations
 

@@ -19,13 +19,13 @@ from hetconv.config import MASTER_PARTICIPANT
 from hetconv.master.assign import exchange
 from hetconv.master.cluster import Cluster, WorkerHandle, WorkerLost
 from hetconv.master.data_ports import await_data_endpoints, diagnosed, unreachable_fault
-from hetconv.participant.dataplane import PeerLost
 from hetconv.participant.peer_sockets import (
     DATA_PORT_PROBE_TIMEOUT_S,
     PeerSockets,
     check_reachable,
     route_address,
 )
+from hetconv.participant.ports import PeerLost
 from hetconv.participant.samples.reduction_plan import reduce_plan
 from hetconv.participant.samples.weight_reduce import GradientExchange
 from hetconv.protocol import AssignPeers

@@ -20,7 +20,7 @@ from hetconv.master.samples.peers import SamplePeers
 from hetconv.master.samples.plan import Slice
 from hetconv.master.samples.replicas import MasterReplicas
 from hetconv.master.samples.settings import SampleSetup
-from hetconv.participant.dataplane import PeerLost
+from hetconv.participant.ports import PeerLost
 
 MakeRequest = Callable[[Slice], Any]
 

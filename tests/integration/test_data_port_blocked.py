@@ -28,8 +28,8 @@ from typing import Any
 import pytest
 
 from hetconv.lab import netns_unavailable_reason
-from hetconv.participant.dataplane import PeerLost
 from hetconv.participant.peer_sockets import check_reachable, unreachable_line
+from hetconv.participant.ports import PeerLost
 from tests.conftest import child_env, hetconv_command
 
 pytestmark = [pytest.mark.integration, pytest.mark.lab]

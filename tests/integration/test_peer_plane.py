@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from hetconv.engine.checkpoint import load_weights
-from hetconv.participant.dataplane import PeerLost
 from hetconv.participant.peer_sockets import PeerSockets
+from hetconv.participant.ports import PeerLost
 from hetconv.protocol import PeerPiece, generate_curve_keypair, make_context
 from tests.conftest import SMALL_RUN, run_hetconv
 from tests.integration.test_distributed import assert_reproduces

@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 
 from hetconv.engine.shard import ConvShard, LayerSettings
-from hetconv.participant.dataplane import (
-    PeerLost,
+from hetconv.participant.kernels.exchange import (
     PeerParticipant,
     assemble_input,
     reduce_gradient,
@@ -18,6 +17,7 @@ from hetconv.participant.dataplane import (
 )
 from hetconv.participant.peer_pieces import Inbox, PieceKey, RowGather
 from hetconv.participant.peer_plan import PHASE_BACKWARD, PHASE_FORWARD, KernelRange, PeerPlan
+from hetconv.participant.ports import PeerLost
 from hetconv.protocol import PeerPiece, decode, encode
 
 R = KernelRange

@@ -336,7 +336,7 @@ def test_every_installed_package_is_under_hetconv_and_listed() -> None:
 def test_the_checker_keeps_the_strategies_apart() -> None:
     known = {"hetconv.master.samples.stage", "hetconv.master.kernels.stage", "hetconv.master.plan",
              "hetconv.master.setup", "hetconv.participant.samples.chain",
-             "hetconv.participant.dataplane"}
+             "hetconv.participant.kernels.exchange", "hetconv.participant.ports"}
     found = check_source("hetconv.master.kernels.fake",
                          "from hetconv.master.samples import stage\nfrom hetconv.master import plan\n",
                          "master/kernels/fake.py", known)
@@ -347,11 +347,17 @@ def test_the_checker_keeps_the_strategies_apart() -> None:
     assert [v.line for v in found] == [1] and "only hetconv.master.setup" in found[0].rule
     assert check_source("hetconv.master.setup", "from hetconv.master.kernels import stage\n"
                         "from hetconv.master.samples import stage as s\n", "master/setup.py", known) == []
-    found = check_source("hetconv.participant.dataplane",
+    found = check_source("hetconv.participant.ports",
                          "from hetconv.participant.samples import chain\n",
-                         "hetconv/participant/dataplane.py", known)
+                         "hetconv/participant/ports.py", known)
     assert [v.line for v in found] == [1] and "shared modules never import" in found[0].rule
-    found = check_source("hetconv.engine.fake", "from hetconv.participant import dataplane\n",
+    found = check_source("hetconv.participant.kernels.exchange",
+                         "from hetconv.participant.samples import chain\n"
+                         "from hetconv.participant import ports\n",
+                         "hetconv/participant/kernels/exchange.py", known)
+    assert [(v.line, v.rule) for v in found] == [
+        (1, "hetconv.participant.kernels never imports hetconv.participant.samples")]
+    found = check_source("hetconv.engine.fake", "from hetconv.participant import ports\n",
                          "hetconv/engine/fake.py", known)
     assert [v.rule for v in found] == ["core may import only core, protocol (not participant)"]
     found = check_source("hetconv.master.fake", "from hetconv.analysis.report import records\n",

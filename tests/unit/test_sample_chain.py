@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from hetconv.model import conv_layer_shapes
-from hetconv.participant.dataplane import PeerLost
+from hetconv.participant.ports import PeerLost
 from hetconv.participant.samples.reduction_plan import reduce_plan
 from hetconv.participant.samples.replica import SampleReplica, add_in_order, moments_to_statistics
 from hetconv.participant.samples.runner import SampleRequestError, SampleRunner

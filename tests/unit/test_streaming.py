@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 import hetconv.ops.conv as conv
-import hetconv.participant.dataplane as dataplane
+import hetconv.participant.kernels.exchange as dataplane
 from hetconv.engine.shard import ConvShard, LayerSettings
 from hetconv.ops.conv import LAYOUTS, conv2d_backward_cached, conv2d_forward_cached
-from hetconv.participant.dataplane import PeerParticipant
+from hetconv.participant.kernels.exchange import PeerParticipant
 from hetconv.participant.peer_plan import KernelRange, PeerPlan
 from hetconv.protocol import PeerPiece, decode, encode
 

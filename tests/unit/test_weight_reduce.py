@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from hetconv.config import MASTER_PARTICIPANT
-from hetconv.participant.dataplane import PeerLost
+from hetconv.participant.ports import PeerLost
 from hetconv.participant.samples.reduction_plan import reduce_plan, reduce_ranges
 from hetconv.participant.samples.replica import add_in_order
 from hetconv.participant.samples.weight_reduce import PHASE_GATHER, PHASE_REDUCE, GradientExchange

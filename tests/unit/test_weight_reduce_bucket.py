@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hetconv.participant.dataplane import PeerLost
 from hetconv.participant.peer_plan import KernelRange, PeerPlan
+from hetconv.participant.ports import PeerLost
 from hetconv.participant.samples.reduction_plan import BUCKET_BYTES, bucket_sizes, reduce_plan
 from hetconv.participant.samples.replica import add_in_order
 from hetconv.participant.samples.weight_reduce import PHASE_WHOLE, GradientExchange

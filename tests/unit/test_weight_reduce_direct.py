@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import hetconv.participant.samples.reduction_plan as reduction_plan
-from hetconv.participant.dataplane import PeerLost
+from hetconv.participant.ports import PeerLost
 from hetconv.participant.samples.reduction_plan import DIRECT_BYTES, reduce_plan, reduced_directly
 from hetconv.participant.samples.replica import add_in_order
 from hetconv.participant.samples.weight_reduce import PHASE_REDUCE, PHASE_WHOLE, GradientExchange

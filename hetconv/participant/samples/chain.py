@@ -52,7 +52,7 @@ import numpy as np
 
 from hetconv.engine.dense_part import Rows
 from hetconv.engine.shard import ConvShard
-from hetconv.participant.dataplane import PeerLost
+from hetconv.participant.ports import PeerLost
 from hetconv.participant.samples.dense_replica import as_labels
 from hetconv.participant.samples.layers import (
     SampleRequestError,

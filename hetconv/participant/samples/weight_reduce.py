@@ -69,7 +69,7 @@ Pieces are :class:`~hetconv.protocol.PeerPiece` messages keyed by the master's
 ``batch_start``/``batch_stop``/``batch_size`` are 0/1/1. :class:`GradientExchange`
 checks every piece (sender, phase, kernel range, shape, finite values) and waits with
 a deadline that every arrival restarts; a peer that does not deliver is a
-:class:`~hetconv.participant.dataplane.PeerLost` naming it, one that sends NaN or a wrong shape
+:class:`~hetconv.participant.ports.PeerLost` naming it, one that sends NaN or a wrong shape
 one with ``bad_data``.
 """
 from __future__ import annotations
@@ -79,8 +79,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from hetconv.participant.dataplane import PeerLost, PiecePort, wait_for_pieces
 from hetconv.participant.peer_plan import KernelRange, PeerPlan
+from hetconv.participant.ports import PeerLost, PiecePort, wait_for_pieces
 from hetconv.participant.samples.barrier_trace import TRACE
 from hetconv.participant.samples.reduction_plan import reduced_directly
 from hetconv.protocol import PeerPiece

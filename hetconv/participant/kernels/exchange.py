@@ -1,4 +1,5 @@
-"""The peer data plane's logic: which piece goes where, and what a participant does with it.
+"""The kernel split's peer data plane, a participant's side: which piece goes where, and
+what a participant does with it.
 
 With ``--data-plane peer`` the participants of a run (the master's own device and the
 workers) exchange activations among themselves instead of through the master.
@@ -15,7 +16,8 @@ layer's output-gradient slices and receives only the last layer's output.
 
 Everything here but :class:`PeerParticipant` is pure (plain data in, plain data out,
 tested without sockets). :class:`PeerParticipant` runs one participant's side of a
-layer: it waits (with a deadline) for its pieces through a :class:`PiecePort`,
+layer: it waits (with a deadline) for its pieces through a
+:class:`~hetconv.participant.ports.PiecePort` (shared with the sample split's reduction),
 computes its :class:`~hetconv.engine.shard.ConvShard` and sends its pieces on. The worker
 service and the master's own share both use it; the sockets behind the port are in
 :mod:`hetconv.participant.peer_sockets`.
@@ -25,7 +27,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 
@@ -38,11 +39,10 @@ from hetconv.participant.peer_plan import (
     KernelRange,
     PeerPlan,
 )
+from hetconv.participant.ports import PeerLost, PiecePort, wait_for_pieces
 from hetconv.participant.wire_cast import to_wire
 from hetconv.protocol import PeerPiece
 
-RECEIVE_SLICE_S = 0.05
-"""Longest single wait on the port, so that a cancelled wait ends promptly."""
 PIECE_BYTES = 128 << 10
 """About how many array bytes one piece carries: an exchange travels in pieces of
 consecutive samples so that the receiver computes on the first while the rest is on
@@ -91,51 +91,6 @@ def split_gradient(dx: np.ndarray, targets: Sequence[KernelRange]
 
 
 # --- one participant over a port -----------------------------------------------------
-class PiecePort(Protocol):
-    """How a participant moves pieces; implemented over sockets by hetconv.participant.peer_sockets."""
-
-    def send(self, participant: str, piece: PeerPiece) -> int:
-        """Send to ``participant``; the array bytes sent. Raises PeerLost on failure."""
-        ...
-
-    def receive(self, timeout_s: float) -> PeerPiece | None:
-        """The next piece that arrives within ``timeout_s`` seconds, or None."""
-        ...
-
-
-class PeerLost(Exception):
-    """A peer's piece did not come within the deadline, or could not be sent to it
-    (``bad_data``: it came, holding NaN or Inf)."""
-
-    def __init__(self, peers: Sequence[str], message: str, bad_data: bool = False):
-        super().__init__(message)
-        self.peers = list(peers)
-        self.bad_data = bad_data
-
-
-def wait_for_pieces(port: PiecePort, timeout_s: float, cancelled: Callable[[], bool],
-                    done: Callable[[], bool], owing: Callable[[], list[str]],
-                    keep: Callable[[PeerPiece], bool], late: Callable[[list[str]], str]) -> None:
-    """The wait of both peer exchanges (this module's and :mod:`hetconv.participant.samples.weight_reduce`'s):
-    until ``done()`` (checked after each piece; the caller takes what arrived), receive
-    pieces from ``port`` :data:`RECEIVE_SLICE_S` at a time and hand each to ``keep``,
-    which says whether it kept it. Every piece kept restarts the clock; PeerLost naming
-    the peers still ``owing()`` when ``cancelled()``, or with ``late(owing)`` when
-    nothing is kept for ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not done():
-        now = time.monotonic()
-        if cancelled():
-            peers = owing()
-            raise PeerLost(peers, f"cancelled while waiting for {', '.join(peers)}")
-        if now >= deadline:
-            peers = owing()
-            raise PeerLost(peers, late(peers))
-        piece = port.receive(min(RECEIVE_SLICE_S, deadline - now))
-        if piece is not None and keep(piece):
-            deadline = time.monotonic() + timeout_s
-
-
 @dataclass
 class ExchangeStats:
     """One participant's layer phase: compute and wait seconds, and array bytes per
