@@ -10,6 +10,9 @@ numbers too, through an epoch end, snapshots, a worker lost while a step is in f
 ahead and a wrong result evicted."""
 from __future__ import annotations
 
+import dataclasses
+import json
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -393,6 +396,16 @@ def test_the_trial_of_the_master_alone_stays_alone_or_goes_back(tmp_path: Path,
         assert any("slower than the master alone" in line for line in cluster.lines)
         assert cluster.closed  # the sample stage was closed: the workers released
         assert not cluster.service("w1").shards and not cluster.service("w2").shards
+    replans = [json.loads(line) for line in
+               (tmp_path / "dist" / "metrics.jsonl").read_text().splitlines()
+               if '"type":"replan"' in line]
+    assert [r["reason"].split(":")[0] for r in replans] == [
+        "trying the master alone",
+        "the master alone was slower" if slow_alone else "slower than the master alone"]
+    if slow_alone:
+        assert replans[1]["alone_step_s"] > replans[1]["measured_step_s"]
+    else:
+        assert replans[1]["measured_step_s"] > replans[1]["alone_step_s"]
     dist.train(1)
     if slow_alone:  # with the workers again
         assert _samples(stage) == {"master": 3, "w1": 3, "w2": 2}
@@ -400,6 +413,61 @@ def test_the_trial_of_the_master_alone_stays_alone_or_goes_back(tmp_path: Path,
                 if m.x is not None] == [dist.step - 1]
     local = _local(tmp_path, dist.step)
     assert_same_run(dist, local, atol=1e-5)
+
+
+# --- 5b. the trial without a worker too slow for its slice -----------------------------
+@dataclasses.dataclass(frozen=True)
+class BusyWorker(WorkerFaults):
+    """A worker whose every request costs ``per_request_s`` more (its machine busy
+    with something else): its per-step work holds every barrier, whatever its slice."""
+
+    per_request_s: float = 0.0
+
+    def any(self) -> bool:
+        return True
+
+    def at_step(self, step: int, shards: Any) -> None:
+        time.sleep(self.per_request_s)
+        super().at_step(step, shards)
+
+
+@pytest.mark.parametrize("plane", ["star", "peer"])
+def test_a_worker_too_slow_for_its_slice_is_tried_without_and_left_out(tmp_path: Path,
+                                                                        plane: str) -> None:
+    """The master computes nothing (``--no-local``: no master-alone estimate); w3 is
+    calibrated so slow that its slice is empty, yet it applies every update, and busy
+    with something else it holds every step. At the snapshot after a window of steps the
+    run goes on without it (set aside, waiting); at the next one, shorter without, it is
+    left out for the run, said and recorded; it is not taken in again as a joiner. Every
+    step is the local run's."""
+    from hetconv.master.samples.trial_without import WITHOUT_WINDOW
+
+    dist, stage, cluster = _distributed(
+        tmp_path, workers=("w1", "w2", "w3"), master_computes=False, fall_back=True,
+        data_plane=plane, seconds={"w1": 1.0, "w2": 1.0, "w3": 100.0},
+        faults={"w3": BusyWorker(per_request_s=0.02)})
+    dist.train(WITHOUT_WINDOW + 1)  # the first step after a snapshot gives no period
+    assert _samples(stage) == {"w1": 4, "w2": 4, "w3": 0}
+    dist.checkpoint()
+    assert any(line.startswith("hetconv: trying without w3: its slice is 0 of 8 samples")
+               for line in cluster.lines), cluster.lines
+    before = len(cluster.sent)
+    dist.train(WITHOUT_WINDOW + 1)
+    assert _samples(stage) == {"w1": 4, "w2": 4}
+    assert not [m for m in cluster.sent_to("w3", Message, before)
+                if isinstance(m, SAMPLE_REQUESTS)]  # it waits
+    dist.checkpoint()
+    assert any(line.startswith("hetconv: not used from now on: w3 (the step measured")
+               for line in cluster.lines), cluster.lines
+    replans = [json.loads(line) for line in
+               (tmp_path / "dist" / "metrics.jsonl").read_text().splitlines()
+               if '"type":"replan"' in line]
+    kept_out = [r for r in replans if r.get("left_out") == ["w3"]]
+    assert len(kept_out) == 1 and kept_out[0]["measured_step_s"] < kept_out[0]["with_step_s"]
+    dist.checkpoint()  # w3 still connected, never taken in again
+    assert _samples(stage) == {"w1": 4, "w2": 4} and dist.stage is stage
+    assert not cluster.sent_to("w3", AssignShard, before)
+    assert_same_run(dist, _local(tmp_path, dist.step))
 
 
 # --- 6. the default path: the dense part replicated, two steps in flight ---------------
