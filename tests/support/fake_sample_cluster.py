@@ -66,6 +66,7 @@ from hetconv.protocol import (
 )
 from hetconv.protocol.codec import decode, encode
 from hetconv.worker.service import ENDS_EXCHANGES, FaultInjector, WorkerService
+from tests.support.queue_port import QueuePort
 
 M = TypeVar("M", bound=Message)
 
@@ -76,23 +77,6 @@ GATHER_LIMIT_S = 30.0
 def over_the_wire(message: Message) -> Message:
     """``message`` as the other side decodes it (its own copies of every array)."""
     return decode([bytes(frame) for frame in encode(message)])
-
-
-class QueuePort:
-    """A participant's in-memory data port: one queue per participant of the plan."""
-
-    def __init__(self, queues: dict[str, queue.Queue[PeerPiece]], me: str):
-        self.queues, self.me = queues, me
-
-    def send(self, participant: str, piece: PeerPiece) -> int:
-        self.queues[participant].put(piece)
-        return int(piece.data.nbytes)
-
-    def receive(self, timeout_s: float) -> PeerPiece | None:
-        try:
-            return self.queues[self.me].get(timeout=timeout_s)
-        except queue.Empty:
-            return None
 
 
 class QueueDataPlane:

@@ -29,7 +29,8 @@ from hetconv.model import (  # noqa: E402
 from hetconv.participant.samples.reduction_plan import reduce_plan  # noqa: E402
 from hetconv.participant.samples.runner import SampleRunner  # noqa: E402
 from hetconv.participant.samples.weight_reduce import GradientExchange  # noqa: E402
-from tests.unit.test_sample_chain import Port, _backward, _forward  # noqa: E402
+from tests.support.queue_port import QueuePort  # noqa: E402
+from tests.unit.test_sample_chain import _backward, _forward  # noqa: E402
 
 NETWORK = "c32k3p1,c32k3p1,pool,c64k3p1,c64k3p1,pool,fc256,drop0.5"
 
@@ -48,7 +49,7 @@ def main(samples: int = 32) -> None:
     for by_slice in (False, True, False, True):
         plan = reduce_plan([s.kernels for s in shapes], ["a"], ["a"])
         runner = SampleRunner()
-        runner.layers.exchange = GradientExchange("a", plan, Port({"a": queue.Queue()}, "a"), 5.0)
+        runner.layers.exchange = GradientExchange("a", plan, QueuePort({"a": queue.Queue()}, "a"), 5.0)
         shards = {s.index: ConvShard(s.index, 0, s.kernels, settings,
                                      layer_parameters(params, s.index)) for s in shapes}
         times = []

@@ -20,24 +20,8 @@ from hetconv.participant.samples.runner import SampleRequestError, SampleRunner
 from hetconv.participant.samples.weight_reduce import GradientExchange
 from hetconv.protocol import PeerPiece, SampleBackwardChain, SampleForwardChain
 from hetconv.protocol.samples import NO_LAYER
+from tests.support.queue_port import QueuePort
 from tests.unit.test_sample_replica import _network, _run_split, _shards
-
-
-class Port:
-    """A thread-safe in-memory port: one queue per participant."""
-
-    def __init__(self, queues: dict[str, queue.Queue[PeerPiece]], me: str):
-        self.queues, self.me = queues, me
-
-    def send(self, participant: str, piece: PeerPiece) -> int:
-        self.queues[participant].put(piece)
-        return int(piece.data.nbytes)
-
-    def receive(self, timeout_s: float) -> PeerPiece | None:
-        try:
-            return self.queues[self.me].get(timeout=timeout_s)
-        except queue.Empty:
-            return None
 
 
 def _in_threads(calls: dict[str, Any]) -> dict[str, Any]:
@@ -107,7 +91,7 @@ def _participants(model: Any, params: Any, settings: Any, members: list[str],
     runners, shards = {}, {}
     for name in everyone:
         runners[name] = SampleRunner()
-        runners[name].layers.exchange = GradientExchange(name, plan, Port(queues, name), 5.0)
+        runners[name].layers.exchange = GradientExchange(name, plan, QueuePort(queues, name), 5.0)
         shards[name] = {s.layer: s for s in _shards(model, params, settings)}
     return runners, shards
 
@@ -170,7 +154,7 @@ def test_a_member_without_its_slice_is_a_bad_request() -> None:
     shapes = conv_layer_shapes(model)
     plan = reduce_plan([s.kernels for s in shapes], ["a"], ["a"])
     runner = SampleRunner()
-    runner.layers.exchange = GradientExchange("a", plan, Port({"a": queue.Queue()}, "a"), 0.1)
+    runner.layers.exchange = GradientExchange("a", plan, QueuePort({"a": queue.Queue()}, "a"), 0.1)
     shards = {s.layer: s for s in _shards(model, params, settings)}
     request = _forward(0, 3, ["a"], [4], None, len(shapes), [1] * len(shapes))
     with pytest.raises(SampleRequestError, match="needs its x"):
@@ -184,7 +168,7 @@ def test_a_silent_peer_is_named() -> None:
     plan = reduce_plan([s.kernels for s in shapes], ["a", "b"], ["a", "b"])
     queues: dict[str, queue.Queue[PeerPiece]] = {"a": queue.Queue(), "b": queue.Queue()}
     runner = SampleRunner()
-    runner.layers.exchange = GradientExchange("a", plan, Port(queues, "a"), 0.2)
+    runner.layers.exchange = GradientExchange("a", plan, QueuePort(queues, "a"), 0.2)
     shards = {s.layer: s for s in _shards(model, params, settings)}
     x = np.zeros((3,) + model.input_shape, np.float32)
     with pytest.raises(PeerLost) as lost:

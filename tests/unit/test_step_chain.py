@@ -33,7 +33,8 @@ from hetconv.participant.samples.runner import SampleRequestError, SampleRunner
 from hetconv.participant.samples.weight_reduce import GradientExchange
 from hetconv.protocol import PeerPiece, SampleStepChain, SampleUpdateRound
 from hetconv.protocol.samples import NO_LAYER
-from tests.unit.test_sample_chain import Port, _in_threads
+from tests.support.queue_port import QueuePort
+from tests.unit.test_sample_chain import _in_threads
 
 SPEC = "c4k3p1,pool,c6k3p1,pool,fc12,drop0.5"
 LR = (0.05, 0.04)  # the two steps' learning rates
@@ -68,7 +69,7 @@ def _runners(model: Any, params: dict[str, np.ndarray], settings: Any, members: 
     runners, shards = {}, {}
     for name in everyone:
         runner = SampleRunner()
-        runner.layers.exchange = GradientExchange(name, plan, Port(queues, name), 5.0)
+        runner.layers.exchange = GradientExchange(name, plan, QueuePort(queues, name), 5.0)
         part = DensePart(model.dense, {n: params[n].copy() for n in names},
                          {n: np.zeros_like(params[n]) for n in names}, seed=7)
         # each worker's replica as AssignDense carries it (the codec's check included)
