@@ -32,19 +32,13 @@ from hetconv.protocol import (
     PeerBackwardRequest,
     PeerForwardReply,
     PeerForwardRequest,
-    SampleBackwardChain,
     SampleBackwardReply,
-    SampleBackwardRound,
-    SampleEvaluation,
-    SampleForwardChain,
     SampleForwardReply,
-    SampleForwardRound,
-    SampleStepChain,
-    SampleUpdateRound,
     SnapshotReply,
     SnapshotRequest,
     limits,
 )
+from hetconv.protocol.samples import SAMPLE_BACKWARD_REQUESTS, SAMPLE_FORWARD_REQUESTS
 from hetconv.session_events import BadMessage as BadMessage  # re-exported: shared vocabulary
 from hetconv.session_events import Log as Log  # re-exported
 from hetconv.session_events import Tick as Tick  # re-exported
@@ -154,10 +148,9 @@ def expected_reply(request: Message) -> type[Message] | None:
             return PeerForwardReply
         case PeerBackwardRequest():
             return PeerBackwardReply
-        case SampleForwardRound() | SampleEvaluation() | SampleForwardChain() \
-                | SampleStepChain():
+        case _ if isinstance(request, SAMPLE_FORWARD_REQUESTS):
             return SampleForwardReply
-        case SampleBackwardRound() | SampleBackwardChain() | SampleUpdateRound():
+        case _ if isinstance(request, SAMPLE_BACKWARD_REQUESTS):
             return SampleBackwardReply
         case AssignShard() | AssignPeers() | AssignDense() | EndRun():
             return Ack

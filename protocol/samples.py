@@ -330,3 +330,14 @@ class AssignDense(Message):
     weight_decay: float
     values: np.ndarray
     velocity: np.ndarray
+
+
+SAMPLE_FORWARD_REQUESTS = (SampleForwardRound, SampleEvaluation, SampleForwardChain,
+                           SampleStepChain)
+"""The requests answered with a :class:`SampleForwardReply`."""
+SAMPLE_BACKWARD_REQUESTS = (SampleBackwardRound, SampleBackwardChain, SampleUpdateRound)
+"""The requests answered with a :class:`SampleBackwardReply`."""
+SAMPLE_REQUESTS = SAMPLE_FORWARD_REQUESTS + SAMPLE_BACKWARD_REQUESTS
+SampleRequest = (SampleForwardRound | SampleEvaluation | SampleForwardChain | SampleStepChain
+                 | SampleBackwardRound | SampleBackwardChain | SampleUpdateRound)
+"""Every request of the sample split, one type per mode."""

@@ -30,7 +30,7 @@ from hetconv.participant.kernels.exchange import PeerParticipant
 from hetconv.participant.peer_plan import PeerPlan
 from hetconv.participant.ports import PeerLost, PiecePort
 from hetconv.participant.samples.dense_replica import DenseReplica, dense_refusal, replica_from
-from hetconv.participant.samples.runner import SampleRequest, SampleRequestError, SampleRunner
+from hetconv.participant.samples.runner import SampleRequestError, SampleRunner
 from hetconv.participant.samples.weight_reduce import GradientExchange
 from hetconv.participant.wire_cast import to_wire
 from hetconv.protocol import (
@@ -56,17 +56,11 @@ from hetconv.protocol import (
     PeerBackwardRequest,
     PeerForwardReply,
     PeerForwardRequest,
-    SampleBackwardChain,
-    SampleBackwardRound,
-    SampleEvaluation,
-    SampleForwardChain,
-    SampleForwardRound,
-    SampleStepChain,
-    SampleUpdateRound,
     SnapshotReply,
     SnapshotRequest,
     peer_error_message,
 )
+from hetconv.protocol.samples import SAMPLE_REQUESTS, SampleRequest
 from hetconv.worker.validation import (
     ACTIVATION_DTYPES,
     calibrate_refusal,
@@ -159,6 +153,8 @@ class WorkerService:
                               message=f"{type(error).__name__}: {error}")
 
     def _dispatch(self, message: Message) -> Message:
+        if isinstance(message, SAMPLE_REQUESTS):
+            return self._sample_call(message)
         match message:
             case ForwardRequest():
                 return self._forward(message)
@@ -182,10 +178,6 @@ class WorkerService:
                 return self._peer_forward(message)
             case PeerBackwardRequest():
                 return self._peer_backward(message)
-            case SampleForwardRound() | SampleEvaluation() | SampleForwardChain() \
-                    | SampleStepChain() | SampleBackwardRound() | SampleBackwardChain() \
-                    | SampleUpdateRound():
-                return self._sample_call(message)
             case EndRun():
                 self.sample.layers.reset()
                 self.sample.layers.exchange = None

@@ -30,12 +30,9 @@ from hetconv.protocol import (
     SampleStepChain,
     SampleUpdateRound,
 )
+from hetconv.protocol.samples import SampleRequest
 
-__all__ = ["SampleRequest", "SampleRequestError", "SampleRunner"]
-
-SampleRequest = (SampleForwardRound | SampleEvaluation | SampleForwardChain | SampleStepChain
-                 | SampleBackwardRound | SampleBackwardChain | SampleUpdateRound)
-"""Every request of the sample split (protocol/samples.py)."""
+__all__ = ["SampleRequestError", "SampleRunner"]
 
 
 class SampleRunner:
