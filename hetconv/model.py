@@ -7,8 +7,19 @@ The general form is a comma-separated token sequence (:func:`parse_network`)::
 
     c<K>k<size>[p<pad>][s<stride>][nobn]   conv of K kernels (batch norm + ReLU after it)
     pool | avgpool                         2x2 max / average pool, fused into the conv before
+    res<K>[s<stride>]                      basic residual block of K kernels (docs/residual.md)
+    gap                                    global average pooling, after the last conv token
     fc<N>                                  hidden dense layer of N units with ReLU
     drop<p>                                dropout (0 <= p < 1) after fc or before the classifier
+    resnet20 | resnet32 | resnet44 | resnet56 | resnet110   the CIFAR ResNets, first token
+
+A residual block is two or three conv layers: conv 3x3 (stride) -> BN -> ReLU, then conv
+3x3 -> BN whose output is added to the shortcut before the ReLU; the shortcut is the
+block's input, or (where the stride or the width changes) a 1x1 conv (stride) -> BN,
+a layer of its own placed between the two. Each :class:`ConvSpec` says where its input
+comes from and what is added to it (``input_from``, ``shortcut_from``: activation
+indices, activation 0 the network's input and activation i+1 layer i's output);
+:mod:`hetconv.engine.routing` runs them.
 
 The classifier (``fc`` to ``classes``) is added automatically. :func:`conv_layer_shapes`
 derives every conv layer's input/output shape and refuses impossible ones, naming
@@ -21,7 +32,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,9 +52,15 @@ from hetconv.names import (
 _CONV = re.compile(r"c(\d+)k(\d+)(?:p(\d+))?(?:s(\d+))?(nobn)?")
 _FC = re.compile(r"fc(\d+)")
 _DROP = re.compile(r"drop(\d*\.?\d+(?:e-?\d+)?)")
+_RES = re.compile(r"res(\d+)(?:s(\d+))?")
+_RESNET = re.compile(r"resnet(\d+)")
 _PAPER = re.compile(r"[^,]*:[^,]*|\d+")
-GRAMMAR = ("c<K>k<size>[p<pad>][s<stride>][nobn], pool, avgpool, fc<N>, drop<p> "
-           "(or kernel counts like 32:64)")
+GRAMMAR = ("c<K>k<size>[p<pad>][s<stride>][nobn], pool, avgpool, res<K>[s<stride>], gap, "
+           "fc<N>, drop<p>, resnet20/32/44/56/110 (or kernel counts like 32:64)")
+RESNET_DEPTHS = (20, 32, 44, 56, 110)
+NO_ROUTE = -1
+"""``input_from``/``shortcut_from`` of a layer that takes the previous layer's output /
+adds nothing."""
 
 
 @dataclass(frozen=True)
@@ -63,14 +80,25 @@ class ConvSpec:
     pool_token: str = ""
     position: int = 0  # of the token in the spec, from 1
     pool_position: int = 0
+    relu: bool = True  # False: batch norm's output as it is (a block's second conv, a shortcut)
+    input_from: int = NO_ROUTE  # the activation it reads (NO_ROUTE: the layer before's)
+    shortcut_from: int = NO_ROUTE  # the activation added before the ReLU (NO_ROUTE: none)
+
+    @property
+    def routed(self) -> bool:
+        """Whether the layer is part of a residual block (reads or adds an activation
+        that is not the previous layer's output, or has no ReLU of its own)."""
+        return (not self.relu or self.input_from != NO_ROUTE
+                or self.shortcut_from != NO_ROUTE)
 
 
 @dataclass(frozen=True)
 class DenseSpec:
-    """One master-side layer before the classifier: ``fc`` (``units`` outputs, ReLU)
-    or ``dropout`` (drop probability ``rate``)."""
+    """One master-side layer before the classifier: ``fc`` (``units`` outputs, ReLU),
+    ``dropout`` (drop probability ``rate``) or ``gap`` (global average pooling of the
+    last conv output's ``units`` channels: (B, K*H*W) -> (B, K))."""
 
-    kind: str  # "fc" | "dropout"
+    kind: str  # "fc" | "dropout" | "gap"
     units: int = 0
     rate: float = 0.0
     token: str = ""
@@ -90,6 +118,10 @@ class NetworkSpec:
     @property
     def kernels(self) -> tuple[int, ...]:
         return tuple(c.kernels for c in self.convs)
+
+    @property
+    def residual(self) -> bool:
+        return any(c.routed for c in self.convs)
 
 
 @dataclass(frozen=True)
@@ -122,6 +154,16 @@ class ModelConfig:
             return self.convs
         return tuple(ConvSpec(k, self.kernel_size, self.padding, 1, True, "max")
                      for k in self.conv_kernels)
+
+    @property
+    def residual(self) -> bool:
+        """Whether some layer is routed (a residual block): such a network runs only
+        where its layers are chained by :mod:`hetconv.engine.routing`."""
+        return any(c.routed for c in self.convs)
+
+    @property
+    def global_pool(self) -> bool:
+        return any(d.kind == "gap" for d in self.dense)
 
 
 def model_config(spec: NetworkSpec, input_shape: tuple[int, int, int], classes: int = 10,
@@ -157,6 +199,9 @@ class ConvLayerShape:
     stride: int = 1
     pool: str = "max"
     batch_norm: bool = True
+    relu: bool = True
+    input_from: int = NO_ROUTE
+    shortcut_from: int = NO_ROUTE
 
     def input_shape(self, batch: int) -> tuple[int, int, int, int]:
         return (batch, self.in_channels, self.height, self.width)
@@ -204,13 +249,69 @@ def paper_spec(kernels: tuple[int, ...], kernel_size: int = 5, padding: int = 0)
     return NetworkSpec(convs, (), ":".join(map(str, kernels)), paper=True)
 
 
+def resnet_tokens(depth: int) -> list[str]:
+    """The CIFAR ResNet of ``depth`` (6n + 2 layers; He et al. 2016, section 4.2): a
+    3x3 stem of 16 kernels, n blocks each of 16, 32 and 64 kernels (the first of the
+    32 and 64 stages with stride 2), global average pooling."""
+    blocks = (depth - 2) // 6
+    stage = [f"res{k}{'s2' if k > 16 else ''}" for k in (16, 32, 64)]
+    tokens = ["c16k3p1"]
+    for first, kernels in zip(stage, (16, 32, 64)):
+        tokens += [first] + [f"res{kernels}"] * (blocks - 1)
+    return tokens + ["gap"]
+
+
+def _expand_shorthand(tokens: list[str], where: str) -> list[str]:
+    """``resnet20[,more tokens]`` -> its tokens (the shorthand only as the first token)."""
+    for position, token in enumerate(tokens, 1):
+        match = _RESNET.fullmatch(token)
+        if match is None:
+            continue
+        if position != 1:
+            raise UserError(f"{where}: token {position} {token!r}: a named network comes "
+                            "first (it brings its own conv layers)")
+        if int(match[1]) not in RESNET_DEPTHS:
+            raise UserError(f"{where}: token {position} {token!r}: no such network; the "
+                            f"CIFAR ResNets are resnet{', resnet'.join(map(str, RESNET_DEPTHS))}")
+        return resnet_tokens(int(match[1])) + tokens[1:]
+    return tokens
+
+
+class _Builder:
+    """The conv and dense layers of a spec as its tokens come (:func:`parse_network`)."""
+
+    def __init__(self) -> None:
+        self.convs: list[ConvSpec] = []
+        self.dense: list[DenseSpec] = []
+
+    def residual_block(self, kernels: int, stride: int, token: str, position: int) -> None:
+        """conv1 (3x3, stride, ReLU), the projection shortcut where needed (1x1, stride,
+        no ReLU), conv2 (3x3, no ReLU, the shortcut added before the block's ReLU)."""
+        block_input = len(self.convs)  # activation index of the block's input
+        width = self.convs[-1].kernels
+        self.convs.append(ConvSpec(kernels, 3, 1, stride, True, "none", token=token,
+                                   position=position))
+        first_output = len(self.convs)
+        shortcut = block_input
+        if stride != 1 or width != kernels:
+            self.convs.append(ConvSpec(kernels, 1, 0, stride, True, "none", token=token,
+                                       position=position, relu=False,
+                                       input_from=block_input))
+            shortcut = len(self.convs)
+        self.convs.append(ConvSpec(kernels, 3, 1, 1, True, "none", token=token,
+                                   position=position, relu=False,
+                                   input_from=first_output if shortcut != block_input
+                                   else NO_ROUTE, shortcut_from=shortcut))
+
+
 def parse_network(spec: str | list[str] | tuple[str, ...], kernel_size: int = 5,
                   padding: int = 0, where: str = "--arch") -> NetworkSpec:
-    """A spec (``"32:64"``, ``"c32k3p1,pool,fc128,drop0.5"`` or a token list) ->
-    :class:`NetworkSpec`; the paper form takes ``kernel_size``/``padding``.
+    """A spec (``"32:64"``, ``"c32k3p1,pool,fc128,drop0.5"``, ``"resnet20"`` or a token
+    list) -> :class:`NetworkSpec`; the paper form takes ``kernel_size``/``padding``.
 
     Raises UserError with one line naming the offending token: unknown token, a pool
-    with nothing to pool, conv after fc, dropout out of place or out of range.
+    with nothing to pool, conv after fc, a residual block with no conv before it or
+    pooled, ``gap`` not last among the conv tokens, dropout out of place or out of range.
     """
     if isinstance(spec, str):
         text = spec.strip()
@@ -221,36 +322,61 @@ def parse_network(spec: str | list[str] | tuple[str, ...], kernel_size: int = 5,
         tokens = [str(t).strip() for t in spec]
     if not tokens or tokens == [""]:
         raise UserError(f"{where}: empty network; expected tokens like {GRAMMAR}")
-    convs: list[ConvSpec] = []
-    dense: list[DenseSpec] = []
-    previous = ""  # kind of the token before: conv, pool, fc, dropout
+    written = list(tokens)
+    tokens = _expand_shorthand(tokens, where)
+    built = _Builder()
+    convs, dense = built.convs, built.dense
+    previous = ""  # kind of the token before: conv, pool, res, gap, fc, dropout
     for position, token in enumerate(tokens, 1):
         def fail(problem: str, position: int = position, token: str = token) -> UserError:
             return UserError(f"{where}: token {position} {token!r}: {problem}")
 
         if not token:
             raise fail(f"empty token (a stray comma?); expected one of {GRAMMAR}")
-        if (match := _CONV.fullmatch(token)) is not None:
+        conv_match, res_match = _CONV.fullmatch(token), _RES.fullmatch(token)
+        if conv_match is not None or res_match is not None:
+            if previous == "gap":
+                raise fail("a conv layer after gap; gap comes after the last conv layer")
             if dense:
                 raise fail("a conv layer after a dense layer (fc/drop); conv layers come first")
-            kernels, size = int(match[1]), int(match[2])
-            pad = int(match[3]) if match[3] is not None else 0
-            stride = int(match[4]) if match[4] is not None else 1
+        if conv_match is not None:
+            kernels, size = int(conv_match[1]), int(conv_match[2])
+            pad = int(conv_match[3]) if conv_match[3] is not None else 0
+            stride = int(conv_match[4]) if conv_match[4] is not None else 1
             if kernels < 1 or size < 1 or stride < 1:
                 raise fail("kernels, kernel size and stride must be at least 1")
-            convs.append(ConvSpec(kernels, size, pad, stride, match[5] is None, "none",
+            convs.append(ConvSpec(kernels, size, pad, stride, conv_match[5] is None, "none",
                                   token=token, position=position))
             previous = "conv"
+        elif res_match is not None:
+            kernels = int(res_match[1])
+            stride = int(res_match[2]) if res_match[2] is not None else 1
+            if kernels < 1 or stride < 1:
+                raise fail("kernels and stride must be at least 1")
+            if not convs:
+                raise fail("a residual block needs a conv layer before it (the stem), "
+                           "e.g. c16k3p1,res16")
+            built.residual_block(kernels, stride, token, position)
+            previous = "res"
         elif token in ("pool", "avgpool"):
             if previous != "conv":
                 what = {"": "at the start", "pool": "right after another pool",
+                        "res": "after a residual block; give the block a stride "
+                               "(res<K>s2) to downsample",
+                        "gap": "after gap",
                         "fc": "after a dense layer", "dropout": "after a dense layer"}[previous]
                 raise fail(f"a pooling with nothing to pool ({what}); a pool follows a conv")
             last = convs[-1]
-            convs[-1] = ConvSpec(last.kernels, last.kernel_size, last.padding, last.stride,
-                                 last.batch_norm, "max" if token == "pool" else "avg",
-                                 last.token, token, last.position, position)
+            convs[-1] = replace(last, pool="max" if token == "pool" else "avg",
+                                pool_token=token, pool_position=position)
             previous = "pool"
+        elif token == "gap":
+            if previous not in ("conv", "pool", "res"):
+                raise fail("gap comes right after the last conv layer (or its pool), "
+                           "before any fc or drop" if convs else
+                           "gap before any conv layer")
+            dense.append(DenseSpec("gap", units=convs[-1].kernels, token=token))
+            previous = "gap"
         elif (match := _FC.fullmatch(token)) is not None:
             units = int(match[1])
             if units < 1:
@@ -276,7 +402,7 @@ def parse_network(spec: str | list[str] | tuple[str, ...], kernel_size: int = 5,
     if not convs:
         raise UserError(f"{where}: the network needs at least one conv layer "
                         "(c<K>k<size>); the dense layers alone run on the master")
-    return NetworkSpec(tuple(convs), tuple(dense), ",".join(tokens))
+    return NetworkSpec(tuple(convs), tuple(dense), ",".join(written))
 
 
 def load_network_file(path: str | Path) -> list[str]:
@@ -309,10 +435,13 @@ def load_network_file(path: str | Path) -> list[str]:
 # --- shapes and parameters -------------------------------------------------------------
 def conv_layer_shapes(config: ModelConfig) -> list[ConvLayerShape]:
     """Every conv layer's shapes; raises UserError naming the layer (its token) when a
-    conv or pool would make the map smaller than 1x1."""
-    channels, height, width = config.input_shape
+    conv or pool would make the map smaller than 1x1. A routed layer (a residual
+    block's) reads the activation its spec names."""
+    activations = [config.input_shape]  # (C, H, W) of activation 0, 1, ...
     shapes = []
     for index, spec in enumerate(config.conv_specs()):
+        source = index if spec.input_from == NO_ROUTE else spec.input_from
+        channels, height, width = activations[source]
         k, p, s = spec.kernel_size, spec.padding, spec.stride
         conv_h, conv_w = (height + 2 * p - k) // s + 1, (width + 2 * p - k) // s + 1
         paper = not config.convs
@@ -324,8 +453,8 @@ def conv_layer_shapes(config: ModelConfig) -> list[ConvLayerShape]:
         if conv_h < 1 or conv_w < 1:
             raise UserError(
                 f"network: token {spec.position} {spec.token!r} (conv layer {index + 1}) gets a "
-                f"{height}x{width} map, too small for a {k}x{k} kernel with padding {p}: the "
-                "output would be smaller than 1x1")
+                f"{height}x{width} map, too small for a {k}x{k} kernel with padding {p}"
+                f"{f' and stride {s}' if s > 1 else ''}: the output would be smaller than 1x1")
         out_h, out_w = conv_h, conv_w
         if spec.pool != "none":
             if conv_h < 2 or conv_w < 2:
@@ -334,16 +463,25 @@ def conv_layer_shapes(config: ModelConfig) -> list[ConvLayerShape]:
                     f"{index + 1} ({spec.token}) gets a {conv_h}x{conv_w} map: 2x2 pooling "
                     "would make it smaller than 1x1")
             out_h, out_w = conv_h // 2, conv_w // 2
+        if spec.shortcut_from != NO_ROUTE \
+                and activations[spec.shortcut_from] != (spec.kernels, out_h, out_w):
+            raise UserError(
+                f"network: token {spec.position} {spec.token!r} (conv layer {index + 1}): its "
+                f"output {spec.kernels}x{out_h}x{out_w} cannot be added to its shortcut "
+                f"{'x'.join(map(str, activations[spec.shortcut_from]))}")
         shapes.append(ConvLayerShape(index, channels, height, width, spec.kernels, k, p,
                                      conv_h, conv_w, out_h, out_w, s, spec.pool,
-                                     spec.batch_norm))
-        channels, height, width = spec.kernels, out_h, out_w
+                                     spec.batch_norm, spec.relu, spec.input_from,
+                                     spec.shortcut_from))
+        activations.append((spec.kernels, out_h, out_w))
     return shapes
 
 
 def dense_features(config: ModelConfig) -> int:
     """Length of the flattened last conv layer output that feeds the dense layers."""
     last = conv_layer_shapes(config)[-1]
+    if config.global_pool:
+        return last.kernels
     return last.kernels * last.pooled_height * last.pooled_width
 
 

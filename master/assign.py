@@ -61,7 +61,8 @@ def assign_shard(request_id: int, layer: int, start: int, stop: int, settings: L
                        stride=settings.stride, padding=settings.padding, need_dx=layer > 0,
                        bn_momentum=settings.bn_momentum, bn_eps=settings.bn_eps,
                        momentum=settings.momentum, weight_decay=settings.weight_decay,
-                       pool=settings.pool, batch_norm=settings.batch_norm, **arrays)
+                       pool=settings.pool, batch_norm=settings.batch_norm, relu=settings.relu,
+                       **arrays)
 
 
 def assign(cluster: Cluster, shards: Sequence[Sequence[Shard]],

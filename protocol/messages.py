@@ -192,6 +192,7 @@ class AssignShard(Message):
     velocity_beta: np.ndarray
     pool: str = "max"
     batch_norm: bool = True
+    relu: bool = True  # False: no ReLU, no pool (a residual block's layer before its join)
 
 
 @dataclass(frozen=True)

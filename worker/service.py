@@ -228,7 +228,10 @@ class WorkerService:
         settings = LayerSettings(stride=request.stride, padding=request.padding,
                                  bn_momentum=request.bn_momentum, bn_eps=request.bn_eps,
                                  momentum=request.momentum, weight_decay=request.weight_decay,
-                                 pool=request.pool, batch_norm=request.batch_norm)
+                                 pool=request.pool, batch_norm=request.batch_norm,
+                                 relu=request.relu)
+        if not request.relu and request.pool != "none":
+            raise RequestError(ERR_BAD_REQUEST, "a layer without its ReLU has no pool")
         state = {name: getattr(request, name) for name in STATE_NAMES}
         if request.weight.ndim != 4:
             raise RequestError(ERR_BAD_REQUEST, "weight must be (K, C, k, k)")

@@ -72,8 +72,8 @@ class DensePart:
 
     def forward(self, flat: np.ndarray, train: bool, step: int, rows: Rows | None = None
                 ) -> tuple[np.ndarray, Tape]:
-        """flat (B_i, D) through the hidden dense layers (fc + ReLU; dropout when
-        training, rows of the whole batch's mask drawn from (seed, step, layer)) ->
+        """flat (B_i, D) through the hidden dense layers (global average pooling, fc +
+        ReLU; dropout when training, rows of the whole batch's mask drawn from (seed, step, layer)) ->
         (the classifier's input (B_i, D'), the tape :meth:`backward` needs)."""
         tape: Tape = []
         h, hidden = flat, 0
@@ -85,6 +85,10 @@ class DensePart:
                                   self.arrays[f"{prefix}.bias"]))
                 tape.append(("fc", prefix, h, out))
                 h = out
+            elif spec.kind == "gap":  # (B_i, K*H*W) -> (B_i, K): the mean of each map
+                maps = h.reshape(h.shape[0], spec.units, -1)
+                tape.append(("gap", "", maps, maps))
+                h = maps.mean(axis=2, dtype=np.float32)
             elif train and spec.rate > 0.0:
                 if rows is None or (rows.start == 0 and rows.stop == rows.total):
                     mask = dropout_mask(h.shape, spec.rate, self.seed, step, index)
@@ -105,6 +109,11 @@ class DensePart:
                 grad, dweight, dbias = linear_backward(first, self.arrays[f"{prefix}.weight"],
                                                        dz)
                 grads[f"{prefix}.weight"], grads[f"{prefix}.bias"] = dweight, dbias
+            elif kind == "gap":  # each position of a map gets 1/(H*W) of its mean's gradient
+                spatial = first.shape[2]
+                spread = np.empty(first.shape, np.float32)
+                spread[...] = (grad / np.float32(spatial))[:, :, None]
+                grad = spread.reshape(first.shape[0], -1)
             else:
                 grad = dropout_backward(first, grad)
         return grad

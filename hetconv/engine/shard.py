@@ -51,6 +51,7 @@ class LayerSettings:
     weight_decay: float = 5e-4
     pool: str = "max"
     batch_norm: bool = True
+    relu: bool = True  # False: no ReLU (a residual block's layer before its join)
     per_layer: tuple[LayerSettings, ...] = ()
 
     def for_layer(self, layer: int) -> LayerSettings:
@@ -119,7 +120,7 @@ class ConvShard:
                 train, stride=self.settings.stride, padding=self.settings.padding,
                 bn_momentum=self.settings.bn_momentum, bn_eps=self.settings.bn_eps,
                 rows_ready=rows_ready, pool=self.settings.pool,
-                batch_norm=self.settings.batch_norm,
+                batch_norm=self.settings.batch_norm, relu=self.settings.relu,
                 workspace=self.workspace if train else None)
         if train:
             s["running_mean"], s["running_var"] = mean, var

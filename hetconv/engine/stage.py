@@ -123,7 +123,7 @@ def layer_settings(model: ModelConfig, momentum: float, weight_decay: float) -> 
         return shared
     return replace(shared, per_layer=tuple(
         replace(shared, stride=spec.stride, padding=spec.padding, pool=spec.pool,
-                batch_norm=spec.batch_norm) for spec in model.convs))
+                batch_norm=spec.batch_norm, relu=spec.relu) for spec in model.convs))
 
 
 class LocalConvStage:

@@ -21,6 +21,7 @@ from hetconv.data.loading import Dataset
 from hetconv.engine.checkpoint import save_weights
 from hetconv.engine.dense_part import DensePart
 from hetconv.engine.optim import OptimizerConfig, learning_rate_at
+from hetconv.engine.routing import ForwardTape, Routing, run_backward, run_forward
 from hetconv.engine.stage import (
     ConvStage,
     EarlyReplanStage,
@@ -73,6 +74,8 @@ class Trainer:
                  out: Callable[[str], None] = write_line):
         self.model = model
         self.layers = conv_layer_shapes(model)
+        self.routing = Routing.of(self.layers)
+        self._tape: ForwardTape | None = None  # the last training forward's joins
         # every dense array (hidden layers' dense{j}.*, then the classifier's fc.*)
         dense = {name: params[name].copy() for name in dense_parameter_names(model)}
         self.part = DensePart(model.dense, dense,
@@ -90,9 +93,25 @@ class Trainer:
         self._last_fault_step = -1
 
     def _conv_forward(self, x: np.ndarray, train: bool, step: int) -> np.ndarray:
+        if not self.routing.straight:  # residual blocks (hetconv/engine/routing.py)
+            out, tape = run_forward(
+                self.routing, lambda layer, a: self.stage.forward(layer, a, train, step), x)
+            self._tape = tape if train else self._tape
+            return out
         for layer in range(len(self.layers)):
             x = self.stage.forward(layer, x, train, step)
         return x
+
+    def _conv_backward(self, grad: Any, learning_rate: float, step: int) -> None:
+        if not self.routing.straight:
+            tape, self._tape = self._tape, None
+            if tape is None:
+                raise RuntimeError("a backward pass without a training forward")
+            run_backward(self.routing, tape, lambda layer, dy, need_dx: self.stage.backward(
+                layer, dy, need_dx, learning_rate, step), grad)
+            return
+        for layer in reversed(range(len(self.layers))):
+            grad = self.stage.backward(layer, grad, layer > 0, learning_rate, step)
 
     # the dense arrays live in ``self.part`` (shared with a stage that replicates them)
     @property
@@ -144,9 +163,7 @@ class Trainer:
         opt = self.loop.optimizer
         self.part.apply(dense.grads, learning_rate, opt.momentum, opt.weight_decay)
         dense_done = time.perf_counter()
-        grad: Any = dense.dflat.reshape(features.shape)
-        for layer in reversed(range(len(self.layers))):
-            grad = self.stage.backward(layer, grad, layer > 0, learning_rate, step)
+        self._conv_backward(dense.dflat.reshape(features.shape), learning_rate, step)
         end = time.perf_counter()
         conv_s = (conv_forward_done - start) + (end - dense_done)
         return {"loss": dense.loss, "correct": dense.correct, "images": int(x.shape[0]),

@@ -1,17 +1,16 @@
 """A trained network in eval mode (:class:`Classifier`): the conv layers run through a
 :class:`~hetconv.engine.stage.LocalConvStage` (the training code's own conv blocks, batch norm
-on its running statistics) and the dense layers with the training code's ops (dropout
-is the identity in eval mode), so its outputs are the training code's.
+on its running statistics) and the dense layers as the training code's :class:`DensePart` (dropout
+is the identity in eval mode; residual blocks chained by :mod:`hetconv.engine.routing`), so its outputs are the training code's.
 """
 from __future__ import annotations
 
 import numpy as np
 
+from hetconv.engine.dense_part import DensePart
+from hetconv.engine.routing import Routing, run_forward
 from hetconv.engine.stage import LocalConvStage, layer_settings
 from hetconv.model import ModelConfig, conv_layer_shapes, dense_parameter_names
-from hetconv.names import DENSE_BIAS, DENSE_WEIGHT, hidden_prefix
-from hetconv.ops.activation import relu
-from hetconv.ops.linear import linear
 
 DEFAULT_BATCH = 500
 
@@ -32,24 +31,18 @@ class Classifier:
     def __init__(self, model: ModelConfig, params: dict[str, np.ndarray], device: str = "cpu"):
         self.model = model
         self.stage = LocalConvStage(model, params, layer_settings(model, 0.0, 0.0), device)
-        self.layers = len(conv_layer_shapes(model))
-        self.dense = {name: np.asarray(params[name], np.float32)
-                      for name in dense_parameter_names(model)}
+        self.routing = Routing.of(conv_layer_shapes(model))
+        dense = {name: np.asarray(params[name], np.float32)
+                 for name in dense_parameter_names(model)}
+        self.part = DensePart(model.dense, dense, {}, seed=0)  # the training code's dense part
 
     def logits(self, images: np.ndarray) -> np.ndarray:
         """(B, C, H, W) -> (B, classes) float32 logits of one batch."""
         x = np.ascontiguousarray(images, dtype=np.float32)
-        for layer in range(self.layers):
-            x = self.stage.forward(layer, x, False, -1)
-        h = x.reshape(x.shape[0], -1)
-        hidden = 0
-        for spec in self.model.dense:  # dropout: the identity in eval mode
-            if spec.kind == "fc":
-                prefix = hidden_prefix(hidden)
-                hidden += 1
-                h = relu(linear(h, self.dense[f"{prefix}.weight"], self.dense[f"{prefix}.bias"]))
-        out: np.ndarray = linear(h, self.dense[DENSE_WEIGHT], self.dense[DENSE_BIAS])
-        return out
+        x, _ = run_forward(self.routing,
+                           lambda layer, a: self.stage.forward(layer, a, False, -1), x)
+        hidden, _ = self.part.forward(x.reshape(x.shape[0], -1), False, -1)
+        return self.part.logits(hidden)
 
     def probabilities(self, images: np.ndarray, batch: int = DEFAULT_BATCH) -> np.ndarray:
         """(N, C, H, W) -> (N, classes) softmax probabilities, ``batch`` images at a time."""

@@ -74,7 +74,8 @@ def combine_moments(parts: list[tuple[int, Array, Array]], xp: Any = np
 
 class BlockPass:
     """Batch norm (or the bias ``beta``), ReLU and a pool ("max", "avg", "none") of one
-    conv layer, as the sink and the source of its convolution's chunks.
+    conv layer, as the sink and the source of its convolution's chunks (``relu`` False:
+    no ReLU and no pool, a residual block's layer before its join).
 
     Forward: pass it as ``sink`` to ``conv2d_forward_cached``, then call ``finish``
     with the conv's cache. Backward: ``backward_sums(dy)``, then pass it as ``source``
@@ -87,8 +88,12 @@ class BlockPass:
                  beta: Array,
                  running_mean: Array, running_var: Array, train: bool, pool: str,
                  batch_norm: bool, momentum: float, eps: float, dtype: Any,
-                 keep: Workspace | None = None, total_batch: int | None = None):
+                 keep: Workspace | None = None, total_batch: int | None = None,
+                 relu: bool = True):
+        if not relu and pool != "none":
+            raise ValueError("a conv layer without its ReLU has no pool")
         self.xp, self.pool, self.batch_norm, self.train = xp, pool, batch_norm, bool(train)
+        self.relu = relu  # False: batch norm's output as it is (a residual block's join follows)
         # the whole batch's samples: more than ``batch`` where a sample split gives this
         # pass a slice of it (the statistics and sums then come from every participant)
         self.total_batch = batch if total_batch is None else int(total_batch)
@@ -246,8 +251,12 @@ class BlockPass:
                 z = ops.empty(f"z {position}", view.shape, dtype)
                 normalise(ops, view, z, shaped[0], shaped[1], shaped[2] if gamma is not None
                            else None, shaped[3], None)
-                masks[position] = ops.greater(z, dtype.type(0), "mask")
-                rectified.append(xp.maximum(z, dtype.type(0), out=z))
+                if self.relu:
+                    masks[position] = ops.greater(z, dtype.type(0), "mask")
+                    rectified.append(xp.maximum(z, dtype.type(0), out=z))
+                else:  # every value passes
+                    masks[position] = True
+                    rectified.append(z)
             result = rectified[0]
             if self.pool == "avg":  # the separate ops' order: ((tl + tr) + bl) + br, / 4
                 result += rectified[1]

@@ -36,7 +36,8 @@ from typing import Any
 
 from hetconv.backend import get_array_module
 from hetconv.ops import block_fast
-from hetconv.ops.activation import relu, relu_backward
+from hetconv.ops.activation import relu as apply_relu
+from hetconv.ops.activation import relu_backward
 from hetconv.ops.batchnorm import (
     BatchNormCache,
     batch_norm_backward,
@@ -109,6 +110,7 @@ def conv_layer_forward(
     batch_norm: bool = True,
     fast: bool | None = None,
     workspace: Workspace | None = None,
+    relu: bool = True,
 ) -> tuple[Array, ConvBlockCache, Array, Array]:
     """Run the block on x (B, C, H, W) with weight (K, C, kh, kw) and (K,) BN arrays.
 
@@ -120,7 +122,8 @@ def conv_layer_forward(
     ``conv2d_forward_cached``); batch norm then waits for the whole batch, as it must.
     fast: the fused pass (None: wherever it applies; False: the separate ops);
     workspace: where the fused pass keeps its arrays until the backward pass (the next
-    call with the same workspace reuses them).
+    call with the same workspace reuses them). relu: False leaves batch norm's output
+    as it is (only with ``pool`` "none": a residual block's layer before its join).
     """
     if x.ndim != 4 or weight.ndim != 4 or weight.shape[1] != x.shape[1]:
         raise ValueError(
@@ -129,6 +132,8 @@ def conv_layer_forward(
         )
     if pool not in POOLS:
         raise ValueError(f"conv layer: pool must be one of {POOLS}, got {pool!r}")
+    if not relu and pool != "none":
+        raise ValueError("conv layer: a layer without its ReLU has no pool")
     xp = get_array_module(x, weight)
     kernels = weight.shape[0]
     if kernels == 0:
@@ -152,7 +157,7 @@ def conv_layer_forward(
     if (FUSED if fast is None else fast) and block_fast.supported(pool, conv_h, conv_w):
         return _fused_forward(x, weight, gamma, beta, running_mean, running_var, train,
                               stride, padding, bn_momentum, bn_eps, rows_ready, pool,
-                              batch_norm, workspace, (conv_h, conv_w))
+                              batch_norm, workspace, (conv_h, conv_w), relu)
     with timed("conv forward"):  # im2col: the separate ops are the path before the fused one
         conv_out, conv_cache = conv2d_forward_cached(x, weight, None, stride=stride,
                                                      padding=padding, rows_ready=rows_ready,
@@ -172,13 +177,15 @@ def conv_layer_forward(
         if pool == "max":
             pooled, pool_cache = max_pool2x2(normalized)
             del normalized
-            y = rectified = relu(pooled)
+            y = rectified = apply_relu(pooled)
         elif pool == "avg":
-            rectified = relu(normalized)
+            rectified = apply_relu(normalized)
             del normalized
             y, pool_cache = avg_pool2x2(rectified)
-        else:
-            y = rectified = relu(normalized)
+        elif relu:
+            y = rectified = apply_relu(normalized)
+        else:  # no ReLU: nothing to mask in the backward pass
+            y, rectified = normalized, None
     cache = ConvBlockCache(conv_cache, bn_cache, pool_cache, y, tuple(x.shape),
                            tuple(weight.shape), rectified=rectified)
     return y, cache, new_mean, new_var
@@ -221,8 +228,10 @@ def conv_layer_backward(
             del d_pooled
         elif isinstance(cache.pool, AvgPoolCache):
             d_normalized = relu_backward(cache.rectified, avg_pool2x2_backward(cache.pool, dy))
-        else:
+        elif cache.rectified is not None:
             d_normalized = relu_backward(cache.rectified, dy)
+        else:  # a layer without its ReLU
+            d_normalized = dy.copy()
         if cache.batch_norm is not None:
             d_conv, dgamma, dbeta = batch_norm_backward(cache.batch_norm, d_normalized)
         else:  # the bias: its gradient is the per-channel sum; gamma is unused
@@ -239,14 +248,15 @@ def _fused_forward(x: Array, weight: Array, gamma: Array, beta: Array, running_m
                    running_var: Array, train: bool, stride: int, padding: int,
                    bn_momentum: float, bn_eps: float, rows_ready: Callable[[int], None] | None,
                    pool: str, batch_norm: bool, workspace: Workspace | None,
-                   conv_size: tuple[int, int]) -> tuple[Array, ConvBlockCache, Array, Array]:
+                   conv_size: tuple[int, int], relu: bool = True
+                   ) -> tuple[Array, ConvBlockCache, Array, Array]:
     """The fast path of ``conv_layer_forward``: the convolution hands every batch chunk
     to a ``block_fast.BlockPass`` while it is in cache; then the pass finishes."""
     xp = get_array_module(x, weight)
     dtype = xp.result_type(x.dtype, weight.dtype)
     fused = block_fast.BlockPass(xp, x.shape[0], conv_size, gamma, beta, running_mean,
                                  running_var, train, pool, batch_norm, bn_momentum, bn_eps,
-                                 dtype, keep=workspace)
+                                 dtype, keep=workspace, relu=relu)
     with timed("conv forward"):  # with the chunks' statistics and max pool
         _, conv_cache = conv2d_forward_cached(x, weight, None, stride=stride, padding=padding,
                                               rows_ready=rows_ready, sink=fused,

@@ -232,7 +232,7 @@ def _message() -> Any:
 @pytest.mark.parametrize("change, words", [
     ({"names": ["fc.weight", "fc.bias"]}, "names must be"),
     ({"layers": [["fc", 0, 0.0], ["dropout", 0, 0.5]]}, "units >= 1"),
-    ({"layers": [["conv", 12, 0.0], ["dropout", 0, 0.5]]}, "kind fc or dropout"),
+    ({"layers": [["conv", 12, 0.0], ["dropout", 0, 0.5]]}, "kind fc, dropout or gap"),
     ({"shapes": [[12, 99], [12], [5, 12], [5]]}, None),  # values no longer fit
     ({"shapes": [[12, 96], [12], [5, 13], [5]]}, "chain from the layer before"),
     ({"momentum": 2.0}, "momentum"),

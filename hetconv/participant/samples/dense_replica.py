@@ -85,12 +85,14 @@ def dense_refusal(request: AssignDense) -> str | None:
         return f"at most {MAX_DENSE_LAYERS} dense layers"
     specs = []
     for item in layers:
-        if not isinstance(item, list) or len(item) != 3 or item[0] not in ("fc", "dropout") \
+        if not isinstance(item, list) or len(item) != 3 \
+                or item[0] not in ("fc", "dropout", "gap") \
                 or type(item[1]) is not int or not isinstance(item[2], (int, float)):
-            return "layers must be [kind, units, rate] with kind fc or dropout"
+            return "layers must be [kind, units, rate] with kind fc, dropout or gap"
         kind, units, rate = item[0], item[1], float(item[2])
-        if (kind == "fc" and units < 1) or (kind == "dropout" and not 0.0 <= rate < 1.0):
-            return "an fc layer needs units >= 1 and a dropout a rate in [0, 1)"
+        if (kind in ("fc", "gap") and units < 1) \
+                or (kind == "dropout" and not 0.0 <= rate < 1.0):
+            return ("an fc layer or gap needs units >= 1 and a dropout a rate in [0, 1)")
         specs.append(DenseSpec(kind, units, rate))
     prefixes = [hidden_prefix(i) for i in range(sum(s.kind == "fc" for s in specs))]
     expected = [f"{p}.{n}" for p in prefixes + [CLASSIFIER] for n in ("weight", "bias")]

@@ -115,7 +115,8 @@ class SampleReplica:
                 xp, x.shape[0], (conv_h, conv_w), s["gamma"], s["beta"], s["running_mean"],
                 s["running_var"], train, settings.pool, settings.batch_norm,
                 settings.bn_momentum, settings.bn_eps, dtype,
-                keep=shard.workspace if train else None, total_batch=total_batch)
+                keep=shard.workspace if train else None, total_batch=total_batch,
+                relu=settings.relu)
             _, conv_cache = conv2d_forward_cached(
                 x_dev, weight, None, stride=settings.stride, padding=settings.padding,
                 sink=fused, workspace=shard.workspace if train else None)
