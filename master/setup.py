@@ -226,15 +226,19 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
     """Membership, calibration, split and shard assignment; the stage the trainer drives
     (a local stage when the plan gives every kernel to the master's own device)."""
     shapes = conv_layer_shapes(model)
+    if model.residual and config.data_plane == "peer":
+        report("hetconv: data plane star: a residual network's shortcuts are joined on the "
+               "master, between the layers (the peer plane keeps activations on the workers)")
+        config = replace(config, data_plane="star")
+    try:  # a refused --split-by samples: before any worker is contacted
+        split_by, why = split_by_for(config, model, shapes, batch)
+    except ValueError as error:
+        raise UserError(str(error)) from None
     cluster, participants = open_cluster(config, device, threads, report)
     try:
         metrics.write("devices", devices=[{"id": p.participant, **p.description}
                                           for p in participants])
         calibration = calibrate(cluster, participants, shapes, batch, report=report)
-        try:
-            split_by, why = split_by_for(config, model, shapes, batch)
-        except ValueError as error:
-            raise UserError(str(error)) from None
         # under --split model the planner's prediction decides between the two splits,
         # the per-layer byte rule only where there is no model (or the rule agrees)
         by_model = config.split_by == "auto" and config.split == "model" \

@@ -5,7 +5,8 @@ Input ``images`` float32 (N, C, H, W), normalised as training normalised its dat
 layer is ``Conv`` (no bias; with ``nobn`` the bias is ``beta``) -> ``BatchNormalization``
 (its running statistics, the layer's epsilon) -> then, as hetconv's block does it,
 ``MaxPool`` 2x2 -> ``Relu`` (the two commute exactly), or ``Relu`` -> ``AveragePool``
-2x2, or ``Relu`` alone. Then ``Flatten``, each hidden ``fc`` as ``Gemm`` (transB) ->
+2x2, or ``Relu`` alone; a residual block's second conv ``Add``s its shortcut before the
+``Relu``, a projection shortcut has no ``Relu``. Then ``GlobalAveragePool`` (``gap``), ``Flatten``, each hidden ``fc`` as ``Gemm`` (transB) ->
 ``Relu`` (dropout is the identity at inference, so it has no node), the classifier
 ``Gemm`` -> ``Softmax``. Initializer names are hetconv's (:mod:`hetconv.names`);
 ``metadata_props`` carry :func:`hetconv.export.metadata.export_metadata`.
@@ -21,7 +22,7 @@ from hetconv.engine.checkpoint import write_atomically
 from hetconv.export import missing_extra
 from hetconv.export.metadata import export_metadata
 from hetconv.inference.use import Preprocessing
-from hetconv.model import ModelConfig, conv_layer_shapes, dense_shapes
+from hetconv.model import NO_ROUTE, ModelConfig, conv_layer_shapes, dense_shapes
 from hetconv.names import layer_key
 
 OPSET = 17
@@ -55,11 +56,12 @@ def build_onnx_model(model: ModelConfig, params: dict[str, np.ndarray], network:
         nodes.append(helper.make_node(op, inputs, [output], name=output, **attributes))
         return output
 
-    x = INPUT_NAME
+    activations = [INPUT_NAME]  # activation 0 the input, i + 1 conv layer i's output
     for shape in conv_layer_shapes(model):
         i = shape.index
         key = f"layer{i}"
-        conv_inputs = [x, constant(layer_key(i, "weight"))]
+        source = i if shape.input_from == NO_ROUTE else shape.input_from
+        conv_inputs = [activations[source], constant(layer_key(i, "weight"))]
         if not shape.batch_norm:
             conv_inputs.append(constant(layer_key(i, "beta")))  # beta is the conv's bias
         p, k = shape.padding, shape.kernel_size
@@ -71,7 +73,12 @@ def build_onnx_model(model: ModelConfig, params: dict[str, np.ndarray], network:
                             for n in ("gamma", "beta", "running_mean", "running_var")],
                      f"{key}.batch_norm", epsilon=float(model.bn_eps))
         pool = {"kernel_shape": [2, 2], "strides": [2, 2]}
-        if shape.pool == "max":
+        if shape.shortcut_from != NO_ROUTE:  # a residual block's join
+            x = node("Add", [x, activations[shape.shortcut_from]], f"{key}.add")
+            x = node("Relu", [x], f"{key}.relu")
+        elif not shape.relu:
+            pass  # a projection shortcut: batch norm's output as it is
+        elif shape.pool == "max":
             x = node("MaxPool", [x], f"{key}.pool", **pool)
             x = node("Relu", [x], f"{key}.relu")
         elif shape.pool == "avg":
@@ -79,6 +86,9 @@ def build_onnx_model(model: ModelConfig, params: dict[str, np.ndarray], network:
             x = node("AveragePool", [x], f"{key}.pool", **pool)
         else:
             x = node("Relu", [x], f"{key}.relu")
+        activations.append(x)
+    if model.global_pool:
+        x = node("GlobalAveragePool", [x], "global_pool")
     x = node("Flatten", [x], "flatten", axis=1)
     shapes = dense_shapes(model)
     for prefix, _, _ in shapes[:-1]:

@@ -4,7 +4,8 @@ Conv layer ``i`` becomes the ``torch.nn.Conv2d`` ``conv{i}`` (``weight`` (K, C, 
 ``bias`` (K,) only for a ``nobn`` layer, holding hetconv's ``beta``) and, with batch
 norm, the ``torch.nn.BatchNorm2d`` ``bn{i}`` (``weight`` = gamma, ``bias`` = beta,
 ``running_mean``, ``running_var`` (K,), ``num_batches_tracked`` int64 scalar 0);
-hidden dense layer ``j`` is the ``torch.nn.Linear`` ``dense{j}`` and the classifier
+a residual network of a stem and blocks takes torchvision's ResNet names instead
+(:mod:`hetconv.export.torch_names`); hidden dense layer ``j`` is the ``torch.nn.Linear`` ``dense{j}`` and the classifier
 ``fc`` (``weight`` (out, in), ``bias`` (out,)). Every float tensor is float32, C
 order. A module with those attributes loads the file with ``load_state_dict``
 (strict); docs/export.md has one, built from the header's metadata
@@ -20,19 +21,14 @@ import numpy as np
 from hetconv.engine.checkpoint import write_atomically
 from hetconv.export import missing_extra
 from hetconv.export.metadata import export_metadata
+from hetconv.export.torch_names import module_names
 from hetconv.inference.use import Preprocessing
 from hetconv.model import ModelConfig, conv_layer_shapes, dense_shapes
 from hetconv.names import layer_key
 
-BATCH_NORM_PREFIX = "bn"
 BATCH_NORM_NAMES = {"gamma": "weight", "beta": "bias", "running_mean": "running_mean",
                     "running_var": "running_var"}
 """hetconv's batch-norm array -> ``torch.nn.BatchNorm2d``'s."""
-
-
-def batch_norm_key(layer: int, name: str) -> str:
-    """``bn{layer}.{name}``: a torch BatchNorm2d tensor of conv layer ``layer``."""
-    return f"{BATCH_NORM_PREFIX}{layer}.{name}"
 
 
 def torch_tensors(model: ModelConfig, params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -41,15 +37,17 @@ def torch_tensors(model: ModelConfig, params: dict[str, np.ndarray]) -> dict[str
         return np.ascontiguousarray(params[name], dtype=np.float32)
 
     out: dict[str, np.ndarray] = {}
+    modules = module_names(model)
     for shape in conv_layer_shapes(model):
         i = shape.index
-        out[layer_key(i, "weight")] = f32(layer_key(i, "weight"))
+        conv, batch_norm = modules[i]
+        out[f"{conv}.weight"] = f32(layer_key(i, "weight"))
         if shape.batch_norm:
             for ours, theirs in BATCH_NORM_NAMES.items():
-                out[batch_norm_key(i, theirs)] = f32(layer_key(i, ours))
-            out[batch_norm_key(i, "num_batches_tracked")] = np.array(0, dtype=np.int64)
+                out[f"{batch_norm}.{theirs}"] = f32(layer_key(i, ours))
+            out[f"{batch_norm}.num_batches_tracked"] = np.array(0, dtype=np.int64)
         else:
-            out[layer_key(i, "bias")] = f32(layer_key(i, "beta"))
+            out[f"{conv}.bias"] = f32(layer_key(i, "beta"))
     for prefix, _, _ in dense_shapes(model):
         out[f"{prefix}.weight"] = f32(f"{prefix}.weight")
         out[f"{prefix}.bias"] = f32(f"{prefix}.bias")

@@ -58,6 +58,10 @@ def split_by_for(config: MasterConfig, model: ModelConfig, shapes: list[ConvLaye
 
 def samples_refusal_for(model: ModelConfig, shapes: list[ConvLayerShape]) -> str | None:
     """Why ``model``'s conv layers cannot be split by samples (one line), or None."""
+    if model.residual:
+        return ("a residual network's shortcuts are joined on the master, between the "
+                "layers; the sample split of residual blocks is not built yet "
+                "(docs/residual.md): --split-by kernels")
     specs = model.conv_specs()
     return samples_refusal(shapes, [s.kernel_size for s in specs], [s.stride for s in specs],
                            [s.padding for s in specs], [s.pool for s in specs])

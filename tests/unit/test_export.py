@@ -35,7 +35,7 @@ from hetconv.inference.use import Classifier, load_run, load_run_data, run_prepr
 ROOT = Path(__file__).resolve().parents[2]
 EXPORT_MD = ROOT / "docs" / "export.md"
 SPECS = {"paper": "4:8", "tokens": "c4k3p1,pool,c8k3p1,pool,fc16,drop0.1",
-         "variants": "c4k3p1s2nobn,avgpool,c6k3,fc8"}
+         "variants": "c4k3p1s2nobn,avgpool,c6k3,fc8", "residual": "c4k3p1,res4,res8s2,gap"}
 TOLERANCE = 1e-4
 BATCH = 64
 
@@ -123,6 +123,21 @@ def test_safetensors_holds_pytorch_names(runs: dict[str, Path], tmp_path: Path) 
     assert "conv0.bias" in nobn and "bn0.weight" not in nobn and "bn1.weight" in nobn
 
 
+def test_a_resnet_s_tensors_take_torchvision_s_names(runs: dict[str, Path]) -> None:
+    run = load_run(runs["residual"])
+    names = set(torch_tensors(run.model, run.params))
+    bn = ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")
+    expected = {"conv1.weight", "fc.weight", "fc.bias"} | {f"bn1.{n}" for n in bn}
+    for block, convs in (("layer1.0", ("conv1", "conv2")),
+                         ("layer2.0", ("conv1", "conv2", "downsample.0"))):
+        expected |= {f"{block}.{conv}.weight" for conv in convs}
+        norms = [c.replace("conv", "bn").replace("downsample.0", "downsample.1") for c in convs]
+        expected |= {f"{block}.{norm}.{n}" for norm in norms for n in bn}
+    assert names == expected
+    assert torch_tensors(run.model, run.params)["layer2.0.downsample.0.weight"].shape == (
+        8, 4, 1, 1)
+
+
 def documented_module() -> dict[str, Any]:
     """The namespace of docs/export.md's ``class HetconvNet`` code block, executed."""
     blocks = re.findall(r"```python\n(.*?)```", EXPORT_MD.read_text(encoding="utf-8"), re.S)
@@ -164,6 +179,8 @@ def test_the_docs_tables_match_the_files(runs: dict[str, Path]) -> None:
     documented = {name for name, _, _ in rows}
     produced = set()
     for spec in SPECS:
+        if spec == "residual":  # torchvision's ResNet names: the prose, and the test below
+            continue
         loaded = load_run(runs[spec])
         for key in torch_tensors(loaded.model, loaded.params):
             produced.add(re.sub(r"^(conv|bn)\d+", r"\1{i}", re.sub(r"^dense\d+", "dense{j}", key)))
