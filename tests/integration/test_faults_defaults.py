@@ -270,3 +270,33 @@ def test_a_worker_answering_wrong_results_is_evicted_for_good(
     last = [r for r in events if r["type"] == "step"][-1]
     assert all(d["kernels"] == 0 for layer in last["layers"] for d in layer["participants"]
                if d["participant"] == bad)
+
+
+@pytest.mark.timeout(240)
+def test_a_residual_network_survives_a_killed_worker(endpoint: str, workers: Any,
+                                                     tmp_path: Path) -> None:
+    """The defaults with a residual network (the planner's kernel split over the star
+    plane): a worker killed mid-run costs at most 2 recoveries, the first naming it, and
+    the run completes with the loss still falling."""
+    started = {w.name: w for w in workers("a", "b")}
+    run_dir = tmp_path / "run"
+    master = start_master(endpoint, run_dir, 2, "--arch", "c8k3p1,res8,res16s2,gap",
+                          "--limit", str(WRONG_RUN_IMAGES))
+    try:
+        assert wait_for(lambda: steps_done(run_dir) >= 30 and holders_now(run_dir), 120), (
+            f"no worker held kernels by step 30: {master.poll()}")
+        victim = holders_now(run_dir)[-1]
+        os.kill(started[victim].process.pid, signal.SIGKILL)
+    except BaseException:
+        master.kill()
+        master.communicate()
+        raise
+    out, err = finish(master)
+    assert "split by kernels (a residual network's" in out + err
+    events = records(run_dir)
+    assert events[-1]["type"] == "run_end" and events[-1]["status"] == "completed", events[-1]
+    recoveries = [r for r in events if r["type"] == "recovery"]
+    assert 1 <= len(recoveries) <= MAX_RECOVERIES, json.dumps(recoveries, indent=1)
+    assert recoveries[0]["participant"] == victim
+    losses = [r["loss"] for r in events if r["type"] == "step"]
+    assert len(losses) >= 100 and sum(losses[-10:]) < sum(losses[:10])
