@@ -62,6 +62,7 @@ def assign_shard(request_id: int, layer: int, start: int, stop: int, settings: L
                        bn_momentum=settings.bn_momentum, bn_eps=settings.bn_eps,
                        momentum=settings.momentum, weight_decay=settings.weight_decay,
                        pool=settings.pool, batch_norm=settings.batch_norm, relu=settings.relu,
+                       input_from=settings.input_from, shortcut_from=settings.shortcut_from,
                        **arrays)
 
 

@@ -226,10 +226,6 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
     """Membership, calibration, split and shard assignment; the stage the trainer drives
     (a local stage when the plan gives every kernel to the master's own device)."""
     shapes = conv_layer_shapes(model)
-    if model.residual and config.data_plane == "peer":
-        report("hetconv: data plane star: a residual network's shortcuts are joined on the "
-               "master, between the layers (the peer plane keeps activations on the workers)")
-        config = replace(config, data_plane="star")
     try:  # a refused --split-by samples: before any worker is contacted
         split_by, why = split_by_for(config, model, shapes, batch)
     except ValueError as error:
@@ -242,11 +238,14 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
         # under --split model the planner's prediction decides between the two splits,
         # the per-layer byte rule only where there is no model (or the rule agrees)
         by_model = config.split_by == "auto" and config.split == "model" \
-            and samples_refusal_for(model, shapes) is None
+            and samples_refusal_for(model, shapes, config.data_plane) is None
         # the sample split chooses its own wire from its own model (sample_wire_for);
         # without a link model (--split equal): float32 unless asked otherwise
         sample_config = replace(config, wire_dtype="float32") \
             if config.wire_dtype == WIRE_DTYPE_AUTO and config.split != "model" else config
+        star_for_kernels = model.residual and config.data_plane == "peer"
+        if star_for_kernels:  # the kernel split of a residual network: planned on the star
+            config = replace(config, data_plane="star")
         profiles: list[ParticipantProfile] = []
         traffic: list[LayerTraffic] = []
         if config.wire_dtype == WIRE_DTYPE_AUTO and config.split != "model":
@@ -297,6 +296,9 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
                     metrics, batch, device,
                     lambda: LocalConvStage(model, params, settings, device=device), report,
                     predicted, links, link_wires, left_out, why)
+        if star_for_kernels:
+            report("hetconv: data plane star: split by kernels, a residual network's "
+                   "shortcuts are joined on the master, between the layers")
         report(f"hetconv: split by kernels ({why})")
         if config.bn_statistics == "slice":
             report("hetconv: --bn-statistics slice does not apply to the kernel split: "

@@ -97,7 +97,6 @@ class Goodbye(Message):
     reason: str
 
 
-
 # --- calibration ---------------------------------------------------------------------
 @dataclass(frozen=True)
 class CalibrateRequest(Message):
@@ -168,7 +167,7 @@ class AssignShard(Message):
     weight and velocity_weight (K, C, k, k); gamma, beta, running_mean,
     running_var, velocity_gamma, velocity_beta (K,). ``pool`` ("max", "avg" or
     "none") follows the ReLU; with ``batch_norm`` false ``beta`` is the conv's bias.
-    """
+    ``relu``, ``input_from``, ``shortcut_from``: a residual block's routing (docs/residual.md)."""
 
     TYPE: ClassVar[str] = "assign_shard"
     request_id: int
@@ -192,7 +191,9 @@ class AssignShard(Message):
     velocity_beta: np.ndarray
     pool: str = "max"
     batch_norm: bool = True
-    relu: bool = True  # False: no ReLU, no pool (a residual block's layer before its join)
+    relu: bool = True
+    input_from: int = -1
+    shortcut_from: int = -1
 
 
 @dataclass(frozen=True)
@@ -201,7 +202,6 @@ class Ack(Message):
 
     TYPE: ClassVar[str] = "ack"
     request_id: int
-
 
 
 # --- training step ----------------------------------------------------------------------
@@ -262,10 +262,6 @@ class BackwardReply(Message):
     dx: np.ndarray | None
 
 
-
-
-
-
 # --- snapshots and end of run ----------------------------------------------------------
 @dataclass(frozen=True)
 class SnapshotRequest(Message):
@@ -313,7 +309,6 @@ class ErrorReply(Message):
     request_id: int
     code: str
     message: str
-
 
 
 AnyMessage = (

@@ -229,9 +229,14 @@ class WorkerService:
                                  bn_momentum=request.bn_momentum, bn_eps=request.bn_eps,
                                  momentum=request.momentum, weight_decay=request.weight_decay,
                                  pool=request.pool, batch_norm=request.batch_norm,
-                                 relu=request.relu)
+                                 relu=request.relu, input_from=request.input_from,
+                                 shortcut_from=request.shortcut_from)
         if not request.relu and request.pool != "none":
             raise RequestError(ERR_BAD_REQUEST, "a layer without its ReLU has no pool")
+        for name in ("input_from", "shortcut_from"):
+            if not -1 <= getattr(request, name) <= request.layer:
+                raise RequestError(ERR_BAD_REQUEST, f"{name} must be -1 or an activation "
+                                   f"0..{request.layer} (one before layer {request.layer})")
         state = {name: getattr(request, name) for name in STATE_NAMES}
         if request.weight.ndim != 4:
             raise RequestError(ERR_BAD_REQUEST, "weight must be (K, C, k, k)")
@@ -287,10 +292,11 @@ class WorkerService:
     def _dense_audit(request: ForwardRequest, dense: DenseReplica) -> ForwardReply:
         """The replicated dense part's evaluation-mode logits (the result audit)."""
         _check_wire_dtype(request.x, "x")
-        features = dense.part.arrays[dense.part.names()[0]].shape[1]
-        if request.x.ndim < 2 or int(np.prod(request.x.shape[1:])) != features:
-            raise RequestError(ERR_BAD_REQUEST, f"the dense part takes {features} features "
-                               f"a sample, got x of shape {tuple(request.x.shape)}")
+        problem = dense.part.input_problem(int(np.prod(request.x.shape[1:]))) \
+            if request.x.ndim >= 2 else "x must be (N, ...)"
+        if problem is not None:
+            raise RequestError(ERR_BAD_REQUEST, f"{problem}: x of shape "
+                               f"{tuple(request.x.shape)}")
         start = time.perf_counter()
         logits = dense.evaluate(request.x)
         return ForwardReply(request_id=request.request_id, step=request.step,

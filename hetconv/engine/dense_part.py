@@ -154,6 +154,20 @@ class DensePart:
             sgd_update(self.arrays[name], grad, self.velocity[name], learning_rate,
                        momentum, decay)
 
+    def input_problem(self, features: int) -> str | None:
+        """Why ``features`` values a sample cannot be this part's input (one line), or
+        None: the first layer's width, or after a global pooling any C*H*W of its C maps."""
+        if self.specs and self.specs[0].kind == "gap":
+            maps = self.specs[0].units
+            if features < maps or features % maps:
+                return (f"the dense part pools {maps} maps a sample, got {features} values "
+                        f"(not a multiple of {maps})")
+            return None
+        width = int(self.arrays[self.names()[0]].shape[1])
+        if features != width:
+            return f"the dense part takes {width} features a sample, got {features}"
+        return None
+
     def size(self) -> int:
         """Values in every dense array together (N)."""
         return sum(int(a.size) for a in self.arrays.values())

@@ -13,8 +13,10 @@ to the shortcut activation; every activation's gradient is the sum of what the l
 that read it hand back, added in the order the layers run backward (the same order in
 every run, so a distributed run adds exactly what the local one does).
 
-:class:`Routing` is the pure description; :func:`run_forward` and :func:`run_backward`
-chain any per-layer forward / backward (a local stage, a distributed one) through it,
+:class:`Routing` is the pure description; :class:`ForwardRoute` and
+:class:`BackwardRoute` keep one pass's activations and gradients for whoever runs the
+layers (a participant's sample-split chain); :func:`run_forward` and :func:`run_backward`
+chain any per-layer forward / backward (a local stage, a distributed one) through them,
 host numpy arrays in and out.
 """
 from __future__ import annotations
@@ -38,10 +40,20 @@ class Routing:
 
     @classmethod
     def of(cls, shapes: Sequence[ConvLayerShape]) -> Routing:
-        return cls(tuple(i if s.input_from == NO_ROUTE else s.input_from
-                         for i, s in enumerate(shapes)),
-                   tuple(None if s.shortcut_from == NO_ROUTE else s.shortcut_from
-                         for s in shapes))
+        return cls.from_routes([(s.input_from, s.shortcut_from) for s in shapes])
+
+    @classmethod
+    def from_routes(cls, routes: Sequence[tuple[int, int]]) -> Routing:
+        """From each layer's (input_from, shortcut_from) (NO_ROUTE: the layer before's
+        output / none); ValueError where a layer reads or adds an activation that is not
+        an earlier one (its own input at the latest)."""
+        inputs = tuple(i if src == NO_ROUTE else src for i, (src, _) in enumerate(routes))
+        shortcuts = tuple(None if sc == NO_ROUTE else sc for _, sc in routes)
+        for layer, (src, sc) in enumerate(zip(inputs, shortcuts)):
+            if not 0 <= src <= layer or (sc is not None and not 0 <= sc <= layer):
+                raise ValueError(f"layer {layer} reads activation {src} and adds "
+                                 f"{sc}: each must be an earlier one (0..{layer})")
+        return cls(inputs, shortcuts)
 
     @property
     def layers(self) -> int:
@@ -80,24 +92,78 @@ def join_backward(joined: np.ndarray, grad: np.ndarray) -> np.ndarray:
     return out
 
 
+class ForwardRoute:
+    """One forward pass's activations as the layers run, in order: :meth:`input` gives
+    layer i the activation it reads, :meth:`output` takes its output (joined to the
+    shortcut where it has one) and returns activation i + 1. Activations no later
+    layer reads are dropped at once; the joins' outputs go to ``tape``."""
+
+    def __init__(self, routing: Routing, x: np.ndarray, first: int = 0):
+        """``x``: activation ``first``, the input of layer ``first`` (a straight
+        network's pass may start at any layer; a routed one's at 0)."""
+        if first and not routing.straight:
+            raise ValueError("a residual network's forward pass starts at layer 0")
+        self.routing = routing
+        self.activations: dict[int, np.ndarray] = {first: x}
+        self.last_use = {a: max(routing.readers(a), default=-1)
+                         for a in range(routing.layers + 1)}
+        self.tape = ForwardTape({})
+
+    def input(self, layer: int) -> np.ndarray:
+        return self.activations[self.routing.inputs[layer]]
+
+    def output(self, layer: int, y: np.ndarray) -> np.ndarray:
+        shortcut = self.routing.shortcuts[layer]
+        if shortcut is not None:
+            y = join(y, self.activations[shortcut])
+            self.tape.joined[layer] = y
+        self.activations[layer + 1] = y
+        for held in [a for a in self.activations if a <= layer and self.last_use[a] <= layer]:
+            del self.activations[held]
+        return y
+
+
+class BackwardRoute:
+    """One backward pass's gradients as the layers run from the last: :meth:`gradient`
+    gives layer i the gradient of its own output (through the join's mask, the
+    shortcut's share added to the shortcut activation's), :meth:`input_gradient` takes
+    its input's gradient."""
+
+    def __init__(self, routing: Routing, tape: ForwardTape, grad: np.ndarray,
+                 top: int | None = None):
+        """``grad``: the gradient of layer ``top``'s output (default: the last layer's;
+        a straight network's pass may start lower)."""
+        top = routing.layers - 1 if top is None else top
+        if top != routing.layers - 1 and not routing.straight:
+            raise ValueError("a residual network's backward pass starts at its last layer")
+        self.routing, self.tape = routing, tape
+        self.grads: dict[int, np.ndarray] = {top + 1: grad}
+
+    def gradient(self, layer: int) -> np.ndarray:
+        dy = self.grads.pop(layer + 1)
+        shortcut = self.routing.shortcuts[layer]
+        if shortcut is not None:
+            dy = join_backward(self.tape.joined.pop(layer), dy)
+            _accumulate(self.grads, shortcut, dy)
+        return dy
+
+    def need_dx(self, layer: int) -> bool:
+        """Whether layer's input gradient is needed (not for the network's input)."""
+        return self.routing.inputs[layer] > 0
+
+    def input_gradient(self, layer: int, dx: np.ndarray | None) -> None:
+        if self.need_dx(layer) and dx is not None:
+            _accumulate(self.grads, self.routing.inputs[layer], dx)
+
+
 def run_forward(routing: Routing, layer_forward: Callable[[int, np.ndarray], np.ndarray],
                 x: np.ndarray) -> tuple[np.ndarray, ForwardTape]:
     """Every layer in order, each given the activation it reads: (the last layer's
-    output, the tape for the backward pass). Activations no later layer reads are
-    dropped as soon as possible."""
-    activations: dict[int, np.ndarray] = {0: x}
-    last_use = {a: max(routing.readers(a), default=-1) for a in range(routing.layers + 1)}
-    tape = ForwardTape({})
+    output, the tape for the backward pass)."""
+    route = ForwardRoute(routing, x)
     for layer in range(routing.layers):
-        y = layer_forward(layer, activations[routing.inputs[layer]])
-        shortcut = routing.shortcuts[layer]
-        if shortcut is not None:
-            y = join(y, activations[shortcut])
-            tape.joined[layer] = y
-        activations[layer + 1] = y
-        for held in [a for a in activations if a <= layer and last_use[a] <= layer]:
-            del activations[held]
-    return activations[routing.layers], tape
+        x = route.output(layer, layer_forward(layer, route.input(layer)))
+    return x, route.tape
 
 
 def run_backward(routing: Routing, tape: ForwardTape,
@@ -106,17 +172,10 @@ def run_backward(routing: Routing, tape: ForwardTape,
     """Every layer from the last: ``layer_backward(layer, dy, need_dx)`` gets the gradient
     of the layer's own output (after the join's mask) and returns its input's gradient
     (None when not needed: only activation 0's is never needed)."""
-    grads: dict[int, np.ndarray] = {routing.layers: grad}
+    route = BackwardRoute(routing, tape, grad)
     for layer in reversed(range(routing.layers)):
-        dy = grads.pop(layer + 1)
-        shortcut = routing.shortcuts[layer]
-        if shortcut is not None:
-            dy = join_backward(tape.joined.pop(layer), dy)
-            _accumulate(grads, shortcut, dy)
-        source = routing.inputs[layer]
-        dx = layer_backward(layer, dy, source > 0)
-        if source > 0 and dx is not None:
-            _accumulate(grads, source, dx)
+        route.input_gradient(layer, layer_backward(layer, route.gradient(layer),
+                                                   route.need_dx(layer)))
 
 
 def _accumulate(grads: dict[int, np.ndarray], activation: int, grad: np.ndarray) -> None:

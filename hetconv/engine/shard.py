@@ -52,6 +52,8 @@ class LayerSettings:
     pool: str = "max"
     batch_norm: bool = True
     relu: bool = True  # False: no ReLU (a residual block's layer before its join)
+    input_from: int = -1  # the activation read (-1: the layer before's output; routing.py)
+    shortcut_from: int = -1  # the activation added before the ReLU (-1: none)
     per_layer: tuple[LayerSettings, ...] = ()
 
     def for_layer(self, layer: int) -> LayerSettings:

@@ -68,6 +68,16 @@ class WholeStepStage(Protocol):
 
 
 @runtime_checkable
+class RoutingStage(Protocol):
+    """A stage whose participants chain a residual network's layers themselves (the
+    sample split's chains join the shortcuts: hetconv/engine/routing.py). The trainer
+    hands it the layers in order as for a straight network."""
+
+    @property
+    def routes_shortcuts(self) -> bool: ...
+
+
+@runtime_checkable
 class EarlyReplanStage(Protocol):
     """A stage that may need a snapshot (and the re-plan point after it) before the
     next one due: the master-alone trial, once it can decide (master/samples/trial_alone.py).
@@ -123,7 +133,8 @@ def layer_settings(model: ModelConfig, momentum: float, weight_decay: float) -> 
         return shared
     return replace(shared, per_layer=tuple(
         replace(shared, stride=spec.stride, padding=spec.padding, pool=spec.pool,
-                batch_norm=spec.batch_norm, relu=spec.relu) for spec in model.convs))
+                batch_norm=spec.batch_norm, relu=spec.relu, input_from=spec.input_from,
+                shortcut_from=spec.shortcut_from) for spec in model.convs))
 
 
 class LocalConvStage:

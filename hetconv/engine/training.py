@@ -25,6 +25,7 @@ from hetconv.engine.routing import ForwardTape, Routing, run_backward, run_forwa
 from hetconv.engine.stage import (
     ConvStage,
     EarlyReplanStage,
+    RoutingStage,
     StageFault,
     WholeStepStage,
     split_snapshot,
@@ -92,8 +93,14 @@ class Trainer:
         self._faults_without_progress = 0
         self._last_fault_step = -1
 
+    def _routes(self) -> bool:
+        """Whether the trainer joins the shortcuts (a residual network on a stage that
+        does not: hetconv/engine/routing.py)."""
+        return not self.routing.straight and not (
+            isinstance(self.stage, RoutingStage) and self.stage.routes_shortcuts)
+
     def _conv_forward(self, x: np.ndarray, train: bool, step: int) -> np.ndarray:
-        if not self.routing.straight:  # residual blocks (hetconv/engine/routing.py)
+        if self._routes():  # residual blocks (hetconv/engine/routing.py)
             out, tape = run_forward(
                 self.routing, lambda layer, a: self.stage.forward(layer, a, train, step), x)
             self._tape = tape if train else self._tape
@@ -103,7 +110,7 @@ class Trainer:
         return x
 
     def _conv_backward(self, grad: Any, learning_rate: float, step: int) -> None:
-        if not self.routing.straight:
+        if self._routes():
             tape, self._tape = self._tape, None
             if tape is None:
                 raise RuntimeError("a backward pass without a training forward")

@@ -12,12 +12,15 @@ the plain names.
 from __future__ import annotations
 
 from hetconv.model import NO_ROUTE, ModelConfig, conv_layer_shapes
+from hetconv.names import layer_key
 
 
 def module_names(model: ModelConfig) -> list[tuple[str, str]]:
     """(conv module, batch-norm module) per conv layer, in layer order."""
     shapes = conv_layer_shapes(model)
-    plain = [(f"conv{i}", f"bn{i}") for i in range(len(shapes))]
+    # the plain module name is hetconv's own layer prefix (conv{i})
+    plain = [(layer_key(i, "weight").removesuffix(".weight"), f"bn{i}")
+             for i in range(len(shapes))]
     if not model.residual or shapes[0].input_from != NO_ROUTE or not shapes[0].relu:
         return plain
     names: dict[int, tuple[str, str]] = {0: ("conv1", "bn1")}

@@ -53,15 +53,16 @@ def split_by_for(config: MasterConfig, model: ModelConfig, shapes: list[ConvLaye
     ``--split-by samples`` raises ValueError with the one-line reason)."""
     return choose_split_by(config.split_by, shapes, batch,
                            [s.kernel_size for s in model.conv_specs()],
-                           samples_refusal_for(model, shapes))
+                           samples_refusal_for(model, shapes, config.data_plane))
 
 
-def samples_refusal_for(model: ModelConfig, shapes: list[ConvLayerShape]) -> str | None:
+def samples_refusal_for(model: ModelConfig, shapes: list[ConvLayerShape],
+                        data_plane: str = "peer") -> str | None:
     """Why ``model``'s conv layers cannot be split by samples (one line), or None."""
-    if model.residual:
-        return ("a residual network's shortcuts are joined on the master, between the "
-                "layers; the sample split of residual blocks is not built yet "
-                "(docs/residual.md): --split-by kernels")
+    if model.residual and data_plane != "peer":
+        return ("a residual network split by samples joins its shortcuts in the "
+                "participants' chains, which run over the peer data plane: --data-plane "
+                "peer (the default), or --split-by kernels")
     specs = model.conv_specs()
     return samples_refusal(shapes, [s.kernel_size for s in specs], [s.stride for s in specs],
                            [s.padding for s in specs], [s.pool for s in specs])

@@ -119,6 +119,11 @@ class SampleConvStage:
 
     # --- what the stage runs ------------------------------------------------------------
     @property
+    def routes_shortcuts(self) -> bool:
+        """The participants' chains join a residual network's shortcuts (RoutingStage)."""
+        return True
+
+    @property
     def layers(self) -> int:
         return self.setup.layers
 

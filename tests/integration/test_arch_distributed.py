@@ -70,34 +70,37 @@ RESIDUAL_RUN = ["--data", "synthetic", "--limit", "1280", "--test-limit", "128",
 @pytest.mark.timeout(300)
 def test_a_residual_network_over_two_workers_reproduces_the_local_run(
         endpoint: str, workers: Any, tmp_path: Path) -> None:
-    """Under the defaults the planner takes the kernel split over the star plane (the
-    master joins the shortcuts between layers) and says why; a float32 wire and an
-    equal split (so both workers compute) give the local run's losses and weights."""
-    local_dir, dist_dir = tmp_path / "local", tmp_path / "dist"
+    """Split by samples (the participants' chains join the shortcuts) and by kernels (the
+    master joins them, over the star plane, and says so), a float32 wire and an equal
+    split (so both workers compute): the local run's losses and weights."""
+    local_dir = tmp_path / "local"
     local = run_hetconv("train", "--local", *RESIDUAL_RUN, "--run-dir", str(local_dir))
     assert local.returncode == 0, local.stderr
+    local_losses, local_w = step_losses(local_dir), load_weights(local_dir / "weights.npz")
+    assert len(local_losses) == 20 and "conv5.weight" in local_w
     workers("w1", "w2")
-    result = run_hetconv("train", "--listen", endpoint, "--min-workers", "2", "--wait", "30",
-                         "--split", "equal", "--wire-dtype", "float32", *RESIDUAL_RUN,
-                         "--run-dir", str(dist_dir))
-    assert result.returncode == 0, result.stderr
-    said = result.stdout + result.stderr
-    assert "data plane star: a residual network's shortcuts are joined on the master" in said
-    assert "split by kernels (a residual network's shortcuts are joined" in said
-    local_losses, dist_losses = step_losses(local_dir), step_losses(dist_dir)
-    assert len(local_losses) == len(dist_losses) == 20
-    np.testing.assert_allclose(dist_losses, local_losses, rtol=1e-4)
-    local_w, dist_w = load_weights(local_dir / "weights.npz"), load_weights(
-        dist_dir / "weights.npz")
-    assert sorted(local_w) == sorted(dist_w) and "conv5.weight" in local_w
-    for name in local_w:
-        np.testing.assert_allclose(dist_w[name], local_w[name], rtol=1e-3, atol=1e-4,
-                                   err_msg=name)
+    for split, says in (("samples", "split by samples: master"),
+                        ("kernels", "data plane star: split by kernels, a residual network's "
+                                    "shortcuts are joined on the master")):
+        dist_dir = tmp_path / split
+        result = run_hetconv("train", "--listen", endpoint, "--min-workers", "2", "--wait",
+                             "30", "--split", "equal", "--wire-dtype", "float32",
+                             "--split-by", split, *RESIDUAL_RUN, "--run-dir", str(dist_dir))
+        assert result.returncode == 0, result.stderr
+        assert says in result.stdout + result.stderr
+        np.testing.assert_allclose(step_losses(dist_dir), local_losses, rtol=1e-4)
+        dist_w = load_weights(dist_dir / "weights.npz")
+        assert sorted(local_w) == sorted(dist_w)
+        for name in local_w:
+            np.testing.assert_allclose(dist_w[name], local_w[name], rtol=1e-3, atol=1e-4,
+                                       err_msg=f"{split}: {name}")
     start = next(r for r in records(dist_dir) if r["type"] == "run_start")
     assert [(layer["input_from"], layer["shortcut_from"]) for layer in start["layers"]] == [
         (-1, -1), (-1, -1), (-1, 1), (-1, -1), (3, -1), (4, 5)]
     refused = run_hetconv("train", "--listen", endpoint, "--split-by", "samples",
-                          *RESIDUAL_RUN, "--run-dir", str(tmp_path / "refused"))
+                          "--data-plane", "star", *RESIDUAL_RUN,
+                          "--run-dir", str(tmp_path / "refused"))
     assert refused.returncode != 0
     assert refused.stderr.strip().splitlines()[-1].startswith(
-        "hetconv: error: a residual network's shortcuts are joined on the master")
+        "hetconv: error: a residual network split by samples joins its shortcuts in the "
+        "participants' chains")

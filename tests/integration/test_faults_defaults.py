@@ -275,9 +275,9 @@ def test_a_worker_answering_wrong_results_is_evicted_for_good(
 @pytest.mark.timeout(240)
 def test_a_residual_network_survives_a_killed_worker(endpoint: str, workers: Any,
                                                      tmp_path: Path) -> None:
-    """The defaults with a residual network (the planner's kernel split over the star
-    plane): a worker killed mid-run costs at most 2 recoveries, the first naming it, and
-    the run completes with the loss still falling."""
+    """The defaults with a residual network (the participants' chains join the shortcuts
+    under the sample split the planner takes): a worker killed mid-run costs at most 2
+    recoveries, the first naming it, and the run completes with the loss still falling."""
     started = {w.name: w for w in workers("a", "b")}
     run_dir = tmp_path / "run"
     master = start_master(endpoint, run_dir, 2, "--arch", "c8k3p1,res8,res16s2,gap",
@@ -292,7 +292,7 @@ def test_a_residual_network_survives_a_killed_worker(endpoint: str, workers: Any
         master.communicate()
         raise
     out, err = finish(master)
-    assert "split by kernels (a residual network's" in out + err
+    assert "split by samples" in out + err
     events = records(run_dir)
     assert events[-1]["type"] == "run_end" and events[-1]["status"] == "completed", events[-1]
     recoveries = [r for r in events if r["type"] == "recovery"]

@@ -51,6 +51,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from hetconv.engine.dense_part import Rows
+from hetconv.engine.routing import BackwardRoute, ForwardRoute, ForwardTape
 from hetconv.engine.shard import ConvShard
 from hetconv.participant.ports import PeerLost
 from hetconv.participant.samples.dense_replica import as_labels
@@ -137,6 +138,33 @@ def _updates_while_waiting(held: SliceLayers, shards: Mapping[int, ConvShard],
         held.finish_update(shards, request, begun, [ready])
 
 
+def _forward_route(held: SliceLayers, shards: Mapping[int, ConvShard],
+                   request: SampleForwardChain | SampleStepChain, x: np.ndarray) -> ForwardRoute:
+    """This member's activations through the chain's layers (a residual network's
+    shortcuts joined: hetconv/engine/routing.py)."""
+    try:
+        return ForwardRoute(held.routing(shards, request.stop_layer), x, request.start_layer)
+    except ValueError as error:
+        raise SampleRequestError(ERR_BAD_REQUEST, str(error)) from None
+
+
+def _backward_route(held: SliceLayers, shards: Mapping[int, ConvShard], start_layer: int,
+                    dy: np.ndarray) -> BackwardRoute:
+    """This member's gradients from ``start_layer`` down (the joins of the forward pass
+    kept in ``held.tape``)."""
+    routing = held.routing(shards, start_layer + 1)
+    tape, held.tape = held.tape, None
+    if tape is None:
+        if not routing.straight:
+            raise SampleRequestError(ERR_BAD_REQUEST, "a residual network's backward chain "
+                                     "without its forward chain")
+        tape = ForwardTape({})
+    try:
+        return BackwardRoute(routing, tape, dy, start_layer)
+    except ValueError as error:
+        raise SampleRequestError(ERR_BAD_REQUEST, str(error)) from None
+
+
 def forward_chain(held: SliceLayers, request: SampleForwardChain | SampleStepChain,
                   shards: Mapping[int, ConvShard]) -> SampleForwardReply:
     """Every layer of [start_layer, stop_layer) on this participant's slice (see the
@@ -162,6 +190,7 @@ def forward_chain(held: SliceLayers, request: SampleForwardChain | SampleStepCha
                                      f"{counts[me]} samples")
         held.wire_dtype = x.dtype
     clock = LayerClock(exchange)
+    route = _forward_route(held, shards, request, x) if member and x is not None else None
     for index, layer in enumerate(layers):
         clock.start(layer)
         if layer in pending:
@@ -171,7 +200,8 @@ def forward_chain(held: SliceLayers, request: SampleForwardChain | SampleStepCha
         positions = int(request.positions[index])
         own = None
         if member:
-            assert x is not None
+            assert route is not None
+            x = route.input(layer)
             tests_delay(replica.shard)
             try:
                 if x.shape[1] != replica.shard.state["weight"].shape[1]:
@@ -188,7 +218,7 @@ def forward_chain(held: SliceLayers, request: SampleForwardChain | SampleStepCha
                                f"{tuple(x.shape)} for layer {layer + 1}: {error}",
                                bad_data=True) from None
             if moments is None:  # no batch norm: nothing to agree on
-                x = replica.finish_forward(None, None)
+                x = route.output(layer, replica.finish_forward(None, None))
                 continue
             count, total, m2 = moments
             if count != counts[me] * positions:
@@ -207,13 +237,16 @@ def forward_chain(held: SliceLayers, request: SampleForwardChain | SampleStepCha
             _updates_while_waiting(held, shards, request, begun, pending, layer, members)
             mean, var = _whole_batch(exchange, request, layer, counts, positions, own)
         if member:
+            assert route is not None
             x = replica.finish_forward(mean, var, running=not by_slice)
             hook = getattr(replica.shard, "corrupt_output", None)  # tests' broken worker
             if hook is not None:
                 x = hook(x)
+            x = route.output(layer, x)
         else:
             replica.follow_statistics(mean, var, request.total_batch * positions)
     clock.stop()
+    held.tape = route.tape if route is not None else None
     for layer, own in later.items():  # by slice: the running statistics, the whole batch's
         positions = int(request.positions[layer - request.start_layer])
         mean, var = _whole_batch(exchange, request, layer, counts, positions, own)
@@ -336,12 +369,15 @@ def _backward_layers(held: SliceLayers, shards: Mapping[int, ConvShard], step: i
     later: dict[int, np.ndarray | None] = {}  # by slice: layer -> own sums, added last
     clock = LayerClock(exchange)
     pending: tuple[int, Callable[[], np.ndarray]] | None = None  # (layer, its dW_i later)
+    route = _backward_route(held, shards, start_layer, dy) \
+        if member and dy is not None else None
     for layer in range(start_layer, -1, -1):
         clock.start(layer)
         replica = held.replica(shards, layer)
         own = None
         if member:
-            assert dy is not None
+            assert route is not None
+            dy = route.gradient(layer)
             tests_delay(replica.shard)
             try:
                 own = np.stack(replica.start_backward(dy))
@@ -360,12 +396,16 @@ def _backward_layers(held: SliceLayers, shards: Mapping[int, ConvShard], step: i
             held.kept_sums[layer] = _added_sums(exchange, sync_id, layer, members, own)
             dgamma, dbeta = held.kept_sums[layer]
         if member:
+            assert route is not None
             try:
-                if layer > 0 and not by_slice:  # dW_i waits for the next barrier
+                if route.need_dx(layer) and not by_slice:  # dW_i waits for the next barrier
                     dx, later_dweight = replica.finish_backward_split(dgamma, dbeta)
-                    dy, pending = dx, (layer, later_dweight)
+                    route.input_gradient(layer, dx)
+                    pending = (layer, later_dweight)
                     continue
-                dy, dweight = replica.finish_backward(dgamma, dbeta, need_dx=layer > 0)
+                dx_or_none, dweight = replica.finish_backward(dgamma, dbeta,
+                                                              need_dx=route.need_dx(layer))
+                route.input_gradient(layer, dx_or_none)
             except RuntimeError as error:
                 raise SampleRequestError(ERR_BAD_REQUEST, str(error)) from None
             exchange.scatter(reduce_id, step, layer, dweight)

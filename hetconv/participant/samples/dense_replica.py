@@ -94,6 +94,8 @@ def dense_refusal(request: AssignDense) -> str | None:
                 or (kind == "dropout" and not 0.0 <= rate < 1.0):
             return ("an fc layer or gap needs units >= 1 and a dropout a rate in [0, 1)")
         specs.append(DenseSpec(kind, units, rate))
+    if any(s.kind == "gap" for s in specs[1:]):
+        return "gap comes first among the dense layers"
     prefixes = [hidden_prefix(i) for i in range(sum(s.kind == "fc" for s in specs))]
     expected = [f"{p}.{n}" for p in prefixes + [CLASSIFIER] for n in ("weight", "bias")]
     if list(request.names) != expected:
@@ -107,7 +109,7 @@ def dense_refusal(request: AssignDense) -> str | None:
     if len(shapes) != len(expected):
         return f"{len(expected)} shapes expected, got {len(shapes)}"
     widths = [s.units for s in specs if s.kind == "fc"]
-    features = None
+    features = specs[0].units if specs and specs[0].kind == "gap" else None
     for index, prefix in enumerate(prefixes + [CLASSIFIER]):
         weight, bias = shapes[2 * index], shapes[2 * index + 1]
         if len(weight) != 2 or bias != (weight[0],) or \

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from hetconv.engine.routing import ForwardTape, Routing
 from hetconv.engine.shard import ConvShard
 from hetconv.participant.samples.dense_replica import DenseReplica
 from hetconv.participant.samples.replica import SampleReplica
@@ -85,6 +86,8 @@ class SliceLayers:
         self.kept_sums: dict[int, np.ndarray] = {}
         # the dense part replicated (AssignDense; the master's: its trainer's arrays)
         self.dense: DenseReplica | None = None
+        # the last training forward's residual joins, for its backward (engine/routing.py)
+        self.tape: ForwardTape | None = None
 
     def reset(self) -> None:
         """Forget everything (the run ended, or the layers were re-assigned)."""
@@ -92,6 +95,21 @@ class SliceLayers:
         self.kept_sums.clear()
         self.activation = self.gradient = None
         self.dense = None
+        self.tape = None
+
+    @staticmethod
+    def routing(shards: Mapping[int, ConvShard], count: int) -> Routing:
+        """How layers [0, count) are chained (each one's ``input_from`` and
+        ``shortcut_from``, as AssignShard gave them)."""
+        if any(i not in shards for i in range(count)):
+            raise SampleRequestError(ERR_UNKNOWN_LAYER, "the sample split needs every conv "
+                                     f"layer 0..{count - 1} assigned")
+        try:
+            return Routing.from_routes([(shards[i].settings.input_from,
+                                         shards[i].settings.shortcut_from)
+                                        for i in range(count)])
+        except ValueError as error:
+            raise SampleRequestError(ERR_BAD_REQUEST, str(error)) from None
 
     def update_shape(self, shards: Mapping[int, ConvShard], layer: int) -> tuple[int, ...]:
         """The shape of ``layer``'s weight gradient: a conv layer's (K, C, k, k), or the

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from hetconv.engine.routing import ForwardRoute
 from hetconv.engine.shard import ConvShard
 from hetconv.participant.samples.layers import (
     SampleRequestError,
@@ -118,10 +119,13 @@ def evaluation_round(held: SliceLayers, request: SampleEvaluation,
     if request.total_batch < x.shape[0]:
         raise SampleRequestError(ERR_BAD_REQUEST, f"total_batch {request.total_batch} "
                                  f"is smaller than this slice's {x.shape[0]} samples")
-    for layer in range(0, max(request.stop_layer, 1)):
+    stop = max(request.stop_layer, 1)
+    route = ForwardRoute(held.routing(shards, stop), x)  # a residual network's shortcuts
+    for layer in range(0, stop):
         replica = held.replica(shards, layer)
+        x = route.input(layer)
         _check_input(x, replica, layer)
-        x = replica.forward_eval(x)
+        x = route.output(layer, replica.forward_eval(x))
     held.activation = x
     figures = held.peer_figures()
     return SampleForwardReply(request_id=request.request_id, step=request.step,
