@@ -59,7 +59,10 @@ def torch_row(name: str) -> str:
 
 
 def torch_network(torch: Any, model: ModelConfig, params: dict[str, np.ndarray]) -> Any:
-    """The same layers in PyTorch, with hetconv's initial weights copied in."""
+    """The same layers in PyTorch, with hetconv's initial weights copied in (a residual
+    network: :func:`torch_residual_network`)."""
+    if model.residual:
+        return torch_residual_network(torch, model, params)
     nn = torch.nn
     layers: list[Any] = []
     for shape in conv_layer_shapes(model):
@@ -86,6 +89,58 @@ def torch_network(torch: Any, model: ModelConfig, params: dict[str, np.ndarray])
     prefix, features, units = next(shapes)
     layers.append(_linear(torch, features, units, params, prefix))
     return nn.Sequential(*layers)
+
+
+def torch_residual_network(torch: Any, model: ModelConfig, params: dict[str, np.ndarray]
+                           ) -> Any:
+    """A residual network in PyTorch as a ResNet module is written (conv -> BN -> ReLU;
+    a block's second conv -> BN, + the shortcut, ReLU; global average pooling), with
+    hetconv's initial weights; the layers are routed as hetconv routes them
+    (hetconv/engine/routing.py)."""
+    nn = torch.nn
+    shapes = conv_layer_shapes(model)
+    convs, norms = [], []
+    for shape in shapes:
+        conv = nn.Conv2d(shape.in_channels, shape.kernels, shape.kernel_size, shape.stride,
+                         shape.padding, bias=not shape.batch_norm)
+        with torch.no_grad():
+            conv.weight.copy_(torch.from_numpy(params[layer_key(shape.index, "weight")]))
+        convs.append(conv)
+        norms.append(nn.BatchNorm2d(shape.kernels) if shape.batch_norm else nn.Identity())
+    head: list[Any] = []
+    dense = iter(dense_shapes(model))
+    for spec in model.dense:
+        if spec.kind == "fc":
+            prefix, features, units = next(dense)
+            head += [_linear(torch, features, units, params, prefix), nn.ReLU(inplace=True)]
+        elif spec.kind == "dropout":
+            head.append(nn.Dropout(spec.rate))
+    prefix, features, units = next(dense)
+    head.append(_linear(torch, features, units, params, prefix))
+    pools = {"max": nn.MaxPool2d(2), "avg": nn.AvgPool2d(2)}
+
+    class ResidualNet(nn.Module):  # type: ignore[misc,name-defined]
+        def __init__(self) -> None:
+            super().__init__()
+            self.convs, self.norms = nn.ModuleList(convs), nn.ModuleList(norms)
+            self.head = nn.Sequential(*head)
+
+        def forward(self, x: Any) -> Any:
+            outputs = [x]
+            for shape, conv, norm in zip(shapes, self.convs, self.norms):
+                source = shape.index if shape.input_from < 0 else shape.input_from
+                y = norm(conv(outputs[source]))
+                if shape.shortcut_from >= 0:
+                    y = torch.relu(y + outputs[shape.shortcut_from])
+                elif shape.relu:
+                    y = torch.relu(y)
+                if shape.pool in pools:
+                    y = pools[shape.pool](y)
+                outputs.append(y)
+            y = outputs[-1]
+            y = y.mean(dim=(2, 3)) if model.global_pool else y.flatten(1)
+            return self.head(y)
+    return ResidualNet()
 
 
 def _linear(torch: Any, features: int, units: int, params: dict[str, np.ndarray],

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hetconv.backend import host_threads, run_parallel
+
 from hetconv.model import NO_ROUTE, ConvLayerShape
 
 
@@ -79,16 +81,48 @@ class ForwardTape:
     joined: dict[int, np.ndarray]
 
 
+JOIN_CHUNK_VALUES = 1 << 18
+"""Values per piece of the join's passes (a few pieces per host thread, each in cache)."""
+
+
+def _pieces(array: np.ndarray) -> list[slice]:
+    """Sample ranges of ``array`` (B, ...) of about JOIN_CHUNK_VALUES values each."""
+    per_sample = max(1, array.size // max(1, array.shape[0]))
+    step = max(1, JOIN_CHUNK_VALUES // per_sample)
+    return [slice(start, start + step) for start in range(0, array.shape[0], step)]
+
+
+def _owned(array: np.ndarray) -> np.ndarray:
+    """``array`` itself when it is a writeable C-contiguous float32 array, else a copy."""
+    if array.dtype == np.float32 and array.flags.c_contiguous and array.flags.writeable:
+        return array
+    return np.array(array, dtype=np.float32, order="C")
+
+
 def join(y: np.ndarray, shortcut: np.ndarray) -> np.ndarray:
-    """relu(y + shortcut), a new float32 array (B, K, H, W)."""
-    out: np.ndarray = np.add(y, shortcut, dtype=np.float32)
-    np.maximum(out, np.float32(0), out=out)
+    """relu(y + shortcut) (B, K, H, W) float32, written over ``y`` where it may be (the
+    layer's fresh output), in pieces over the host threads."""
+    out = _owned(y)
+    parts = _pieces(out)
+
+    def piece(index: int) -> None:
+        part = parts[index]
+        np.add(out[part], shortcut[part], out=out[part])
+        np.maximum(out[part], np.float32(0), out=out[part])
+    run_parallel(piece, len(parts), host_threads(len(parts)))
     return out
 
 
 def join_backward(joined: np.ndarray, grad: np.ndarray) -> np.ndarray:
-    """The join's gradient: ``grad`` where its output was positive, else 0."""
-    out: np.ndarray = np.where(joined > 0, grad, np.float32(0)).astype(np.float32, copy=False)
+    """The join's gradient: ``grad`` where its output was positive, else 0 (written over
+    ``grad`` where it may be: the gradient is the route's own)."""
+    out = _owned(grad)
+    parts = _pieces(out)
+
+    def piece(index: int) -> None:
+        part = parts[index]
+        np.multiply(out[part], np.greater(joined[part], np.float32(0)), out=out[part])
+    run_parallel(piece, len(parts), host_threads(len(parts)))
     return out
 
 
@@ -179,8 +213,11 @@ def run_backward(routing: Routing, tape: ForwardTape,
 
 
 def _accumulate(grads: dict[int, np.ndarray], activation: int, grad: np.ndarray) -> None:
+    """grads[activation] += grad. The first gradient is kept as it is (no copy): the
+    layers' backward passes read their dy and return fresh arrays, and each pass runs to
+    its end before the next layer adds to what it read."""
     held = grads.get(activation)
     if held is None:
-        grads[activation] = np.array(grad, dtype=np.float32, copy=True)
+        grads[activation] = _owned(grad)
     else:
         held += grad
