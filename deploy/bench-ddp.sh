@@ -54,4 +54,6 @@ bench 64-256 --machines 0.45,0.45,0.45,0.45 --machines 0.45,0.45 --machines 0.6,
   --rate 1gbit --arch 64:256 --limit 1920
 bench 100mbit --machines 0.45,0.45,0.45,0.45 --rate 100mbit --arch 32:64 --limit 3840
 bench vgg --machines 0.45,0.45,0.45,0.45 --machines 0.45,0.45 --rate 1gbit --arch "$vgg" --limit 1920
-[ "$dry_run" = 1 ] || echo "== written: $out/scale-targets-{32-64,64-256,100mbit,vgg}.md"
+bench resnet20 --machines 0.45,0.45,0.45,0.45 --machines 0.45,0.45 --machines 0.6,0.4,0.2,0.2 \
+  --rate 1gbit --arch resnet20 --limit 1280
+[ "$dry_run" = 1 ] || echo "== written: $out/scale-targets-{32-64,64-256,100mbit,vgg,resnet20}.md"
