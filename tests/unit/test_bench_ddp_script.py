@@ -27,7 +27,7 @@ def _dry_run(out: Path) -> list[argparse.Namespace]:
 
 def test_every_command_parses_with_the_user_defaults_and_the_peer(tmp_path: Path) -> None:
     commands = _dry_run(tmp_path)
-    assert len(commands) == 4
+    assert len(commands) == 5
     figures = []
     for args in commands:
         assert (args.command, args.bench) == ("bench", "scale")
@@ -38,11 +38,11 @@ def test_every_command_parses_with_the_user_defaults_and_the_peer(tmp_path: Path
         assert args.data_plane is None and args.dilations is None
         assert args.batch == 128 and args.repeats >= 3
         figures.append(Path(args.markdown))
-    assert [f.parent for f in figures] == [tmp_path] * 4
+    assert [f.parent for f in figures] == [tmp_path] * 5
     # figure files of `hetconv bench scale` are named scale-*.md (tests/unit/test_docs.py)
     assert sorted(f.name for f in figures) == [
         "scale-targets-100mbit.md", "scale-targets-32-64.md", "scale-targets-64-256.md",
-        "scale-targets-vgg.md"]
+        "scale-targets-resnet20.md", "scale-targets-vgg.md"]
 
 
 def test_the_commands_cover_the_issue_s_target_rows(tmp_path: Path) -> None:
@@ -54,6 +54,7 @@ def test_the_commands_cover_the_issue_s_target_rows(tmp_path: Path) -> None:
         ("64:256", "1gbit", four), ("64:256", "1gbit", two), ("64:256", "1gbit", unequal),
         ("32:64", "100mbit", four),
         (VGG, "1gbit", four), (VGG, "1gbit", two),
+        ("resnet20", "1gbit", four), ("resnet20", "1gbit", two), ("resnet20", "1gbit", unequal),
     }
 
 
