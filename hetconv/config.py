@@ -16,6 +16,8 @@ from hetconv.protocol import limits
 from hetconv.protocol.transport import CurveClientKeys
 
 DATASETS = ("fashion-mnist", "cifar10", "folder", "synthetic")
+ARRAYS = "arrays"
+"""The data of a run from the Python API's arrays in memory (hetconv.api.arrays)."""
 SCHEDULES = ("cosine", "step", "constant")
 SPLIT_MODES = ("model", "calibrated", "equal")
 SPLIT_BY = ("auto", "kernels", "samples")
@@ -96,7 +98,7 @@ class DataConfig:
     augment: bool = False  # random crop with padding and horizontal flips while training
 
     def __post_init__(self) -> None:
-        check_choice("--data", self.name, DATASETS)
+        check_choice("--data", self.name, DATASETS + (ARRAYS,))
         if self.image_size is not None and self.name != "folder":
             raise UserError(f"--image-size applies to --data folder only, not {self.name}")
 
@@ -165,7 +167,8 @@ class TrainConfig:
 
     data: DataConfig = field(default_factory=DataConfig)
     arch: str = "32:64"  # the paper's kernel counts or a layer-token spec (hetconv.model)
-    model_file: str | None = None  # --model: the spec as a JSON or TOML file instead
+    model_file: str | None = None  # --model: the spec as a JSON, TOML or ONNX file instead
+    fresh_weights: bool = False  # --model FILE.onnx: seeded weights, not the file's
     kernel_size: int = 5
     padding: int = 0
     epochs: int = 3

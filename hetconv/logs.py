@@ -204,14 +204,31 @@ def _number(text: str) -> float | str:
 
 
 def progress_bar(total: int, initial: int, desc: str, disable: bool) -> Progress:
-    """A tqdm bar on a terminal (text format), otherwise :class:`LineProgress`."""
-    if not disable and (_settings.log_format == "json" or not _is_terminal()):
+    """A tqdm bar on a terminal (text format) or in a Jupyter notebook (tqdm's widget),
+    otherwise :class:`LineProgress`."""
+    notebook = _in_notebook()
+    if not disable and not notebook and (_settings.log_format == "json" or not _is_terminal()):
         return LineProgress(total, initial, desc, _settings.progress_every)
-    from tqdm import tqdm
+    if notebook:
+        from tqdm.auto import tqdm
+    else:
+        from tqdm import tqdm
 
     bar: Progress = tqdm(total=total, initial=initial, desc=desc, unit="batch",
                          disable=disable, leave=True, dynamic_ncols=True)
     return bar
+
+
+def _in_notebook() -> bool:
+    """Whether this runs in a Jupyter kernel (the Python API in a notebook)."""
+    shell = sys.modules.get("IPython")
+    if shell is None:
+        return False
+    try:
+        instance = shell.get_ipython()
+    except AttributeError:
+        return False
+    return instance is not None and type(instance).__name__ == "ZMQInteractiveShell"
 
 
 def _is_terminal() -> bool:

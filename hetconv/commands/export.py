@@ -14,6 +14,7 @@ from typing import Any
 
 from hetconv.errors import UserError
 from hetconv.export import EXPORT_FORMATS, SUFFIXES
+from hetconv.export.onnx_import import read_source
 from hetconv.inference.use import TrainedRun, load_run, run_preprocessing
 
 
@@ -54,8 +55,9 @@ def run_export(run_dir: str, fmt: str, output: str | None = None,
         require_safetensors()
         writer = write_safetensors
     preprocessing = run_preprocessing(run)
+    source = read_source(run.run_dir)  # a run from an ONNX file: its names
     try:
-        size = writer(path, run.model, run.params, run.network, preprocessing)
+        size = writer(path, run.model, run.params, run.network, preprocessing, source)
     except OSError as error:
         raise UserError(f"cannot write {path}: {error.strerror or error}") from None
     out(f"wrote {path} ({size} bytes): {fmt}, network {run.network}, input "

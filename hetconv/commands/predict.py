@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -56,9 +57,9 @@ def prediction_json(predictions: list[Prediction]) -> str:
         for index, name, probability in p.top]} for p in predictions], indent=2)
 
 
-def run_predict(run_dir: str, images: list[str], top: int = DEFAULT_TOP,
-                json_output: bool = False, device: str = "cpu",
-                out: Callable[[str], None] = print) -> int:
+def predictions(run_dir: str | Path, images: list[str], top: int = DEFAULT_TOP,
+                device: str = "cpu") -> list[Prediction]:
+    """The ``top`` classes of each image file, as ``hetconv predict`` prints them."""
     run = load_run(run_dir)
     pixels = np.stack([read_image(path, run.input_shape) for path in images])
     preprocessing = run_preprocessing(run)
@@ -68,12 +69,17 @@ def run_predict(run_dir: str, images: list[str], top: int = DEFAULT_TOP,
                                                  DEFAULT_BATCH)
     finally:
         classifier.close()
-    predictions = top_classes(probabilities, preprocessing.class_names, images,
-                              min(top, run.classes))
+    return top_classes(probabilities, preprocessing.class_names, images, min(top, run.classes))
+
+
+def run_predict(run_dir: str, images: list[str], top: int = DEFAULT_TOP,
+                json_output: bool = False, device: str = "cpu",
+                out: Callable[[str], None] = print) -> int:
+    found = predictions(run_dir, images, top, device)
     if json_output:
-        out(prediction_json(predictions))
+        out(prediction_json(found))
     else:
-        for line in prediction_lines(predictions):
+        for line in prediction_lines(found):
             out(line)
     return 0
 

@@ -14,7 +14,9 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
+
+import numpy as np
 
 from hetconv.backend import set_blas_threads
 from hetconv.commands.options import (
@@ -46,6 +48,7 @@ from hetconv.config import (
     MasterConfig,
     TrainConfig,
 )
+from hetconv.data.dataset import Dataset
 from hetconv.data.loading import DatasetError, load_dataset
 from hetconv.device_info import describe_device
 from hetconv.engine.checkpoint import save_json
@@ -54,6 +57,7 @@ from hetconv.engine.stage import ConvStage, LocalConvStage, layer_settings
 from hetconv.engine.train_state import CHECKPOINT_NAME, CheckpointError, TrainingState
 from hetconv.engine.training import LoopConfig, Trainer
 from hetconv.errors import UserError
+from hetconv.export.onnx_import import OnnxStart, is_onnx, load_onnx
 from hetconv.logs import add_output_flags, emit
 from hetconv.metrics import SCHEMA_VERSION, MetricsWriter
 from hetconv.model import (
@@ -176,7 +180,12 @@ def add_parser(sub: Any) -> None:
                    "classifier is added, e.g. c32k3p1,c32k3p1,pool,c64k3p1,pool,fc128,drop0.5")
     p.add_argument("--model", metavar="FILE", default=None,
                    help="the --arch layer list from a file: JSON ({\"layers\": [\"c32k3p1\", "
-                   "\"pool\", ...]} or a list) or TOML (layers = [...], a .toml file)")
+                   "\"pool\", ...]} or a list), TOML (layers = [...], a .toml file), or an "
+                   "ONNX model (a .onnx file, e.g. from torch.onnx.export: its weights are "
+                   "the starting point; docs/python-api.md)")
+    p.add_argument("--fresh-weights", action="store_true",
+                   help="with --model FILE.onnx: start from hetconv's seeded weights "
+                   "instead of the file's")
     p.add_argument("--kernel-size", type=positive_int, default=5, help="conv kernel size (5)")
     p.add_argument("--padding", type=int, default=0, choices=PADDINGS,
                    help="conv zero padding (default 0: valid convolution as in the paper)")
@@ -231,7 +240,8 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         data=DataConfig(name=args.data, data_dir=args.data_dir, limit=args.limit,
                         test_limit=args.test_limit, image_size=args.image_size,
                         augment=args.augment),
-        arch=args.arch, model_file=args.model, kernel_size=args.kernel_size,
+        arch=args.arch, model_file=args.model, fresh_weights=args.fresh_weights,
+        kernel_size=args.kernel_size,
         padding=args.padding, epochs=args.epochs,
         batch=args.batch, eval_batch=args.eval_batch, learning_rate=args.lr,
         momentum=args.momentum, weight_decay=args.weight_decay, schedule=args.schedule,
@@ -271,8 +281,10 @@ def network_spec(config: TrainConfig) -> NetworkSpec:
         return parse_network(config.arch, config.kernel_size, config.padding)
     if config.arch != "32:64":
         raise UserError("--arch and --model both describe the network: give one of them")
-    return parse_network(load_network_file(config.model_file), where=f"--model "
-                         f"{config.model_file}")
+    where = f"--model {config.model_file}"
+    if is_onnx(config.model_file):
+        return parse_network(list(load_onnx(config.model_file).tokens), where=where)
+    return parse_network(load_network_file(config.model_file), where=where)
 
 
 def _config_record(config: TrainConfig, model: ModelConfig, spec: NetworkSpec
@@ -355,22 +367,30 @@ def _take_saved_flags(args: argparse.Namespace, saved: dict[str, Any]) -> None:
 
 
 def run_training(config: TrainConfig, resume: TrainingState | None = None,
-                 observers: Sequence[Callable[[dict[str, Any]], None]] = ()) -> int:
+                 observers: Sequence[Callable[[dict[str, Any]], None]] = (),
+                 data: Dataset | None = None, start: StartingPoint | None = None) -> int:
     """One whole training run as configured (from ``resume`` on, when given); returns
-    the exit status."""
+    the exit status. ``data``: the dataset itself (the Python API's arrays) instead of
+    loading ``config.data``; ``start``: starting weights and their source names (a model
+    read from ONNX) instead of seeded ones."""
     spec = network_spec(config)  # a bad spec stops here, before anything starts
+    if start is None and config.model_file is not None and is_onnx(config.model_file):
+        start = OnnxStart(load_onnx(config.model_file), config.fresh_weights)
     set_blas_threads(config.threads)
-    try:
-        data = load_dataset(config.data.name, config.data.data_dir, limit=config.data.limit,
-                            image_size=config.data.image_size)
-    except DatasetError as error:
-        raise UserError(str(error)) from None
+    if data is None:
+        try:
+            data = load_dataset(config.data.name, config.data.data_dir,
+                                limit=config.data.limit, image_size=config.data.image_size)
+        except DatasetError as error:
+            raise UserError(str(error)) from None
     if config.data.test_limit:
         data.test_images = data.test_images[:config.data.test_limit]
         data.test_labels = data.test_labels[:config.data.test_limit]
     model = model_config(spec, tuple(data.train_images.shape[1:]), int(data.classes),
                          config.kernel_size, config.padding)
     shapes = conv_layer_shapes(model)
+    if start is not None:
+        start.check(model)
     record = _config_record(config, model, spec)
     if resume is None:
         run_dir = prepare_run_dir(config.run_dir, config.overwrite)
@@ -378,6 +398,8 @@ def run_training(config: TrainConfig, resume: TrainingState | None = None,
     else:
         run_dir = Path(str(config.run_dir))
     params = init_parameters(model, config.seed)
+    if start is not None and resume is None:
+        params = start.weights_for(params, run_dir)
     optimizer = OptimizerConfig(learning_rate=config.learning_rate, momentum=config.momentum,
                                 weight_decay=config.weight_decay, schedule=config.schedule)
     loop = LoopConfig(epochs=config.epochs, batch=config.batch, eval_batch=config.eval_batch,
@@ -395,6 +417,21 @@ def run_training(config: TrainConfig, resume: TrainingState | None = None,
     finally:
         if previous_term is not None:
             signal.signal(signal.SIGTERM, previous_term)
+
+
+class StartingPoint(Protocol):
+    """Starting weights from elsewhere (hetconv.export.onnx_import)."""
+
+    def check(self, model: ModelConfig) -> None:
+        """UserError (one line) where ``model`` (the data's images and classes) does not
+        fit these weights."""
+        ...
+
+    def weights_for(self, seeded: dict[str, np.ndarray], run_dir: Path
+                    ) -> dict[str, np.ndarray]:
+        """The weights to start from, shaped as ``seeded`` (UserError where they do not
+        fit); may write what the run needs to keep into ``run_dir``."""
+        ...
 
 
 def _interrupt(signum: int, frame: Any) -> None:

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from hetconv.backend import host_threads, run_parallel
-
 from hetconv.model import NO_ROUTE, ConvLayerShape
 
 

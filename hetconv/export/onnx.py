@@ -40,8 +40,11 @@ def require_onnx() -> Any:
 
 
 def build_onnx_model(model: ModelConfig, params: dict[str, np.ndarray], network: str,
-                     preprocessing: Preprocessing) -> Any:
-    """An ``onnx.ModelProto`` of the network in eval mode, checked by ``onnx.checker``."""
+                     preprocessing: Preprocessing, source: dict[str, Any] | None = None) -> Any:
+    """An ``onnx.ModelProto`` of the network in eval mode, checked by ``onnx.checker``;
+    a run from an ONNX file (``source``) keeps that file's input and output names."""
+    input_name = INPUT_NAME if source is None else str(source["input_name"])
+    output_name = OUTPUT_NAME if source is None else str(source["output_name"])
     onnx = require_onnx()
     helper, numpy_helper = onnx.helper, onnx.numpy_helper
     nodes: list[Any] = []
@@ -56,12 +59,12 @@ def build_onnx_model(model: ModelConfig, params: dict[str, np.ndarray], network:
         nodes.append(helper.make_node(op, inputs, [output], name=output, **attributes))
         return output
 
-    activations = [INPUT_NAME]  # activation 0 the input, i + 1 conv layer i's output
+    activations = [input_name]  # activation 0 the input, i + 1 conv layer i's output
     for shape in conv_layer_shapes(model):
         i = shape.index
         key = f"layer{i}"
-        source = i if shape.input_from == NO_ROUTE else shape.input_from
-        conv_inputs = [activations[source], constant(layer_key(i, "weight"))]
+        reads = i if shape.input_from == NO_ROUTE else shape.input_from
+        conv_inputs = [activations[reads], constant(layer_key(i, "weight"))]
         if not shape.batch_norm:
             conv_inputs.append(constant(layer_key(i, "beta")))  # beta is the conv's bias
         p, k = shape.padding, shape.kernel_size
@@ -98,13 +101,13 @@ def build_onnx_model(model: ModelConfig, params: dict[str, np.ndarray], network:
     prefix = shapes[-1][0]
     x = node("Gemm", [x, constant(f"{prefix}.weight"), constant(f"{prefix}.bias")],
              "logits", transB=1)
-    node("Softmax", [x], OUTPUT_NAME, axis=1)
+    node("Softmax", [x], output_name, axis=1)
 
     channels, height, width = model.input_shape
     graph = helper.make_graph(
         nodes, "hetconv", [helper.make_tensor_value_info(
-            INPUT_NAME, onnx.TensorProto.FLOAT, ["N", channels, height, width])],
-        [helper.make_tensor_value_info(OUTPUT_NAME, onnx.TensorProto.FLOAT,
+            input_name, onnx.TensorProto.FLOAT, ["N", channels, height, width])],
+        [helper.make_tensor_value_info(output_name, onnx.TensorProto.FLOAT,
                                        ["N", model.classes])],
         initializer=initializers)
     proto = helper.make_model(graph, producer_name="hetconv", ir_version=IR_VERSION,
@@ -116,7 +119,8 @@ def build_onnx_model(model: ModelConfig, params: dict[str, np.ndarray], network:
 
 
 def write_onnx(path: str | Path, model: ModelConfig, params: dict[str, np.ndarray],
-               network: str, preprocessing: Preprocessing) -> int:
+               network: str, preprocessing: Preprocessing,
+               source: dict[str, Any] | None = None) -> int:
     """Write the ONNX file atomically; returns its size in bytes."""
-    data = build_onnx_model(model, params, network, preprocessing).SerializeToString()
+    data = build_onnx_model(model, params, network, preprocessing, source).SerializeToString()
     return write_atomically(Path(path), lambda handle: handle.write(data))

@@ -31,6 +31,23 @@ BATCH_NORM_NAMES = {"gamma": "weight", "beta": "bias", "running_mean": "running_
 """hetconv's batch-norm array -> ``torch.nn.BatchNorm2d``'s."""
 
 
+def source_tensors(params: dict[str, np.ndarray], source: dict[str, Any]
+                   ) -> dict[str, np.ndarray]:
+    """A run from an ONNX file: every array under the initializer name it came from
+    (``source.json``; dense weights transposed back where the file held them so), and a
+    ``num_batches_tracked`` (int64 0) beside each batch norm's ``.weight``, as a PyTorch
+    module's ``state_dict`` has them."""
+    names: dict[str, str] = source["names"]
+    transposed = set(source.get("transposed", ()))
+    out: dict[str, np.ndarray] = {}
+    for key, name in names.items():
+        array = np.asarray(params[key], dtype=np.float32)
+        out[name] = np.ascontiguousarray(array.T if key in transposed else array)
+        if key.endswith(".gamma") and name.endswith(".weight"):
+            out[name[:-len("weight")] + "num_batches_tracked"] = np.array(0, dtype=np.int64)
+    return out
+
+
 def torch_tensors(model: ModelConfig, params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """hetconv's arrays under the PyTorch names above, float32 and contiguous."""
     def f32(name: str) -> np.ndarray:
@@ -63,16 +80,19 @@ def require_safetensors() -> Any:
 
 
 def safetensors_bytes(model: ModelConfig, params: dict[str, np.ndarray], network: str,
-                      preprocessing: Preprocessing) -> bytes:
-    """The whole file: the tensors of :func:`torch_tensors` and the metadata."""
+                      preprocessing: Preprocessing, source: dict[str, Any] | None = None
+                      ) -> bytes:
+    """The whole file: the tensors of :func:`torch_tensors` (of :func:`source_tensors`
+    for a run from an ONNX file) and the metadata."""
     writer = require_safetensors()
-    data: bytes = writer.save(torch_tensors(model, params),
-                              metadata=export_metadata(model, network, preprocessing))
+    tensors = torch_tensors(model, params) if source is None else source_tensors(params, source)
+    data: bytes = writer.save(tensors, metadata=export_metadata(model, network, preprocessing))
     return data
 
 
 def write_safetensors(path: str | Path, model: ModelConfig, params: dict[str, np.ndarray],
-                      network: str, preprocessing: Preprocessing) -> int:
+                      network: str, preprocessing: Preprocessing,
+                      source: dict[str, Any] | None = None) -> int:
     """Write the safetensors file atomically; returns its size in bytes."""
-    data = safetensors_bytes(model, params, network, preprocessing)
+    data = safetensors_bytes(model, params, network, preprocessing, source)
     return write_atomically(Path(path), lambda handle: handle.write(data))

@@ -14,9 +14,10 @@ through ``importlib.import_module("...")`` count too:
   code, never each other, never analysis or the top layer;
 - ``hetconv.analysis`` (the report, the what-if models: offline) may import everything
   below it, and nothing at run time imports it;
-- ``hetconv.commands``, ``hetconv.bench``, ``hetconv.lab`` and ``hetconv.__main__`` are
-  the top and may import anything, but only ``hetconv.__main__`` and the commands
-  themselves import ``hetconv.commands`` (tests may);
+- ``hetconv.commands``, ``hetconv.api``, ``hetconv.bench``, ``hetconv.lab`` and
+  ``hetconv.__main__`` are the top and may import anything, but only ``hetconv.__main__``,
+  the commands themselves and the Python API (``hetconv.api``: the same run functions, one
+  code path) import ``hetconv.commands`` (tests may);
 - the split strategies never import each other: ``hetconv.master.kernels`` and
   ``hetconv.master.samples``, ``hetconv.participant.kernels`` and
   ``hetconv.participant.samples``; the master's shared modules import neither strategy,
@@ -50,7 +51,7 @@ PACKAGE_DIR = REPO / "hetconv"
 LINKED_PACKAGES = ("protocol", "master", "worker")
 OLD_TOP_LEVEL_NAMES = frozenset(LINKED_PACKAGES)
 PROTOCOL_THIRD_PARTY = frozenset({"numpy", "msgpack", "zmq"})
-TOP_PACKAGES = ("hetconv.commands", "hetconv.bench", "hetconv.lab")
+TOP_PACKAGES = ("hetconv.commands", "hetconv.api", "hetconv.bench", "hetconv.lab")
 OWN_LAYERS = ("participant", "analysis")  # hetconv.<name> packages with a layer of their own
 # Which layers each layer may import (external packages are not a layer).
 ALLOWED_LAYERS = {
@@ -96,8 +97,9 @@ def layer_of(module: str) -> str | None:
     for name in LINKED_PACKAGES + OWN_LAYERS:
         if _within(module, f"hetconv.{name}"):
             return name
-    if module == "hetconv.__main__" or any(_within(module, top) for top in TOP_PACKAGES):
-        return "top"
+    if module in ("hetconv", "hetconv.__main__") or any(_within(module, top)
+                                                         for top in TOP_PACKAGES):
+        return "top"  # the package's own face (hetconv/__init__.py) loads the Python API
     return "core"
 
 
@@ -201,8 +203,10 @@ def check_source(module: str, source: str, path: str,
         elif (broken := strategy_rule(module, name)) is not None:
             report(broken)
         elif _within(name, "hetconv.commands") and not (
-                module == "hetconv.__main__" or _within(module, "hetconv.commands")):
-            report("only hetconv.__main__ and hetconv.commands import hetconv.commands")
+                module in ("hetconv.__main__", "hetconv.api")
+                or _within(module, "hetconv.commands")):
+            report("only hetconv.__main__, hetconv.api and hetconv.commands import "
+                   "hetconv.commands")
     return violations
 
 
@@ -297,7 +301,7 @@ def test_the_checker_holds_protocol_and_core_to_their_rules() -> None:
     assert [(v.line, v.imported) for v in found] == [(3, "hetconv.lab")]
     found = check_source("hetconv.bench.fake", "from hetconv.commands import cli\n",
                          "hetconv/bench/fake.py", {"hetconv.commands.cli"})
-    assert [v.rule for v in found] == ["only hetconv.__main__ and hetconv.commands import hetconv.commands"]
+    assert [v.rule for v in found] == ["only hetconv.__main__, hetconv.api and hetconv.commands import hetconv.commands"]
     assert check_source("hetconv.commands.fake", "from hetconv.commands import cli\n", "x.py") == []
     assert check_source("tests.unit.fake", "from hetconv.commands import cli\n", "x.py") == []
 
@@ -306,7 +310,7 @@ def test_module_names_follow_the_installed_path() -> None:
     assert module_name(REPO / "hetconv/protocol/codec.py", REPO) == "hetconv.protocol.codec"
     assert module_name(REPO / "hetconv/master/report/__init__.py", REPO) == "hetconv.master.report"
     assert [layer_of(m) for m in ("hetconv", "hetconv.__main__", "hetconv.lab.quota",
-                                  "hetconv.protocolx", "numpy")] == ["core", "top", "top", "core", None]
+                                  "hetconv.protocolx", "numpy")] == ["top", "top", "top", "core", None]
 
 
 # ------------------------------------------------------------------ installed names
