@@ -277,6 +277,9 @@ def prepare_run_dir(run_dir: str | None, overwrite: bool) -> Path:
 
 def network_spec(config: TrainConfig) -> NetworkSpec:
     """The parsed network of ``--arch`` or ``--model`` (UserError on a bad spec)."""
+    if config.fresh_weights and (config.model_file is None or not is_onnx(config.model_file)):
+        raise UserError("--fresh-weights applies to --model FILE.onnx (a network with its "
+                        "own weights); other networks start from seeded weights anyway")
     if config.model_file is None:
         return parse_network(config.arch, config.kernel_size, config.padding)
     if config.arch != "32:64":

@@ -61,23 +61,33 @@ def test_a_spec_over_two_workers_reproduces_the_local_run(endpoint: str, workers
         assert {"w1", "w2"} <= held
 
 
-RESIDUAL = "c8k3p1,res8,res16s2,gap"
-RESIDUAL_RUN = ["--data", "synthetic", "--limit", "1280", "--test-limit", "128", "--arch",
-                RESIDUAL, "--epochs", "1", "--batch", "64", "--threads", "1", "--no-progress",
-                "--seed", "3"]
+RESIDUAL_RUN = ["--data", "synthetic", "--limit", "768", "--test-limit", "64", "--epochs", "1",
+                "--batch", "64", "--threads", "1", "--no-progress", "--seed", "3"]
 
 
 @pytest.mark.timeout(300)
 def test_a_residual_network_over_two_workers_reproduces_the_local_run(
         endpoint: str, workers: Any, tmp_path: Path) -> None:
-    """Split by samples (the participants' chains join the shortcuts) and by kernels (the
-    master joins them, over the star plane, and says so), a float32 wire and an equal
-    split (so both workers compute): the local run's losses and weights."""
+    """A PyTorch ResNet read from ONNX (its weights the starting point), split by samples
+    (the participants' chains join the shortcuts) and by kernels (the master joins them,
+    over the star plane, and says so), a float32 wire and an equal split (so both workers
+    compute): the local run's losses and weights; the sample split's weights load back
+    into the PyTorch module (strict) and predict what hetconv does."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("safetensors")
+    from safetensors.torch import load_file
+
+    from hetconv.api import Run, load_data
+    from tests.unit.test_onnx_import import exported
+
+    module, path = exported(torch, "resnet", tmp_path, size=28)
+    network = ["--model", str(path)]
     local_dir = tmp_path / "local"
-    local = run_hetconv("train", "--local", *RESIDUAL_RUN, "--run-dir", str(local_dir))
+    local = run_hetconv("train", "--local", *network, *RESIDUAL_RUN, "--run-dir", str(local_dir))
     assert local.returncode == 0, local.stderr
+    assert "arch c8k3p1,res8,res16s2,gap" in local.stdout
     local_losses, local_w = step_losses(local_dir), load_weights(local_dir / "weights.npz")
-    assert len(local_losses) == 20 and "conv5.weight" in local_w
+    assert len(local_losses) == 12 and "conv5.weight" in local_w
     workers("w1", "w2")
     for split, says in (("samples", "split by samples: master"),
                         ("kernels", "data plane star: split by kernels, a residual network's "
@@ -85,7 +95,8 @@ def test_a_residual_network_over_two_workers_reproduces_the_local_run(
         dist_dir = tmp_path / split
         result = run_hetconv("train", "--listen", endpoint, "--min-workers", "2", "--wait",
                              "30", "--split", "equal", "--wire-dtype", "float32",
-                             "--split-by", split, *RESIDUAL_RUN, "--run-dir", str(dist_dir))
+                             "--split-by", split, *network, *RESIDUAL_RUN,
+                             "--run-dir", str(dist_dir))
         assert result.returncode == 0, result.stderr
         assert says in result.stdout + result.stderr
         np.testing.assert_allclose(step_losses(dist_dir), local_losses, rtol=1e-4)
@@ -94,11 +105,18 @@ def test_a_residual_network_over_two_workers_reproduces_the_local_run(
         for name in local_w:
             np.testing.assert_allclose(dist_w[name], local_w[name], rtol=1e-3, atol=1e-4,
                                        err_msg=f"{split}: {name}")
-    start = next(r for r in records(dist_dir) if r["type"] == "run_start")
+    start = next(r for r in records(tmp_path / "samples") if r["type"] == "run_start")
     assert [(layer["input_from"], layer["shortcut_from"]) for layer in start["layers"]] == [
         (-1, -1), (-1, -1), (-1, 1), (-1, -1), (3, -1), (4, 5)]
+    run = Run.open(tmp_path / "samples")
+    module.load_state_dict(load_file(str(run.export("safetensors"))))  # strict
+    module.eval()
+    images = load_data("synthetic", limit=768).test_images[:64]
+    with torch.no_grad():
+        theirs = torch.softmax(module(torch.from_numpy(images)), dim=1).numpy()
+    np.testing.assert_allclose(theirs, run.predict(images), atol=2e-5, rtol=0)
     refused = run_hetconv("train", "--listen", endpoint, "--split-by", "samples",
-                          "--data-plane", "star", *RESIDUAL_RUN,
+                          "--data-plane", "star", "--arch", "c8k3p1,res8", *RESIDUAL_RUN,
                           "--run-dir", str(tmp_path / "refused"))
     assert refused.returncode != 0
     assert refused.stderr.strip().splitlines()[-1].startswith(

@@ -26,7 +26,7 @@ def run_example(name: str, *args: str, timeout: float = 240) -> str:
 
 @pytest.mark.timeout(300)
 def test_training_on_arrays_over_two_workers() -> None:
-    out = run_example("train_arrays.py", "--images", "640", "--epochs", "1",
+    out = run_example("train_arrays.py", "--images", "384", "--epochs", "1",
                       "--port", str(free_port()))
     assert "split by" in out and "2/2 worker(s)" in out
     found = re.search(r"test accuracy (\d\.\d+) after 1 epoch", out)
@@ -38,7 +38,7 @@ def test_training_on_arrays_over_two_workers() -> None:
 def test_a_pytorch_resnet_through_onnx_and_back() -> None:
     pytest.importorskip("torch")
     pytest.importorskip("safetensors")
-    out = run_example("torch_resnet_roundtrip.py", "--images", "640", "--epochs", "1")
+    out = run_example("torch_resnet_roundtrip.py", "--images", "384", "--epochs", "1")
     assert "hetconv reads it as c16k3p1,res16,res32s2,gap" in out
     found = re.search(r"hetconv test accuracy (\d\.\d+); the PyTorch module with the trained "
                       r"weights: (\d\.\d+); largest probability difference (\S+)", out)

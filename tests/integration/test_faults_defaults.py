@@ -281,10 +281,10 @@ def test_a_residual_network_survives_a_killed_worker(endpoint: str, workers: Any
     started = {w.name: w for w in workers("a", "b")}
     run_dir = tmp_path / "run"
     master = start_master(endpoint, run_dir, 2, "--arch", "c8k3p1,res8,res16s2,gap",
-                          "--limit", str(WRONG_RUN_IMAGES))
+                          "--limit", "3200", "--test-limit", "64")
     try:
-        assert wait_for(lambda: steps_done(run_dir) >= 30 and holders_now(run_dir), 120), (
-            f"no worker held kernels by step 30: {master.poll()}")
+        assert wait_for(lambda: steps_done(run_dir) >= 15 and holders_now(run_dir), 120), (
+            f"no worker held kernels by step 15: {master.poll()}")
         victim = holders_now(run_dir)[-1]
         os.kill(started[victim].process.pid, signal.SIGKILL)
     except BaseException:
@@ -299,4 +299,4 @@ def test_a_residual_network_survives_a_killed_worker(endpoint: str, workers: Any
     assert 1 <= len(recoveries) <= MAX_RECOVERIES, json.dumps(recoveries, indent=1)
     assert recoveries[0]["participant"] == victim
     losses = [r["loss"] for r in events if r["type"] == "step"]
-    assert len(losses) >= 100 and sum(losses[-10:]) < sum(losses[:10])
+    assert len(losses) >= 50 and sum(losses[-10:]) < sum(losses[:10])
