@@ -213,6 +213,16 @@ class RunPlanning:
         return out
 
 
+def kernel_split_config(config: MasterConfig, model: ModelConfig) -> MasterConfig:
+    """The settings the kernel split is planned and run with: a residual network's over
+    the star plane (the master joins the shortcuts between layers), without the sample
+    split's own settings (``--bn-statistics``, ``--dense-part``: they stay in the sample
+    split's config); any other network's as given."""
+    if not (model.residual and config.data_plane == "peer"):
+        return config
+    return replace(config, data_plane="star", bn_statistics="batch", dense_part="auto")
+
+
 def master_alone(plan: list[list[Shard]]) -> bool:
     """True when no worker holds a kernel in any layer."""
     return all(shard.worker is None or shard.kernels == 0 for row in plan for shard in row)
@@ -244,8 +254,8 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
         sample_config = replace(config, wire_dtype="float32") \
             if config.wire_dtype == WIRE_DTYPE_AUTO and config.split != "model" else config
         star_for_kernels = model.residual and config.data_plane == "peer"
-        if star_for_kernels:  # the kernel split of a residual network: planned on the star
-            config = replace(config, data_plane="star")
+        asked_slice = config.bn_statistics == "slice"
+        config = kernel_split_config(config, model)
         profiles: list[ParticipantProfile] = []
         traffic: list[LayerTraffic] = []
         if config.wire_dtype == WIRE_DTYPE_AUTO and config.split != "model":
@@ -300,7 +310,7 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
             report("hetconv: data plane star: split by kernels, a residual network's "
                    "shortcuts are joined on the master, between the layers")
         report(f"hetconv: split by kernels ({why})")
-        if config.bn_statistics == "slice":
+        if asked_slice:
             report("hetconv: --bn-statistics slice does not apply to the kernel split: "
                    "every participant normalises with the whole batch's statistics")
         if first.plan is not None:  # link-aware: which participants, how many kernels

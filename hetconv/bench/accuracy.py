@@ -69,10 +69,20 @@ def run_accuracy_bench(seeds: Sequence[int], arch: str = "32:64", epochs: int = 
                        data_dir: str | None = None, limit: int | None = None,
                        test_limit: int | None = None, train_args: Sequence[str] = (),
                        target: float | None = None, work_dir: str | None = None,
-                       out: Callable[[str], None] = print) -> dict[str, Any]:
+                       out: Callable[[str], None] = print, peer: str | None = None
+                       ) -> dict[str, Any]:
     """Train once per seed over ``workers`` local worker daemons; print and return one
     row per seed (final and best test accuracy in percent, training minutes) and the
-    markdown ``table``. ``target`` (percent) marks each row met or missed."""
+    markdown ``table``. ``target`` (percent) marks each row met or missed. ``peer``
+    "torch": the same network, weights, data order and recipe in PyTorch beside each
+    run (:mod:`hetconv.bench.accuracy_torch`), its accuracy per epoch in the row."""
+    if peer not in (None, "torch"):
+        raise UserError(f"--peer {peer!r}: the peer of bench accuracy is torch")
+    torch = None
+    if peer == "torch":
+        from hetconv.bench.step_torch import import_torch
+
+        torch = import_torch()  # before any run: a missing torch is one line now
     if workers < 1:
         raise UserError("--workers must be at least 1")
     base = Path(work_dir or tempfile.mkdtemp(prefix="hetconv-bench-accuracy-"))
@@ -118,8 +128,15 @@ def run_accuracy_bench(seeds: Sequence[int], arch: str = "32:64", epochs: int = 
         out(f"seed {seed}: test accuracy {final:.2f}% after epoch {len(figures['test_accuracy'])} "
             f"(per epoch: {', '.join(f'{a:.2f}' for a in row['per_epoch_percent'])}); training "
             f"{row['train_minutes']:.1f} min, {row['images_per_s']:.0f} images/s; {run_dir}")
+        if torch is not None:
+            theirs = [100.0 * a for a in _torch_side(torch, run_dir, seed, epochs)]
+            row["torch_per_epoch_percent"] = theirs
+            row["torch_final_percent"] = theirs[-1]
+            out(f"seed {seed}: PyTorch, same network, weights, data order and recipe: "
+                f"{theirs[-1]:.2f}% (per epoch: {', '.join(f'{a:.2f}' for a in theirs)}); "
+                f"hetconv - PyTorch {final - theirs[-1]:+.2f} points")
     settings = {"arch": arch, "epochs": epochs, "batch": batch, "workers": workers,
-                "data": data, "train_args": list(train_args), "target": target}
+                "data": data, "train_args": list(train_args), "target": target, "peer": peer}
     result_: dict[str, Any] = {
         "settings": settings, "rows": rows,
         "all_met": None if target is None else all(r["met"] for r in rows)}
@@ -128,6 +145,28 @@ def run_accuracy_bench(seeds: Sequence[int], arch: str = "32:64", epochs: int = 
         verdict = "every seed reached" if result_["all_met"] else "NOT every seed reached"
         out(f"{verdict} the target of {target:.2f}% test accuracy")
     return result_
+
+
+def _torch_side(torch: Any, run_dir: Path, seed: int, epochs: int) -> list[float]:
+    """PyTorch's accuracy per epoch with the hetconv run's own data and recipe (read from
+    its config.json: the data as loaded, the network, batch, learning rate, momentum,
+    weight decay and schedule)."""
+    from hetconv.bench.accuracy_torch import torch_accuracy
+    from hetconv.engine.optim import OptimizerConfig
+    from hetconv.inference.trained_run import load_run, load_run_data
+
+    run = load_run(run_dir)
+    config = run.config
+    if config.get("augment"):
+        raise UserError("bench accuracy --peer torch: --augment is not mirrored on the "
+                        "PyTorch side; leave it out of --train-flags")
+    data = load_run_data(run)
+    optimizer = OptimizerConfig(learning_rate=float(config["lr"]),
+                                momentum=float(config["momentum"]),
+                                weight_decay=float(config["weight_decay"]),
+                                schedule=str(config["schedule"]))
+    return torch_accuracy(torch, run.model, data, seed, epochs, int(config["batch"]),
+                          optimizer, int(config.get("eval_batch") or 1000))
 
 
 def markdown_table(result: dict[str, Any]) -> list[str]:
@@ -140,13 +179,20 @@ def markdown_table(result: dict[str, Any]) -> list[str]:
              + (f", extra training flags `{extra}`" if extra else "") + ". Accuracy on the "
              "whole test set after the last epoch; training minutes exclude evaluation.", "",
              "| seed | test accuracy % (last epoch) | per epoch % | training min | images/s |"
-             + (" target |" if s["target"] is not None else ""),
-             "|---|---|---|---|---|" + ("---|" if s["target"] is not None else "")]
+             + (" target |" if s["target"] is not None else "")
+             + (" PyTorch % (last epoch) | PyTorch per epoch % | hetconv - PyTorch |"
+                if s.get("peer") else ""),
+             "|---|---|---|---|---|" + ("---|" if s["target"] is not None else "")
+             + ("---|---|---|" if s.get("peer") else "")]
     for r in result["rows"]:
         target = ""
         if s["target"] is not None:
             target = f" {'met' if r['met'] else 'missed'} (≥ {s['target']:.2f}) |"
         lines.append(f"| {r['seed']} | {r['final_percent']:.2f} | "
                      f"{' / '.join(f'{a:.2f}' for a in r['per_epoch_percent'])} | "
-                     f"{r['train_minutes']:.1f} | {r['images_per_s']:.0f} |{target}")
+                     f"{r['train_minutes']:.1f} | {r['images_per_s']:.0f} |{target}"
+                     + (f" {r['torch_final_percent']:.2f} | "
+                        f"{' / '.join(f'{a:.2f}' for a in r['torch_per_epoch_percent'])} | "
+                        f"{r['final_percent'] - r['torch_final_percent']:+.2f} |"
+                        if s.get("peer") else ""))
     return lines

@@ -61,7 +61,7 @@ FLAGS: dict[str, tuple[tuple[str, str], ...]] = {
                  ("--batch", "batch"), ("--workers", "workers"), ("--data", "data"),
                  ("--data-dir", "data_dir"), ("--limit", "limit"),
                  ("--test-limit", "test_limit"), ("--train-flags", "train_flags"),
-                 ("--target", "target"), ("--work-dir", "work_dir")),
+                 ("--target", "target"), ("--work-dir", "work_dir"), ("--peer", "peer")),
 }
 """Per benchmark, the options that shape its result, as (flag, argparse dest)."""
 
@@ -241,6 +241,9 @@ def add_parser(sub: Any) -> None:
     accuracy.add_argument("--target", type=float, default=None, metavar="PERCENT",
                           help="the test accuracy every seed must reach (e.g. 90)")
     accuracy.add_argument("--work-dir", default=None, help="where the runs go (default a temp dir)")
+    accuracy.add_argument("--peer", choices=("torch",), default=None,
+                          help="torch: beside each run, the same network, initial weights, "
+                          "data order and recipe in PyTorch (needs pip install '.[bench]')")
     for parser in (conv, step, backward, proto, split, scale, chaos, accuracy):
         parser.add_argument("--markdown", metavar="FILE", default=None,
                             help="also write the result table, the command line, the date "
@@ -421,7 +424,7 @@ def run(args: argparse.Namespace) -> int:
             parse_seeds(args.seeds), arch=args.arch, epochs=args.epochs, batch=args.batch,
             workers=args.workers, data=args.data, data_dir=args.data_dir, limit=args.limit,
             test_limit=args.test_limit, train_args=train_flags, target=args.target,
-            work_dir=args.work_dir)
+            work_dir=args.work_dir, peer=args.peer)
         table = result["table"]
         failed = result["all_met"] is False
     else:

@@ -6,6 +6,7 @@ import json
 import shlex
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from hetconv.bench.accuracy import markdown_table, parse_seeds, read_run
@@ -65,3 +66,32 @@ def test_command_line_round_trips_through_the_parser() -> None:
     assert isinstance(again, argparse.Namespace)
     assert vars(again) == vars(args)
     assert "'--train-flags=--augment --lr 0.1'" in line
+
+
+@pytest.mark.parametrize("arch", ["c6k3p1,pool,c8k3p1,pool", "c6k3p1,res6,res8s2,gap"])
+def test_the_pytorch_side_trains_what_hetconv_trains(arch: str, tmp_path: Path) -> None:
+    """Same network, initial weights, data order and recipe: PyTorch's accuracy after each
+    epoch is hetconv's local run's (float sums aside)."""
+    torch = pytest.importorskip("torch")
+    import hetconv
+    from hetconv.bench.accuracy import _torch_side
+
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, 100, (480, 1, 12, 12), dtype=np.uint8)
+    y = rng.integers(0, 4, 480)
+    for index, label in enumerate(y):  # the class is the brightest quarter
+        row, col = divmod(int(label), 2)
+        x[index, 0, row * 6:row * 6 + 6, col * 6:col * 6 + 6] += 100
+    run = hetconv.train(arch, hetconv.arrays(x, y, test_fraction=0.25), epochs=2, batch=32,
+                        seed=4, run_dir=tmp_path / "run", quiet=True, threads=1)
+    with pytest.raises(hetconv.UserError, match="cannot load the run's data"):  # arrays: gone
+        _torch_side(torch, run.run_dir, 4, 2)
+    from hetconv.bench.accuracy_torch import torch_accuracy
+    from hetconv.engine.optim import OptimizerConfig
+    from hetconv.inference.trained_run import load_run
+
+    theirs = torch_accuracy(torch, load_run(run.run_dir).model, run.data, 4, 2, 32,
+                            OptimizerConfig())
+    ours = [float(e["test_accuracy"]) for e in run.history]
+    assert len(theirs) == 2 and max(abs(a - b) for a, b in zip(theirs, ours)) <= 0.03, (
+        theirs, ours)

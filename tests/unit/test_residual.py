@@ -223,3 +223,19 @@ def test_one_step_matches_pytorch() -> None:
                                        err_msg=f"layer {i} {name}")
         np.testing.assert_allclose(after[layer_key(i, "running_var")],
                                    bn.running_var.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_the_kernel_split_of_a_residual_network_is_planned_on_the_star() -> None:
+    """Whatever the sample split's settings (the peer plane, slice statistics, replicated
+    dense part), the kernel split of a residual network gets the star plane and drops
+    them; a straight network's settings stay as given."""
+    from hetconv.config import MasterConfig
+    from hetconv.master.setup import kernel_split_config
+
+    asked = MasterConfig(listen="tcp://*:5555", bn_statistics="slice", dense_part="replicas")
+    residual = model_config(parse_network("c8k3p1,res8,gap"), (1, 8, 8))
+    planned = kernel_split_config(asked, residual)
+    assert (planned.data_plane, planned.bn_statistics, planned.dense_part) == (
+        "star", "batch", "auto")
+    straight = model_config(parse_network("c8k3p1,pool"), (1, 8, 8))
+    assert kernel_split_config(asked, straight) is asked
