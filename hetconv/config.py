@@ -40,6 +40,7 @@ STEPS_IN_FLIGHT = (2, 1)
 one's replies are gathered (docs/sample-split.md, "The step boundary"); 1 one at a time."""
 BENCH_DENSE_PARTS = DENSE_PARTS  # hetconv bench scale --dense-part: what it compares
 BENCH_PEERS = ("ddp",)  # hetconv bench scale --peer: what users would run instead
+ACCURACY_PEERS = ("torch",)  # hetconv bench accuracy --peer: the same training in PyTorch
 STEP_OPS = ("fused", "separate")  # hetconv bench step --ops: the conv layer paths timed
 PADDINGS = (0, 1, 2)
 

@@ -33,6 +33,7 @@ from hetconv.participant.samples.dense_replica import DenseReplica, dense_refusa
 from hetconv.participant.samples.runner import SampleRequestError, SampleRunner
 from hetconv.participant.samples.weight_reduce import GradientExchange
 from hetconv.participant.wire_cast import to_wire
+from hetconv.planning.memory import USABLE, available_bytes, calibration_bytes, gib
 from hetconv.protocol import (
     ERR_BAD_PEER_DATA,
     ERR_BAD_REQUEST,
@@ -215,6 +216,11 @@ class WorkerService:
         reason = calibrate_refusal(request)  # sizes bounded as a training step's
         if reason is not None:
             raise RequestError(ERR_BAD_REQUEST, reason)
+        need = calibration_bytes(request)
+        available = available_bytes()
+        if need > USABLE * available:  # a layer this machine cannot hold: refuse, not swell
+            raise RequestError(ERR_BAD_REQUEST, f"layer {request.layer}: timing it needs about "
+                               f"{gib(need)}; this worker has {gib(available)} available")
         seconds = time_block(request.batch, request.in_channels, request.height, request.width,
                              request.kernels, request.kernel_size, padding=request.padding,
                              stride=request.stride, repeats=request.repeats,

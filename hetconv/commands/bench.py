@@ -18,6 +18,7 @@ from typing import Any
 
 from hetconv.commands.options import Parser, check_output_path, positive_int
 from hetconv.config import (
+    ACCURACY_PEERS,
     BENCH_DENSE_PARTS,
     BENCH_PEERS,
     BN_STATISTICS,
@@ -241,7 +242,7 @@ def add_parser(sub: Any) -> None:
     accuracy.add_argument("--target", type=float, default=None, metavar="PERCENT",
                           help="the test accuracy every seed must reach (e.g. 90)")
     accuracy.add_argument("--work-dir", default=None, help="where the runs go (default a temp dir)")
-    accuracy.add_argument("--peer", choices=("torch",), default=None,
+    accuracy.add_argument("--peer", choices=ACCURACY_PEERS, default=None,
                           help="torch: beside each run, the same network, initial weights, "
                           "data order and recipe in PyTorch (needs pip install '.[bench]')")
     for parser in (conv, step, backward, proto, split, scale, chaos, accuracy):

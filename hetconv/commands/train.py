@@ -64,11 +64,13 @@ from hetconv.model import (
     ModelConfig,
     NetworkSpec,
     conv_layer_shapes,
+    dense_shapes,
     init_parameters,
     load_network_file,
     model_config,
     parse_network,
 )
+from hetconv.planning.memory import available_bytes, check_fits, step_need
 from hetconv.prometheus import add_metrics_port, serve, training_exporter
 
 RESUME_FLAGS = {
@@ -394,6 +396,10 @@ def run_training(config: TrainConfig, resume: TrainingState | None = None,
     shapes = conv_layer_shapes(model)
     if start is not None:
         start.check(model)
+    if config.master is None:  # a network this machine cannot hold: one line, now
+        dense_values = sum(units * (features + 1) for _, features, units in dense_shapes(model))
+        check_fits(step_need(shapes, config.batch, dense_values), available_bytes(),
+                   config.batch)
     record = _config_record(config, model, spec)
     if resume is None:
         run_dir = prepare_run_dir(config.run_dir, config.overwrite)
