@@ -138,9 +138,11 @@ def run(runtime: list[str], image: str, *args: str, timeout: float = 60
     return podman(*runtime, "run", "--rm", *ulimits(), image, *args, timeout=timeout)
 
 
-@pytest.mark.timeout(1500)
-def test_the_image_builds_from_a_local_base_and_runs_hetconv(runtime: list[str],
-                                                            image: str) -> None:
+@pytest.mark.timeout(1800)
+def test_the_image_builds_from_a_local_base_runs_hetconv_and_trains(runtime: list[str],
+                                                                   image: str) -> None:
+    """One test, so that the base and the image are made once (pytest-xdist would build
+    them again on each worker that runs a test of this module)."""
     usage = run(runtime, image, "--help")
     assert usage.returncode == 0, usage.stderr
     assert usage.stdout.startswith("usage: hetconv") and "worker" in usage.stdout, usage.stdout
@@ -149,10 +151,11 @@ def test_the_image_builds_from_a_local_base_and_runs_hetconv(runtime: list[str],
     assert "--master MASTER" in worker.stdout and "--data-port" in worker.stdout, worker.stdout
     user = podman(*runtime, "run", "--rm", *ulimits(), "--entrypoint", "id", image, "-u")
     assert user.stdout.strip() == "10001", user.stdout + user.stderr
+    a_master_and_a_worker_in_containers_train(runtime, image)
 
 
-@pytest.mark.timeout(300)
-def test_a_master_and_a_worker_in_containers_train(runtime: list[str], image: str) -> None:
+def a_master_and_a_worker_in_containers_train(runtime: list[str], image: str) -> None:
+    """A short distributed run, master and worker each in its own container."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
