@@ -44,6 +44,7 @@ from hetconv.master.membership import (
     WorkerHandle,
     payload_bytes,
 )
+from hetconv.participant.progress import ComputeProgress
 from hetconv.protocol import (
     EndRun,
     ErrorReply,
@@ -83,6 +84,9 @@ class Cluster:
         self.endpoint = endpoint
         self.settings = settings if settings is not None else ClusterSettings()
         self.curve = curve
+        # the master's own peer waits (its participant's exchanges mark it): the blame of an
+        # overdue request follows waits through the master too (hetconv/master/blame.py)
+        self.own_progress = ComputeProgress()
         self.membership = Membership(uuid.uuid4().hex[:12], self.settings)
         self.ctx = transport.make_context()
         self._authenticator: Any = None
@@ -123,6 +127,12 @@ class Cluster:
     def known_workers(self) -> list[WorkerHandle]:
         """Every worker that said Hello to this master (members or not), gone ones too."""
         return list(self.membership.workers.values())
+
+    def misbehaving(self, worker_id: str) -> bool:
+        """Whether ``worker_id``'s process was evicted for failing its peers (Hello again
+        from the same process keeps the mark; a restarted one has a new routing id)."""
+        return any(w.misbehaved for w in self.membership.workers.values()
+                   if w.worker_id == worker_id)
 
     def admit(self, workers: list[WorkerHandle]) -> None:
         """Make ``workers`` members of the run too (a join): heartbeats go to them."""
@@ -216,6 +226,7 @@ class Cluster:
                 MessageReceived(received.identity, received.message, now, received.user_id,
                                 canonical_address(received.peer_address))))
         now = time.monotonic()
+        self.membership.own_compute = self.own_progress.report(now)
         actions += self.membership.handle(Tick(now, time.time(), self._stalled_peers(now)))
         return self._perform(actions)
 
@@ -284,6 +295,8 @@ class Cluster:
         leaves a request unanswered for ``request_timeout_s``.
         """
         self.membership.handle(RequestsAwaited(pending, what, time.monotonic(), timeout_s))
+        if timeout_s is not None:  # a hung compute thread is one stalled longer than this
+            self.membership.compute_stall_limit_s = timeout_s
         try:
             while True:
                 replies = self.membership.replies_for(pending)
@@ -293,17 +306,22 @@ class Cluster:
         finally:
             self.membership.forget(pending)
 
-    def drop(self, worker: WorkerHandle, reason: str) -> None:
+    def drop(self, worker: WorkerHandle, reason: str, misbehaved: bool = False) -> None:
         """Evict a live worker from the run: tell it the run is over (it drops its
         shards and stays up, so it may say Hello again), without waiting; from now on
-        it counts as gone and its late replies are dropped."""
+        it counts as gone and its late replies are dropped. ``misbehaved``: it failed its
+        peers while answering the master; it stays out until its process restarts
+        (:meth:`misbehaving`)."""
         try:
             transport.send_message(self.sock, EndRun(request_id=self.request_id(),
                                                      reason=reason), identity=worker.identity)
         except transport.TransportError as error:
             log.debug("EndRun to %s not sent: %s", worker.name, error)
         worker.gone = True
-        log.warning("worker %s evicted: %s", worker.name, reason)
+        worker.misbehaved = misbehaved
+        log.warning("worker %s evicted: %s%s", worker.name, reason,
+                    "; it stays out of this run until its process restarts" if misbehaved
+                    else "")
 
     def end_run(self, reason: str, wait_s: float = 1.0) -> None:
         """Tell every member the run is over (they drop shards and stay up); waits up to

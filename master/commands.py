@@ -37,8 +37,9 @@ class CommandSite(Protocol):
 
     control: RunControl
 
-    def drop_worker(self, participant: str, reason: str) -> None:
-        """Tell ``participant`` it is out (when it is still there)."""
+    def drop_worker(self, participant: str, reason: str, misbehaved: bool = False) -> None:
+        """Tell ``participant`` it is out (when it is still there); ``misbehaved``: it
+        stays out until its process restarts."""
         ...
 
     def admit(self, participants: list[str]) -> None:
@@ -77,7 +78,7 @@ def _perform(site: CommandSite, commands: list[Command], state: dict[str, np.nda
         match command:
             case Evict():
                 if command.drop:
-                    site.drop_worker(command.participant, command.reason)
+                    site.drop_worker(command.participant, command.reason, command.misbehaved)
             case Stop():
                 raise UserError(command.reason)
             case FallBackLocal():

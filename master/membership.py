@@ -34,6 +34,8 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from hetconv.config import MASTER_PARTICIPANT
+from hetconv.master.blame import blame
 from hetconv.master.membership_types import (
     ECHOED_FIELDS,
     LINK_CHECK_AFTER_S,
@@ -61,6 +63,7 @@ from hetconv.master.membership_types import (
     payload_bytes,
     reply_mismatch,
 )
+from hetconv.participant.progress import ComputeReport
 from hetconv.protocol import (
     ERR_BAD_PEER_DATA,
     ERR_PEER_LOST,
@@ -81,6 +84,11 @@ from hetconv.protocol import (
     peer_named,
 )
 
+MAX_REPORTED_PEERS = 64
+"""At most this many names of a heartbeat's ``waiting_for`` are kept."""
+FIRST_STALL_LIMIT_S = 120.0
+"""The compute-stall limit before the run has timed a step (the first request
+deadline of hetconv/master/run.py)."""
 ABANDONED_KEPT = 4096
 """How many abandoned request ids are remembered (their late errors logged quietly)."""
 
@@ -129,6 +137,11 @@ class Membership:
         self.bindings: dict[bytes, KeyBinding] = {}  # routing id -> the key bound to it
         self._next_request_id = 1
         self._last_beat = -math.inf
+        # the master's own participant, when it computes (set by the cluster before a tick)
+        self.own_compute: ComputeReport | None = None
+        # a worker whose compute thread made no progress this long on a request the master
+        # awaits is hung (the run's request deadline, kept current by the stages)
+        self.compute_stall_limit_s = FIRST_STALL_LIMIT_S
 
     # --- queries and bookkeeping ---------------------------------------------------------
     def next_request_id(self) -> int:
@@ -272,6 +285,10 @@ class Membership:
         worker.peer_address = peer_address or worker.peer_address
         worker.link_down = False
         if isinstance(message, Heartbeat):
+            worker.compute = ComputeReport(tuple(message.waiting_for[:MAX_REPORTED_PEERS]),
+                                           max(0.0, message.waited_s),
+                                           max(0.0, message.stalled_s))
+            worker.compute_at = now
             return []
         if isinstance(message, DataEndpoint):
             worker.data_endpoint, worker.data_public_key = message.endpoint, message.public_key
@@ -299,7 +316,8 @@ class Membership:
         known = self.workers.get(identity)
         if known is None or known.gone:
             worker = WorkerHandle(identity, hello.worker_id, dict(hello.device), now,
-                                  curve_key=user_id)
+                                  curve_key=user_id,
+                                  misbehaved=known is not None and known.misbehaved)
             self.workers[identity] = worker
             actions.append(Log(logging.INFO,
                                f"worker {worker.name} joined: {hello.device.get('name')}"))
@@ -407,12 +425,33 @@ class Membership:
                 actions.append(Fail(worker, f"worker {worker.name} stopped responding during "
                                             f"{request.what} (silent for {silent_s:.1f} s"
                                             f"{behind})"))
+            elif (stalled := self._report(worker, now).stalled_s) > self.compute_stall_limit_s:
+                actions.append(Fail(worker, f"worker {worker.name}'s compute thread has made no "
+                                            f"progress for {stalled:.1f} s (during "
+                                            f"{request.what}): hung"))
             elif now - request.sent_at > (timeout := self._deadline_s(request)) and not (
                     silent_awaited and now - request.sent_at
                     <= timeout + self.settings.liveness_timeout_s):
-                actions.append(Fail(worker, f"worker {worker.name} did not answer "
-                                            f"{request.what} within {timeout:.0f} s"))
+                actions.append(self._overdue(worker, request, timeout, now))
         return actions
+
+    def _report(self, worker: WorkerHandle, now: float) -> ComputeReport:
+        """What ``worker``'s compute thread is doing now, from its last heartbeat."""
+        return worker.compute.aged(now - worker.compute_at)
+
+    def _overdue(self, worker: WorkerHandle, request: Request, timeout: float,
+                 now: float) -> Fail:
+        """The failure of a request not answered within ``timeout``: blamed on the one its
+        worker waits for, where the heartbeats show it waiting (hetconv/master/blame.py)."""
+        reports = {w.worker_id: self._report(w, now) for w in self._heartbeated()
+                   if not w.gone}
+        if self.own_compute is not None:
+            reports[MASTER_PARTICIPANT] = self.own_compute
+        found = blame(worker.worker_id, reports, MASTER_PARTICIPANT)
+        text = f"worker {worker.name} did not answer {request.what} within {timeout:.0f} s"
+        if found.participant == worker.worker_id:
+            return Fail(worker, text + (f": {found.why}" if found.why else ""))
+        return Fail(worker, f"{text}: {found.why}", found.participant)
 
     def _deadline_s(self, request: Request) -> float:
         """A request's deadline: its own or the backstop, ``link_retry_s`` longer when a

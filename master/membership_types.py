@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from hetconv.participant.progress import ComputeReport
 from hetconv.protocol import (
     Ack,
     AssignDense,
@@ -85,6 +86,10 @@ class WorkerHandle:
     peer_address: str = ""  # the IP its connection comes from (ZMQ Peer-Address), "" unknown
     link_down: bool = False  # seen behind a dead link since last heard (master/liveness.py)
     forgeries: int = 0  # messages under its identity with another key, refused
+    misbehaved: bool = False  # evicted for failing its peers: kept through a Hello again
+    # what its compute thread was doing at its last heartbeat (hetconv/participant/progress.py)
+    compute: ComputeReport = field(default_factory=ComputeReport)
+    compute_at: float = 0.0  # monotonic seconds that heartbeat came
 
     @property
     def name(self) -> str:

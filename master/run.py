@@ -93,6 +93,9 @@ class Evict:
     participant: str
     reason: str
     drop: bool
+    misbehaved: bool = False
+    """Evicted alive for two faults in a row blamed on it (it answers the master but
+    fails its peers: hetconv/master/blame.py): it stays out until its process restarts."""
 
 
 @dataclass(frozen=True)
@@ -161,7 +164,9 @@ class RunControl:
     def may_rejoin(self, worker: str) -> bool:
         """Whether an evicted worker may come back now: at once after its first eviction
         (a restart, a healed partition), then after REJOIN_BACKOFF_STEPS good steps,
-        doubling with every further eviction; never when quarantined."""
+        doubling with every further eviction; never when quarantined. (One evicted alive
+        for faults blamed on it stays out until its process restarts: the stage's
+        ``Cluster.misbehaving``.)"""
         if worker in self.quarantined:
             return False
         count = self.evictions.get(worker, 0)
@@ -209,7 +214,8 @@ class RunControl:
             if fault.evict:
                 self.quarantined.add(culprit)
             if fault.gone or fault.evict or self.faults[culprit] >= EVICT_AFTER_FAULTS:
-                out.append(self._evict(culprit, f"evicted: {fault.reason}", drop=not fault.gone))
+                out.append(self._evict(culprit, f"evicted: {fault.reason}", drop=not fault.gone,
+                                       misbehaved=not (fault.gone or fault.evict)))
         if not self.active:
             self.replanning = False
             if self.stop_on_worker_loss:
@@ -230,11 +236,11 @@ class RunControl:
             return [*out, Stop(f"{reason}; stopping as --on-worker-loss stop asks")]
         return [*out, FallBackLocal(reason)]
 
-    def _evict(self, worker: str, reason: str, drop: bool) -> Evict:
+    def _evict(self, worker: str, reason: str, drop: bool, misbehaved: bool = False) -> Evict:
         self.active.discard(worker)
         self.evictions[worker] = self.evictions.get(worker, 0) + 1
         self.evicted_at[worker] = self.steps_done
-        return Evict(worker, reason, drop)
+        return Evict(worker, reason, drop, misbehaved)
 
     def _set_aside(self, event: SetAside) -> list[Command]:
         if event.worker not in self.active or len(self.active) < 2:

@@ -77,10 +77,15 @@ class Refuse(Message):
 
 @dataclass(frozen=True)
 class Heartbeat(Message):
-    """either way: I am alive. ``sent_at`` is the sender's ``time.time()``."""
+    """either way: I am alive (``sent_at``: the sender's ``time.time()``); a worker's
+    also says what its compute thread does (hetconv/participant/progress.py): whom it
+    waits for a piece from and how long, or how long it has made no progress."""
 
     TYPE: ClassVar[str] = "heartbeat"
     sent_at: float
+    waiting_for: list[str] = dataclasses.field(default_factory=list)
+    waited_s: float = 0.0
+    stalled_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -7,4 +7,4 @@ versions can always tell each other that they do not match (see docs/protocol.md
 """
 from __future__ import annotations
 
-PROTOCOL_VERSION = 14
+PROTOCOL_VERSION = 15

@@ -156,7 +156,7 @@ class WorkerDaemon:
                data_public_key: str = "") -> int:
         """Poll, decode, feed the session, perform its actions; the exit status."""
         session = WorkerSession(self.config, self.worker_id, self.device, data_endpoint,
-                                data_public_key)
+                                data_public_key, compute=self.service.progress)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(wake, zmq.POLLIN)

@@ -29,6 +29,7 @@ from hetconv.participant.calibration import time_block
 from hetconv.participant.kernels.exchange import PeerParticipant
 from hetconv.participant.peer_plan import PeerPlan
 from hetconv.participant.ports import PeerLost, PiecePort
+from hetconv.participant.progress import ComputeProgress
 from hetconv.participant.samples.dense_replica import DenseReplica, dense_refusal, replica_from
 from hetconv.participant.samples.runner import SampleRequestError, SampleRunner
 from hetconv.participant.samples.weight_reduce import GradientExchange
@@ -128,12 +129,15 @@ class WorkerService:
         # stops at once instead of at its deadline
         self.cancel_wait = threading.Event()
         self.faults = faults  # tests only (FaultInjector); None in every real worker
+        # the compute thread's marks, read by the heartbeats (hetconv/participant/progress.py)
+        self.progress = ComputeProgress()
 
     def handle(self, message: Message) -> Message:
         """The reply to ``message``; never raises."""
         request_id = int(getattr(message, "request_id", 0))
         if isinstance(message, ENDS_EXCHANGES):
             self.cancel_wait.clear()
+        self.progress.started()
         try:
             with on_device(self.device):
                 return self._dispatch(message)
@@ -152,6 +156,8 @@ class WorkerService:
             log.exception("internal error serving %s", type(message).__name__)
             return ErrorReply(request_id=request_id, code=ERR_INTERNAL,
                               message=f"{type(error).__name__}: {error}")
+        finally:
+            self.progress.finished()
 
     def _dispatch(self, message: Message) -> Message:
         if isinstance(message, SAMPLE_REQUESTS):
@@ -359,11 +365,13 @@ class WorkerService:
         self.peer = PeerParticipant(request.participant, plan, self.shards, port,
                                     request.wire_dtype, request.timeout_s,
                                     cancelled=self.cancel_wait.is_set,
-                                    on_drop=lambda reason: log.debug("dropped %s", reason))
+                                    on_drop=lambda reason: log.debug("dropped %s", reason),
+                                    progress=self.progress)
         # the sample split reduces weight gradients over the same port and plan
         self.sample.layers.exchange = GradientExchange(request.participant, plan, port,
                                                 request.timeout_s,
-                                                cancelled=self.cancel_wait.is_set)
+                                                cancelled=self.cancel_wait.is_set,
+                                                progress=self.progress)
         return Ack(request_id=request.request_id)
 
     def _peer_participant(self) -> PeerParticipant:

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from hetconv.config import WorkerConfig
+from hetconv.participant.progress import ComputeProgress
 from hetconv.protocol import (
     ERR_BAD_REQUEST,
     ERR_UNKNOWN_WORKER,
@@ -118,8 +119,11 @@ class WorkerSession:
     """One worker's session state; :meth:`handle` turns each event into actions."""
 
     def __init__(self, config: WorkerConfig, worker_id: str, device: dict[str, Any],
-                 data_endpoint: str = "", data_public_key: str = ""):
+                 data_endpoint: str = "", data_public_key: str = "",
+                 compute: ComputeProgress | None = None):
         self.config = config
+        # what the compute thread is doing, said in every heartbeat (read, never written)
+        self.compute = compute
         self.worker_id = worker_id
         self.device = device
         self.data_endpoint = data_endpoint  # "" when this worker has no data endpoint
@@ -185,7 +189,7 @@ class WorkerSession:
             actions += self._hello(now)
         if self.in_session and (self.last_beat is None
                                 or now - self.last_beat >= self.heartbeat_interval_s):
-            actions.append(Send(Heartbeat(sent_at=wall_time)))
+            actions.append(Send(self._heartbeat(now, wall_time)))
             self.last_beat = now
         return actions
 
@@ -314,6 +318,15 @@ class WorkerSession:
                                              endpoint=self.data_endpoint,
                                              public_key=self.data_public_key)))
         return actions
+
+    def _heartbeat(self, now: float, wall_time: float) -> Heartbeat:
+        """A heartbeat that says what the compute thread is doing (the master blames the
+        one at fault from these: hetconv/master/blame.py)."""
+        if self.compute is None:
+            return Heartbeat(sent_at=wall_time)
+        report = self.compute.report(now)
+        return Heartbeat(sent_at=wall_time, waiting_for=list(report.waiting_for),
+                         waited_s=report.waited_s, stalled_s=report.stalled_s)
 
     def _leave_session(self) -> None:
         """Back to saying Hello, at once and with the back-off restarted."""

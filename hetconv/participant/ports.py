@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from hetconv.participant.progress import ComputeProgress
 from hetconv.protocol import PeerPiece
 
 RECEIVE_SLICE_S = 0.05
@@ -43,22 +44,35 @@ class PeerLost(Exception):
 
 def wait_for_pieces(port: PiecePort, timeout_s: float, cancelled: Callable[[], bool],
                     done: Callable[[], bool], owing: Callable[[], list[str]],
-                    keep: Callable[[PeerPiece], bool], late: Callable[[list[str]], str]) -> None:
-    """The wait of both peer exchanges (this module's and the kernel split's and :mod:`hetconv.participant.samples.weight_reduce`'s):
+                    keep: Callable[[PeerPiece], bool], late: Callable[[list[str]], str],
+                    progress: ComputeProgress | None = None) -> None:
+    """The wait of both peer exchanges (the kernel split's activations and
+    :mod:`hetconv.participant.samples.weight_reduce`'s reductions and barriers):
     until ``done()`` (checked after each piece; the caller takes what arrived), receive
     pieces from ``port`` :data:`RECEIVE_SLICE_S` at a time and hand each to ``keep``,
     which says whether it kept it. Every piece kept restarts the clock; PeerLost naming
     the peers still ``owing()`` when ``cancelled()``, or with ``late(owing)`` when
-    nothing is kept for ``timeout_s``."""
+    nothing is kept for ``timeout_s``. ``progress`` hears whom it waits for, for the
+    heartbeats (:mod:`hetconv.participant.progress`)."""
+    if done():
+        return
+    if progress is not None:
+        progress.waiting(owing())
     deadline = time.monotonic() + timeout_s
-    while not done():
-        now = time.monotonic()
-        if cancelled():
-            peers = owing()
-            raise PeerLost(peers, f"cancelled while waiting for {', '.join(peers)}")
-        if now >= deadline:
-            peers = owing()
-            raise PeerLost(peers, late(peers))
-        piece = port.receive(min(RECEIVE_SLICE_S, deadline - now))
-        if piece is not None and keep(piece):
-            deadline = time.monotonic() + timeout_s
+    try:
+        while not done():
+            now = time.monotonic()
+            if cancelled():
+                peers = owing()
+                raise PeerLost(peers, f"cancelled while waiting for {', '.join(peers)}")
+            if now >= deadline:
+                peers = owing()
+                raise PeerLost(peers, late(peers))
+            piece = port.receive(min(RECEIVE_SLICE_S, deadline - now))
+            if piece is not None and keep(piece):
+                deadline = time.monotonic() + timeout_s
+                if progress is not None and not done():
+                    progress.waiting(owing())
+    finally:
+        if progress is not None:
+            progress.progressed()

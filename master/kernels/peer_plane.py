@@ -293,7 +293,8 @@ class PeerPlane:
             self.participant = PeerParticipant(
                 MASTER_PARTICIPANT, plan, self.phases.local_shards, port, self.phases.wire_dtype.name,
                 self.peer_timeout_s, cancelled=self.phases.cancel_local.is_set,
-                on_drop=lambda reason: log.debug("data plane: dropped %s", reason))
+                on_drop=lambda reason: log.debug("data plane: dropped %s", reason),
+                progress=self.phases.cluster.own_progress)
 
     def after_resplit(self) -> None:
         """A new peer plan from the moved shards, handed to every worker."""

@@ -185,7 +185,10 @@ class DistributedConvStage:
         """Right after a snapshot: take in the workers that joined since the last one,
         re-planning over everyone and restoring every shard from ``state`` (which is
         the current state, so nothing is rolled back)."""
-        joinable = self.setup.planning.joinable(self.shards, self.control.may_rejoin)
+        cluster = self.phases.cluster
+        joinable = self.setup.planning.joinable(
+            self.shards, lambda name: (self.control.may_rejoin(name)
+                                       and not cluster.misbehaving(name)))
         if not joinable:
             return self
         return self._carry_out(self.control.handle(ReplanPoint(tuple(joinable))), state)
@@ -223,10 +226,10 @@ class DistributedConvStage:
         """Perform the state machine's commands (master/commands.py)."""
         return carry_out(self, commands, state, self.setup.local_stage) or self
 
-    def drop_worker(self, participant: str, reason: str) -> None:
+    def drop_worker(self, participant: str, reason: str, misbehaved: bool = False) -> None:
         worker = self._worker_of(participant)
         if worker is not None and not worker.gone:
-            self.phases.cluster.drop(worker, reason)
+            self.phases.cluster.drop(worker, reason, misbehaved)
 
     def admit(self, participants: list[str]) -> None:
         self.phases.shards = self.setup.planning.admit(self.shards, participants)

@@ -79,7 +79,8 @@ class SamplePeers:
             raise diagnosed(lost) from None
         port = self.sockets.open(MASTER_PARTICIPANT, peers, keys, self.timeout_s, probe=False)
         self.exchange = GradientExchange(MASTER_PARTICIPANT, plan, port, self.timeout_s,
-                                         cancelled=self.cancel.is_set)
+                                         cancelled=self.cancel.is_set,
+                                         progress=cluster.own_progress)
         return self.exchange
 
     def close(self) -> None:

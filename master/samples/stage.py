@@ -313,7 +313,8 @@ class SampleConvStage:
         joinable = sorted(w.worker_id for w in self.cluster.known_workers()
                           if not w.gone and not self.members.holds(w)
                           and w.worker_id not in kept_out
-                          and self.control.may_rejoin(w.worker_id))
+                          and self.control.may_rejoin(w.worker_id)
+                          and not self.cluster.misbehaving(w.worker_id))
         if not joinable:
             return self
         return self._carry_out(self.control.handle(ReplanPoint(tuple(joinable))), state)
@@ -371,10 +372,10 @@ class SampleConvStage:
     def _carry_out(self, commands: list[Command], state: dict[str, np.ndarray]) -> ConvStage:
         return carry_out(self, commands, state, self.setup.local_stage) or self
 
-    def drop_worker(self, participant: str, reason: str) -> None:
+    def drop_worker(self, participant: str, reason: str, misbehaved: bool = False) -> None:
         member = self.members.workers.get(participant)
         if member is not None and member.worker is not None and not member.worker.gone:
-            self.cluster.drop(member.worker, reason)
+            self.cluster.drop(member.worker, reason, misbehaved)
 
     def resplit_to(self, command: Resplit, state: dict[str, np.ndarray]) -> None:
         """Slice the batch over the master and the alive only; every one of them gets

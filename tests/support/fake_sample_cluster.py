@@ -326,11 +326,17 @@ class FakeSampleCluster:
             time.sleep(0.0005)
         return replies
 
-    def drop(self, handle: WorkerHandle, reason: str) -> None:
+    def drop(self, handle: WorkerHandle, reason: str, misbehaved: bool = False) -> None:
         """Evict a live worker: it is told the run is over (not waited for)."""
         self._end_run(self.workers[handle.worker_id], reason)
         handle.gone = True
+        handle.misbehaved = misbehaved
         self.dropped.append(handle.worker_id)
+
+    def misbehaving(self, worker_id: str) -> bool:
+        """As the real cluster: evicted for failing its peers (a test's fake process
+        never restarts under a new routing id)."""
+        return any(w.misbehaved for w in self.known_workers() if w.worker_id == worker_id)
 
     def end_run(self, reason: str, wait_s: float = 1.0) -> None:
         """Tell every member still there that the run is over; wait for each."""

@@ -12,7 +12,13 @@ runs ``hetconv worker`` with a :class:`WorkerFaults` given to its service (the
 - ``--corrupt-file PATH``: its outputs are wrong while PATH exists (a test turns a
   worker bad at the moment it holds kernels);
 - ``--corrupt-mode``: how they are wrong: ``nan`` (the default), ``scale`` (finite,
-  y x 1000) or ``crop`` (one row and column short: the wrong H and W).
+  y x 1000) or ``crop`` (one row and column short: the wrong H and W);
+- ``--hang-from-step N``: its compute thread hangs (sleeps for an hour) when it takes up
+  a request of step N or later, while its socket thread goes on heartbeating;
+- ``--mute-from-step N``: from step N on, every piece it sends on the data plane is
+  dropped before it leaves (a wedged peer socket: it stays connected, heartbeats, and
+  receives); ``--mute-to NAME`` (repeatable): only the pieces toward NAME (a cut link
+  from it to NAME).
 
 Tests start one with ``workers(name, faults=WorkerFaults(...))`` (tests/conftest.py)
 or with :meth:`WorkerFaults.spec` in a :class:`hetconv.lab.LocalWorkers` spec.
@@ -35,6 +41,8 @@ from hetconv.commands import worker
 from hetconv.commands.cli import build_parser
 from hetconv.engine.shard import ConvShard, LayerSettings
 from hetconv.errors import UserError
+from hetconv.participant.peer_sockets import PeerSockets
+from hetconv.protocol import PeerPiece
 
 REPO = Path(__file__).resolve().parents[2]
 MODULE = "tests.support.faulty_worker"
@@ -77,6 +85,26 @@ class FaultyShard(ConvShard):
         return super().backward(dy, need_dx, learning_rate, dx_rows)
 
 
+class Muted:
+    """Whether this process's data plane drops what it sends (``--mute-from-step``), and
+    toward whom (empty: everyone)."""
+
+    on = False
+    toward: frozenset[str] = frozenset()
+
+
+MUTED = Muted()
+
+
+def muted_send(send: Callable[..., int]) -> Callable[..., int]:
+    """``PeerSockets.send`` that drops the piece while :data:`MUTED` says so."""
+    def send_unless_muted(self: PeerSockets, participant: str, piece: PeerPiece) -> int:
+        if MUTED.on and (not MUTED.toward or participant in MUTED.toward):
+            return int(piece.data.nbytes)  # "sent": it never leaves
+        return send(self, participant, piece)
+    return send_unless_muted
+
+
 @dataclass(frozen=True)
 class WorkerFaults:
     """What a test's worker does wrong (see the module docstring); the defaults: nothing."""
@@ -85,6 +113,9 @@ class WorkerFaults:
     corrupt_from_step: int = -1  # < 0: not from a step
     corrupt_mode: str = "nan"
     corrupt_file: str | None = None
+    hang_from_step: int = -1
+    mute_from_step: int = -1
+    mute_to: tuple[str, ...] = ()
 
     def any(self) -> bool:
         return self.delay_per_kernel_s > 0 or self.corrupt_from_step >= 0 \
@@ -102,7 +133,16 @@ class WorkerFaults:
         return shard
 
     def at_step(self, step: int, shards: Mapping[int, ConvShard]) -> None:
-        """Corrupt from ``corrupt_from_step`` on, or while ``corrupt_file`` exists."""
+        """Hang or mute from their steps on; corrupt from ``corrupt_from_step`` on, or
+        while ``corrupt_file`` exists."""
+        if 0 <= self.mute_from_step <= step and not MUTED.on:
+            MUTED.on, MUTED.toward = True, frozenset(self.mute_to)
+            print(f"faulty worker: muted toward {', '.join(self.mute_to) or 'every peer'} "
+                  f"from step {step}", file=sys.stderr, flush=True)
+        if 0 <= self.hang_from_step <= step:
+            print(f"faulty worker: compute thread hangs at step {step}", file=sys.stderr,
+                  flush=True)
+            time.sleep(3600)
         if self.corrupt_from_step < 0 and not self.corrupt_file:
             return
         corrupt = (os.path.exists(self.corrupt_file) if self.corrupt_file
@@ -123,6 +163,10 @@ class WorkerFaults:
                  "--corrupt-mode", self.corrupt_mode]
         if self.corrupt_file:
             flags += ["--corrupt-file", self.corrupt_file]
+        flags += ["--hang-from-step", str(self.hang_from_step),
+                  "--mute-from-step", str(self.mute_from_step)]
+        for name in self.mute_to:
+            flags += ["--mute-to", name]
         return flags
 
     def spec(self) -> dict[str, Any]:
@@ -140,6 +184,9 @@ def fault_parser() -> argparse.ArgumentParser:
     parser.add_argument("--corrupt-from-step", type=int, default=-1)
     parser.add_argument("--corrupt-mode", choices=CORRUPT_MODES, default="nan")
     parser.add_argument("--corrupt-file", default=None)
+    parser.add_argument("--hang-from-step", type=int, default=-1)
+    parser.add_argument("--mute-from-step", type=int, default=-1)
+    parser.add_argument("--mute-to", action="append", default=[])
     parser.add_argument("command", nargs=argparse.REMAINDER,
                         help="worker, then the flags of hetconv worker")
     return parser
@@ -152,7 +199,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if options.command[:1] != ["worker"]:
         parser.error("the fault flags must be followed by: worker [flags]")
     faults = WorkerFaults(options.delay_per_kernel_s, options.corrupt_from_step,
-                          options.corrupt_mode, options.corrupt_file)
+                          options.corrupt_mode, options.corrupt_file, options.hang_from_step,
+                          options.mute_from_step, tuple(options.mute_to))
+    if faults.mute_from_step >= 0:
+        PeerSockets.send = muted_send(PeerSockets.send)  # type: ignore[method-assign]
     try:
         args = build_parser().parse_args(options.command)
         logs.configure(args.verbose, getattr(args, "log_format", "text"),

@@ -47,7 +47,8 @@ def test_a_live_worker_is_evicted_after_two_faults_in_a_row_only() -> None:
     for _ in range(EVICT_AFTER_FAULTS - 2):
         control.handle(Fault("timeout", "w1"))
     commands = control.handle(Fault("timeout", "w1"))
-    assert commands[0] == Evict("w1", "evicted: timeout", drop=True)  # alive: told to go
+    # alive: told to go, and kept out until its process restarts
+    assert commands[0] == Evict("w1", "evicted: timeout", drop=True, misbehaved=True)
     assert commands[1] == Resplit(frozenset({"w2"}), "recovery from: timeout")
 
 
@@ -72,7 +73,8 @@ def test_a_stale_fault_about_an_evicted_worker_counts_nothing_twice() -> None:
 def test_a_duplicate_fault_report_is_one_more_fault_in_a_row() -> None:
     control = RunControl(["w1", "w2"])
     control.handle(Fault("timeout", "w1"))
-    assert Evict("w1", "evicted: timeout", drop=True) in control.handle(Fault("timeout", "w1"))
+    assert Evict("w1", "evicted: timeout", drop=True, misbehaved=True) in control.handle(
+        Fault("timeout", "w1"))
 
 
 def test_a_fault_during_a_re_plan_re_plans_over_the_survivors() -> None:
@@ -150,6 +152,18 @@ def test_rejoin_back_off_doubles_with_every_eviction() -> None:
     assert not control.may_rejoin("w1")  # third eviction: twice as long
     steps(control, REJOIN_BACKOFF_STEPS)
     assert control.may_rejoin("w1")
+
+
+def test_a_worker_evicted_alive_for_faults_blamed_on_it_is_marked_misbehaved() -> None:
+    """A silent sender or a hung compute thread (master/blame.py) would say Hello again at
+    once after its eviction: the Evict says so, and the stage keeps it out until its
+    process restarts (Cluster.misbehaving); a dead worker's eviction does not."""
+    control = RunControl(["w1", "w2"])
+    for _ in range(EVICT_AFTER_FAULTS):
+        out = control.handle(Fault("w2 did not answer: w1's piece never arrived", "w1"))
+    assert [c.misbehaved for c in out if isinstance(c, Evict)] == [True]
+    out = control.handle(Fault("died", "w2", gone=True, gone_workers=frozenset({"w2"})))
+    assert [c.misbehaved for c in out if isinstance(c, Evict)] == [False]
 
 
 def test_the_request_deadline_follows_the_clean_steps() -> None:

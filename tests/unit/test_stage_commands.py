@@ -67,9 +67,13 @@ class FakeCluster:
                timeout_s: float | None = None) -> dict[int, Reply]:
         return {rid: Reply(worker, Ack(request_id=rid), 0.0, 0) for rid, worker in pending.items()}
 
-    def drop(self, worker: WorkerHandle, reason: str) -> None:
+    def drop(self, worker: WorkerHandle, reason: str, misbehaved: bool = False) -> None:
         worker.gone = True
+        worker.misbehaved = misbehaved
         self.dropped.append(worker.worker_id)
+
+    def misbehaving(self, worker_id: str) -> bool:
+        return False
 
 
 class FakePlanning:
@@ -207,7 +211,7 @@ class _FailingSite:
         self.dropped: list[str] = []
         self.closed = False
 
-    def drop_worker(self, participant: str, reason: str) -> None:
+    def drop_worker(self, participant: str, reason: str, misbehaved: bool = False) -> None:
         self.dropped.append(participant)
 
     def admit(self, participants: list[str]) -> None:

@@ -40,6 +40,7 @@ from hetconv.participant.peer_plan import (
     PeerPlan,
 )
 from hetconv.participant.ports import PeerLost, PiecePort, wait_for_pieces
+from hetconv.participant.progress import ComputeProgress
 from hetconv.participant.wire_cast import to_wire
 from hetconv.protocol import PeerPiece
 
@@ -123,8 +124,9 @@ class PeerParticipant:
                  port: PiecePort, wire_dtype: str = "float32", timeout_s: float = 5.0,
                  cancelled: Callable[[], bool] = lambda: False,
                  on_drop: Callable[[str], None] = lambda reason: None,
-                 streaming: bool = True):
+                 streaming: bool = True, progress: ComputeProgress | None = None):
         self.participant = participant
+        self.progress = progress  # hears whom a wait is for (the heartbeats say it)
         self.plan = plan
         self.shards = shards
         self.port = port
@@ -310,6 +312,6 @@ class PeerParticipant:
             wait_for_pieces(self.port, self.timeout_s, self.cancelled, taken, owing, keep,
                             lambda peers: f"no {key.phase} data of layer {key.layer + 1} from "
                                           f"peer {', '.join(peers)} within "
-                                          f"{self.timeout_s:.1f} s")
+                                          f"{self.timeout_s:.1f} s", self.progress)
         finally:
             stats.wait_s += time.monotonic() - start

@@ -81,6 +81,7 @@ import numpy as np
 
 from hetconv.participant.peer_plan import KernelRange, PeerPlan
 from hetconv.participant.ports import PeerLost, PiecePort, wait_for_pieces
+from hetconv.participant.progress import ComputeProgress
 from hetconv.participant.samples.barrier_trace import TRACE
 from hetconv.participant.samples.reduction_plan import reduced_directly
 from hetconv.protocol import PeerPiece
@@ -123,8 +124,10 @@ class GradientExchange:
     """
 
     def __init__(self, participant: str, plan: PeerPlan, port: PiecePort, timeout_s: float,
-                 cancelled: Callable[[], bool] = lambda: False):
+                 cancelled: Callable[[], bool] = lambda: False,
+                 progress: ComputeProgress | None = None):
         self.participant = participant
+        self.progress = progress  # hears whom a wait is for (the heartbeats say it)
         self.plan = plan
         self.port = port
         self.timeout_s = timeout_s
@@ -461,7 +464,7 @@ class GradientExchange:
                             lambda: [s for s in senders if s not in got], self._keep,
                             lambda owing: f"no {phase} piece of layer {layer + 1}'s weight "
                                           f"gradient from peer {', '.join(owing)} within "
-                                          f"{self.timeout_s:.1f} s")
+                                          f"{self.timeout_s:.1f} s", self.progress)
         finally:
             self.wait_s += time.monotonic() - start
         return got
