@@ -40,6 +40,23 @@ class LayerCalibration:
                 for small, large in zip(self.small_seconds, self.seconds)]
 
 
+def calibrate_request(request_id: int, shape: ConvLayerShape, batch: int, kernels: int,
+                      repeats: int) -> CalibrateRequest:
+    """Time one block forward + backward of layer ``shape`` at ``batch`` x ``kernels``."""
+    return CalibrateRequest(
+        request_id=request_id, layer=shape.index, batch=batch, in_channels=shape.in_channels,
+        height=shape.height, width=shape.width, kernels=kernels,
+        kernel_size=shape.kernel_size, stride=shape.stride, padding=shape.padding,
+        repeats=repeats, pool=shape.pool, batch_norm=shape.batch_norm)
+
+
+def kernel_sizes(shape: ConvLayerShape, participants: int, batch: int) -> list[tuple[int, int]]:
+    """The kernel split's (batch, kernels) timed per layer: an equal share of the layer's
+    kernels among ``participants`` and a quarter of it, on the whole batch."""
+    kernels = max(1, math.ceil(shape.kernels / max(participants, 1)))
+    return [(batch, kernels), (batch, max(1, kernels // 4))]
+
+
 def _time_layer(cluster: Cluster, participants: list[Participant], shape: ConvLayerShape,
                 sizes: list[tuple[int, int]], repeats: int) -> dict[tuple[int, int, int], float]:
     """Seconds of one block forward + backward of layer ``shape`` per (participant index,
@@ -53,12 +70,8 @@ def _time_layer(cluster: Cluster, participants: list[Participant], shape: ConvLa
             continue
         for batch, count in sizes:
             rid = cluster.request_id()
-            cluster.send(participant.worker, CalibrateRequest(
-                request_id=rid, layer=shape.index, batch=batch,
-                in_channels=shape.in_channels, height=shape.height, width=shape.width,
-                kernels=count, kernel_size=shape.kernel_size, stride=shape.stride,
-                padding=shape.padding, repeats=repeats, pool=shape.pool,
-                batch_norm=shape.batch_norm))
+            cluster.send(participant.worker, calibrate_request(rid, shape, batch, count,
+                                                               repeats))
             pending[rid] = participant.worker
             order[rid] = (index, batch, count)
     timings: dict[tuple[int, int, int], float] = {}
@@ -78,6 +91,16 @@ def _time_layer(cluster: Cluster, participants: list[Participant], shape: ConvLa
     return timings
 
 
+def layer_calibration(shape: ConvLayerShape, participants: int, batch: int,
+                      timings: dict[tuple[int, int, int], float]) -> LayerCalibration:
+    """A layer's :class:`LayerCalibration` from timings by (participant index, batch,
+    kernels) at :func:`kernel_sizes`."""
+    (_, kernels), (_, small) = kernel_sizes(shape, participants, batch)
+    return LayerCalibration(shape.index, kernels,
+                            [timings[(i, batch, kernels)] for i in range(participants)],
+                            small, [timings[(i, batch, small)] for i in range(participants)])
+
+
 def calibrate(cluster: Cluster, participants: list[Participant], shapes: list[ConvLayerShape],
               batch: int, repeats: int = CALIBRATION_REPEATS,
               report: Callable[[str], None] = print) -> list[LayerCalibration]:
@@ -86,17 +109,16 @@ def calibrate(cluster: Cluster, participants: list[Participant], shapes: list[Co
     """
     results = []
     for shape in shapes:
-        kernels = max(1, math.ceil(shape.kernels / len(participants)))
-        small = max(1, kernels // 4)
-        timings = _time_layer(cluster, participants, shape, [(batch, kernels), (batch, small)],
-                              repeats)
-        seconds = [timings[(i, batch, kernels)] for i in range(len(participants))]
-        small_seconds = [timings[(i, batch, small)] for i in range(len(participants))]
-        results.append(LayerCalibration(shape.index, kernels, seconds, small, small_seconds))
+        timings = _time_layer(cluster, participants, shape,
+                              kernel_sizes(shape, len(participants), batch), repeats)
+        calibration = layer_calibration(shape, len(participants), batch, timings)
+        results.append(calibration)
         report(f"hetconv: calibrated layer {shape.index + 1} ({shape.kernels} kernels; "
-               f"{kernels} / {small} per participant timed): " + ", ".join(
+               f"{calibration.calibrated_kernels} / {calibration.small_kernels} per "
+               "participant timed): " + ", ".join(
                    f"{p.participant} {s * 1000:.1f} / {t * 1000:.1f} ms"
-                   for p, s, t in zip(participants, seconds, small_seconds)))
+                   for p, s, t in zip(participants, calibration.seconds,
+                                      calibration.small_seconds)))
     return results
 
 

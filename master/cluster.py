@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import zmq
@@ -305,6 +305,38 @@ class Cluster:
                 self.pump(0.5 if replies is None else 0.05)
         finally:
             self.membership.forget(pending)
+
+    def send_beside(self, requests: Sequence[tuple[WorkerHandle, Message]], what: str,
+                    timeout_s: float) -> list[int]:
+        """Send requests answered beside training (a joiner's calibration): their replies
+        and failures are kept for :meth:`beside_results`, never raised into a gather;
+        ``timeout_s`` from now. A worker that cannot be sent to fails its requests."""
+        pending: dict[int, WorkerHandle] = {}
+        failed: list[int] = []
+        for worker, message in requests:
+            request_id = int(getattr(message, "request_id", -1))
+            try:
+                self.send(worker, message)
+            except WorkerLost:
+                failed.append(request_id)
+            pending[request_id] = worker
+        self.membership.handle(RequestsAwaited(pending, what, time.monotonic(), timeout_s,
+                                               background=True))
+        for request_id in failed:
+            self.membership.requests[request_id].failure = (
+                f"worker {pending[request_id].name} could not be sent {what}")
+        return list(pending)
+
+    def beside_results(self, request_ids: list[int]) -> tuple[dict[int, Reply] | None, str]:
+        """The replies to requests sent with :meth:`send_beside` (None while one is still
+        out) and the first failure among them ("" if none)."""
+        failure = next((f for f in map(self.membership.background_failure, request_ids) if f),
+                       "")
+        return self.membership.replies_for(request_ids), failure
+
+    def forget(self, request_ids: list[int]) -> None:
+        """Stop tracking these requests (late replies are dropped)."""
+        self.membership.forget(request_ids)
 
     def drop(self, worker: WorkerHandle, reason: str, misbehaved: bool = False) -> None:
         """Evict a live worker from the run: tell it the run is over (it drops its

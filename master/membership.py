@@ -230,7 +230,8 @@ class Membership:
             case RequestSent():
                 return self._request_sent(event.worker, event.request, event.now)
             case RequestsAwaited():
-                return self._awaited(event.pending, event.what, event.now, event.timeout_s)
+                return self._awaited(event.pending, event.what, event.now, event.timeout_s,
+                                     event.background)
             case SendFailed():
                 event.worker.gone = True
                 return [Fail(event.worker,
@@ -341,18 +342,20 @@ class Membership:
         if isinstance(message, ErrorReply):
             culprit = (peer_named(message.message)
                        if message.code in (ERR_PEER_LOST, ERR_BAD_PEER_DATA) else None)
-            return [Fail(worker, f"worker {worker.name} failed {request.what}: "
-                                 f"{message.code}: {message.message}", culprit,
-                         evict=message.code == ERR_BAD_PEER_DATA)]
+            return self._failed(request, Fail(worker, f"worker {worker.name} failed "
+                                                       f"{request.what}: {message.code}: "
+                                                       f"{message.message}", culprit,
+                                               evict=message.code == ERR_BAD_PEER_DATA))
         if request.message is not None:
             expected = expected_reply(request.message)
             if expected is not None and not isinstance(message, expected):
-                return [Fail(worker, f"worker {worker.name} answered {request.what} with "
-                                     f"{message.TYPE}, expected {expected.TYPE}")]
+                return self._failed(request, Fail(
+                    worker, f"worker {worker.name} answered {request.what} with "
+                            f"{message.TYPE}, expected {expected.TYPE}"))
             mismatch = reply_mismatch(request.message, message)
             if mismatch is not None:
-                return [Fail(worker, f"worker {worker.name} answered {request.what} with "
-                                     f"{mismatch}")]
+                return self._failed(request, Fail(
+                    worker, f"worker {worker.name} answered {request.what} with {mismatch}"))
         request.reply = Reply(worker, message, now, payload_bytes(message))
         return [Completed(request_id, request.reply)]
 
@@ -380,9 +383,24 @@ class Membership:
         request = self.requests.get(request_id)
         if (worker is not None and request is not None and request.worker is worker
                 and request.reply is None):  # the reply we wait for is lost
-            actions.append(Fail(worker, f"worker {worker.name} sent an undecodable reply to "
-                                        f"{request.what}: {error}"))
+            actions += self._failed(request, Fail(
+                worker, f"worker {worker.name} sent an undecodable reply to "
+                        f"{request.what}: {error}"))
         return actions
+
+    @staticmethod
+    def _failed(request: Request, fail: Fail) -> list[Action]:
+        """``fail``, or none for a request answered beside training (its failure is kept
+        on it, for :meth:`background_failure`)."""
+        if not request.background:
+            return [fail]
+        request.failure = request.failure or fail.reason
+        return []
+
+    def background_failure(self, request_id: int) -> str:
+        """Why a request answered beside training failed ("": it did not, or is unknown)."""
+        request = self.requests.get(request_id)
+        return request.failure if request is not None else ""
 
     def _tick(self, now: float, wall_time: float,
               stalled_peers: frozenset[str] = frozenset()) -> list[Action]:
@@ -402,38 +420,48 @@ class Membership:
         # silent, is most likely waiting on the silent one (a peer's piece, a reduction):
         # the deadline defers to the liveness limit, which names the silent one
         silent_awaited = any(
-            r.reply is None and not r.worker.gone
+            r.reply is None and not r.worker.gone and not r.background
             and now - r.worker.last_seen > SILENT_SUSPECT_BEATS * self.settings.heartbeat_interval_s
             for r in self.requests.values())
         for request in self.requests.values():
-            if request.reply is not None:
+            if request.reply is not None or request.failure:
                 continue
             request.link_down_seen = request.link_down_seen or bool(links_down)
-            worker = request.worker
-            silent_s = now - worker.last_seen
-            if worker.gone:
-                how = "lost its connection" if worker.connection_lost else "left"
-                actions.append(Fail(worker, f"worker {worker.name} {how} during {request.what}"))
-            elif worker.link_down and silent_s <= self.settings.link_retry_s:
-                # seen behind a dead link since last heard: wait up to link_retry_s for TCP
-                # to deliver, also once the master's own segments are acknowledged again
-                # (the worker's side retransmits on its own back-off, up to seconds later)
-                continue
-            elif silent_s > self.settings.liveness_timeout_s:
-                worker.gone = True
-                behind = " behind a link that does not acknowledge" if worker.link_down else ""
-                actions.append(Fail(worker, f"worker {worker.name} stopped responding during "
-                                            f"{request.what} (silent for {silent_s:.1f} s"
-                                            f"{behind})"))
-            elif (stalled := self._report(worker, now).stalled_s) > self.compute_stall_limit_s:
-                actions.append(Fail(worker, f"worker {worker.name}'s compute thread has made no "
-                                            f"progress for {stalled:.1f} s (during "
-                                            f"{request.what}): hung"))
-            elif now - request.sent_at > (timeout := self._deadline_s(request)) and not (
-                    silent_awaited and now - request.sent_at
-                    <= timeout + self.settings.liveness_timeout_s):
-                actions.append(self._overdue(worker, request, timeout, now))
+            fault = self._request_fault(request, now, silent_awaited)
+            if fault is not None:
+                actions += self._failed(request, fault)
         return actions
+
+    def _request_fault(self, request: Request, now: float, silent_awaited: bool) -> Fail | None:
+        """Why ``request`` has failed by ``now``, or None while it may still be answered."""
+        worker = request.worker
+        silent_s = now - worker.last_seen
+        if worker.gone:
+            how = "lost its connection" if worker.connection_lost else "left"
+            return Fail(worker, f"worker {worker.name} {how} during {request.what}")
+        if worker.link_down and silent_s <= self.settings.link_retry_s:
+            # seen behind a dead link since last heard: wait up to link_retry_s for TCP
+            # to deliver, also once the master's own segments are acknowledged again
+            # (the worker's side retransmits on its own back-off, up to seconds later)
+            return None
+        if silent_s > self.settings.liveness_timeout_s:
+            worker.gone = True
+            behind = " behind a link that does not acknowledge" if worker.link_down else ""
+            return Fail(worker, f"worker {worker.name} stopped responding during "
+                                f"{request.what} (silent for {silent_s:.1f} s{behind})")
+        stalled = self._report(worker, now).stalled_s
+        if stalled > self.compute_stall_limit_s and not request.background:
+            return Fail(worker, f"worker {worker.name}'s compute thread has made no progress "
+                                f"for {stalled:.1f} s (during {request.what}): hung")
+        timeout = self._deadline_s(request)
+        if now - request.sent_at > timeout and not (
+                silent_awaited and not request.background
+                and now - request.sent_at <= timeout + self.settings.liveness_timeout_s):
+            if request.background:
+                return Fail(worker, f"worker {worker.name} did not answer {request.what} "
+                                    f"within {timeout:.0f} s")
+            return self._overdue(worker, request, timeout, now)
+        return None
 
     def _report(self, worker: WorkerHandle, now: float) -> ComputeReport:
         """What ``worker``'s compute thread is doing now, from its last heartbeat."""
@@ -466,17 +494,20 @@ class Membership:
         return []
 
     def _awaited(self, pending: Mapping[int, WorkerHandle], what: str,
-                 now: float, timeout_s: float | None = None) -> list[Action]:
+                 now: float, timeout_s: float | None = None,
+                 background: bool = False) -> list[Action]:
         for request_id, worker in pending.items():
             request = self.requests.get(request_id)
             if request is None or request.worker is not worker:
                 request = self.requests[request_id] = Request(worker, now, None)
             request.what = what
             request.timeout_s = timeout_s
+            request.background = background
         return []
 
     def _fail_requests_of(self, worker: WorkerHandle, verb: str, detail: str) -> list[Action]:
         """One Fail per unanswered request of ``worker``: "worker W <verb> <what>: <detail>"."""
-        return [Fail(worker, f"worker {worker.name} {verb} {request.what}: {detail}")
-                for request in self.requests.values()
-                if request.worker is worker and request.reply is None]
+        return [action for request in self.requests.values()
+                if request.worker is worker and request.reply is None
+                for action in self._failed(request, Fail(
+                    worker, f"worker {worker.name} {verb} {request.what}: {detail}"))]

@@ -205,6 +205,7 @@ class RequestsAwaited:
     what: str
     now: float
     timeout_s: float | None = None  # a deadline for these requests, counted from their send
+    background: bool = False  # answered beside training: failures kept, not raised
 
 
 @dataclass(frozen=True)
@@ -259,5 +260,9 @@ class Request:
     reply: Reply | None = None
     timeout_s: float | None = None  # its own deadline (None: the settings' backstop)
     link_down_seen: bool = False  # a member's link was down while it waited: +link_retry_s
+    # a request answered beside training (a joiner's calibration): its failure is kept
+    # here for whoever collects it, never a Fail that would stop the step being gathered
+    background: bool = False
+    failure: str = ""
 
 

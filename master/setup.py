@@ -29,8 +29,14 @@ from hetconv.engine.stage import ConvStage, LocalConvStage
 from hetconv.errors import UserError
 from hetconv.keys import server_keys
 from hetconv.master.assign import assign
-from hetconv.master.calibration import LayerCalibration, calibrate, calibrate_samples
+from hetconv.master.calibration import (
+    LayerCalibration,
+    calibrate,
+    calibrate_samples,
+    kernel_sizes,
+)
 from hetconv.master.cluster import Cluster, ClusterSettings, WorkerHandle
+from hetconv.master.joiners import JoinCalibration, Timings
 from hetconv.master.kernels.peer_plane import open_peer_plane
 from hetconv.master.kernels.phases import Phases
 from hetconv.master.kernels.planes import DataPlane, StarPlane
@@ -145,6 +151,10 @@ class RunPlanning:
         self.metrics, self.report = metrics, report
         self.step = 0  # the trainer takes the timings once per step, from step 0
         self._waiting: dict[str, WorkerHandle] = {}  # joinable workers by id
+        # joiners are timed beside training, each at the whole layer and a quarter of it
+        self.joining = JoinCalibration(cluster, shapes,
+                                       lambda shape: kernel_sizes(shape, 1, batch), report)
+        self._timed: dict[str, Timings] = {}  # joiners timed, not taken in yet
 
     def split(self, alive: set[str]) -> list[list[int]]:
         self.rebalancer.restrict(alive)  # re-splits never hand the evicted kernels
@@ -176,6 +186,9 @@ class RunPlanning:
                     f"now {split} ({apply_s * 1e3:.0f} ms to apply)")
         self.metrics.write("rebalance", **decision.record(), apply_s=apply_s)
 
+    def _cost_models(self, timings: Timings) -> tuple[tuple[float, float], ...]:
+        return _cost_models_of(self.shapes, self.batch, timings)
+
     def joinable(self, shards: list[list[Shard]], may_rejoin: Callable[[str], bool]
                  ) -> list[str]:
         self.cluster.pump(0.0)  # take in any Hello waiting on the socket
@@ -183,7 +196,11 @@ class RunPlanning:
         self._waiting = {w.worker_id: w for w in self.cluster.known_workers()
                          if not w.gone and id(w) not in holding and may_rejoin(w.worker_id)
                          and (self.rule.data_plane != "peer" or w.data_endpoint)}
-        return sorted(self._waiting)
+        self.joining.start(list(self._waiting.values()))  # timed beside training
+        done, failed = self.joining.collect()
+        self.joining.drop_failed(failed)
+        self._timed.update(done)
+        return sorted(name for name in self._waiting if name in self._timed)
 
     def admit(self, shards: list[list[Shard]], names: list[str]) -> list[list[Shard]]:
         """Calibrate and link-probe ``names``, add their profiles to the rebalancer and
@@ -191,16 +208,15 @@ class RunPlanning:
         connection); the kernels move at the re-split that follows."""
         joiners = [Participant(name, self._waiting[name], self._waiting[name].device)
                    for name in names]
-        self.report(f"hetconv: worker(s) {', '.join(names)} joined: calibrating")
         self.cluster.admit([p.worker for p in joiners if p.worker is not None])
-        calibration = calibrate(self.cluster, joiners, self.shapes, self.batch,
-                                report=self.report)
+        models = {p.participant: self._cost_models(self._timed.pop(p.participant))
+                  for p in joiners}
+        self.report(f"hetconv: worker(s) {', '.join(names)} joined, calibrated beside training")
         links = probe_links(self.cluster, joiners, self.report)
         out = [list(row) for row in shards]
-        for index, (joiner, link) in enumerate(zip(joiners, links)):
+        for joiner, link in zip(joiners, links):
             self.rebalancer.add_participant(ParticipantProfile(
-                joiner.participant, tuple(cal.cost_models()[index] for cal in calibration),
-                link))
+                joiner.participant, models[joiner.participant], link))
             column = next((i for i, s in enumerate(out[0])
                            if s.participant == joiner.participant), None)
             for row in out:
@@ -211,6 +227,20 @@ class RunPlanning:
                     old = row[column]
                     row[column] = Shard(old.participant, joiner.worker, old.start, old.stop)
         return out
+
+
+def _cost_models_of(shapes: list[ConvLayerShape], batch: int,
+                    timings: Timings) -> tuple[tuple[float, float], ...]:
+    """(fixed seconds, seconds per kernel) per layer of one joiner timed at
+    :func:`kernel_sizes` (one participant: the whole layer and a quarter of it)."""
+    models = []
+    for shape in shapes:
+        (_, large), (_, small) = kernel_sizes(shape, 1, batch)
+        calibration = LayerCalibration(shape.index, large,
+                                       [timings[(shape.index, batch, large)]], small,
+                                       [timings[(shape.index, batch, small)]])
+        models.append(calibration.cost_models()[0])
+    return tuple(models)
 
 
 def kernel_split_config(config: MasterConfig, model: ModelConfig) -> MasterConfig:

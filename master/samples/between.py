@@ -11,8 +11,8 @@ import numpy as np
 
 from hetconv.master.assign import assign, exchange
 from hetconv.master.audit import audit_input, audit_workers, dense_audit_input
-from hetconv.master.calibration import calibrate_samples
-from hetconv.master.cluster import Cluster
+from hetconv.master.cluster import Cluster, WorkerHandle
+from hetconv.master.joiners import JoinCalibration, Timings
 from hetconv.master.plan import Participant, Shard
 from hetconv.master.run import RunControl
 from hetconv.master.samples.figures import StepState
@@ -38,6 +38,10 @@ class BetweenSteps:
         self.updates = updates
         self.state = state
         self.peers = peers
+        self.joining = JoinCalibration(cluster, setup.shapes,
+                                       lambda shape: [(self._joiner_slice(), shape.kernels)],
+                                       report=setup.report)
+        self._timed: dict[str, Timings] = {}  # joiners timed, not taken in yet
 
     def snapshot(self) -> dict[str, np.ndarray]:
         """The master's replicas, audited against every worker (the pending update
@@ -109,17 +113,33 @@ class BetweenSteps:
         self.replicas.runner.layers.exchange = self.peers.assign(
             self.members.in_run(), self.members.names(), kernels, sizes)
 
+    def joiners_ready(self, workers: list[WorkerHandle]) -> list[str]:
+        """The joiners among ``workers`` whose calibration, run beside training
+        (master/joiners.py), is in: the others are started or still computing; one that
+        failed is dropped and told why."""
+        self.joining.start(workers)
+        done, failed = self.joining.collect()
+        self.joining.drop_failed(failed)
+        self._timed.update(done)
+        return sorted(done)
+
+    def _joiner_slice(self) -> int:
+        """The slice a joiner is timed on: the batch over the run's participants and it."""
+        return max(1, -(-self.setup.batch // (len(self.members.names()) + 1)))
+
     def calibrate(self, names: list[str]) -> None:
-        """Calibrate the joiners ``names``; they get their samples at the re-slice that
-        follows."""
+        """Take in the joiners ``names`` with their calibration (timed beside training:
+        :meth:`joiners_ready`); they get their samples at the re-slice that follows."""
         found = {w.worker_id: w for w in self.cluster.known_workers() if not w.gone}
-        joiners = [Participant(n, found[n], found[n].device) for n in names if n in found]
-        self.setup.report(f"hetconv: worker(s) {', '.join(names)} joined: calibrating")
+        joiners = [Participant(n, found[n], found[n].device) for n in names
+                   if n in found and n in self._timed]
         self.cluster.admit([p.worker for p in joiners if p.worker is not None])
-        members = len(self.members.names()) + len(joiners)
-        per_sample = calibrate_samples(
-            self.cluster, joiners, list(self.setup.shapes), self.setup.batch,
-            report=self.setup.report,
-            slice_samples=max(1, -(-self.setup.batch // max(members, 1))))
-        for joiner, seconds in zip(joiners, per_sample):
-            self.members.add(joiner, seconds)
+        lines = []
+        for joiner in joiners:
+            timings = self._timed.pop(joiner.participant)
+            size = next(iter(timings))[1]
+            total = sum(timings.values())
+            lines.append(f"{joiner.participant} {total * 1e3:.1f} ms")
+            self.members.add(joiner, max(total, 1e-9) / size)
+        self.setup.report(f"hetconv: worker(s) {', '.join(names)} joined, calibrated beside "
+                          f"training (every layer whole, one slice): {', '.join(lines)}")

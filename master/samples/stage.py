@@ -310,11 +310,11 @@ class SampleConvStage:
     def _take_in_joiners(self, state: dict[str, np.ndarray]) -> ConvStage:
         self.cluster.pump(0.0)  # take in any Hello waiting on the socket
         kept_out = self.members.kept_out(self.policy.on_trial())
-        joinable = sorted(w.worker_id for w in self.cluster.known_workers()
-                          if not w.gone and not self.members.holds(w)
-                          and w.worker_id not in kept_out
-                          and self.control.may_rejoin(w.worker_id)
-                          and not self.cluster.misbehaving(w.worker_id))
+        waiting = [w for w in self.cluster.known_workers()
+                   if not w.gone and not self.members.holds(w) and w.worker_id not in kept_out
+                   and self.control.may_rejoin(w.worker_id)
+                   and not self.cluster.misbehaving(w.worker_id)]
+        joinable = self.between.joiners_ready(waiting)  # timed beside training
         if not joinable:
             return self
         return self._carry_out(self.control.handle(ReplanPoint(tuple(joinable))), state)

@@ -293,6 +293,33 @@ class FakeSampleCluster:
                 return cue
         return None
 
+    def send_beside(self, requests: Sequence[tuple[WorkerHandle, Message]], what: str,
+                    timeout_s: float) -> list[int]:
+        """Requests answered beside training (Cluster.send_beside): never stray."""
+        ids = []
+        for handle, message in requests:
+            self.send(handle, message)
+            request_id = int(vars(message)["request_id"])
+            self.membership.requests.pop(request_id, None)
+            ids.append(request_id)
+        return ids
+
+    def beside_results(self, request_ids: list[int]) -> tuple[dict[int, Reply] | None, str]:
+        """As Cluster.beside_results; the in-process workers answer at once, so this waits
+        for them (the tests' joins are deterministic)."""
+        replies: dict[int, Reply] = {}
+        for request_id in request_ids:
+            worker, future, _ = self._futures[request_id]
+            message, arrived = future.result(timeout=GATHER_LIMIT_S)
+            if isinstance(message, ErrorReply):
+                return None, f"worker {worker.name} failed a calibration: {message.message}"
+            replies[request_id] = Reply(worker.handle, message, arrived, payload_bytes(message))
+        return replies, ""
+
+    def forget(self, request_ids: list[int]) -> None:
+        for request_id in request_ids:
+            self._futures.pop(request_id, None)
+
     def gather(self, pending: dict[int, WorkerHandle], what: str,
                done: Callable[[], bool] = lambda: True,
                timeout_s: float | None = None) -> dict[int, Reply]:
