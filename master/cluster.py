@@ -207,11 +207,16 @@ class Cluster:
         # MAX_MESSAGES_PER_POLL messages: a flood waits, fair-queued with the workers'
         # replies, instead of holding the training thread; a sender over its budget
         # is dropped undecoded.
+        members = {w.identity for w in self.membership.members}  # empty: before the run
+
+        def admit(identity: bytes) -> bool:
+            return self.budget.admit(identity, now, identity in self.membership.workers,
+                                     joiner=bool(members) and identity not in members)
+
         for _ in range(limits.MAX_MESSAGES_PER_POLL):
             try:
-                received = transport.recv_routed(self.sock, lambda identity: self.budget.admit(
-                    identity, now, identity in self.membership.workers),
-                    admitted=self.membership.workers)
+                received = transport.recv_routed(self.sock, admit,
+                                                 admitted=self.membership.workers)
             except ProtocolError as error:
                 # the connection's User-Id, where the transport read it (None: unknown)
                 user_id: str | None = getattr(error, "user_id", None)

@@ -50,11 +50,13 @@ class SenderBudget:
     def __init__(self, window_s: float = limits.SENDER_WINDOW_S,
                  max_messages: int = limits.MAX_MESSAGES_PER_SENDER,
                  max_errors: int = limits.MAX_ERROR_REPLIES_PER_SENDER,
-                 max_stranger_messages: int = limits.MAX_MESSAGES_PER_STRANGER) -> None:
+                 max_stranger_messages: int = limits.MAX_MESSAGES_PER_STRANGER,
+                 max_joiner_messages: int = limits.MAX_MESSAGES_PER_JOINER) -> None:
         self.window_s = window_s
         self.max_messages = max_messages
         self.max_errors = max_errors
         self.max_stranger_messages = max_stranger_messages
+        self.max_joiner_messages = max_joiner_messages
         self._windows: dict[bytes, _Window] = {}
 
     def _window(self, sender: bytes, now: float) -> _Window:
@@ -67,12 +69,15 @@ class SenderBudget:
             window.start, window.messages, window.errors = now, 0, 0
         return window
 
-    def admit(self, sender: bytes, now: float, known: bool = True) -> bool:
+    def admit(self, sender: bytes, now: float, known: bool = True, joiner: bool = False) -> bool:
         """Whether to decode the next message of ``sender`` (False: drop it unread);
-        ``known``: it is a worker that said Hello (else the stranger's budget holds)."""
+        ``known``: it is a worker that said Hello (else the stranger's budget holds);
+        ``joiner``: a known worker not in the run (yet): the joiner's budget."""
         window = self._window(sender, now)
         window.messages += 1
-        if window.messages <= (self.max_messages if known else self.max_stranger_messages):
+        limit = (self.max_stranger_messages if not known
+                 else self.max_joiner_messages if joiner else self.max_messages)
+        if window.messages <= limit:
             return True
         window.dropped += 1
         return False

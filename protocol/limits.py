@@ -98,6 +98,10 @@ MAX_MESSAGES_PER_SENDER = 2000
 """Messages one sender may have decoded per window; past it the rest of the window's
 messages from that sender are dropped undecoded (a worker sends a few per step and two
 heartbeats a second: a run at 100 steps/s with 8 layers sends under this many)."""
+MAX_MESSAGES_PER_JOINER = 200
+"""The same for a worker that said Hello but is not in the run (yet): it heartbeats and
+answers its calibration (one reply per layer and size, computed one after the other);
+a heartbeat flood from it costs the training thread a read each past this, no decode."""
 MAX_MESSAGES_PER_STRANGER = 20
 """The same for a sender that is not a known worker: it has a Hello to say, and little
 else; a flood from a stranger costs a read each and no decode."""

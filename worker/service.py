@@ -212,11 +212,13 @@ class WorkerService:
             raise RequestError(ERR_UNKNOWN_LAYER, f"no shard assigned for layer {layer}")
         return shard
 
-    def drain_idle_data_plane(self) -> None:
+    def drain_idle_data_plane(self) -> int:
         """Outside a run (no AssignPeers in force), release what waits on the data
-        endpoint: nothing should, and a stranger's bytes must not stay in memory."""
+        endpoint: nothing should, and a stranger's bytes must not stay in memory. How
+        many messages were released."""
         if self.peer is None and self.data_plane is not None:
-            self.data_plane.drain()
+            return self.data_plane.drain()
+        return 0
 
     def _calibrate(self, request: CalibrateRequest) -> CalibrateReply:
         reason = calibrate_refusal(request)  # sizes bounded as a training step's

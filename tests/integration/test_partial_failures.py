@@ -112,7 +112,8 @@ def test_a_joiner_that_never_answers_never_stalls_training(
     told why, never given work, and the run completes without a recovery."""
     workers("a", "b")
     run_dir = tmp_path / "run"
-    master = start_master(endpoint, run_dir, 2, "--epochs", "4")
+    # long enough for the joiner's 5 s of silence after it left and the re-plan point after
+    master = start_master(endpoint, run_dir, 2, "--epochs", "6")
     joiner = None
     try:
         assert wait_for(lambda: len(step_times(run_dir)) >= 100, 120), master.poll()
@@ -147,7 +148,7 @@ def test_a_joiner_that_never_answers_never_stalls_training(
     assert "worker mute not taken in" in out + err, (out + err)[-3000:]
 
 
-JOINER_STAYS_S = 6.0
+JOINER_STAYS_S = 5.0
 MIN_RATE_WITH_JOINER = 0.75
 """The issue's bound is 10 % (measured: the note's table); three processes and the
 joiner share two cores here, and a step rate over 5 s moves by about 15 % run to run."""

@@ -79,9 +79,11 @@ def test_any_exception_while_building_is_a_protocol_error() -> None:
 
 # --- per-sender budgets ----------------------------------------------------------------
 def test_budget_drops_past_the_limit_and_counts() -> None:
-    budget = SenderBudget(window_s=1.0, max_messages=3, max_errors=1, max_stranger_messages=1)
+    budget = SenderBudget(window_s=1.0, max_messages=3, max_errors=1, max_stranger_messages=1,
+                          max_joiner_messages=2)
     assert [budget.admit(b"a", 0.0) for _ in range(5)] == [True, True, True, False, False]
     assert [budget.admit(b"s", 0.0, known=False) for _ in range(3)] == [True, False, False]
+    assert [budget.admit(b"j", 0.0, joiner=True) for _ in range(3)] == [True, True, False]
     assert budget.admit(b"b", 0.5)  # other senders have their own budget
     assert budget.admit(b"a", 1.0)  # a new window
     assert budget.may_complain(b"a", 1.0) and not budget.may_complain(b"a", 1.1)

@@ -189,6 +189,26 @@ def test_pieces_of_an_older_reduction_are_stale() -> None:
                        or "")
 
 
+def test_far_ahead_pieces_are_purged_never_kept() -> None:
+    """Forged pieces of reductions far ahead (a stranger who learnt the request counter)
+    never fill the inbox: a nearer reduction's pieces push the farthest out, and a piece
+    farther than every one held is dropped once MAX_HELD_REDUCTIONS are held."""
+    from hetconv.participant.samples.weight_reduce import MAX_HELD_REDUCTIONS
+
+    everyone = ["master", "w1"]
+    plan = reduce_plan([SHAPE[0]], everyone, everyone)
+    w1 = GradientExchange("w1", plan, Network().port("w1"), 0.1)
+    chunk = np.zeros((5,) + SHAPE[1:], np.float32)
+    for forged in range(1000, 1000 + MAX_HELD_REDUCTIONS):
+        assert w1.offer(_piece("master", PHASE_REDUCE, 5, 10, chunk, reduce_id=forged)) is None
+    assert "too far ahead" in (w1.offer(_piece("master", PHASE_REDUCE, 5, 10, chunk,
+                                               reduce_id=5000)) or "")
+    assert w1.offer(_piece("master", PHASE_REDUCE, 5, 10, chunk, reduce_id=5)) is None
+    assert 1000 + MAX_HELD_REDUCTIONS - 1 not in {k[0] for k in w1._inbox}  # pushed out
+    w1.scatter(5, 0, 0, np.ones(SHAPE, np.float32))
+    w1.reduce(5, 0, 0, everyone, SHAPE)  # the honest one is there when needed
+
+
 def test_a_bulk_piece_goes_out_after_the_next_barrier_message(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A reduction piece of at least BULK_BYTES waits in its sender's queue and goes out

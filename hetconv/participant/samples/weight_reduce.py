@@ -100,6 +100,11 @@ REDUCE_PHASES = (PHASE_REDUCE, PHASE_GATHER, PHASE_WHOLE) + SYNC_PHASES
 BULK_BYTES = 16 * 1024
 """Reduction pieces of at least this many bytes wait for this participant's next barrier
 message (the module doc); a barrier's own (2, K) pieces are far smaller."""
+MAX_HELD_REDUCTIONS = 4
+"""Reductions (``reduce_id``s) whose pieces a participant holds at once: the one it works
+on, the previous step's gather, the next step's (a fast peer's) and one spare. A piece
+of a farther one is dropped, or the farthest held makes room for a nearer one: forged
+far-ahead pieces are purged, never kept."""
 MAX_HELD_PIECES = 512
 """At most this many pieces wait in a participant's inbox (a run needs at most a few
 layers' worth per peer): beyond it, pieces are dropped as a stranger's would be."""
@@ -427,8 +432,12 @@ class GradientExchange:
         key = (piece.pass_id, piece.layer, piece.phase, piece.sender)
         if key in self._inbox:
             return f"duplicate {piece.phase} piece of layer {piece.layer + 1} from {piece.sender!r}"
-        if len(self._inbox) >= MAX_HELD_PIECES:
-            return "too many reduction pieces waiting"
+        held = sorted({k[0] for k in self._inbox} | {piece.pass_id})
+        if len(held) > MAX_HELD_REDUCTIONS or len(self._inbox) >= MAX_HELD_PIECES:
+            farthest = held[-1]
+            if piece.pass_id == farthest:  # nearer ones first: this one is never needed soon
+                return f"reduction piece {piece.pass_id} too far ahead (now at {self._floor})"
+            self._inbox = {k: v for k, v in self._inbox.items() if k[0] != farthest}
         self._inbox[key] = piece.data
         self.bytes_received += int(piece.data.nbytes)
         return None

@@ -1,0 +1,75 @@
+"""Memory bounded whoever sends (issue 49 part 3): a garbage flood at an idle worker's
+data port is released as fast as it comes; a frame bigger than anything the port can
+carry is refused before it is buffered. A real worker process, a flooding stranger."""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import psutil
+import pytest
+import zmq
+
+from hetconv.lab import free_port, wait_for
+
+pytestmark = [pytest.mark.integration]
+
+FLOOD_S = 6.0
+GARBAGE = b"\x00" * (64 * 1024)
+FLOOD_PER_S = 4000.0
+"""64 KiB messages a second: 250 MiB/s, twice what a 1 Gbit link carries."""
+MAX_GROWTH_MB = 150.0
+"""What the worker's resident memory may grow by under the flood (before: 1.07 GB in 20 s)."""
+
+
+def rss_mb(pid: int) -> float:
+    return psutil.Process(pid).memory_info().rss / 2**20
+
+
+def flood(port: int, seconds: float, sent: list[int], per_s: float = FLOOD_PER_S) -> None:
+    """Push 64 KiB of garbage at ``port``, ``per_s`` messages a second, for ``seconds``."""
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.SNDHWM, 1000)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(f"tcp://127.0.0.1:{port}")
+    end = time.monotonic() + seconds
+    try:
+        start = time.monotonic()
+        while (now := time.monotonic()) < end:
+            if sent[0] >= (now - start) * per_s:
+                time.sleep(0.001)
+                continue
+            try:
+                push.send(GARBAGE, zmq.NOBLOCK)
+                sent[0] += 1
+            except zmq.Again:
+                time.sleep(0.0005)
+    finally:
+        push.close(linger=0)
+        ctx.term()
+
+
+@pytest.mark.timeout(120)
+def test_an_idle_data_port_under_a_garbage_flood_stays_small(workers: Any) -> None:
+    data_port = free_port()
+    (worker,) = workers("idle", extra_args=("--data-port", str(data_port)))
+    pid = worker.process.pid
+    assert wait_for(lambda: "data endpoint" in worker.output(), 30), worker.output()
+    time.sleep(1.0)
+    before = rss_mb(pid)
+    sent = [0]
+    flooder = threading.Thread(target=flood, args=(data_port, FLOOD_S, sent))
+    flooder.start()
+    peak = before
+    while flooder.is_alive():
+        peak = max(peak, rss_mb(pid))
+        time.sleep(0.2)
+    flooder.join()
+    print(f"sent {sent[0]} x 64 KiB ({sent[0] * 64 / 1024:.0f} MiB) in {FLOOD_S:.0f} s; "
+          f"worker RSS {before:.0f} -> peak {peak:.0f} MB")
+    # each close makes the flooder reconnect: what it gets through is what it is allowed
+    assert sent[0] >= 1000, "no flood to speak of"
+    assert peak - before < MAX_GROWTH_MB, (before, peak)
+    assert worker.process.poll() is None and "Traceback" not in worker.output()
