@@ -460,7 +460,14 @@ class Membership:
             if request.background:
                 return Fail(worker, f"worker {worker.name} did not answer {request.what} "
                                     f"within {timeout:.0f} s")
-            return self._overdue(worker, request, timeout, now)
+            fault = self._overdue(worker, request, timeout, now)
+            blamed = next((w for w in self._heartbeated()
+                           if w.worker_id == fault.culprit and not w.gone), None)
+            if blamed is not None and now - request.sent_at <= (
+                    timeout + self.settings.liveness_timeout_s) and now - blamed.last_seen > (
+                    SILENT_SUSPECT_BEATS * self.settings.heartbeat_interval_s):
+                return None  # the one it waits for is silent: the liveness limit names it
+            return fault
         return None
 
     def _report(self, worker: WorkerHandle, now: float) -> ComputeReport:

@@ -20,11 +20,13 @@ from hetconv.data.batches import Augmentation, BatchSource, augment_padding
 from hetconv.data.loading import Dataset
 from hetconv.engine.checkpoint import save_weights
 from hetconv.engine.dense_part import DensePart
+from hetconv.engine.loss_guard import LossJumpGuard
 from hetconv.engine.optim import OptimizerConfig, learning_rate_at
 from hetconv.engine.routing import ForwardTape, Routing, run_backward, run_forward
 from hetconv.engine.stage import (
     ConvStage,
     EarlyReplanStage,
+    LocalConvStage,
     RoutingStage,
     StageFault,
     WholeStepStage,
@@ -90,6 +92,7 @@ class Trainer:
         self.run_dir = run_dir
         self.out = out
         self.last_state: TrainingState | None = None  # what a fault restores
+        self.loss_guard = LossJumpGuard()  # a loss 100x its recent median: restore, replay
         self._faults_without_progress = 0
         self._last_fault_step = -1
 
@@ -248,6 +251,7 @@ class Trainer:
         self._restore_dense(state)  # first: a stage replicating it hands it out
         self.stage = self.stage.recover(fault, state.conv)
         self.restore(state)
+        self.loss_guard.rewind()
         seconds = time.perf_counter() - started
         self.metrics.write("recovery", failed_step=step, resumed_step=state.step,
                            participant=fault.participant, gone=fault.gone, reason=str(fault),
@@ -317,6 +321,11 @@ class Trainer:
                         if not np.isfinite(record["loss"]):
                             raise UserError(f"the model diverged at step {step}: the loss is "
                                             f"{record['loss']}; lower --lr")
+                        jump = self.loss_guard.check(step, float(record["loss"]))
+                        if jump is not None and not isinstance(self.stage, LocalConvStage):
+                            if jump.restore:  # the last audited snapshot, then a replay
+                                raise StageFault(jump.line)
+                            self.out(f"hetconv: warning: {jump.line}")
                         seen += record["images"]
                         correct += record["correct"]
                         loss_sum += record["loss"] * record["images"]

@@ -103,49 +103,50 @@ def rate(times: list[float], start: float, stop: float) -> float:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("flood", [0, 2000], ids=["mute-joiner", "heartbeat-flood"])
+@pytest.mark.serial  # step rates compared: alone (deploy/test.sh's part 2)
 def test_a_joiner_that_never_answers_never_stalls_training(
-        endpoint: str, workers: Any, tmp_path: Path, flood: int) -> None:
-    """A peer says Hello, announces a data endpoint, heartbeats (or floods 2000
-    heartbeats a second) and never answers: its calibration runs beside training, so the
-    step rate while it is there stays that of before; once it is gone it is dropped and
-    told why, never given work, and the run completes without a recovery."""
+        endpoint: str, workers: Any, tmp_path: Path) -> None:
+    """A peer says Hello, announces a data endpoint, heartbeats and never answers; then
+    another floods 2000 heartbeats a second and never answers. Their calibration runs
+    beside training, so the step rate while each is there stays that of before; once
+    gone, each is dropped and told why, never given work, and the run completes without
+    a recovery. (One run for both: the suite's time.)"""
     workers("a", "b")
     run_dir = tmp_path / "run"
-    # long enough for the joiner's 5 s of silence after it left and the re-plan point after
-    master = start_master(endpoint, run_dir, 2, "--epochs", "6")
-    joiner = None
+    # long enough for the last joiner's 5 s of silence after it left and a re-plan point
+    master = start_master(endpoint, run_dir, 2, "--epochs", "10")
+    windows: list[tuple[int, float, float]] = []  # (flood, joined, left)
     try:
         assert wait_for(lambda: len(step_times(run_dir)) >= 100, 120), master.poll()
-        joined = time.time()
-        joiner = subprocess.Popen(
-            [sys.executable, "-m", "tests.support.mute_joiner", "--master", endpoint,
-             "--flood", str(flood)], env=child_env(), cwd=REPO)
-        time.sleep(JOINER_STAYS_S)
-        joiner.kill()
-        joiner.wait()
-        left = time.time()
+        for flood in (0, 2000):
+            joiner = subprocess.Popen(
+                [sys.executable, "-m", "tests.support.mute_joiner", "--master", endpoint,
+                 "--name", f"mute{flood}", "--flood", str(flood)], env=child_env(), cwd=REPO)
+            joined = time.time()
+            time.sleep(JOINER_STAYS_S)
+            joiner.kill()
+            joiner.wait()
+            windows.append((flood, joined, time.time()))
+            time.sleep(1.0)
     except BaseException:
         master.kill()
         master.communicate()
         raise
-    finally:
-        if joiner is not None and joiner.poll() is None:
-            joiner.kill()
     out, err = finish(master)
     events = records(run_dir)
     assert events[-1]["type"] == "run_end" and events[-1]["status"] == "completed"
     assert not [r for r in events if r["type"] == "recovery"], story(run_dir, "a")
     times = step_times(run_dir)
-    before = rate(times, times[20], joined)  # from step 20: set-up and warm-up are over
-    during = rate(times, joined + 1.0, left)
-    print(f"steps/s before the joiner {before:.1f}, while it was there {during:.1f} "
-          f"({during / before:.2f}x)")
-    assert during >= MIN_RATE_WITH_JOINER * before, (before, during)
+    before = rate(times, times[20], windows[0][1])  # from step 20: set-up is over
     held = {d["participant"] for r in events if r["type"] == "step"
             for layer in r["layers"] for d in layer["participants"]}
-    assert "mute" not in held
-    assert "worker mute not taken in" in out + err, (out + err)[-3000:]
+    for flood, joined, left in windows:
+        during = rate(times, joined + 1.0, left)
+        print(f"flood {flood}/s: steps/s before the joiner {before:.1f}, while it was there "
+              f"{during:.1f} ({during / before:.2f}x)")
+        assert during >= MIN_RATE_WITH_JOINER * before, (flood, before, during)
+        assert f"mute{flood}" not in held
+        assert f"worker mute{flood} not taken in" in out + err, (out + err)[-3000:]
 
 
 JOINER_STAYS_S = 5.0

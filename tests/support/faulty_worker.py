@@ -12,7 +12,10 @@ runs ``hetconv worker`` with a :class:`WorkerFaults` given to its service (the
 - ``--corrupt-file PATH``: its outputs are wrong while PATH exists (a test turns a
   worker bad at the moment it holds kernels);
 - ``--corrupt-mode``: how they are wrong: ``nan`` (the default), ``scale`` (finite,
-  y x 1000) or ``crop`` (one row and column short: the wrong H and W);
+  y x 1000), ``crop`` (one row and column short: the wrong H and W), ``train-scale``
+  (y x 1000 in training mode only: its evaluation path, which the audit checks, is
+  right) or ``grad-scale`` (its outputs right, the weight gradient it sends under the
+  sample split x 1000);
 - ``--hang-from-step N``: its compute thread hangs (sleeps for an hour) when it takes up
   a request of step N or later, while its socket thread goes on heartbeating;
 - ``--mute-from-step N``: from step N on, every piece it sends on the data plane is
@@ -46,7 +49,7 @@ from hetconv.protocol import PeerPiece
 
 REPO = Path(__file__).resolve().parents[2]
 MODULE = "tests.support.faulty_worker"
-CORRUPT_MODES = ("nan", "scale", "crop")
+CORRUPT_MODES = ("nan", "scale", "crop", "train-scale", "grad-scale")
 
 
 class FaultyShard(ConvShard):
@@ -62,7 +65,8 @@ class FaultyShard(ConvShard):
                 rows_ready: Callable[[int], None] | None = None) -> Any:
         if train:
             time.sleep(self.delay_per_kernel_s * self.kernels)
-        return self.corrupt_output(super().forward(x, train, rows_ready))
+        y = super().forward(x, train, rows_ready)
+        return self.corrupt_output(y) if train or self.corrupt_mode != "train-scale" else y
 
     def training_delay(self) -> None:
         """The delay of one training phase (the sample split's rounds call it)."""
@@ -71,13 +75,20 @@ class FaultyShard(ConvShard):
     def corrupt_output(self, y: Any) -> Any:
         """y as this shard answers it: wrong while ``corrupt`` is set (the sample split's
         rounds call this on every layer output they finish)."""
-        if not self.corrupt:
+        if not self.corrupt or self.corrupt_mode == "grad-scale":
             return y
-        if self.corrupt_mode == "scale":
+        if self.corrupt_mode in ("scale", "train-scale"):
             return y * np.float32(1000.0)
         if self.corrupt_mode == "crop":
             return np.ascontiguousarray(y[:, :, :-1, :-1])
         return y * np.float32("nan")
+
+    def corrupt_gradient(self, dweight: Any) -> Any:
+        """The weight gradient this shard sends under the sample split (x1000 while
+        ``corrupt`` in ``grad-scale`` mode)."""
+        if self.corrupt and self.corrupt_mode == "grad-scale":
+            return dweight * np.float32(1000.0)
+        return dweight
 
     def backward(self, dy: Any, need_dx: bool, learning_rate: float,
                  dx_rows: Callable[[Any, int, int], None] | None = None) -> Any:

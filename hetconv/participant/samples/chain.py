@@ -60,7 +60,9 @@ from hetconv.participant.samples.layers import (
     SliceLayers,
     compute_seconds,
     tests_delay,
+    tests_gradient,
 )
+from hetconv.participant.samples.outliers import check_scales, moments_scale
 from hetconv.participant.samples.replica import add_in_order, moments_to_statistics
 from hetconv.participant.samples.weight_reduce import PHASE_MOMENTS, PHASE_SUMS, GradientExchange
 from hetconv.participant.wire_cast import to_wire
@@ -114,6 +116,12 @@ def _whole_batch(exchange: GradientExchange, request: SampleForwardChain | Sampl
     pieces = exchange.collect(request.sync_id, layer, PHASE_MOMENTS, list(counts))
     if own is not None:
         pieces[exchange.participant] = own
+    if len(pieces) > 1:  # a member far out of scale: its training-mode forward is wrong
+        found = check_scales({m: moments_scale(pieces[m], counts[m] * positions)
+                              for m in pieces}, exchange.participant,
+                             f"batch-norm spread of layer {layer + 1}")
+        if found is not None:
+            raise PeerLost([found[0]], found[1], bad_data=True)
     return moments_to_statistics([(counts[m] * positions, pieces[m][0], pieces[m][1])
                                   for m in counts])
 
@@ -174,6 +182,7 @@ def forward_chain(held: SliceLayers, request: SampleForwardChain | SampleStepCha
     me = exchange.participant
     members = _members(request)
     counts = dict(zip(members, (int(n) for n in request.member_samples)))
+    exchange.note_samples(request.sync_id, counts)  # this step's reduction checks by them
     layers = range(request.start_layer, request.stop_layer)
     if len(counts) != len(members) or len(request.positions) != len(layers):
         raise SampleRequestError(ERR_BAD_REQUEST, "a forward chain trains, with one sample "
@@ -401,14 +410,15 @@ def _backward_layers(held: SliceLayers, shards: Mapping[int, ConvShard], step: i
                 if route.need_dx(layer) and not by_slice:  # dW_i waits for the next barrier
                     dx, later_dweight = replica.finish_backward_split(dgamma, dbeta)
                     route.input_gradient(layer, dx)
-                    pending = (layer, later_dweight)
+                    pending = (layer, lambda shard=replica.shard, compute=later_dweight:
+                               tests_gradient(shard, compute()))
                     continue
                 dx_or_none, dweight = replica.finish_backward(dgamma, dbeta,
                                                               need_dx=route.need_dx(layer))
                 route.input_gradient(layer, dx_or_none)
             except RuntimeError as error:
                 raise SampleRequestError(ERR_BAD_REQUEST, str(error)) from None
-            exchange.scatter(reduce_id, step, layer, dweight)
+            exchange.scatter(reduce_id, step, layer, tests_gradient(replica.shard, dweight))
     if pending is not None:  # (never: layer 0 computes its dW_i at once)
         _scatter_pending(exchange, clock, pending, reduce_id, step, 0)
     clock.stop()
