@@ -73,6 +73,8 @@ def route_address(endpoint: str) -> str:
         return "127.0.0.1"
 
 
+REBIND_S = 2.0
+"""How long an idle data endpoint closed after a flood tries to listen on its port again."""
 IDLE_DRAIN_BATCH = 4096
 """Messages one idle drain releases at most (the compute thread then looks for a request
 and drains again at once while the flood lasts)."""
@@ -364,13 +366,26 @@ class PeerSockets:
 
     def _rebind(self) -> None:
         """Close every connection to the data endpoint, with what libzmq queued for it,
-        and listen again on the same port (outside a run: no peer is connected)."""
+        and listen again on the same port (outside a run: no peer is connected). libzmq
+        closes the listener in its I/O thread: the port may still be taken for a moment,
+        so the bind is tried again for up to ``REBIND_S``."""
         endpoint = transport.bound_endpoint(self.pull)
         try:
             self.pull.unbind(endpoint)
-            self.pull.bind(endpoint)
         except zmq.ZMQError as error:
-            log.warning("could not rebind the data endpoint %s: %s", endpoint, error)
+            log.warning("could not close the data endpoint %s: %s", endpoint, error)
+            return
+        deadline = time.monotonic() + REBIND_S
+        while True:
+            try:
+                self.pull.bind(endpoint)
+                return
+            except zmq.ZMQError as error:
+                if time.monotonic() >= deadline:
+                    log.error("could not listen again on the data endpoint %s: %s",
+                              endpoint, error)
+                    return
+                time.sleep(0.01)
 
     def _warn(self, text: str) -> None:
         now = time.monotonic()

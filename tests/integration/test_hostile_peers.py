@@ -54,8 +54,18 @@ def _command(body: bytes) -> bytes:
 
 
 def raw_zmtp(port: int, socket_type: bytes = b"DEALER") -> socket.socket:
-    """A TCP connection that has done the ZMTP 3.0 NULL handshake as ``socket_type``."""
-    conn = socket.create_connection(("127.0.0.1", port), timeout=5)
+    """A TCP connection that has done the ZMTP 3.0 NULL handshake as ``socket_type``.
+    Refused connections are tried again for up to 5 s: an idle worker's data endpoint
+    closes every connection after a flood and listens again (PeerSockets._rebind)."""
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            conn = socket.create_connection(("127.0.0.1", port), timeout=5)
+            break
+        except ConnectionRefusedError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
     conn.sendall(b"\xff" + b"\0" * 8 + b"\x7f" + bytes([3, 0]) + b"NULL".ljust(20, b"\0")
                  + b"\0" * 32)
     ready = b"\x05READY" + bytes([11]) + b"Socket-Type" + struct.pack(">I", len(socket_type))

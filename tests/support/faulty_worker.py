@@ -14,8 +14,7 @@ runs ``hetconv worker`` with a :class:`WorkerFaults` given to its service (the
 - ``--corrupt-mode``: how they are wrong: ``nan`` (the default), ``scale`` (finite,
   y x 1000), ``crop`` (one row and column short: the wrong H and W), ``train-scale``
   (y x 1000 in training mode only: its evaluation path, which the audit checks, is
-  right) or ``grad-scale`` (its outputs right, the weight gradient it sends under the
-  sample split x 1000);
+  right);
 - ``--hang-from-step N``: its compute thread hangs (sleeps for an hour) when it takes up
   a request of step N or later, while its socket thread goes on heartbeating;
 - ``--mute-from-step N``: from step N on, every piece it sends on the data plane is
@@ -49,7 +48,7 @@ from hetconv.protocol import PeerPiece
 
 REPO = Path(__file__).resolve().parents[2]
 MODULE = "tests.support.faulty_worker"
-CORRUPT_MODES = ("nan", "scale", "crop", "train-scale", "grad-scale")
+CORRUPT_MODES = ("nan", "scale", "crop", "train-scale")
 
 
 class FaultyShard(ConvShard):
@@ -75,20 +74,13 @@ class FaultyShard(ConvShard):
     def corrupt_output(self, y: Any) -> Any:
         """y as this shard answers it: wrong while ``corrupt`` is set (the sample split's
         rounds call this on every layer output they finish)."""
-        if not self.corrupt or self.corrupt_mode == "grad-scale":
+        if not self.corrupt:
             return y
         if self.corrupt_mode in ("scale", "train-scale"):
             return y * np.float32(1000.0)
         if self.corrupt_mode == "crop":
             return np.ascontiguousarray(y[:, :, :-1, :-1])
         return y * np.float32("nan")
-
-    def corrupt_gradient(self, dweight: Any) -> Any:
-        """The weight gradient this shard sends under the sample split (x1000 while
-        ``corrupt`` in ``grad-scale`` mode)."""
-        if self.corrupt and self.corrupt_mode == "grad-scale":
-            return dweight * np.float32(1000.0)
-        return dweight
 
     def backward(self, dy: Any, need_dx: bool, learning_rate: float,
                  dx_rows: Callable[[Any, int, int], None] | None = None) -> Any:

@@ -60,7 +60,6 @@ from hetconv.participant.samples.layers import (
     SliceLayers,
     compute_seconds,
     tests_delay,
-    tests_gradient,
 )
 from hetconv.participant.samples.outliers import check_scales, moments_scale
 from hetconv.participant.samples.replica import add_in_order, moments_to_statistics
@@ -182,7 +181,6 @@ def forward_chain(held: SliceLayers, request: SampleForwardChain | SampleStepCha
     me = exchange.participant
     members = _members(request)
     counts = dict(zip(members, (int(n) for n in request.member_samples)))
-    exchange.note_samples(request.sync_id, counts)  # this step's reduction checks by them
     layers = range(request.start_layer, request.stop_layer)
     if len(counts) != len(members) or len(request.positions) != len(layers):
         raise SampleRequestError(ERR_BAD_REQUEST, "a forward chain trains, with one sample "
@@ -410,15 +408,14 @@ def _backward_layers(held: SliceLayers, shards: Mapping[int, ConvShard], step: i
                 if route.need_dx(layer) and not by_slice:  # dW_i waits for the next barrier
                     dx, later_dweight = replica.finish_backward_split(dgamma, dbeta)
                     route.input_gradient(layer, dx)
-                    pending = (layer, lambda shard=replica.shard, compute=later_dweight:
-                               tests_gradient(shard, compute()))
+                    pending = (layer, later_dweight)
                     continue
                 dx_or_none, dweight = replica.finish_backward(dgamma, dbeta,
                                                               need_dx=route.need_dx(layer))
                 route.input_gradient(layer, dx_or_none)
             except RuntimeError as error:
                 raise SampleRequestError(ERR_BAD_REQUEST, str(error)) from None
-            exchange.scatter(reduce_id, step, layer, tests_gradient(replica.shard, dweight))
+            exchange.scatter(reduce_id, step, layer, dweight)
     if pending is not None:  # (never: layer 0 computes its dW_i at once)
         _scatter_pending(exchange, clock, pending, reduce_id, step, 0)
     clock.stop()

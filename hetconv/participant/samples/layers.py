@@ -72,13 +72,6 @@ def tests_delay(shard: ConvShard) -> None:
         delay()
 
 
-def tests_gradient(shard: ConvShard, dweight: np.ndarray) -> np.ndarray:
-    """The weight gradient as the tests' broken worker sends it (``FaultyShard``:
-    ``corrupt_gradient``); unchanged otherwise."""
-    hook = getattr(shard, "corrupt_gradient", None)
-    return dweight if hook is None else hook(dweight)
-
-
 class SliceLayers:
     """What a participant keeps between sample-split requests (see the module doc)."""
 

@@ -83,7 +83,6 @@ from hetconv.participant.peer_plan import KernelRange, PeerPlan
 from hetconv.participant.ports import PeerLost, PiecePort, wait_for_pieces
 from hetconv.participant.progress import ComputeProgress
 from hetconv.participant.samples.barrier_trace import TRACE
-from hetconv.participant.samples.outliers import check_scales, rms
 from hetconv.participant.samples.reduction_plan import reduced_directly
 from hetconv.protocol import PeerPiece
 
@@ -141,7 +140,6 @@ class GradientExchange:
         self._own: dict[tuple[int, int], np.ndarray] = {}  # (reduce id, layer) -> own dW
         self._direct: dict[tuple[int, int], list[str]] = {}  # (reduce id, layer) -> contributors
         self._bucket_sums: dict[tuple[int, int], np.ndarray] = {}  # (reduce id, layer) -> ΣdW
-        self._samples: dict[int, dict[str, int]] = {}  # reduce id -> samples per member
         self._inbox: dict[tuple[int, int, str, str], np.ndarray] = {}
         self._floor = 0  # pieces of older reduce ids are stale
         self._bulk: list[tuple[str, PeerPiece]] = []  # (target, piece) not sent yet
@@ -232,7 +230,6 @@ class GradientExchange:
                 raise PeerLost([], f"no weight gradient of layer {layer + 1} kept for "
                                    f"reduction {reduce_id}")
             pieces[self.participant] = own[mine.start:mine.stop]
-        self._check_scales(reduce_id, layer, pieces)
         total = add_chunks(pieces, list(contributors))
         for target in self._ranges(layer):
             if target.participant != self.participant:
@@ -300,7 +297,6 @@ class GradientExchange:
                 raise PeerLost([], f"no weight gradient of layer {layer + 1} kept for "
                                    f"reduction {reduce_id}")
             pieces[self.participant] = own
-        self._check_scales(reduce_id, layer, pieces)
         return add_chunks(pieces, contributors)
 
     # --- the chain's batch-norm exchanges ---------------------------------------------
@@ -401,7 +397,6 @@ class GradientExchange:
         self._own = {k: v for k, v in self._own.items() if k[0] >= reduce_id}
         self._direct = {k: v for k, v in self._direct.items() if k[0] >= reduce_id}
         self._bucket_sums = {k: v for k, v in self._bucket_sums.items() if k[0] >= reduce_id}
-        self._samples = {k: v for k, v in self._samples.items() if k >= reduce_id}
 
     def _keep(self, piece: PeerPiece) -> bool:
         """:meth:`offer` ``piece``, the reason noted (the last 8) when it is dropped."""
@@ -446,25 +441,6 @@ class GradientExchange:
         self._inbox[key] = piece.data
         self.bytes_received += int(piece.data.nbytes)
         return None
-
-    def note_samples(self, reduce_id: int, counts: dict[str, int]) -> None:
-        """The samples each member computes in step ``reduce_id`` (the chain's), by which
-        its weight gradient's scale is judged at the reduction."""
-        if reduce_id >= self._floor:
-            self._samples[reduce_id] = dict(counts)
-            for old in sorted(self._samples)[:-MAX_HELD_REDUCTIONS]:
-                del self._samples[old]
-
-    def _check_scales(self, reduce_id: int, layer: int, pieces: dict[str, np.ndarray]) -> None:
-        """PeerLost (bad data) naming a contributor whose weight gradient per sample is
-        far out of scale with the others' (hetconv/participant/samples/outliers.py)."""
-        counts = self._samples.get(reduce_id)
-        if counts is None or len(pieces) < 2 or any(c not in counts for c in pieces):
-            return  # no sample counts for this reduction (a round, not a chain)
-        found = check_scales({c: rms(piece) / max(counts[c], 1) for c, piece in pieces.items()},
-                             self.participant, f"weight gradient of layer {layer + 1} per sample")
-        if found is not None:
-            raise PeerLost([found[0]], found[1], bad_data=True)
 
     def _wait(self, reduce_id: int, layer: int, phase: str,
               senders: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
