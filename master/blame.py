@@ -60,7 +60,9 @@ def blame(overdue: str, reports: Mapping[str, ComputeReport], master_name: str) 
     counts as waiting for nobody)."""
     own = reports.get(overdue)
     if own is None or not own.waiting:
-        return Blame(overdue)
+        stalled = own.stalled_s if own is not None else 0.0
+        return Blame(overdue, f"its compute thread has made no progress for {stalled:.1f} s"
+                              if stalled > 0 else "")
     waiters = [p for p in _reachable(overdue, reports)
                if (r := reports.get(p)) is not None and r.waiting]
     longest = max(waiters, key=lambda p: (reports[p].waited_s, p == overdue))

@@ -4,7 +4,7 @@ membership's use of both (master/membership.py): without sockets or clocks."""
 from __future__ import annotations
 
 from hetconv.config import MASTER_PARTICIPANT
-from hetconv.master.blame import blame
+from hetconv.master.blame import Blame, blame
 from hetconv.master.membership import Membership
 from hetconv.master.membership_types import (
     ClusterSettings,
@@ -29,8 +29,9 @@ def computing(stalled: float) -> ComputeReport:
 
 # --- the rule ------------------------------------------------------------------------------
 def test_an_overdue_worker_that_waits_for_nobody_is_the_one() -> None:
-    assert blame("a", {"a": computing(7.0), "b": waits("a", s=6.0)}, M).participant == "a"
-    assert blame("a", {}, M).participant == "a"  # no heartbeat said otherwise
+    found = blame("a", {"a": computing(7.0), "b": waits("a", s=6.0)}, M)
+    assert found.participant == "a" and "no progress for 7.0 s" in found.why
+    assert blame("a", {}, M) == Blame("a")  # no heartbeat said otherwise
 
 
 def test_a_hung_compute_thread_is_blamed_not_the_workers_waiting_for_it() -> None:

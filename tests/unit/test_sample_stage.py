@@ -179,12 +179,16 @@ def test_re_slicing_from_measured_compute_keeps_the_local_numbers(tmp_path: Path
     after = samples_of(stage)
     assert sum(after.values()) == BATCH and after["w1"] < 3, after
     assert any("re-sliced the batch from measured compute" in line for line in cluster.lines)
-    dist.train(steps - REBALANCE_WINDOW)
+    dist.train(steps - REBALANCE_WINDOW - 1)
+    last = samples_of(stage)  # the slices the last step is sent with
+    dist.train(1)
     final = samples_of(stage)  # measured under whatever else the host runs: may move again
     assert sum(final.values()) == BATCH and final["w1"] < 3, final
     inputs = [m.x.shape[0] for m in forwards_of(cluster.served("w2", Message))
               if m.x is not None]
-    assert inputs[-1] == final["w2"]
+    # w2's last input is its slice then (a re-slice right after that step may move it:
+    # CI saw w2 at 0 after a last input of 2, under load)
+    assert inputs[-1] in (last["w2"], final["w2"]), (inputs[-1], last, final)
     assert_same_run(dist, local)
     assert_workers_hold(cluster, ["w1", "w2"], dist.stage.snapshot())
 
