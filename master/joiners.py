@@ -14,11 +14,15 @@ gathered), the training goes on, and a later re-plan point collects them:
   calibration, so a Hello again at once would cost nothing but would never pass);
 - still computing: asked again at the next point.
 
+The point that sends the requests waits ``JOIN_SETTLE_S`` for them first: a joiner of a
+small network answers within it and is taken in at once, as it was before.
+
 Timings are (layer, batch, kernels) → seconds, one joiner at a time.
 """
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -29,6 +33,10 @@ from hetconv.protocol import CalibrateReply
 
 log = logging.getLogger(__name__)
 
+JOIN_SETTLE_S = 0.5
+"""How long a re-plan point waits for the calibration it has just sent to a joiner: a
+small network's answer comes within it and the joiner is taken in at once; a joiner
+that does not answer costs the step this much, once."""
 JOIN_CALIBRATION_DEADLINE_S = 60.0
 """How long a joiner may take to answer all of its calibration (it runs beside training,
 so this costs the step nothing; a joiner past it is dropped and told why)."""
@@ -61,9 +69,11 @@ class JoinCalibration:
     def calibrating(self) -> list[str]:
         return sorted(self._calibrating)
 
-    def start(self, workers: Sequence[WorkerHandle]) -> None:
+    def start(self, workers: Sequence[WorkerHandle]) -> list[str]:
         """Send every calibration request of each of ``workers`` not being timed yet
-        (they compute them one after the other; the deadline covers them all)."""
+        (they compute them one after the other; the deadline covers them all); the
+        names started now."""
+        started: list[str] = []
         for worker in workers:
             known = self._calibrating.get(worker.worker_id)
             if known is not None and known.worker is worker:
@@ -78,8 +88,24 @@ class JoinCalibration:
                                                                self.repeats)))
             self.cluster.send_beside(requests, "the calibration of a joiner", self.deadline_s)
             self._calibrating[worker.worker_id] = entry
+            started.append(worker.worker_id)
             self.report(f"hetconv: worker {worker.worker_id} joined: calibrating it beside "
                         f"training (up to {self.deadline_s:.0f} s)")
+        return started
+
+    def settle(self, names: Sequence[str], within_s: float = JOIN_SETTLE_S) -> None:
+        """Wait up to ``within_s`` for the calibration of ``names`` (just started): a
+        joiner that answers at once is taken in at this re-plan point, as before; one
+        that does not costs the step this once and is collected at a later point."""
+        deadline = time.monotonic() + within_s
+        pending = [self._calibrating[n] for n in names if n in self._calibrating]
+        while pending and time.monotonic() < deadline:
+            self.cluster.pump(0.01)
+            pending = [e for e in pending if not self._answered(e)]
+
+    def _answered(self, entry: _Calibrating) -> bool:
+        replies, failure = self.cluster.beside_results(list(entry.requests))
+        return bool(failure) or replies is not None
 
     def collect(self) -> tuple[dict[str, Timings], dict[str, str]]:
         """The joiners timed since (name → timings) and those that failed (name → why,

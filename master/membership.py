@@ -450,7 +450,9 @@ class Membership:
             return Fail(worker, f"worker {worker.name} stopped responding during "
                                 f"{request.what} (silent for {silent_s:.1f} s{behind})")
         stalled = self._report(worker, now).stalled_s
-        if stalled > self.compute_stall_limit_s and not request.background:
+        heard = silent_s <= SILENT_SUSPECT_BEATS * self.settings.heartbeat_interval_s
+        if stalled > self.compute_stall_limit_s and heard and not request.background:
+            # its socket thread says so: a silent worker is the liveness limit's to name
             return Fail(worker, f"worker {worker.name}'s compute thread has made no progress "
                                 f"for {stalled:.1f} s (during {request.what}): hung")
         timeout = self._deadline_s(request)

@@ -196,7 +196,7 @@ class RunPlanning:
         self._waiting = {w.worker_id: w for w in self.cluster.known_workers()
                          if not w.gone and id(w) not in holding and may_rejoin(w.worker_id)
                          and (self.rule.data_plane != "peer" or w.data_endpoint)}
-        self.joining.start(list(self._waiting.values()))  # timed beside training
+        self.joining.settle(self.joining.start(list(self._waiting.values())))  # beside training
         done, failed = self.joining.collect()
         self.joining.drop_failed(failed)
         self._timed.update(done)

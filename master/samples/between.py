@@ -117,7 +117,7 @@ class BetweenSteps:
         """The joiners among ``workers`` whose calibration, run beside training
         (master/joiners.py), is in: the others are started or still computing; one that
         failed is dropped and told why."""
-        self.joining.start(workers)
+        self.joining.settle(self.joining.start(workers))
         done, failed = self.joining.collect()
         self.joining.drop_failed(failed)
         self._timed.update(done)

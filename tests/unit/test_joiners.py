@@ -139,3 +139,24 @@ def test_a_background_error_reply_is_kept_failed_never_a_fail() -> None:
         request_id=7, code="bad_request", message="layer 1: too big"), 0.5))
     assert not [a for a in actions if isinstance(a, Fail)]
     assert "too big" in membership.background_failure(7)
+
+
+def test_a_point_waits_a_moment_for_the_calibration_it_sent_and_no_more() -> None:
+    import time
+
+    cluster = BesideCluster()
+    joining = JoinCalibration(cluster, SHAPES, lambda shape: [(16, shape.kernels)],  # type: ignore[arg-type]
+                              report=lambda line: None)
+    quick, mute = handle("quick"), handle("mute")
+    cluster.workers += [quick, mute]
+    assert joining.start([quick]) == ["quick"]
+    cluster.answer("quick", 0.1)
+    began = time.monotonic()
+    joining.settle(["quick"], within_s=5.0)
+    assert time.monotonic() - began < 1.0  # answered: no wait
+    assert joining.start([quick, mute]) == ["mute"]  # quick is being timed already
+    began = time.monotonic()
+    joining.settle(["mute"], within_s=0.1)
+    assert 0.1 <= time.monotonic() - began < 1.0  # a joiner that never answers: once
+    done, failed = joining.collect()
+    assert set(done) == {"quick"} and failed == {}

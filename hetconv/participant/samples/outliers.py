@@ -39,6 +39,8 @@ def check_scales(scales: Mapping[str, float], me: str, what: str) -> tuple[str, 
     culprit = outlier(scales, me)
     if culprit is None:
         return None
+    if not np.isfinite(scales[culprit]):
+        return culprit, f"peer {culprit}'s {what} holds NaN or Inf"
     others = sorted(v for name, v in scales.items() if name != culprit)
     return culprit, (f"peer {culprit}'s {what} is {scales[culprit]:.3g}, the others' "
                      f"{', '.join(f'{v:.3g}' for v in others)} (more than "
