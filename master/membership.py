@@ -34,8 +34,6 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from hetconv.config import MASTER_PARTICIPANT
-from hetconv.master.blame import blame
 from hetconv.master.membership_types import (
     ECHOED_FIELDS,
     LINK_CHECK_AFTER_S,
@@ -63,6 +61,7 @@ from hetconv.master.membership_types import (
     payload_bytes,
     reply_mismatch,
 )
+from hetconv.master.overdue import overdue_fault, report_now
 from hetconv.participant.progress import ComputeReport
 from hetconv.protocol import (
     ERR_BAD_PEER_DATA,
@@ -449,7 +448,7 @@ class Membership:
             behind = " behind a link that does not acknowledge" if worker.link_down else ""
             return Fail(worker, f"worker {worker.name} stopped responding during "
                                 f"{request.what} (silent for {silent_s:.1f} s{behind})")
-        stalled = self._report(worker, now).stalled_s
+        stalled = report_now(worker, now).stalled_s
         heard = silent_s <= SILENT_SUSPECT_BEATS * self.settings.heartbeat_interval_s
         if stalled > self.compute_stall_limit_s and heard and not request.background:
             # its socket thread says so: a silent worker is the liveness limit's to name
@@ -462,33 +461,11 @@ class Membership:
             if request.background:
                 return Fail(worker, f"worker {worker.name} did not answer {request.what} "
                                     f"within {timeout:.0f} s")
-            fault = self._overdue(worker, request, timeout, now)
-            blamed = next((w for w in self._heartbeated()
-                           if w.worker_id == fault.culprit and not w.gone), None)
-            if blamed is not None and now - request.sent_at <= (
-                    timeout + self.settings.liveness_timeout_s) and now - blamed.last_seen > (
-                    SILENT_SUSPECT_BEATS * self.settings.heartbeat_interval_s):
-                return None  # the one it waits for is silent: the liveness limit names it
-            return fault
+            in_grace = now - request.sent_at <= timeout + self.settings.liveness_timeout_s
+            return overdue_fault(
+                worker, request.what, timeout, self._heartbeated(), self.own_compute, now,
+                SILENT_SUSPECT_BEATS * self.settings.heartbeat_interval_s if in_grace else None)
         return None
-
-    def _report(self, worker: WorkerHandle, now: float) -> ComputeReport:
-        """What ``worker``'s compute thread is doing now, from its last heartbeat."""
-        return worker.compute.aged(now - worker.compute_at)
-
-    def _overdue(self, worker: WorkerHandle, request: Request, timeout: float,
-                 now: float) -> Fail:
-        """The failure of a request not answered within ``timeout``: blamed on the one its
-        worker waits for, where the heartbeats show it waiting (hetconv/master/blame.py)."""
-        reports = {w.worker_id: self._report(w, now) for w in self._heartbeated()
-                   if not w.gone}
-        if self.own_compute is not None:
-            reports[MASTER_PARTICIPANT] = self.own_compute
-        found = blame(worker.worker_id, reports, MASTER_PARTICIPANT)
-        text = f"worker {worker.name} did not answer {request.what} within {timeout:.0f} s"
-        if found.participant == worker.worker_id:
-            return Fail(worker, text + (f": {found.why}" if found.why else ""))
-        return Fail(worker, f"{text}: {found.why}", found.participant)
 
     def _deadline_s(self, request: Request) -> float:
         """A request's deadline: its own or the backstop, ``link_retry_s`` longer when a

@@ -112,11 +112,16 @@ def test_a_joiner_that_fails_its_calibration_is_dropped_and_told_why() -> None:
     assert cluster.dropped == [("mute", "not taken in: " + failed["mute"], True)]
 
 
-def test_a_background_request_past_its_deadline_is_kept_failed_never_a_fail() -> None:
+def joined(name: str) -> tuple[Membership, WorkerHandle]:
+    """A membership that ``name`` said Hello to, and its handle."""
     membership = Membership("run", ClusterSettings())
-    membership.handle(MessageReceived(b"j", Hello(worker_id="j", device={"device": "cpu"},
-                                                  protocol_version=PROTOCOL_VERSION), 0.0))
-    joiner = membership.workers[b"j"]
+    membership.handle(MessageReceived(name.encode(), Hello(
+        worker_id=name, device={"device": "cpu"}, protocol_version=PROTOCOL_VERSION), 0.0))
+    return membership, membership.workers[name.encode()]
+
+
+def test_a_background_request_past_its_deadline_is_kept_failed_never_a_fail() -> None:
+    membership, joiner = joined("j")
     membership.handle(RequestsAwaited({7: joiner}, "the calibration of a joiner", 0.0,
                                       timeout_s=3.0, background=True))
     for now in (1.0, 2.0, 3.5):
@@ -129,10 +134,7 @@ def test_a_background_request_past_its_deadline_is_kept_failed_never_a_fail() ->
 
 
 def test_a_background_error_reply_is_kept_failed_never_a_fail() -> None:
-    membership = Membership("run", ClusterSettings())
-    membership.handle(MessageReceived(b"j", Hello(worker_id="j", device={"device": "cpu"},
-                                                  protocol_version=PROTOCOL_VERSION), 0.0))
-    joiner = membership.workers[b"j"]
+    membership, joiner = joined("j")
     membership.handle(RequestsAwaited({7: joiner}, "the calibration of a joiner", 0.0,
                                       timeout_s=30.0, background=True))
     actions = membership.handle(MessageReceived(b"j", ErrorReply(
