@@ -158,7 +158,9 @@ WRONG_CASES = [pytest.param(mode, evidence, plane.values[0], id=f"{plane.id}-{mo
                for plane in PLANES for mode, evidence in WRONG] + [
     # right in evaluation mode (the audit passes), wrong in what the sample split trains
     # with: its batch-norm moments, its weight gradient (outliers by sender, issue 49)
-    pytest.param("train-scale", "batch-norm spread", (), id="default-train-scale")]
+    # (struck just before a snapshot, the audit there may see its state first: CI did)
+    pytest.param("train-scale", ("batch-norm spread", "result audit", "NaN"), (),
+                 id="default-train-scale")]
 
 
 @dataclass(frozen=True)
@@ -279,7 +281,7 @@ def test_a_worker_answering_wrong_results_is_evicted_for_good(
     events = assert_completed(run_dir, bad)
     first = next(r for r in events if r["type"] == "recovery" and r["participant"] is not None)
     said = (evidence,) if isinstance(evidence, str) else evidence
-    assert any(e in first["reason"] for e in said), first
+    assert any(e in first["reason"] for e in said), first["reason"]
     assert not joins_of(events, bad), "a worker evicted for wrong results was taken back"
     last = [r for r in events if r["type"] == "step"][-1]
     assert all(d["kernels"] == 0 for layer in last["layers"] for d in layer["participants"]
