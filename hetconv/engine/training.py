@@ -26,7 +26,6 @@ from hetconv.engine.routing import ForwardTape, Routing, run_backward, run_forwa
 from hetconv.engine.stage import (
     ConvStage,
     EarlyReplanStage,
-    LocalConvStage,
     RoutingStage,
     StageFault,
     WholeStepStage,
@@ -149,6 +148,11 @@ class Trainer:
                         grad: np.ndarray, grads: dict[str, np.ndarray]) -> np.ndarray:
         """Back through the hidden dense layers (hetconv/engine/dense_part.py)."""
         return self.part.backward(tape, grad, grads)
+
+    def runs_whole_steps(self) -> bool:
+        """Whether the stage runs whole steps, the dense part replicated (the sample
+        split's step chain over workers)."""
+        return isinstance(self.stage, WholeStepStage) and self.stage.replicates_dense
 
     def runs_ahead(self) -> bool:
         """Whether the stage takes the next step before this one ends (two in flight)."""
@@ -322,7 +326,10 @@ class Trainer:
                             raise UserError(f"the model diverged at step {step}: the loss is "
                                             f"{record['loss']}; lower --lr")
                         jump = self.loss_guard.check(step, float(record["loss"]))
-                        if jump is not None and not isinstance(self.stage, LocalConvStage):
+                        # the sample split's step chain only: under the kernel split the
+                        # restore re-splits the kernels and can hide a bad worker from the
+                        # audit that would name it (CI: kernels-peer-scale)
+                        if jump is not None and self.runs_whole_steps():
                             if jump.restore:  # the last audited snapshot, then a replay
                                 raise StageFault(jump.line)
                             self.out(f"hetconv: warning: {jump.line}")
