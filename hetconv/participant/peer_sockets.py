@@ -35,6 +35,7 @@ import zmq
 
 from hetconv.config import MASTER_PARTICIPANT
 from hetconv.errors import UserError
+from hetconv.participant.piece_sources import endpoint_addresses, local_addresses, source_refusal
 from hetconv.participant.ports import PeerLost
 from hetconv.protocol import (
     PeerPiece,
@@ -216,6 +217,9 @@ class PeerSockets:
         self._authenticator: Any = None
         self.pushes: dict[str, zmq.Socket[Any]] = {}
         self.routes: dict[str, tuple[str, str]] = {}  # peer -> (endpoint, CURVE key)
+        # without CURVE: peer -> the IP addresses its pieces may come from (piece_sources)
+        self.sources: dict[str, frozenset[str]] = {}
+        self.local: frozenset[str] = frozenset()
         self.send_timeout_ms = limits.DEFAULT_SEND_TIMEOUT_MS
         self.warnings = admission.WarningBudget()
         if curve is not None and authenticate:
@@ -266,6 +270,10 @@ class PeerSockets:
                 raise ValueError(f"no CURVE key for peer {peer}")
         self.routes = {peer: (endpoint, peer_keys.get(peer, ""))
                        for peer, endpoint in peers.items() if peer != me}
+        if self.curve is None:  # CURVE admits exactly the keys: no address rule needed
+            self.sources = {peer: endpoint_addresses(endpoint)
+                            for peer, (endpoint, _) in self.routes.items()}
+            self.local = local_addresses()
         return self
 
     def _connect(self, peer: str) -> zmq.Socket[Any] | None:
@@ -296,6 +304,7 @@ class PeerSockets:
             push.close(linger=0)
         self.pushes = {}
         self.routes = {}
+        self.sources = {}
         self.allow.keys = frozenset()
 
     def close(self) -> None:
@@ -335,6 +344,12 @@ class PeerSockets:
             if message is not None:
                 self._warn(f"dropped a {message.TYPE} on the data endpoint")
             return None
+        if self.sources and frames and isinstance(frames[0], zmq.Frame):
+            refusal = source_refusal(message.sender, transport.peer_address(frames[0]),
+                                     self.sources, self.local)
+            if refusal is not None:
+                self._warn(refusal)
+                return None
         return message
 
     # --- outside a run ---------------------------------------------------------------------

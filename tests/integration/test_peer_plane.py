@@ -8,11 +8,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+import zmq
 
 from hetconv.engine.checkpoint import load_weights
 from hetconv.participant.peer_sockets import PeerSockets
 from hetconv.participant.ports import PeerLost
-from hetconv.protocol import PeerPiece, generate_curve_keypair, make_context
+from hetconv.protocol import PeerPiece, generate_curve_keypair, make_context, peer_wire, transport
 from tests.conftest import SMALL_RUN, run_hetconv
 from tests.integration.test_distributed import assert_reproduces
 
@@ -170,6 +171,45 @@ def test_a_receive_of_no_time_polls_without_blocking_or_losing_the_wait() -> Non
         assert receiver.receive(0.2) is None
         assert 0.15 <= time.monotonic() - started < 2.0
     finally:
+        sender.close()
+        receiver.close()
+        ctx.term()
+
+
+@pytest.mark.timeout(30)
+def test_without_curve_a_piece_is_taken_only_from_its_senders_address() -> None:
+    """A stranger at another address (127.0.0.2, a libzmq source-address connect) that
+    pushes a piece saying it is from ``s`` is dropped with a warning; ``s``'s own piece
+    from its registered address (127.0.0.1) arrives (issue 49: a stranger must not choose
+    whom the master evicts)."""
+    ctx = make_context()
+    receiver = PeerSockets(ctx, "tcp://127.0.0.1:0", authenticate=False)
+    sender = PeerSockets(ctx, "tcp://127.0.0.1:0", authenticate=False)
+    stranger = ctx.socket(zmq.PUSH)
+    try:
+        receiver.open("r", {"s": sender.endpoint("127.0.0.1")}, {}, 5.0)
+        sender.open("s", {"r": receiver.endpoint("127.0.0.1")}, {}, 5.0)
+        stranger.connect(f"tcp://127.0.0.2:0;127.0.0.1:{receiver.port}")
+
+        def piece(value: float) -> PeerPiece:
+            return PeerPiece(pass_id=1, step=0, layer=0, phase="moments", attempt=0,
+                             sender="s", kernel_start=0, kernel_stop=2, batch_start=0,
+                             batch_stop=1, batch_size=1,
+                             data=np.full((2, 2), value, np.float32))
+
+        transport.send_frames(stranger, peer_wire.pack_piece(piece(666.0)), PeerPiece.TYPE)
+        time.sleep(0.3)  # the forged piece is queued first
+        sender.send("r", piece(1.0))
+        got = []
+        deadline = time.monotonic() + 5.0
+        while len(got) < 1 and time.monotonic() < deadline:
+            arrived = receiver.receive(0.2)
+            if arrived is not None:
+                got.append(arrived)
+        assert [float(p.data[0, 0]) for p in got] == [1.0]
+        assert receiver.receive(0.3) is None  # the forged one was dropped, not kept
+    finally:
+        stranger.close(linger=0)
         sender.close()
         receiver.close()
         ctx.term()
