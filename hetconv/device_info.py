@@ -67,6 +67,8 @@ def describe_device(device: str, threads: int | None = None) -> dict[str, Any]:
         "device": device, "hostname": socket.gethostname(), "pid": os.getpid(),
         "cores": psutil.cpu_count(logical=True) or 1, "threads": threads,
         "memory_bytes": int(psutil.virtual_memory().total),
+        "memory_available_bytes": int(psutil.virtual_memory().available),
+        "boot_time": int(psutil.boot_time()),  # with the hostname: which share one machine
     }
     if device.startswith("gpu"):
         cupy = cupy_or_none()
@@ -77,6 +79,7 @@ def describe_device(device: str, threads: int | None = None) -> dict[str, Any]:
             name = props["name"]
             info["name"] = name.decode() if isinstance(name, bytes) else str(name)
             info["memory_bytes"] = int(props["totalGlobalMem"])
+            info["memory_available_bytes"] = int(cupy.cuda.runtime.memGetInfo()[0])
         else:
             info["name"] = "unavailable"
     else:

@@ -14,10 +14,12 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from hetconv.errors import UserError
 from hetconv.master.cluster import Cluster, WorkerHandle
 from hetconv.master.plan import Participant
 from hetconv.model import ConvLayerShape
 from hetconv.participant.calibration import time_block
+from hetconv.planning.memory import USABLE, available_bytes, calibration_bytes, gib
 from hetconv.planning.partition import fit_affine
 from hetconv.protocol import CalibrateReply, CalibrateRequest
 
@@ -57,6 +59,18 @@ def kernel_sizes(shape: ConvLayerShape, participants: int, batch: int) -> list[t
     return [(batch, kernels), (batch, max(1, kernels // 4))]
 
 
+def own_fit(shape: ConvLayerShape, batch: int, kernels: int, repeats: int) -> None:
+    """UserError (one line) when the master's own device cannot hold the timing of
+    ``kernels`` of layer ``shape`` at ``batch`` (as a worker refuses it)."""
+    need = calibration_bytes(calibrate_request(0, shape, batch, kernels, repeats))
+    available = available_bytes()
+    if need > USABLE * available:
+        raise UserError(f"the master cannot time layer {shape.index + 1} ({kernels} kernels, "
+                        f"batch {batch}): it needs about {gib(need)} and this machine has "
+                        f"{gib(available)} available: use a smaller --batch, fewer kernels, "
+                        "or --no-local")
+
+
 def _time_layer(cluster: Cluster, participants: list[Participant], shape: ConvLayerShape,
                 sizes: list[tuple[int, int]], repeats: int) -> dict[tuple[int, int, int], float]:
     """Seconds of one block forward + backward of layer ``shape`` per (participant index,
@@ -79,6 +93,7 @@ def _time_layer(cluster: Cluster, participants: list[Participant], shape: ConvLa
     if local_index is not None:
         local_device = str(participants[local_index].description.get("device", "cpu"))
         for batch, count in sizes:
+            own_fit(shape, batch, count, repeats)
             timings[(local_index, batch, count)] = time_block(
                 batch, shape.in_channels, shape.height, shape.width, count,
                 shape.kernel_size, padding=shape.padding, stride=shape.stride,

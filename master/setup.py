@@ -62,7 +62,9 @@ from hetconv.master.samples.setup import (
     split_by_for,
 )
 from hetconv.metrics import MetricsWriter
-from hetconv.model import ConvLayerShape, ModelConfig, conv_layer_shapes
+from hetconv.model import ConvLayerShape, ModelConfig, conv_layer_shapes, dense_shapes
+from hetconv.planning.memory import available_bytes
+from hetconv.planning.memory_spread import machine_memory, spread_refusal
 from hetconv.planning.perf_model import LayerTraffic
 
 
@@ -84,6 +86,23 @@ def open_cluster(config: MasterConfig, device: str, threads: int | None,
                                         describe_device(device, threads=threads)))
     participants += [Participant(w.worker_id, w, w.device) for w in members]
     return cluster, participants
+
+
+def check_spread(config: MasterConfig, model: ModelConfig, shapes: list[ConvLayerShape],
+                 batch: int, participants: list[Participant]) -> None:
+    """UserError (one line) when the network cannot fit on ``participants`` under any split
+    the run may use (hetconv/planning/memory_spread.py), before anything is calibrated:
+    the master's memory is what it has available, a worker's the total its Hello says."""
+    splits = ["samples", "kernels"] if config.split_by == "auto" and samples_refusal_for(
+        model, shapes, config.data_plane) is None else [config.split_by]
+    memory = machine_memory([(p.participant, p.worker is None, p.description)
+                             for p in participants], available_bytes())
+    if memory is None:  # a worker that did not say: nothing to conclude
+        return
+    dense_values = sum(units * (features + 1) for _, features, units in dense_shapes(model))
+    refusal = spread_refusal(shapes, batch, dense_values, memory, splits)
+    if refusal is not None:
+        raise UserError(refusal)
 
 
 def choose_wire_dtype(profiles: list[ParticipantProfile], shapes: list[ConvLayerShape],
@@ -274,6 +293,7 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
     try:
         metrics.write("devices", devices=[{"id": p.participant, **p.description}
                                           for p in participants])
+        check_spread(config, model, shapes, batch, participants)
         calibration = calibrate(cluster, participants, shapes, batch, report=report)
         # under --split model the planner's prediction decides between the two splits,
         # the per-layer byte rule only where there is no model (or the rule agrees)

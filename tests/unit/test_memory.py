@@ -64,3 +64,12 @@ def test_a_worker_knows_what_timing_a_layer_needs() -> None:
                            width=28, kernels=4096, kernel_size=3, stride=1, padding=1,
                            repeats=1, pool="none")
     assert calibration_bytes(small) < 2**26 and calibration_bytes(big) > 2**36
+
+
+def test_the_master_refuses_to_time_a_layer_it_cannot_hold() -> None:
+    from hetconv.master.calibration import own_fit
+
+    shapes = conv_layer_shapes(model_config(parse_network("c4096k3p1,c4096k3p1"), (1, 28, 28)))
+    own_fit(shapes[1], 8, 16, 1)  # small: no error
+    with pytest.raises(hetconv.UserError, match=r"^the master cannot time layer 2 .*--no-local"):
+        own_fit(shapes[1], 65536, 4096, 1)
