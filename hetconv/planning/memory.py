@@ -80,11 +80,16 @@ def layer_bytes(shape: ConvLayerShape, batch: int, kernels: int | None = None) -
 
 def workspace_bytes(shape: ConvLayerShape, batch: int, kernels: int | None = None) -> int:
     """Bytes conv layer ``shape``'s backward pass allocates while it runs, beyond what
-    the layer keeps: the gradient of its kept input (the padded input's, or the
-    Winograd transformed input's dV), one at a time (measured: a 1024-to-342-kernel 3x3
+    the layer keeps: where it runs as Winograd, the gradient of its transformed input
+    (dV, as large as V; the padded input's gradient is counted by :func:`layer_bytes`),
+    one layer at a time (measured: a 1024-to-342-kernel 3x3
     layer at batch 128 peaks at 4.0 GB, 1.85 GB kept + 1.64 GB dV)."""
     k = shape.kernels if kernels is None else kernels
-    return FLOAT_BYTES * _kept_input(shape, batch, k)
+    kept = _kept_input(shape, batch, k)
+    padded = batch * shape.in_channels * (shape.height + 2 * shape.padding) * (
+        shape.width + 2 * shape.padding)
+    # the padded input's gradient is the ``gradients`` term of layer_bytes already
+    return FLOAT_BYTES * kept if kept != padded else 0
 
 
 def step_need(shapes: Sequence[ConvLayerShape], batch: int, dense_values: int = 0
