@@ -79,7 +79,10 @@ def describe_device(device: str, threads: int | None = None) -> dict[str, Any]:
             name = props["name"]
             info["name"] = name.decode() if isinstance(name, bytes) else str(name)
             info["memory_bytes"] = int(props["totalGlobalMem"])
-            info["memory_available_bytes"] = int(cupy.cuda.runtime.memGetInfo()[0])
+            try:
+                info["memory_available_bytes"] = int(cupy.cuda.runtime.memGetInfo()[0])
+            except Exception:  # a CUDA runtime that cannot say: the total stands
+                pass
         else:
             info["name"] = "unavailable"
     else:

@@ -28,6 +28,7 @@ from hetconv.engine.shard import ConvShard, LayerSettings
 from hetconv.engine.stage import ConvStage, LocalConvStage
 from hetconv.errors import UserError
 from hetconv.keys import server_keys
+from hetconv.master.alone_first import SETUP_BAND, AloneMeasure, first_choice, measure_alone
 from hetconv.master.assign import assign
 from hetconv.master.calibration import (
     LayerCalibration,
@@ -88,13 +89,49 @@ def open_cluster(config: MasterConfig, device: str, threads: int | None,
     return cluster, participants
 
 
+def alone_figure(config: MasterConfig, model: ModelConfig, params: dict[str, np.ndarray],
+                 settings: LayerSettings, batch: int, device: str,
+                 participants: list[Participant], metrics: MetricsWriter,
+                 report: Callable[[str], None]) -> AloneMeasure | None:
+    """The master alone measured (master/alone_first.py) where the planner chooses
+    (``--split model``) between it and workers; None elsewhere or where it cannot hold a
+    step alone."""
+    if config.split != "model" or not config.use_local_device \
+            or not any(p.worker is not None for p in participants):
+        return None
+    alone = measure_alone(model, params, settings, batch, device)
+    if alone is None:
+        report(f"hetconv: the master alone cannot hold a step at batch {batch}: "
+               "the plan needs workers")
+        return None
+    report(f"hetconv: the master alone measured at {alone.step_s * 1e3:.1f} ms a step "
+           f"(conv {alone.conv_s * 1e3:.1f} ms; {alone.steps} steps at batch {batch})")
+    return alone
+
+
+def compare_alone(predicted_conv_s: float, alone: AloneMeasure, metrics: MetricsWriter,
+                  report: Callable[[str], None]) -> None:
+    """Say and record how the first plan's predicted conv part compares with the master
+    alone measured (master/alone_first.py). Measured, not yet acted on: set-up still
+    chooses by the model's own figures (issue 50)."""
+    choice = first_choice(predicted_conv_s, alone.conv_s)
+    report(f"hetconv: {choice.why}")
+    metrics.write("alone_probe", steps=alone.steps, **alone.as_record(),
+                  predicted_conv_s=predicted_conv_s, alone_no_slower=choice.alone,
+                  within_band=choice.unsure, band=SETUP_BAND)
+
+
 def check_spread(config: MasterConfig, model: ModelConfig, shapes: list[ConvLayerShape],
                  batch: int, participants: list[Participant]) -> None:
     """UserError (one line) when the network cannot fit on ``participants`` under any split
     the run may use (hetconv/planning/memory_spread.py), before anything is calibrated:
     the master's memory is what it has available, a worker's the total its Hello says."""
-    splits = ["samples", "kernels"] if config.split_by == "auto" and samples_refusal_for(
-        model, shapes, config.data_plane) is None else [config.split_by]
+    if config.split_by in ("samples", "kernels"):
+        splits = [config.split_by]
+    elif samples_refusal_for(model, shapes, config.data_plane) is not None:
+        splits = ["kernels"]
+    else:
+        splits = ["samples", "kernels"]
     memory = machine_memory([(p.participant, p.worker is None, p.description)
                              for p in participants], available_bytes())
     if memory is None:  # a worker that did not say: nothing to conclude
@@ -295,6 +332,8 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
                                           for p in participants])
         check_spread(config, model, shapes, batch, participants)
         calibration = calibrate(cluster, participants, shapes, batch, report=report)
+        alone = alone_figure(config, model, params, settings, batch, device, participants,
+                             metrics, report)
         # under --split model the planner's prediction decides between the two splits,
         # the per-layer byte rule only where there is no model (or the rule agrees)
         by_model = config.split_by == "auto" and config.split == "model" \
@@ -346,6 +385,8 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
                 split_by, why = model_split_by(split_by, why, compared,
                                                first.plan.predicted_step_s)
             if split_by == "samples":
+                if alone is not None:
+                    compare_alone(compared, alone, metrics, report)
                 for line in chosen_lines:
                     report(line)
                 report(f"hetconv: split by samples ({why}; predicted conv + transfer "
@@ -363,6 +404,8 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
         if asked_slice:
             report("hetconv: --bn-statistics slice does not apply to the kernel split: "
                    "every participant normalises with the whole batch's statistics")
+        if first.plan is not None and alone is not None:
+            compare_alone(first.plan.predicted_step_s, alone, metrics, report)
         if first.plan is not None:  # link-aware: which participants, how many kernels
             report_plan(first.plan, participants, profiles, metrics, report, config.wire_dtype,
                         why)

@@ -102,6 +102,8 @@ def spread_refusal(shapes: Sequence[ConvLayerShape], batch: int, dense_values: i
         kernels = sum(kernel_capacity(shapes, batch, m) for m in memory.values())
         if kernels >= 1.0:
             return None
+    if samples is None and kernels is None:  # no split named: nothing to conclude
+        return None
     need = step_need(shapes, batch, dense_values)
     held = []
     if samples is not None:

@@ -65,3 +65,7 @@ def test_a_network_is_refused_only_when_no_split_spreads_it() -> None:
     # one split pinned: only it counts
     pinned = spread_refusal(SHAPES, BATCH, 0, small, ["kernels"])
     assert pinned is not None and "split by samples" not in pinned
+
+
+def test_no_split_named_concludes_nothing() -> None:
+    assert spread_refusal(SHAPES, BATCH, 0, {"m": 2 * GIB}, []) is None
