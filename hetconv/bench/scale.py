@@ -63,6 +63,7 @@ from hetconv.bench.scale_peer import (
     format_peer_table,
 )
 from hetconv.bench.scale_repeats import format_repeats_table
+from hetconv.bench.scale_setup import format_setup_table
 from hetconv.bench.signals import terminate_as_interrupt
 from hetconv.config import (
     BENCH_PEERS,
@@ -397,6 +398,7 @@ def run_scale_bench(machine_sets: list[tuple[float, ...]], rate: str = "1gbit",
         add_peer_figures(summary, configurations, peer_results, peer_compute, peer_cpu)
         table += format_peer_table(summary, rate)
         table += format_peer_breakdown(summary)
+    table += format_setup_table(summary)
     table += format_cpu_table(summary)
     table += format_repeats_table({**{name: [r.step_s for r in runs]
                                       for name, runs in results.items()}, **peer_results})

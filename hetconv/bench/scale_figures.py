@@ -23,6 +23,7 @@ from hetconv.bench.scale_breakdown import (
     step_breakdown,
 )
 from hetconv.bench.scale_cpu import merge_cpu_repeats, steady_window
+from hetconv.bench.scale_setup import SetupFigures, merge_setup_repeats, setup_figures
 from hetconv.errors import UserError
 from hetconv.master.samples.fall_back import STAY_ALONE_REASON
 from hetconv.master.samples.step_model import terms_from_record
@@ -51,6 +52,7 @@ class RunFigures:
     timeline: dict[str, Any] = field(default_factory=dict)  # typical_step_timeline
     window: tuple[float, float, int] | None = None  # scale_cpu.steady_window
     cpu: dict[str, dict[str, float]] = field(default_factory=dict)  # scale_cpu.machine_cpu
+    setup: SetupFigures | None = None  # scale_setup: set-up's prediction, the first steps
 
 
 def stayed_alone(records: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -197,7 +199,8 @@ def run_figures(run_dir: Path, link_bytes_per_s: float | None) -> RunFigures:
                       barriers=barrier_figures(barrier_breakdown(
                           events, int(steps[0]["step"]))),
                       timeline=typical_step_timeline(steps, events),
-                      window=steady_window(records, steps))
+                      window=steady_window(records, steps),
+                      setup=setup_figures(records))
 
 
 def summarize(configurations: list[tuple[tuple[float, ...], str]],
@@ -229,6 +232,7 @@ def summarize(configurations: list[tuple[tuple[float, ...], str]],
             "timeline": sorted(runs, key=lambda r: r.step_s)[(len(runs) - 1) // 2].timeline,
             "cpu": merge_cpu_repeats([r.cpu for r in runs if r.cpu]),
             "alone_cpu": merge_cpu_repeats([r.cpu for r in alone if r.cpu]),
+            "setup": merge_setup_repeats([r.setup for r in runs if r.setup is not None]),
         })
     return rows
 

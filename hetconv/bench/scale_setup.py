@@ -1,0 +1,101 @@
+"""Set-up's prediction against the run's first steps (issue 50), for ``hetconv bench scale``.
+
+Per run, from its ``metrics.jsonl`` (seconds):
+
+- ``setup_s``: what set-up predicted before any step: the first ``plan`` record's
+  ``predicted_step_s`` (the conv part and its transfers) plus the run's measured dense
+  part, as the other figures of the bench count it;
+- ``first_steps_s``: the median step of the in-place model's first fitted window (steps
+  ``MODEL_SKIP`` .. ``MODEL_SKIP + MODEL_WINDOW`` - 1, master/samples/step_model.py), the
+  steps set-up's prediction is judged on;
+- ``fitted_s``: the step model's first prediction fitted on those steps (its first
+  ``model`` record), None where the run has none (split by kernels, or alone);
+- ``alone_s``: the master alone measured at set-up (the ``alone_probe`` record,
+  master/alone_first.py), None where it was not measured.
+
+Pure: records in, figures and table lines out (``tests/unit/test_scale_setup.py``).
+"""
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hetconv.master.samples.step_model import MODEL_SKIP, MODEL_WINDOW
+
+
+@dataclass(frozen=True)
+class SetupFigures:
+    """One run's set-up prediction and what its first steps measured (module doc)."""
+
+    setup_s: float | None
+    first_steps_s: float | None
+    fitted_s: float | None
+    alone_s: float | None
+
+    @property
+    def setup_error(self) -> float | None:
+        """(set-up − first steps) / first steps: negative where set-up was optimistic."""
+        if self.setup_s is None or not self.first_steps_s:
+            return None
+        return (self.setup_s - self.first_steps_s) / self.first_steps_s
+
+
+def setup_figures(records: Sequence[dict[str, Any]]) -> SetupFigures:
+    """The figures of one run's records (module doc)."""
+    steps = [r for r in records if r.get("type") == "step"]
+    window = [float(r["step_s"]) for r in steps[MODEL_SKIP:MODEL_SKIP + MODEL_WINDOW]]
+    first_steps = statistics.median(window) if window else None
+    plans = [r for r in records if r.get("type") == "plan"]
+    setup = None
+    if plans and plans[0].get("predicted_step_s") is not None:
+        dense = [float(r.get("dense_s", 0.0)) for r in steps[MODEL_SKIP:]] or [0.0]
+        setup = float(plans[0]["predicted_step_s"]) + statistics.median(dense)
+    models = [r for r in records if r.get("type") == "model"]
+    fitted = float(models[0]["predicted_step_s"]) if models else None
+    probes = [r for r in records if r.get("type") == "alone_probe"]
+    alone = float(probes[-1]["alone_measured_step_s"]) if probes else None
+    return SetupFigures(setup, first_steps, fitted, alone)
+
+
+def _median(values: Sequence[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def merge_setup_repeats(runs: Sequence[SetupFigures]) -> dict[str, float | None]:
+    """Medians over a configuration's repeats (a figure no repeat has is None)."""
+    return {"setup_s": _median([r.setup_s for r in runs]),
+            "first_steps_s": _median([r.first_steps_s for r in runs]),
+            "setup_error": _median([r.setup_error for r in runs]),
+            "fitted_s": _median([r.fitted_s for r in runs]),
+            "alone_s": _median([r.alone_s for r in runs])}
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1e3:.1f}"
+
+
+def format_setup_table(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The table: set-up's prediction, the first steps, its error, the model fitted on
+    them, the run's measured step and the master alone measured at set-up."""
+    lines = ["", "Set-up's prediction (before any step: the first plan's conv part and "
+             "transfers, plus the measured dense part) against the median of the first "
+             f"fitted steps ({MODEL_SKIP}..{MODEL_SKIP + MODEL_WINDOW - 1}), the step model "
+             "fitted on them, the run's measured step, and the master alone measured at "
+             "set-up (medians over the repeats; issue 50's target: set-up within 10 % of "
+             "the first steps).", "",
+             "| machines (core each) | set-up ms | first steps ms | set-up error | "
+             "fitted model ms | step ms | master alone at set-up ms | one machine ms |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        figures = row.get("setup") or {}
+        error = figures.get("setup_error")
+        lines.append(
+            f"| {row['machines']} | {_ms(figures.get('setup_s'))} | "
+            f"{_ms(figures.get('first_steps_s'))} | "
+            f"{'-' if error is None else f'{error:+.0%}'} | {_ms(figures.get('fitted_s'))} | "
+            f"{_ms(row['step_s'])} | {_ms(figures.get('alone_s'))} | "
+            f"{_ms(row['baseline_step_s'])} |")
+    return lines

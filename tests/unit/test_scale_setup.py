@@ -1,0 +1,47 @@
+"""Set-up's prediction against the first steps in ``hetconv bench scale`` (hetconv/bench/scale_setup.py)."""
+from __future__ import annotations
+
+import pytest
+
+from hetconv.bench.scale_setup import (
+    SetupFigures,
+    format_setup_table,
+    merge_setup_repeats,
+    setup_figures,
+)
+from hetconv.master.samples.step_model import MODEL_SKIP, MODEL_WINDOW
+
+
+def records(first: float, later: float) -> list[dict[str, object]]:
+    steps = [{"type": "step", "step": i, "step_s": 9.0 if i < MODEL_SKIP else
+              (first if i < MODEL_SKIP + MODEL_WINDOW else later), "dense_s": 0.002}
+             for i in range(40)]
+    return [{"type": "alone_probe", "alone_measured_step_s": 0.130},
+            {"type": "plan", "predicted_step_s": 0.038},
+            *steps,
+            {"type": "model", "predicted_step_s": 0.0617},
+            {"type": "model", "predicted_step_s": 0.0599},
+            {"type": "plan", "predicted_step_s": 0.5}]  # a re-plan: not set-up's
+
+
+def test_set_up_is_judged_on_the_first_fitted_window() -> None:
+    figures = setup_figures(records(0.060, 0.050))
+    assert figures.first_steps_s == pytest.approx(0.060)  # the start-up step left out
+    assert figures.setup_s == pytest.approx(0.040)  # the first plan, plus the dense part
+    assert figures.setup_error == pytest.approx(-1 / 3)
+    assert figures.fitted_s == pytest.approx(0.0617)  # the first fit
+    assert figures.alone_s == pytest.approx(0.130)
+    bare = setup_figures([{"type": "step", "step": 0, "step_s": 0.1}])
+    assert bare == SetupFigures(None, None, None, None) and bare.setup_error is None
+
+
+def test_repeats_merge_to_medians_and_the_table_says_each_figure() -> None:
+    merged = merge_setup_repeats([setup_figures(records(0.060, 0.05)),
+                                  setup_figures(records(0.050, 0.05)),
+                                  SetupFigures(None, None, None, None)])
+    assert merged["first_steps_s"] == pytest.approx(0.055)
+    lines = format_setup_table([{"machines": "4x[0.45]", "step_s": 0.061,
+                                 "baseline_step_s": 0.131, "setup": merged}])
+    assert lines[-1] == "| 4x[0.45] | 40.0 | 55.0 | -27% | 61.7 | 61.0 | 130.0 | 131.0 |"
+    assert format_setup_table([{"machines": "m", "step_s": 0.1, "baseline_step_s": 0.1,
+                                "setup": {}}])[-1] == "| m | - | - | - | - | 100.0 | - | 100.0 |"
