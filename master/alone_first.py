@@ -11,14 +11,14 @@ to undo it. So where the master computes and has workers, set-up now *measures* 
 copy of the weights (:func:`measure_alone`, the code a run alone trains with), after
 calibration, while the workers wait as they would.
 
-:func:`first_choice` compares the first plan's predicted conv part with that figure:
-the master alone no slower; the plan with workers within ``SETUP_BAND`` of it (the
-set-up model's stated error: 24-30 % optimistic on the lab's machines, issue 50), so
-unsure; or faster even that much more pessimistic. Set-up says and records it
-(``alone_compared``); it does not yet act on it: with the master alone chosen whenever
-it measured no slower, the suite's runs on one 2-core machine all trained alone (22
-integration tests expect workers), so acting on it waits for those tests to be moved to
-runs where workers win (``--no-local``, or the lab's machines).
+The first plan is then decided by :func:`first_choice` against that figure
+(``--fall-back on``, the default): the master alone where it measured no slower than the
+plan's predicted conv part; the plan with workers where the prediction, even
+``SETUP_BAND`` more pessimistic (the set-up model's stated error: 24-44 % optimistic on
+the lab's machines, issue 50), is faster; in between the plan with workers, marked
+unsure, and the run's fall-back check holds its measured steps to this measured figure
+(:class:`~hetconv.master.samples.fall_back.AloneCheck`: a trial only when the workers
+measure slower than it).
 """
 from __future__ import annotations
 

@@ -96,7 +96,7 @@ def alone_figure(config: MasterConfig, model: ModelConfig, params: dict[str, np.
     """The master alone measured (master/alone_first.py) where the planner chooses
     (``--split model``) between it and workers; None elsewhere or where it cannot hold a
     step alone."""
-    if config.split != "model" or not config.use_local_device \
+    if config.split != "model" or not config.fall_back or not config.use_local_device \
             or not any(p.worker is not None for p in participants):
         return None
     alone = measure_alone(model, params, settings, batch, device)
@@ -110,15 +110,32 @@ def alone_figure(config: MasterConfig, model: ModelConfig, params: dict[str, np.
 
 
 def compare_alone(predicted_conv_s: float, alone: AloneMeasure, metrics: MetricsWriter,
-                  report: Callable[[str], None]) -> None:
-    """Say and record how the first plan's predicted conv part compares with the master
-    alone measured (master/alone_first.py). Measured, not yet acted on: set-up still
-    chooses by the model's own figures (issue 50)."""
+                  report: Callable[[str], None]) -> bool:
+    """Whether the master trains alone from the start: the first plan's predicted conv
+    part against the master alone measured (master/alone_first.py); said and recorded."""
     choice = first_choice(predicted_conv_s, alone.conv_s)
     report(f"hetconv: {choice.why}")
     metrics.write("alone_probe", steps=alone.steps, **alone.as_record(),
                   predicted_conv_s=predicted_conv_s, alone_no_slower=choice.alone,
                   within_band=choice.unsure, band=SETUP_BAND)
+    return choice.alone
+
+
+def train_alone(cluster: Cluster, model: ModelConfig, params: dict[str, np.ndarray],
+                settings: LayerSettings, device: str, metrics: MetricsWriter,
+                report: Callable[[str], None], alone: AloneMeasure, split_by: str,
+                why: str) -> ConvStage:
+    """Set-up's choice is the master alone (its measured conv part beat the plan of the
+    split ``split_by`` chosen for ``why``): recorded as a plan of the master alone; the
+    workers go and stay up for the next run."""
+    report("hetconv: the master trains alone: measured no slower than the plan with workers "
+           "(--fall-back off keeps them; the workers stay up for the next run)")
+    metrics.write("plan", split_by=split_by, split_by_why=why, chosen=["master"],
+                  predicted_step_s=alone.conv_s, best_single="master",
+                  best_single_step_s=alone.conv_s, alone=True, **alone.as_record())
+    cluster.end_run("the master trains alone: measured no slower than the plan with workers")
+    cluster.close()
+    return LocalConvStage(model, params, settings, device=device)
 
 
 def check_spread(config: MasterConfig, model: ModelConfig, shapes: list[ConvLayerShape],
@@ -385,18 +402,20 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
                 split_by, why = model_split_by(split_by, why, compared,
                                                first.plan.predicted_step_s)
             if split_by == "samples":
-                if alone is not None:
-                    compare_alone(compared, alone, metrics, report)
                 for line in chosen_lines:
                     report(line)
                 report(f"hetconv: split by samples ({why}; predicted conv + transfer "
                        f"{predicted * 1e3:.1f} ms per step)")
+                if alone is not None and compare_alone(compared, alone, metrics, report):
+                    return train_alone(cluster, model, params, settings, device, metrics,
+                                       report, alone, "samples", why)
                 return open_sample_stage(
                     cluster, sample_config, participants, calibration, per_sample, shapes,
                     params, settings,
                     metrics, batch, device,
                     lambda: LocalConvStage(model, params, settings, device=device), report,
-                    predicted, links, link_wires, left_out, why)
+                    predicted, links, link_wires, left_out, why,
+                    alone_conv_s=None if alone is None else alone.conv_s)
         if star_for_kernels:
             report("hetconv: data plane star: split by kernels, a residual network's "
                    "shortcuts are joined on the master, between the layers")
@@ -404,8 +423,10 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
         if asked_slice:
             report("hetconv: --bn-statistics slice does not apply to the kernel split: "
                    "every participant normalises with the whole batch's statistics")
-        if first.plan is not None and alone is not None:
-            compare_alone(first.plan.predicted_step_s, alone, metrics, report)
+        if first.plan is not None and alone is not None \
+                and compare_alone(first.plan.predicted_step_s, alone, metrics, report):
+            return train_alone(cluster, model, params, settings, device, metrics, report,
+                               alone, "kernels", why)
         if first.plan is not None:  # link-aware: which participants, how many kernels
             report_plan(first.plan, participants, profiles, metrics, report, config.wire_dtype,
                         why)

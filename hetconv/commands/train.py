@@ -145,7 +145,9 @@ def add_parser(sub: Any) -> None:
                    "the calibration was off (default: on for --split model, off for "
                    "calibrated and equal)")
     p.add_argument("--fall-back", choices=ON_OFF, default="on",
-                   help="distributed, split by samples: 'on' (default) tries the master "
+                   help="distributed: 'on' (default) measures the master alone at set-up and "
+                   "trains alone from the start where it is no slower than the plan with "
+                   "workers is predicted to be; split by samples, it then tries the master "
                    "alone from one snapshot to the next when the last 9 steps measured over 0.75 "
                    "of its estimate of the master alone (an estimate that errs by up to a "
                    "third; after a trial, over 1.05 of the corrected one), and trains on "

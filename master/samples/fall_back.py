@@ -97,7 +97,11 @@ class AloneCheck:
     :meth:`trial_step` with every step of a trial; call :meth:`at_snapshot` after
     every snapshot and act on its verdict."""
 
-    def __init__(self) -> None:
+    def __init__(self, measured_alone_s: float | None = None) -> None:
+        """``measured_alone_s``: the master alone's conv part measured at set-up
+        (master/alone_first.py): the figure the workers are held to, with the tight
+        trigger, until a trial measures it again."""
+        self.measured_alone_s = measured_alone_s
         self.walls: deque[float] = deque(maxlen=ALONE_WINDOW)  # s, conv part, with workers
         self.estimates: deque[float] = deque(maxlen=ALONE_WINDOW)  # s, alone, estimated
         self.trial: deque[float] = deque(maxlen=ALONE_WINDOW)  # s, alone, measured
@@ -147,6 +151,8 @@ class AloneCheck:
         estimate = statistics.median(self.estimates)
         alone = estimate * self.correction
         trigger = CORRECTED_TRIGGER if self.corrected else TRIAL_TRIGGER
+        if self.measured_alone_s and not self.corrected:  # measured, not estimated
+            alone, trigger = self.measured_alone_s, CORRECTED_TRIGGER
         if alone <= 0 or measured <= trigger * alone:
             return None
         self.in_trial, self._estimate_then = True, estimate

@@ -52,11 +52,12 @@ class SamplePolicy:
     """Events in (steps, snapshots, participant changes), commands out (module doc)."""
 
     def __init__(self, balance: SampleBalance, setup_predicted_s: float | None = None,
-                 rebalancing: bool = True, fall_back: bool = True):
+                 rebalancing: bool = True, fall_back: bool = True,
+                 alone_measured_s: float | None = None):
         self.balance = balance
         self.rebalancing = rebalancing
         self.fall_back = fall_back
-        self.alone = AloneCheck()  # never slower than the master alone
+        self.alone = AloneCheck(alone_measured_s)  # never slower than the master alone
         self.without = WithoutCheck()  # ... nor than with one worker fewer
         self.model = InPlaceModel(setup_predicted_s)  # calibrated in place
         self._last_step_end: float | None = None  # monotonic s

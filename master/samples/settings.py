@@ -26,6 +26,7 @@ class SampleSetup:
     rebalancing: bool = True  # re-slice from measured compute (``--rebalance``)
     fall_back: bool = True  # train alone when measured slower than alone (``--fall-back``)
     predicted_s: float | None = None  # the setup's prediction of the conv part (the plan's)
+    alone_conv_s: float | None = None  # the master alone's conv part, measured at set-up
     slice_statistics: bool = False  # batch norm per slice (``--bn-statistics slice``)
     dense_replicas: bool = False  # the dense part on every participant (``--dense-part``)
     steps_in_flight: int = 1  # step chains sent before the last one's replies (2: ahead)

@@ -243,7 +243,8 @@ def open_sample_stage(cluster: Cluster, config: MasterConfig, participants: list
                       predicted_s: float | None = None,
                       links: dict[str, Link | None] | None = None,
                       link_wires: Mapping[str, str] | None = None,
-                      left_out: Sequence[str] = (), split_why: str = "") -> SampleConvStage:
+                      left_out: Sequence[str] = (), split_why: str = "",
+                      alone_conv_s: float | None = None) -> SampleConvStage:
     """Hand out the whole layers and build the stage (see the module doc). ``left_out``:
     workers of ``participants`` (and of ``per_sample``) the run does not use
     (``sample_members_for``): no layers, no samples, never taken in as joiners.
@@ -264,6 +265,7 @@ def open_sample_stage(cluster: Cluster, config: MasterConfig, participants: list
                         batch, master_computes, local_stage, metrics, report,
                         rebalancing=config.rebalancing and config.split != "equal",
                         fall_back=config.fall_back, predicted_s=predicted_s,
+                        alone_conv_s=alone_conv_s,
                         slice_statistics=config.bn_statistics == "slice"
                         and config.data_plane == "peer",
                         dense_replicas=config.dense_part != "master"

@@ -112,7 +112,7 @@ class SampleConvStage:
         self.between = BetweenSteps(cluster, control, setup, self.members, self.replicas,
                                     self.updates, self.state, peers)
         self.policy = SamplePolicy(balance, setup.predicted_s, setup.rebalancing,
-                                   setup.fall_back)
+                                   setup.fall_back, setup.alone_conv_s)
         self.pending_fault: WorkerLost | None = None  # found while the run was set up
         self._chain_output = NO_BATCH  # the forward chain's joined output
         self._closed = False

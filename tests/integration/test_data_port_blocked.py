@@ -38,8 +38,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.lab]
 BLOCKED_PORT = 5601  # worker a's --data-port; the namespace is private, so it is free
 RUN = ["--data", "synthetic", "--limit", "3200", "--test-limit", "256", "--arch", "8:16",
        "--kernel-size", "4", "--epochs", "1", "--batch", "64", "--threads", "1",
-       "--no-progress", "--seed", "5"]
-# Nothing pins --split-by, --data-plane, --split or --wire-dtype: the defaults. A 4x4
+       "--no-progress", "--seed", "5", "--fall-back", "off"]
+# --fall-back off: on this one machine the master alone measures faster than any plan
+# with workers, and the default --fall-back on would rightly train alone from set-up
+# (master/alone_first.py), with no data port to block. Nothing else is pinned
+# (--split-by, --data-plane, --split, --wire-dtype: the defaults). A 4x4
 # kernel makes layer 1's map odd (25x25), which the sample split cannot pool, so
 # --split-by auto splits by kernels over the peer data plane, the one that uses data
 # ports (KERNEL_SPLIT is checked in the output).

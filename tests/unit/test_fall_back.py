@@ -238,3 +238,21 @@ def test_the_trial_stage_asks_for_a_snapshot_once_it_can_decide() -> None:
         asked.append(stage.wants_replan_point())
     assert asked == [False] * (EARLY_STEPS - 1) + [True]
     assert stage.replan_point({}) is waiting.back and waiting.events[-1] == "back 0.016"
+
+
+def test_a_master_alone_measured_at_set_up_replaces_the_estimate() -> None:
+    """Issue 50: set-up measured the master alone (master/alone_first.py). A run clearly
+    faster than that figure starts no trial, however close the in-run estimate (which
+    errs by a third); one slower than it by CORRECTED_TRIGGER is tried; a trial that goes
+    back corrects the estimate as before and the measured figure no longer stands."""
+    check = AloneCheck(measured_alone_s=0.130)
+    _with_workers(check, 0.100, 0.110)  # an estimate this close started a trial before
+    assert check.at_snapshot() is None
+    check = AloneCheck(measured_alone_s=0.130)
+    _with_workers(check, 0.130 * CORRECTED_TRIGGER * 1.01, 0.500)
+    assert check.at_snapshot() == TryAlone(pytest.approx(0.130 * CORRECTED_TRIGGER * 1.01),
+                                           pytest.approx(0.130))
+    for _ in range(ALONE_WINDOW):
+        check.trial_step(0.150)  # slower alone than it measured at set-up
+    assert isinstance(check.at_snapshot(), GoBack)
+    assert check.corrected and check.correction == pytest.approx(0.150 / 0.500)
