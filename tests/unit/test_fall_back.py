@@ -241,18 +241,18 @@ def test_the_trial_stage_asks_for_a_snapshot_once_it_can_decide() -> None:
 
 
 def test_a_master_alone_measured_at_set_up_replaces_the_estimate() -> None:
-    """Issue 50: set-up measured the master alone (master/alone_first.py). A run clearly
-    faster than that figure starts no trial, however close the in-run estimate (which
-    errs by a third); one slower than it by CORRECTED_TRIGGER is tried; a trial that goes
-    back corrects the estimate as before and the measured figure no longer stands."""
-    check = AloneCheck(measured_alone_s=0.130)
-    _with_workers(check, 0.100, 0.110)  # an estimate this close started a trial before
+    """Issue 50: set-up measured the master alone (master/alone_first.py). Runs are held
+    to that figure, not to the in-run estimate: two 0.45-core machines at 109 ms a step
+    (170 ms alone at set-up) are no longer tried because an estimate swung low; a run over
+    TRIAL_TRIGGER of the figure (the 0.6/0.4/0.2/0.2 machines: 105.8 ms, 131.9 measured
+    alone, 103 really) is; a trial that goes back corrects the estimate as before."""
+    check = AloneCheck(measured_alone_s=0.170)
+    _with_workers(check, 0.109, 0.120)  # the estimate alone would start a trial
     assert check.at_snapshot() is None
-    check = AloneCheck(measured_alone_s=0.130)
-    _with_workers(check, 0.130 * CORRECTED_TRIGGER * 1.01, 0.500)
-    assert check.at_snapshot() == TryAlone(pytest.approx(0.130 * CORRECTED_TRIGGER * 1.01),
-                                           pytest.approx(0.130))
+    check = AloneCheck(measured_alone_s=0.1319)
+    _with_workers(check, 0.1058, 0.500)
+    assert check.at_snapshot() == TryAlone(pytest.approx(0.1058), pytest.approx(0.1319))
     for _ in range(ALONE_WINDOW):
-        check.trial_step(0.150)  # slower alone than it measured at set-up
+        check.trial_step(0.150)  # slower alone than the workers
     assert isinstance(check.at_snapshot(), GoBack)
     assert check.corrected and check.correction == pytest.approx(0.150 / 0.500)
