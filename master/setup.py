@@ -121,10 +121,18 @@ def compare_alone(predicted_conv_s: float, alone: AloneMeasure, metrics: Metrics
     return choice.alone
 
 
+def link_records(profiles: list[ParticipantProfile]) -> list[dict[str, Any]]:
+    """The probed links of the ``plan`` record."""
+    return [{"participant": profile.participant,
+             "down_bytes_per_s": profile.link.down_bytes_per_s,
+             "up_bytes_per_s": profile.link.up_bytes_per_s, "rtt_s": profile.link.rtt_s}
+            for profile in profiles if profile.link is not None]
+
+
 def train_alone(cluster: Cluster, model: ModelConfig, params: dict[str, np.ndarray],
                 settings: LayerSettings, device: str, metrics: MetricsWriter,
                 report: Callable[[str], None], alone: AloneMeasure, split_by: str,
-                why: str) -> ConvStage:
+                why: str, profiles: list[ParticipantProfile]) -> ConvStage:
     """Set-up's choice is the master alone (its measured conv part beat the plan of the
     split ``split_by`` chosen for ``why``): recorded as a plan of the master alone; the
     workers go and stay up for the next run."""
@@ -132,7 +140,9 @@ def train_alone(cluster: Cluster, model: ModelConfig, params: dict[str, np.ndarr
            "(--fall-back off keeps them; the workers stay up for the next run)")
     metrics.write("plan", split_by=split_by, split_by_why=why, chosen=["master"],
                   predicted_step_s=alone.conv_s, best_single="master",
-                  best_single_step_s=alone.conv_s, alone=True, **alone.as_record())
+                  best_single_step_s=alone.conv_s, alone=True, **alone.as_record(),
+                  not_used=[p.participant for p in profiles if p.link is not None],
+                  links=link_records(profiles))
     cluster.end_run("the master trains alone: measured no slower than the plan with workers")
     cluster.close()
     return LocalConvStage(model, params, settings, device=device)
@@ -202,11 +212,7 @@ def report_plan(choice: Plan, participants: list[Participant],
                   chosen=list(choice.chosen), predicted_step_s=choice.predicted_step_s,
                   best_single=choice.best_single, best_single_step_s=choice.best_single_step_s,
                   all_step_s=choice.all_step_s, wire_dtype=wire_dtype,
-                  links=[{"participant": p.participant,
-                          "down_bytes_per_s": profile.link.down_bytes_per_s,
-                          "up_bytes_per_s": profile.link.up_bytes_per_s,
-                          "rtt_s": profile.link.rtt_s}
-                         for p, profile in zip(participants, profiles) if profile.link is not None])
+                  links=link_records(profiles))
 
 
 class RunPlanning:
@@ -408,7 +414,7 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
                        f"{predicted * 1e3:.1f} ms per step)")
                 if alone is not None and compare_alone(compared, alone, metrics, report):
                     return train_alone(cluster, model, params, settings, device, metrics,
-                                       report, alone, "samples", why)
+                                       report, alone, "samples", why, profiles)
                 return open_sample_stage(
                     cluster, sample_config, participants, calibration, per_sample, shapes,
                     params, settings,
@@ -426,7 +432,7 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
         if first.plan is not None and alone is not None \
                 and compare_alone(first.plan.predicted_step_s, alone, metrics, report):
             return train_alone(cluster, model, params, settings, device, metrics, report,
-                               alone, "kernels", why)
+                               alone, "kernels", why, profiles)
         if first.plan is not None:  # link-aware: which participants, how many kernels
             report_plan(first.plan, participants, profiles, metrics, report, config.wire_dtype,
                         why)

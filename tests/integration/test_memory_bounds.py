@@ -79,23 +79,23 @@ def test_an_idle_data_port_under_a_garbage_flood_stays_small(workers: Any) -> No
 @pytest.mark.timeout(120)
 def test_a_network_the_machines_cannot_hold_is_refused_before_calibration(
         endpoint: str, workers: Any, tmp_path: Any) -> None:
-    """Issue 49 part 4, distributed, under the defaults: two local workers and the
-    master share this machine; a network whose step even split three ways needs more
+    """Issue 49 part 4, distributed, under the defaults: a local worker and the master
+    share this machine; a network whose step even split two ways needs more
     than the machine has is one error line once the workers joined, before anything is
     calibrated (before: 17-23 GB across the three processes while calibrating layer 2),
-    and the workers go on serving."""
+    and the worker goes on serving."""
     from tests.conftest import run_hetconv
 
-    pool = workers("a", "b")
+    pool = workers("a")
     run_dir = tmp_path / "run"
-    done = run_hetconv("train", "--listen", endpoint, "--min-workers", "2", "--wait", "60",
+    done = run_hetconv("train", "--listen", endpoint, "--min-workers", "1", "--wait", "60",
                        "--data", "synthetic", "--limit", "256", "--epochs", "1",
                        "--arch", "c4096k3p1,c4096k3p1", "--batch", "2048",
                        "--run-dir", str(run_dir), "--no-progress", timeout=90)
     assert done.returncode != 0
     lines = [line for line in done.stderr.splitlines() if line.startswith("hetconv: error")]
     assert len(lines) == 1, done.stderr[-2000:]
-    assert "cannot fit" in lines[0] and "--batch" in lines[0] and "master+a+b" in lines[0], \
+    assert "cannot fit" in lines[0] and "--batch" in lines[0] and "master+a " in lines[0], \
         lines[0]
     assert "calibrated" not in done.stdout + done.stderr
     assert all(worker.process.poll() is None for worker in pool), "a worker stopped"
