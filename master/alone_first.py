@@ -23,9 +23,7 @@ figure erred -18 % to +29 % against the master really alone on the lab).
 from __future__ import annotations
 
 import statistics
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -62,9 +60,7 @@ def measure_alone(model: ModelConfig, params: dict[str, np.ndarray], settings: L
     """Time ``steps`` training steps of ``model`` alone on ``device`` at ``batch`` (random
     images and labels, a copy of ``params``: the run's weights do not move); None where
     the step would not fit in this machine's memory (then the master cannot train alone)."""
-    from hetconv.engine.stage import LocalConvStage
-    from hetconv.engine.training import LoopConfig, Trainer
-    from hetconv.metrics import MetricsWriter
+    from hetconv.engine.scratch_trainer import scratch_trainer
 
     dense_values = sum(units * (features + 1) for _, features, units in dense_shapes(model))
     if step_need(conv_layer_shapes(model), batch, dense_values).total > USABLE * available_bytes():
@@ -74,17 +70,10 @@ def measure_alone(model: ModelConfig, params: dict[str, np.ndarray], settings: L
     labels = rng.integers(0, model.classes, batch)
     copy = {name: array.copy() for name, array in params.items()}
     figures: list[dict[str, float]] = []
-    with tempfile.TemporaryDirectory(prefix="hetconv-alone-") as folder:
-        stage = LocalConvStage(model, copy, settings, device=device)
-        try:
-            with MetricsWriter(Path(folder) / "metrics.jsonl") as metrics:
-                trainer = Trainer(model, copy, stage, LoopConfig(batch=batch, progress=False),
-                                  metrics, Path(folder), out=lambda line: None)
-                for step in range(steps + 1):
-                    figures.append(trainer.train_step(x, labels, step, 0.0))
-                    stage.end_step()
-        finally:
-            stage.close()
+    with scratch_trainer(model, copy, settings, batch, device) as (trainer, stage):
+        for step in range(steps + 1):
+            figures.append(trainer.train_step(x, labels, step, 0.0))
+            stage.end_step()
     timed = figures[1:]
     return AloneMeasure(statistics.median(float(f["step_s"]) for f in timed),
                         statistics.median(float(f["conv_s"]) for f in timed),

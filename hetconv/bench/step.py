@@ -23,11 +23,9 @@ from __future__ import annotations
 import contextlib
 import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -164,27 +162,22 @@ def hetconv_step(model: ModelConfig, params: dict[str, np.ndarray], x: np.ndarra
                  ) -> Iterator[Callable[[], None]]:
     """One ``Trainer.train_step`` of ``hetconv train --local`` per call (momentum 0.9);
     ``ops`` "separate" runs the conv layers as the separate ops instead of fused."""
-    from hetconv.engine.stage import LocalConvStage, layer_settings
-    from hetconv.engine.training import LoopConfig, Trainer
-    from hetconv.metrics import MetricsWriter
+    from hetconv.engine.scratch_trainer import scratch_trainer
+    from hetconv.engine.stage import layer_settings
     from hetconv.ops import conv_layer
 
-    with tempfile.TemporaryDirectory(prefix="hetconv-step-") as folder:
-        stage = LocalConvStage(model, params, layer_settings(model, 0.9, 5e-4))
-        with MetricsWriter(Path(folder) / "metrics.jsonl") as metrics:
-            trainer = Trainer(model, params, stage, LoopConfig(batch=batch, progress=False),
-                              metrics, Path(folder), out=lambda line: None)
-            counter = iter(range(1 << 62))
+    with scratch_trainer(model, params, layer_settings(model, 0.9, 5e-4), batch) as (trainer,
+                                                                                   stage):
+        counter = iter(range(1 << 62))
 
-            def step() -> None:
-                fused, conv_layer.FUSED = conv_layer.FUSED, ops == "fused"
-                try:
-                    trainer.train_step(x, labels, next(counter), LEARNING_RATE)
-                finally:
-                    conv_layer.FUSED = fused
-                stage.end_step()
-            yield step
-        stage.close()
+        def step() -> None:
+            fused, conv_layer.FUSED = conv_layer.FUSED, ops == "fused"
+            try:
+                trainer.train_step(x, labels, next(counter), LEARNING_RATE)
+            finally:
+                conv_layer.FUSED = fused
+            stage.end_step()
+        yield step
 
 
 # --- measured rates --------------------------------------------------------------------
