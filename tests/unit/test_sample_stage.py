@@ -187,8 +187,10 @@ def test_re_slicing_from_measured_compute_keeps_the_local_numbers(tmp_path: Path
     inputs = [m.x.shape[0] for m in forwards_of(cluster.served("w2", Message))
               if m.x is not None]
     # w2's last input is its slice then (a re-slice right after that step may move it:
-    # CI saw w2 at 0 after a last input of 2, under load)
-    assert inputs[-1] in (last["w2"], final["w2"]), (inputs[-1], last, final)
+    # CI saw w2 at 0 after a last input of 2, under load). A slice of 0 sends w2 no input,
+    # so its last input is then an earlier step's (CI once gave the master all 8 under load)
+    if last["w2"] or final["w2"]:
+        assert inputs[-1] in (last["w2"], final["w2"]), (inputs[-1], last, final)
     assert_same_run(dist, local)
     assert_workers_hold(cluster, ["w1", "w2"], dist.stage.snapshot())
 
