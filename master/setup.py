@@ -54,6 +54,7 @@ from hetconv.master.plan import (
 )
 from hetconv.master.run import RunControl
 from hetconv.master.samples.plan import model_split_by
+from hetconv.master.samples.rehearsal import rehearse_first_plan
 from hetconv.master.samples.setup import (
     dense_part_for,
     open_sample_stage,
@@ -415,13 +416,18 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
                 if alone is not None and compare_alone(compared, alone, metrics, report):
                     return train_alone(cluster, model, params, settings, device, metrics,
                                        report, alone, "samples", why, profiles)
-                return open_sample_stage(
-                    cluster, sample_config, participants, calibration, per_sample, shapes,
-                    params, settings,
-                    metrics, batch, device,
-                    lambda: LocalConvStage(model, params, settings, device=device), report,
-                    predicted, links, link_wires, left_out, why,
-                    alone_conv_s=None if alone is None else alone.conv_s)
+                stage = open_sample_stage(
+                    cluster, sample_config, participants, calibration, per_sample, shapes, params,
+                    settings, metrics, batch, device, lambda: LocalConvStage(
+                        model, params, settings, device=device), report, predicted, links,
+                    link_wires, left_out, why, alone_conv_s=None if alone is None else alone.conv_s)
+                rehearsed = rehearse_first_plan(stage, model, params, batch, alone, metrics,
+                                                report) if config.split == "model" else stage
+                if rehearsed is None and alone is not None:
+                    stage.release()  # the workers go; the cluster ends with train_alone
+                    return train_alone(cluster, model, params, settings, device, metrics,
+                                       report, alone, "samples", why, profiles)
+                return rehearsed or stage
         if star_for_kernels:
             report("hetconv: data plane star: split by kernels, a residual network's "
                    "shortcuts are joined on the master, between the layers")

@@ -2,9 +2,10 @@
 
 Per run, from its ``metrics.jsonl`` (seconds):
 
-- ``setup_s``: what set-up predicted before any step: the first ``plan`` record's
-  ``predicted_step_s`` (the conv part and its transfers) plus the run's measured dense
-  part, as the other figures of the bench count it;
+- ``setup_s``: what set-up predicted before any step: the ``rehearsal`` record's
+  ``predicted_step_s`` (the whole step, master/samples/rehearsal.py) where set-up
+  rehearsed the plan; otherwise the first ``plan`` record's ``predicted_step_s`` (the
+  conv part and its transfers) plus the run's measured dense part;
 - ``first_steps_s``: the median step of the in-place model's first fitted window (steps
   ``MODEL_SKIP`` .. ``MODEL_SKIP + MODEL_WINDOW`` - 1, master/samples/step_model.py), the
   steps set-up's prediction is judged on;
@@ -48,8 +49,11 @@ def setup_figures(records: Sequence[dict[str, Any]]) -> SetupFigures:
     window = [float(r["step_s"]) for r in steps[MODEL_SKIP:MODEL_SKIP + MODEL_WINDOW]]
     first_steps = statistics.median(window) if window else None
     plans = [r for r in records if r.get("type") == "plan"]
+    rehearsals = [r for r in records if r.get("type") == "rehearsal"]
     setup = None
-    if plans and plans[0].get("predicted_step_s") is not None:
+    if rehearsals:
+        setup = float(rehearsals[0]["predicted_step_s"])
+    elif plans and plans[0].get("predicted_step_s") is not None:
         dense = [float(r.get("dense_s", 0.0)) for r in steps[MODEL_SKIP:]] or [0.0]
         setup = float(plans[0]["predicted_step_s"]) + statistics.median(dense)
     models = [r for r in records if r.get("type") == "model"]

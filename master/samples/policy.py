@@ -48,6 +48,17 @@ StepCommand = Reslice | ModelChecked
 SnapshotVerdict = TryAlone | TryWithout | KeepWithout | TakeBack | None
 
 
+def step_sample(figures: StepFigures, samples: Mapping[str, int], now: float
+                ) -> StepSample | None:
+    """A step ended at ``now`` (monotonic s) as the step model takes it (its wall from the
+    first request, its rounds, each participant's compute and samples); None for a step
+    without rounds (the master alone)."""
+    if figures.started is None or not figures.rounds:
+        return None
+    return StepSample(now - figures.started, figures.wall, figures.rounds,
+                      dict(figures.compute), {n: c for n, c in samples.items() if c > 0})
+
+
 class SamplePolicy:
     """Events in (steps, snapshots, participant changes), commands out (module doc)."""
 
@@ -80,10 +91,9 @@ class SamplePolicy:
             self.without.step(now - self._last_step_end)
         self._last_step_end = now
         commands: list[StepCommand] = []
-        if figures.started is not None and figures.rounds:
-            check = self.model.observe(StepSample(
-                now - figures.started, figures.wall, figures.rounds, dict(figures.compute),
-                {n: c for n, c in samples.items() if c > 0}))
+        sample = step_sample(figures, samples, now)
+        if sample is not None:
+            check = self.model.observe(sample)
             if check is not None:
                 commands.append(ModelChecked(check))
         if self.rebalancing and self.balance.observe(

@@ -71,10 +71,11 @@ from hetconv.master.samples.figures import NO_BATCH, StepState, sample_counts
 from hetconv.master.samples.layer_rounds import LayerRounds
 from hetconv.master.samples.members import SampleMembers
 from hetconv.master.samples.peers import SamplePeers
-from hetconv.master.samples.policy import ModelChecked, Reslice, SamplePolicy
+from hetconv.master.samples.policy import ModelChecked, Reslice, SamplePolicy, step_sample
 from hetconv.master.samples.replicas import MasterReplicas
 from hetconv.master.samples.rounds import Rounds
 from hetconv.master.samples.settings import SampleSetup
+from hetconv.master.samples.step_model import StepSample
 from hetconv.master.samples.trial_alone import TrialAloneStage
 from hetconv.master.samples.trial_without import (
     WITHOUT_GAIN,
@@ -113,7 +114,7 @@ class SampleConvStage:
                                     self.updates, self.state, peers)
         self.policy = SamplePolicy(balance, setup.predicted_s, setup.rebalancing,
                                    setup.fall_back, setup.alone_conv_s)
-        self.pending_fault: WorkerLost | None = None  # found while the run was set up
+        self.pending_fault: StageFault | None = None  # found while the run was set up
         self._chain_output = NO_BATCH  # the forward chain's joined output
         self._closed = False
 
@@ -228,6 +229,19 @@ class SampleConvStage:
             elif isinstance(command, Reslice):
                 self._reslice(sum(samples.values()))
         return figures.record()
+
+    def end_rehearsal_step(self) -> StepSample | None:
+        """A set-up rehearsal's step ended (master/samples/rehearsal.py): its figures as
+        the step model takes them; none of the run's decisions hears of it."""
+        self.control.handle(StepDone(time.monotonic()))
+        samples = self.state.samples()
+        return step_sample(self.state.end(), samples, time.monotonic())
+
+    def release(self) -> None:
+        """Close the stage's own sockets and threads, not the cluster: set-up hands the
+        run to the master alone (master/setup.py ``train_alone`` ends it)."""
+        self._on_close = lambda: None
+        self.close()
 
     def _reslice(self, batch: int) -> None:
         names = self.members.names()

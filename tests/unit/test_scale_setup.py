@@ -31,6 +31,10 @@ def test_set_up_is_judged_on_the_first_fitted_window() -> None:
     assert figures.setup_error == pytest.approx(-1 / 3)
     assert figures.fitted_s == pytest.approx(0.0617)  # the first fit
     assert figures.alone_s == pytest.approx(0.130)
+    rehearsed = records(0.060, 0.050)
+    rehearsed.insert(2, {"type": "rehearsal", "predicted_step_s": 0.057})
+    assert setup_figures(rehearsed).setup_s == pytest.approx(0.057)  # the whole step, as is
+    assert setup_figures(rehearsed).setup_error == pytest.approx(-0.05)
     bare = setup_figures([{"type": "step", "step": 0, "step_s": 0.1}])
     assert bare == SetupFigures(None, None, None, None) and bare.setup_error is None
 
