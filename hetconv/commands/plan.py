@@ -4,8 +4,13 @@ From a run directory's measured profiles (the calibration fits and the probed li
 of a ``hetconv train --listen`` run), print the model's estimated step time and
 speedup for other machine counts (up to 128), link rates, batch sizes and networks
 (:mod:`hetconv.analysis.whatif`), and beside the estimate for the measured
-configuration the run's measured median step. ``--markdown FILE`` and ``--json FILE``
-also write the table. Every bad input is a one-line :class:`UserError`.
+configuration the run's measured median step. A run split by samples is estimated
+from its step model fitted in place where it has a usable one (its last ``model``
+record), else from the sample split's calibration model
+(:mod:`hetconv.analysis.whatif_samples`): one model for every row, named in the note
+above the table, on the measured configuration's estimate line and in the JSON's
+``estimate``. ``--markdown FILE`` and ``--json FILE`` also write the table. Every bad
+input is a one-line :class:`UserError`.
 """
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ import json
 import shlex
 import textwrap
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from typing import Any
 
@@ -31,7 +36,14 @@ from hetconv.analysis.whatif import (
     predict_scenarios,
     read_plan_links,
 )
-from hetconv.analysis.whatif_samples import predict_sample_scenarios, read_sample_plan
+from hetconv.analysis.whatif_samples import (
+    CALIBRATION_MODEL,
+    FittedModel,
+    fitted_terms,
+    predict_sample_scenarios,
+    read_sample_plan,
+    read_step_model,
+)
 from hetconv.commands.options import check_output_path
 from hetconv.engine.checkpoint import save_text
 from hetconv.errors import UserError
@@ -40,11 +52,26 @@ from hetconv.model import parse_arch
 
 HEADERS = ("machines", "link", "batch", "arch", "est. step ms", "est. speedup",
            "share of ideal", "used", "master link MB/step")
-SAMPLE_NOTE = ("Model estimates of the sample split (predict_sample_step: the slowest slice's "
-               "calibrated compute, the master's link, the rounds and the reduction among the "
-               "peers), not measurements: speedup is over the fastest single machine's "
+SAMPLE_NOTE = ("Model estimates of the sample split from its calibration model "
+               "(predict_sample_step: the slowest slice's calibrated compute, the master's "
+               "link, the rounds and the reduction among the peers, plus the measured dense "
+               "part), not measurements: speedup is over the fastest single machine's "
                "compute; share of ideal is that speedup over the machines' summed speed; "
                "'used' is how many machines get samples.")
+FITTED_NOTE = ("Model estimates of the sample split from {model} (master/samples/"
+               "step_model.py){calibrated}. For other clusters the compute per sample scales "
+               "with the conv chain's flop, a round's cost moves by the change in transfer "
+               "time the link model predicts (the barriers' skew and the message handling "
+               "per round stay as measured), and the serial part scales like the dense part. "
+               "Not measurements: speedup is over the fastest single machine's estimate (its "
+               "compute and the serial part); share of ideal is that speedup over the "
+               "machines' summed speed; 'used' is how many machines get samples.")
+NO_FIT = {"none": "The run has no usable step model fitted in place (no model record with "
+                  "its terms: a run too short for the model's check, or one from an older "
+                  "hetconv), so the calibration model estimates every row.",
+          "links": "The run has no measured links, so its fitted round cost cannot be moved "
+                   "to other links: the calibration model estimates every row."}
+KERNEL_ESTIMATE = "performance model (hetconv.planning.perf_model via the planner)"
 ESTIMATE_NOTE = ("Model estimates (hetconv.planning.perf_model through the planner), not measurements: "
                  "speedup is over the fastest single machine's estimate; share of ideal is "
                  "that speedup over the machines' summed compute speed; 'used' is how many "
@@ -166,16 +193,57 @@ def describe(run: MeasuredRun) -> str:
             f"plane {run.data_plane}, batch {run.batch}, arch {_arch(run.arch)}")
 
 
+@dataclass(frozen=True)
+class EstimateModel:
+    """The model behind the table: for a run split by samples its step model fitted in
+    place where usable (``fitted``), else the calibration model; the note printed above
+    the table and the JSON's ``estimate``."""
+
+    fitted: FittedModel | None
+    note: str
+    estimate: str
+
+
+def estimate_model(run_dir: str, run: MeasuredRun,
+                   per_sample: dict[str, float] | None) -> EstimateModel:
+    if per_sample is None:
+        return EstimateModel(None, ESTIMATE_NOTE, KERNEL_ESTIMATE)
+    fitted = read_step_model(run_dir)
+    if fitted is None or not run.links_measured:
+        why = NO_FIT["none" if fitted is None else "links"]
+        return EstimateModel(None, f"{SAMPLE_NOTE} {why}", CALIBRATION_MODEL)
+    calibrated = fitted.calibrated(run)
+    extra = (f"; {', '.join(calibrated)} without a fitted figure: from the calibrated "
+             "seconds per sample" if calibrated else "")
+    return EstimateModel(fitted, FITTED_NOTE.format(model=fitted.describe(), calibrated=extra),
+                         fitted.describe() + extra)
+
+
+def estimate_detail(run: MeasuredRun, per_sample: dict[str, float] | None,
+                    model: EstimateModel) -> str:
+    """What the measured configuration's estimate is made of, after its figure."""
+    if per_sample is None:
+        return ""
+    if model.fitted is None:
+        return " (the calibration model)"
+    cluster, terms = fitted_terms(run, per_sample, model.fitted, measured_scenario(run))
+    return (f" = compute {terms.compute_s(cluster.samples) * 1e3:.1f} + {terms.rounds} rounds "
+            f"x {terms.round_s * 1e3:.1f} + serial {terms.serial_s * 1e3:.1f} (the run's step "
+            f"model fitted in place, from {model.fitted.fitted_steps} steps, at the slices by "
+            "speed)")
+
+
 def measured_lines(run: MeasuredRun, prediction: Prediction | None,
-                   in_place: StepModelCheck | None = None) -> list[str]:
-    """The estimate for the measured configuration beside the measured median step, and
-    the sample split's step model calibrated in place (its ``model`` record), if any."""
+                   in_place: StepModelCheck | None = None, detail: str = "") -> list[str]:
+    """The estimate for the measured configuration (``detail``: what it is made of)
+    beside the measured median step, and the sample split's step model calibrated in
+    place (its ``model`` record), if any."""
     if prediction is None:
         lines = ["No estimate for the measured configuration: the run has no measured links."]
     else:
         lines = [f"Measured configuration ({len(run.profiles)} participants, measured links, "
                  f"batch {run.batch}, arch {_arch(run.arch)}):",
-                 f"  model estimate   {prediction.step_s * 1e3:.1f} ms per step"]
+                 f"  model estimate   {prediction.step_s * 1e3:.1f} ms per step{detail}"]
         if run.measured_step_s is None:
             lines.append("  measured median  (no step recorded)")
         else:
@@ -210,15 +278,17 @@ def run_plan(args: argparse.Namespace, out: Callable[[str], None] = print) -> in
     records = parse_run(args.run_dir)
     run = measured_run(records, read_plan_links(args.run_dir))
     per_sample = read_sample_plan(args.run_dir)
-    note = ESTIMATE_NOTE if per_sample is None else SAMPLE_NOTE
+    model = estimate_model(args.run_dir, run, per_sample)
+    note = model.note
 
     def predict(wanted: list[Scenario]) -> list[Prediction]:
         if per_sample is None:
             return predict_scenarios(run, wanted)
-        return predict_sample_scenarios(run, per_sample, wanted)
+        return predict_sample_scenarios(run, per_sample, wanted, model.fitted)
 
     predictions = predict(scenarios(args, run))
     measured = predict([measured_scenario(run)])[0] if run.links_measured else None
+    detail = estimate_detail(run, per_sample, model) if measured is not None else ""
     out(describe(run) + ("" if per_sample is None else ", split by samples"))
     for line in textwrap.wrap(note, width=100):
         out(line)
@@ -226,7 +296,7 @@ def run_plan(args: argparse.Namespace, out: Callable[[str], None] = print) -> in
     for line in text_table(predictions):
         out(line)
     out("")
-    for line in measured_lines(run, measured, records.step_model):
+    for line in measured_lines(run, measured, records.step_model, detail):
         out(line)
     if args.markdown:
         now = datetime.now(timezone.utc).astimezone().isoformat(timespec="seconds")
@@ -235,15 +305,14 @@ def run_plan(args: argparse.Namespace, out: Callable[[str], None] = print) -> in
                   f"- {describe(run)}", "", note, ""]
         save_text(args.markdown, "\n".join(header + markdown_table(predictions) + [""]
                                            + measured_lines(run, measured,
-                                                            records.step_model)) + "\n")
+                                                            records.step_model, detail))
+                  + "\n")
         out(f"wrote {args.markdown}")
     if args.json:
         document = {"run_dir": run.run_dir, "data_plane": run.data_plane,
                     "participants": [p.participant for p in run.profiles],
                     "split_by": "kernels" if per_sample is None else "samples",
-                    "estimate": ("performance model (hetconv.planning.perf_model via the planner)"
-                                 if per_sample is None else
-                                 "sample split model (master.sample_plan.predict_sample_step)"),
+                    "estimate": model.estimate,
                     "rows": [p.record() for p in predictions],
                     "measured_configuration": None if measured is None else {
                         **measured.record(), "steps_used": run.steps_used},

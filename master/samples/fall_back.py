@@ -33,6 +33,8 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
+from hetconv.master.samples.step_model import MODEL_TOLERANCE
+
 ALONE_WINDOW = 9
 """Steps whose median is compared: the last ones with the workers, the trial's alone."""
 STAY_ALONE_REASON = "slower than the master alone"
@@ -52,6 +54,11 @@ CLEAR_MARGIN = 1.25
 step with the workers, or this factor faster. The trials seen on the lab's quota
 machines measured the master alone 1.3-1.5 times slower than the workers or within a
 few percent of them; the close ones run the whole window."""
+REHEARSED_TRIGGER = 1 / (1 + MODEL_TOLERANCE)
+"""Where set-up rehearsed the plan and held it to the master alone measured
+(master/samples/rehearsal.py): a trial starts only when the run's steps come within
+the step model's band (``MODEL_TOLERANCE``) of the master alone, where that band
+covers both choices (issue 50: trials only when the model is unsure)."""
 CORRECTED_TRIGGER = 1.05
 """After a trial corrected the estimate by what it measured: a trial starts again only
 when the workers measure this much slower than the corrected estimate."""
@@ -97,15 +104,19 @@ class AloneCheck:
     :meth:`trial_step` with every step of a trial; call :meth:`at_snapshot` after
     every snapshot and act on its verdict."""
 
-    def __init__(self, measured_alone_s: float | None = None) -> None:
+    def __init__(self, measured_alone_s: float | None = None, rehearsed: bool = False
+                 ) -> None:
         """``measured_alone_s``: the master alone's conv part measured at set-up
         (master/alone_first.py): the figure the workers are held to instead of the
         in-run estimate, until a trial measures it again. Three steps at set-up erred
         -18 % to +29 % against the master really alone on the lab (its batch pipeline
         and the quota's phase are not those of training), about as much as the
         estimate, so the trigger stays ``TRIAL_TRIGGER``; what it removes is the
-        estimate's swing from step to step (issue 50: every two-machine run was tried)."""
+        estimate's swing from step to step (issue 50: every two-machine run was tried).
+        ``rehearsed``: set-up also rehearsed the plan against that figure, so the
+        trigger is ``REHEARSED_TRIGGER`` (the step model's band)."""
         self.measured_alone_s = measured_alone_s
+        self.rehearsed = rehearsed
         self.walls: deque[float] = deque(maxlen=ALONE_WINDOW)  # s, conv part, with workers
         self.estimates: deque[float] = deque(maxlen=ALONE_WINDOW)  # s, alone, estimated
         self.trial: deque[float] = deque(maxlen=ALONE_WINDOW)  # s, alone, measured
@@ -156,7 +167,9 @@ class AloneCheck:
         alone = estimate * self.correction
         trigger = CORRECTED_TRIGGER if self.corrected else TRIAL_TRIGGER
         if self.measured_alone_s and not self.corrected:  # measured, not estimated
-            alone = self.measured_alone_s  # erring as much: the same trigger
+            alone = self.measured_alone_s  # erring as much: the same trigger,
+            if self.rehearsed:  # unless the plan was rehearsed against it: the model's band
+                trigger = REHEARSED_TRIGGER
         if alone <= 0 or measured <= trigger * alone:
             return None
         self.in_trial, self._estimate_then = True, estimate

@@ -174,6 +174,7 @@ def rehearse_first_plan(stage: SampleConvStage, model: ModelConfig,
     if alone is None:
         metrics.write("rehearsal", **outcome.as_record())
         return stage
+    stage.policy.alone.rehearsed = True  # trials only within the model's band (fall_back.py)
     choice = rehearsed_choice(outcome.predicted_s, alone.step_s, MODEL_TOLERANCE)
     report(f"hetconv: {choice.why}")
     metrics.write("rehearsal", **outcome.as_record(), alone_measured_step_s=alone.step_s,

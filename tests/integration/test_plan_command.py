@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 
+from hetconv.master.samples.plan import sample_slices
+from hetconv.master.samples.step_model import terms_from_record
 from tests.conftest import SMALL_RUN, run_hetconv
 
 pytestmark = [pytest.mark.integration]
@@ -150,10 +152,22 @@ def test_a_run_split_by_samples_is_modelled_as_the_sample_split(sample_run: Path
         assert "in-place model" in result.stdout, result.stdout
     else:
         assert document["step_model"] is None
-    # the measured configuration: the run's own prediction plus its measured dense part
+    # the measured configuration: the run's step model (fitted in place, or at set-up on
+    # the plan's rehearsal in a run too short for that) at the slices by speed: one model
+    fits = models or [r for r in records if r["type"] == "rehearsal"]
+    assert fits, "set-up rehearses the plan under --split model"
+    terms = terms_from_record(fits[-1])
+    assert terms is not None and "fitted" in document["estimate"], document["estimate"]
+    names = document["participants"]
+    slices = sample_slices(names, [terms.per_sample_s[n] for n in names],
+                           sum(p["samples"] for p in plan["samples"]))
     measured = document["measured_configuration"]
-    assert measured["predicted_step_s"] == pytest.approx(plan["predicted_step_s"] + dense,
+    assert measured["predicted_step_s"] == pytest.approx(
+        terms.predict({s.participant: s.samples for s in slices}), rel=1e-6)
+    # not the calibration model's figure (its conv part and transfers plus the dense part)
+    assert measured["predicted_step_s"] != pytest.approx(plan["predicted_step_s"] + dense,
                                                          rel=1e-6)
+    assert 0.5 < measured["measured_step_s"] / measured["predicted_step_s"] < 2.0, measured
     assert all(row["predicted_step_s"] > 0 and 1 <= row["chosen"] <= row["machines"]
                for row in document["rows"])
     report = run_hetconv("report", str(sample_run))

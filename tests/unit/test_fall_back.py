@@ -256,3 +256,20 @@ def test_a_master_alone_measured_at_set_up_replaces_the_estimate() -> None:
         check.trial_step(0.150)  # slower alone than the workers
     assert isinstance(check.at_snapshot(), GoBack)
     assert check.corrected and check.correction == pytest.approx(0.150 / 0.500)
+
+
+def test_after_set_ups_rehearsal_a_trial_starts_only_within_the_models_band() -> None:
+    """Issue 50: set-up rehearsed the plan against the master alone measured. The run
+    at 0.80 of that figure (tried before: over TRIAL_TRIGGER) is not tried; one whose
+    steps come within the step model's 10 % band of it (0.92) is."""
+    from hetconv.master.samples.fall_back import REHEARSED_TRIGGER
+
+    assert REHEARSED_TRIGGER == pytest.approx(1 / 1.10)
+    plain = AloneCheck(measured_alone_s=0.100)
+    _with_workers(plain, 0.080, 0.500)
+    assert isinstance(plain.at_snapshot(), TryAlone)  # 0.80 > TRIAL_TRIGGER
+    check = AloneCheck(measured_alone_s=0.100, rehearsed=True)
+    _with_workers(check, 0.080, 0.500)
+    assert check.at_snapshot() is None
+    _with_workers(check, 0.092, 0.500)
+    assert check.at_snapshot() == TryAlone(pytest.approx(0.092), pytest.approx(0.100))

@@ -90,6 +90,7 @@ def test_a_rehearsal_leaves_no_trace_and_the_run_is_the_local_one(
         compute + record["rounds"] * record["round_s"] + record["serial_s"])
     assert record["samples"] == {"master": 3, "w1": 3, "w2": 2}
     assert stage.policy.model.setup_predicted_s == record["predicted_step_s"]
+    assert stage.policy.alone.rehearsed is (alone is not None)  # trials within the band
     assert lines[0].startswith("hetconv: rehearsed the plan (6 steps at learning rate 0")
     if alone is not None:
         assert record["alone_no_slower"] is expected and len(lines) == 2

@@ -250,7 +250,11 @@ def predicted_scaling(records: RunRecords) -> bytes | None:
     :mod:`master.whatif_samples` for a run split by samples), with the
     ideal (the machines' summed compute speed). None without cost fits or measured links."""
     from hetconv.analysis import whatif
-    from hetconv.analysis.whatif_samples import predict_sample_scenarios, read_sample_plan
+    from hetconv.analysis.whatif_samples import (
+        predict_sample_scenarios,
+        read_sample_plan,
+        read_step_model,
+    )
 
     try:
         run = whatif.measured_run(records, whatif.read_plan_links(records.run_dir))
@@ -259,7 +263,8 @@ def predicted_scaling(records: RunRecords) -> bytes | None:
         per_sample = read_sample_plan(records.run_dir)
         curve = (whatif.scaling_curve(run) if per_sample is None else predict_sample_scenarios(
             run, per_sample, [whatif.Scenario(n, None, run.batch, run.arch)
-                              for n in whatif.DEFAULT_MACHINES]))
+                              for n in whatif.DEFAULT_MACHINES],
+            read_step_model(records.run_dir)))  # the run's step model, as `hetconv plan`
     except (UserError, ValueError, OSError):
         return None
     machines = [p.scenario.machines for p in curve]
