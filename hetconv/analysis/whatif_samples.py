@@ -39,7 +39,10 @@ short. For a scenario (units: seconds, bytes):
   predicted so too.
 
 For the measured configuration (batch, network and links as measured) the
-prediction is ``terms.predict`` at the slices by speed (wire difference 0, scales 1).
+prediction is ``terms.predict`` at the run's own slices, the median over its steps
+(:func:`measured_step`; wire difference 0, scales 1); at the slices by speed for a
+run without step records. The terms are pooled over every window the run fitted
+(:func:`pool_fits`).
 
 **The calibration model** (no usable ``model`` record, or no measured links to move
 the fitted round cost to others): :func:`predict_sample_step` from the calibrated
@@ -65,8 +68,9 @@ run's metrics.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -91,7 +95,11 @@ from hetconv.master.samples.plan import (
     sample_bytes,
     sample_slices,
 )
-from hetconv.master.samples.step_model import StepTerms, terms_from_record
+from hetconv.master.samples.step_model import (
+    StepSample,
+    StepTerms,
+    terms_from_record,
+)
 from hetconv.metrics import iter_metrics
 from hetconv.model import ConvLayerShape, ModelConfig, conv_layer_shapes, dense_shapes
 
@@ -124,7 +132,9 @@ class FittedModel:
 
     terms: StepTerms
     fitted_steps: int
-    source: str = "model"  # the record's type: "model" (in place) or "rehearsal" (set-up)
+    source: str = "model"  # the last fit's record: "model" (in place) or "rehearsal" (set-up)
+    windows: int = 1  # the fits pooled (pool_fits)
+    run_slices: tuple[Mapping[str, int], ...] = ()  # each step's slices with workers (run_slices)
 
     def calibrated(self, run: MeasuredRun) -> tuple[str, ...]:
         """The run's participants the fit has no figure for: predicted from their
@@ -136,8 +146,9 @@ class FittedModel:
         """Which model, in a few words (the table's note, the JSON's ``estimate``)."""
         where = ("fitted in place" if self.source == "model"
                  else "fitted at set-up on the plan's rehearsal")
+        windows = f" in {self.windows} windows" if self.windows > 1 else ""
         return (f"the run's step model {where}: compute + rounds x round + serial, "
-                f"from {self.fitted_steps} steps")
+                f"from {self.fitted_steps} steps{windows}")
 
 
 def usable_terms(terms: StepTerms | None) -> StepTerms | None:
@@ -171,20 +182,92 @@ def step_model_from_record(record: Mapping[str, Any]) -> FittedModel | None:
 
 
 def read_step_model(run_dir: str | Path) -> FittedModel | None:
-    """The fitted model of the run's last ``model`` record split by samples (the last
-    check is the model's figure: step_model.py), or, in a run too short for one, of
-    set-up's ``rehearsal`` record (master/samples/rehearsal.py); None without either, or where that
-    record's terms are not usable (an earlier record is not taken instead: it was fitted
-    before a re-fit or a re-plan)."""
-    last: dict[str, Any] | None = None
-    rehearsal: dict[str, Any] | None = None
+    """The run's step model over every window it was fitted on: set-up's ``rehearsal``
+    record (master/samples/rehearsal.py) and each ``model`` record split by samples
+    whose participants are the last fit's (:func:`pool_fits`); None without a usable
+    last fit (an unusable one is not replaced by an earlier one: it was fitted before a
+    re-fit or a re-plan)."""
+    fits: list[dict[str, Any]] = []
     for record in iter_metrics(Path(run_dir) / METRICS_FILE):
-        if record["type"] == "model" and record.get("split_by") == "samples":
-            last = record
-        elif record["type"] == "rehearsal":
-            rehearsal = record
-    chosen = last if last is not None else rehearsal
-    return None if chosen is None else step_model_from_record(chosen)
+        if record["type"] == "rehearsal" or (record["type"] == "model"
+                                             and record.get("split_by") == "samples"):
+            fits.append(record)
+    if not fits:
+        return None
+    last = step_model_from_record(fits[-1])
+    if last is None:
+        return None
+    same = [fit for fit in (step_model_from_record(r) for r in fits[:-1])
+            if fit is not None and set(fit.terms.per_sample_s) == set(last.terms.per_sample_s)
+            and fit.terms.rounds == last.terms.rounds]
+    pooled = pool_fits([*same, last])
+    # not re-fitted on every step of the run: the fits above are the model's own, each
+    # checked on the steps after it; a fit on all 63 steps of the lab's runs was no
+    # closer to their median (docs/usage.md "hetconv plan")
+    steps = run_step_samples(run_dir, pooled.terms)
+    return replace(pooled, run_slices=tuple(dict(step.samples) for step in steps))
+
+
+def run_step_samples(run_dir: str | Path, terms: StepTerms) -> list[StepSample]:
+    """The run's steps as the step model takes them (:class:`StepSample`), from its
+    ``step`` records: every step but the first where more than one participant had
+    samples, all of them in ``terms`` (a step of the master alone, or of other
+    participants, is left out). A participant's compute is its layers' forward and
+    backward seconds (the step chain's compute spread over its layers), the rounds'
+    wall the slowest compute plus ``comm_s`` (their wall beyond it), ``terms.rounds``
+    rounds a step."""
+    out: list[StepSample] = []
+    seen = 0
+    for record in iter_metrics(Path(run_dir) / METRICS_FILE):
+        if record["type"] != "step":
+            continue
+        seen += 1
+        try:
+            samples: dict[str, int] = {}
+            compute: dict[str, float] = {}
+            for layer in record["layers"]:
+                for entry in layer["participants"]:
+                    name = str(entry["participant"])
+                    if int(entry.get("samples", 0)) > 0:
+                        samples[name] = int(entry["samples"])
+                        compute[name] = compute.get(name, 0.0) + float(
+                            entry["forward_s"]) + float(entry["backward_s"])
+            step_s, comm_s = float(record["step_s"]), float(record["comm_s"])
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError):
+            continue
+        if seen > 1 and len(samples) > 1 and set(samples) <= set(terms.per_sample_s) \
+                and all(math.isfinite(v) and v >= 0 for v in (step_s, comm_s, *compute.values())):
+            out.append(StepSample(step_s, max(compute.values()) + comm_s, terms.rounds,
+                                  compute, samples))
+    return out
+
+
+def measured_step(terms: StepTerms, slices: Sequence[Mapping[str, int]]) -> float:
+    """The model's step for the measured configuration at the run's own slices: the
+    median over its steps of ``terms.predict`` at each step's slices (the rebalancer's,
+    cut a window late for speeds that swing: :func:`pool_fits`)."""
+    return statistics.median(terms.predict(samples) for samples in slices)
+
+
+def pool_fits(fits: Sequence[FittedModel]) -> FittedModel:
+    """One model from the windows of the same participants (not empty; the last is the
+    run's last fit): each participant's compute per sample and the per-round and serial
+    costs the medians of the windows', and the compute term over every window's steps.
+    On CPU-quota machines a participant's speed swings for about 10 steps at a time
+    (docs/sample-split.md) and the rebalancer follows it a window late: the slices the
+    run measured its steps on were cut for another window's speeds. One window's speeds
+    slice the batch as if it knew them (two 0.45-core machines: the last window alone
+    predicted the run's 106.5 ms step at 65.6)."""
+    if len(fits) == 1:
+        return fits[0]
+    last = fits[-1].terms
+    names = list(last.per_sample_s)
+    terms = StepTerms(
+        {name: statistics.median(f.terms.per_sample_s[name] for f in fits) for name in names},
+        statistics.median(f.terms.round_s for f in fits),
+        statistics.median(f.terms.serial_s for f in fits), last.rounds,
+        tuple(step for f in fits for step in f.terms.steps_s))
+    return FittedModel(terms, sum(f.fitted_steps for f in fits), fits[-1].source, len(fits))
 
 
 def _chain_flops(shapes: Sequence[ConvLayerShape]) -> float:
@@ -290,8 +373,10 @@ def predict_sample_scenarios(run: MeasuredRun, seconds_per_sample: dict[str, flo
         for scenario in scenarios:
             c, terms = fitted_terms(run, seconds_per_sample, fitted, scenario)
             alone = _alone(c, terms)  # also a cluster of one machine's step: no rounds
-            out.append(_prediction(run, c, terms.predict(c.samples) if len(c.machines) > 1
-                                   else alone, alone))
+            step = terms.predict(c.samples) if len(c.machines) > 1 else alone
+            if fitted.run_slices and is_measured(run, scenario):
+                step = measured_step(terms, fitted.run_slices)  # the run's own slices
+            out.append(_prediction(run, c, step, alone))
         return out
     missing = [p.participant for p in run.profiles if p.participant not in seconds_per_sample]
     if missing:

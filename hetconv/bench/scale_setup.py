@@ -84,8 +84,10 @@ def _ms(value: float | None) -> str:
 def format_setup_table(rows: Sequence[dict[str, Any]]) -> list[str]:
     """The table: set-up's prediction, the first steps, its error, the model fitted on
     them, the run's measured step and the master alone measured at set-up."""
-    lines = ["", "Set-up's prediction (before any step: the first plan's conv part and "
-             "transfers, plus the measured dense part) against the median of the first "
+    lines = ["", "Set-up's prediction (before any step: the step model fitted on the "
+             "first plan's rehearsal, 6 steps at learning rate 0 (master/samples/rehearsal.py); "
+             "where set-up did not rehearse, the first plan's conv part and transfers plus the "
+             "measured dense part) against the median of the first "
              f"fitted steps ({MODEL_SKIP}..{MODEL_SKIP + MODEL_WINDOW - 1}), the step model "
              "fitted on them, the run's measured step, and the master alone measured at "
              "set-up (medians over the repeats; issue 50's target: set-up within 10 % of "

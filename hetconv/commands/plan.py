@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import statistics
 import textwrap
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -227,10 +228,14 @@ def estimate_detail(run: MeasuredRun, per_sample: dict[str, float] | None,
     if model.fitted is None:
         return " (the calibration model)"
     cluster, terms = fitted_terms(run, per_sample, model.fitted, measured_scenario(run))
-    return (f" = compute {terms.compute_s(cluster.samples) * 1e3:.1f} + {terms.rounds} rounds "
-            f"x {terms.round_s * 1e3:.1f} + serial {terms.serial_s * 1e3:.1f} (the run's step "
-            f"model fitted in place, from {model.fitted.fitted_steps} steps, at the slices by "
-            "speed)")
+    slices = model.fitted.run_slices
+    compute = (statistics.median(terms.compute_s(s) for s in slices) if slices
+               else terms.compute_s(cluster.samples))
+    where = (f"at the run's own slices, median over its {len(slices)} steps with workers"
+             if slices else "at the slices by speed")
+    return (f" = compute {compute * 1e3:.1f} + {terms.rounds} rounds "
+            f"x {terms.round_s * 1e3:.1f} + serial {terms.serial_s * 1e3:.1f} ("
+            f"{model.fitted.describe()}, {where})")
 
 
 def measured_lines(run: MeasuredRun, prediction: Prediction | None,

@@ -229,8 +229,8 @@ def test_the_plan_command_says_which_model_and_predicts_from_the_fit(tmp_path: P
     assert "step model fitted in place: compute + rounds x round + serial, from 9 steps" in text
     assert "skew" in text and "calibration model" not in text
     assert ("  model estimate   57.4 ms per step = compute 44.4 + 6 rounds x 1.5 + serial 4.0 "
-            "(the run's step model fitted in place, from 9 steps, at the slices by speed)"
-            in lines)
+            "(the run's step model fitted in place: compute + rounds x round + serial, from 9 "
+            "steps, at the slices by speed)" in lines), lines
     assert any(line.startswith("  measured median  58.0 ms per step") for line in lines)
     assert any(line.startswith("  in-place model   57.4 ms per step") for line in lines)
     assert document["estimate"].startswith("the run's step model fitted in place")
@@ -266,4 +266,35 @@ def test_a_run_too_short_for_a_fit_in_place_takes_set_ups_rehearsal(tmp_path: Pa
     assert fitted.source == "rehearsal" and "set-up on the plan's rehearsal" in fitted.describe()
     later = read_step_model(write(tmp_path / "long", [plan_record(), rehearsal,
                                                       model_record(fitted_steps=9)]))
-    assert later is not None and later.source == "model" and later.fitted_steps == 9
+    # one model over both windows: the rehearsal's 6 steps and the fit's 9
+    assert later is not None and later.source == "model" and later.fitted_steps == 15
+    assert later.windows == 2 and later.terms.steps_s == TERMS.steps_s * 2
+
+
+def step_record(step: int, samples: dict[str, int]) -> dict[str, Any]:
+    entries = [{"participant": n, "samples": c, "forward_s": 0.01, "backward_s": 0.02}
+               for n, c in samples.items()]
+    return {"type": "step", "step": step, "step_s": 0.06, "comm_s": 0.002,
+            "layers": [{"layer": 0, "participants": entries}]}
+
+
+def test_the_measured_configuration_is_predicted_at_the_runs_own_slices(
+        tmp_path: Path) -> None:
+    """The rebalancer follows speeds that swing a window late, so the run's steps were
+    not at the slices by speed: the measured configuration is the median over the
+    run's steps (the first and those of the master alone left out) of the model at each
+    step's slices."""
+    own = [{"master": 30, "fast": 60, "slow": 38}, {"master": 30, "fast": 60, "slow": 38},
+           {"master": 40, "fast": 70, "slow": 18}]
+    steps = [step_record(0, {"master": 1, "fast": 1, "slow": 126}),  # the first: left out
+             *[step_record(i + 1, s) for i, s in enumerate(own)],
+             step_record(4, {"master": 128})]  # the master alone: left out
+    fitted = read_step_model(write(tmp_path, [plan_record(), *steps, model_record()]))
+    assert fitted is not None and [dict(s) for s in fitted.run_slices] == own
+    run = measured((MASTER, FAST, SLOW))
+    (prediction,) = predict_sample_scenarios(run, PER_SAMPLE, [whatif.measured_scenario(run)],
+                                             fitted)
+    expected = sorted(TERMS.predict(s) for s in own)[1]
+    assert prediction.step_s == pytest.approx(expected)
+    # slow's 38 samples at 1.8-2 ms: 76 ms of compute, not the 44.4 at the slices by speed
+    assert prediction.step_s == pytest.approx(0.076 + 6 * 0.0015 + 0.004)

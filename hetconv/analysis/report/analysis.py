@@ -445,8 +445,12 @@ def summarize(records: RunRecords) -> RunSummary:
         imbalance_layer=worst.layer if worst else None,
         fastest_device=fastest.id if fastest else None, single_device_step_s=single_step,
         speedup=speedup, amdahl_bound=amdahl,
-        predicted_step_s=(records.plan_predicted_step_s + split.dense_s
+        predicted_step_s=(records.rehearsal_predicted_step_s
+                          if records.rehearsal_predicted_step_s is not None
+                          else records.plan_predicted_step_s + split.dense_s
                           if records.plan_predicted_step_s is not None and split else None),
+        predicted_by="rehearsal" if records.rehearsal_predicted_step_s is not None
+        else "planner",
         what_if=(what_if(split, steps, layer_kernels, fastest.id if fastest else None, workers)
                  if split else None),
         epochs=epochs,

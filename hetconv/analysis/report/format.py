@@ -88,10 +88,11 @@ def overview_table(summary: RunSummary) -> Table:
          f"{ms(summary.conv_ideal_s)} / {ms(summary.conv_slowest_s)} ms"),
         ("imbalance (slowest / mean participant)", times(summary.imbalance),
          MISSING if summary.imbalance_layer is None else f"layer {summary.imbalance_layer + 1}"),
-        ("model's predicted step (planner, est.)", MISSING if summary.predicted_step_s is None
+        ("set-up's predicted step", MISSING if summary.predicted_step_s is None
          else f"{ms(summary.predicted_step_s)} ms",
          MISSING if summary.predicted_step_s is None or split is None
-         else f"measured / predicted {split.step_s / summary.predicted_step_s:.2f}"),
+         else f"measured / predicted {split.step_s / summary.predicted_step_s:.2f} ("
+         + ("rehearsed" if summary.predicted_by == "rehearsal" else "planner") + ")"),
         *([] if summary.step_model is None else [_step_model_row(summary.step_model)]),
         *([] if not summary.split_choice[0] else [
             ("split by (the plan's)", *summary.split_choice)]),

@@ -182,6 +182,7 @@ class RunRecords:
     error: str | None
     warnings: tuple[str, ...]
     plan_predicted_step_s: float | None = None  # the planner's conv + transfer prediction
+    rehearsal_predicted_step_s: float | None = None  # set-up's rehearsed plan: a whole step
     step_model: StepModelCheck | None = None  # the last ``model`` record (sample split)
     dense_part: str = "master"  # the last ``plan`` record's: "replicas" or "master"
     events: tuple[MembershipEvent, ...] = ()  # joins, losses, re-plans, ... in time order
@@ -336,6 +337,7 @@ def _dispatch(records: list[dict[str, Any]], warnings: list[str]) -> Iterator[tu
         "run_start": lambda r: r, "run_end": lambda r: r,
         "plan": lambda r: (None if r.get("predicted_step_s") is None
                            else float(r["predicted_step_s"])),
+        "rehearsal": lambda r: float(r["predicted_step_s"]),
         "model": lambda r: StepModelCheck(
             float(r["predicted_step_s"]), float(r["measured_step_s"]), float(r["compute_s"]),
             int(r["rounds"]), float(r["round_s"]), float(r["serial_s"]),
@@ -369,6 +371,7 @@ def parse_run(run_dir: str | Path) -> RunRecords:
     error: str | None = None
     predicted: float | None = None
     step_model: StepModelCheck | None = None
+    rehearsed: float | None = None
     for kind, item in _dispatch(raw_records, warnings):
         if kind == "run_start":
             status = error = None  # a resumed run: what the earlier process ended with is past
@@ -390,6 +393,8 @@ def parse_run(run_dir: str | Path) -> RunRecords:
             predicted = item
         elif kind == "model":
             step_model = item
+        elif kind == "rehearsal":
+            rehearsed = item
         elif kind == "run_end":
             status = str(item.get("status") or "?")
             error = item.get("error")
@@ -406,6 +411,7 @@ def parse_run(run_dir: str | Path) -> RunRecords:
                       steps=tuple(ordered), epochs=_last_per_epoch(epochs), status=status,
                       error=None if error is None else str(error), warnings=tuple(warnings),
                       plan_predicted_step_s=predicted, step_model=step_model,
+                      rehearsal_predicted_step_s=rehearsed,
                       events=events, checkpoints=checkpoints,
                       replayed_steps=step_records - len(ordered),
                       start_time=_first_time(raw_records), dense_part=dense_part(raw_records),

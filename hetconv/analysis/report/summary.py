@@ -139,7 +139,8 @@ class RunSummary:
     single_device_step_s: float | None
     speedup: float | None
     amdahl_bound: float | None
-    predicted_step_s: float | None  # the planner's model (conv + transfers) + measured dense
+    predicted_step_s: float | None  # set-up's: the rehearsed plan's step model, or the
+    # planner's model (conv + transfers) + measured dense (``predicted_by``)
     what_if: WhatIf | None
     epochs: tuple[EpochRecord, ...]
     final_test_accuracy: float | None
@@ -157,3 +158,4 @@ class RunSummary:
     split_choice: tuple[str, str] = ("", "")  # the plan's split and why; empty: unknown
     not_used: tuple[str, ...] = ()  # participants the plan left out
     ended_alone: tuple[int, str] | None = None  # (first step alone, why): the alone check
+    predicted_by: str = "planner"  # whose predicted_step_s: "rehearsal" or "planner"
