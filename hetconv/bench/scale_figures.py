@@ -200,7 +200,7 @@ def run_figures(run_dir: Path, link_bytes_per_s: float | None) -> RunFigures:
                           events, int(steps[0]["step"]))),
                       timeline=typical_step_timeline(steps, events),
                       window=steady_window(records, steps),
-                      setup=setup_figures(records))
+                      setup=setup_figures(records, run_dir))
 
 
 def summarize(configurations: list[tuple[tuple[float, ...], str]],

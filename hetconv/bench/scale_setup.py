@@ -12,17 +12,23 @@ Per run, from its ``metrics.jsonl`` (seconds):
 - ``fitted_s``: the step model's first prediction fitted on those steps (its first
   ``model`` record), None where the run has none (split by kernels, or alone);
 - ``alone_s``: the master alone measured at set-up (the ``alone_probe`` record,
-  master/alone_first.py), None where it was not measured.
+  master/alone_first.py), None where it was not measured;
+- ``plan_s``, ``plan_measured_s``: ``hetconv plan RUN_DIR``'s estimate for the run's own
+  configuration and the run's median step it prints beside it (:func:`plan_estimate`,
+  which reads the run directory).
 
-Pure: records in, figures and table lines out (``tests/unit/test_scale_setup.py``).
+Pure but for :func:`plan_estimate`: records in, figures and table lines out
+(``tests/unit/test_scale_setup.py``).
 """
 from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from hetconv.errors import UserError
 from hetconv.master.samples.step_model import MODEL_SKIP, MODEL_WINDOW
 
 
@@ -34,6 +40,16 @@ class SetupFigures:
     first_steps_s: float | None
     fitted_s: float | None
     alone_s: float | None
+    plan_s: float | None = None  # ``hetconv plan``'s estimate of the run's configuration
+    plan_measured_s: float | None = None  # the run's median step as ``hetconv plan`` reads it
+
+    @property
+    def plan_ratio(self) -> float | None:
+        """The run's median step over ``hetconv plan``'s estimate of it (issue 50: within
+        10 %)."""
+        if not self.plan_s or self.plan_measured_s is None:
+            return None
+        return self.plan_measured_s / self.plan_s
 
     @property
     def setup_error(self) -> float | None:
@@ -43,7 +59,8 @@ class SetupFigures:
         return (self.setup_s - self.first_steps_s) / self.first_steps_s
 
 
-def setup_figures(records: Sequence[dict[str, Any]]) -> SetupFigures:
+def setup_figures(records: Sequence[dict[str, Any]], run_dir: Path | None = None
+                  ) -> SetupFigures:
     """The figures of one run's records (module doc)."""
     steps = [r for r in records if r.get("type") == "step"]
     window = [float(r["step_s"]) for r in steps[MODEL_SKIP:MODEL_SKIP + MODEL_WINDOW]]
@@ -60,7 +77,32 @@ def setup_figures(records: Sequence[dict[str, Any]]) -> SetupFigures:
     fitted = float(models[0]["predicted_step_s"]) if models else None
     probes = [r for r in records if r.get("type") == "alone_probe"]
     alone = float(probes[-1]["alone_measured_step_s"]) if probes else None
-    return SetupFigures(setup, first_steps, fitted, alone)
+    plan = None if run_dir is None else plan_estimate(run_dir)
+    return SetupFigures(setup, first_steps, fitted, alone, *(plan or (None, None)))
+
+
+def plan_estimate(run_dir: Path) -> tuple[float, float] | None:
+    """``hetconv plan``'s estimate for the run's own configuration and the run's median
+    step as it reads it (seconds), as ``hetconv plan RUN_DIR`` prints them; None where
+    it gives none (no measured links, a run split by kernels or alone)."""
+    from hetconv.analysis.report.records import parse_run
+    from hetconv.analysis.whatif import measured_run, measured_scenario, read_plan_links
+    from hetconv.analysis.whatif_samples import (
+        predict_sample_scenarios,
+        read_sample_plan,
+        read_step_model,
+    )
+
+    try:
+        per_sample = read_sample_plan(run_dir)
+        run = measured_run(parse_run(str(run_dir)), read_plan_links(run_dir))
+        if per_sample is None or not run.links_measured or run.measured_step_s is None:
+            return None
+        (prediction,) = predict_sample_scenarios(run, per_sample, [measured_scenario(run)],
+                                                 read_step_model(run_dir))
+    except (UserError, ValueError, OSError):
+        return None
+    return prediction.step_s, run.measured_step_s
 
 
 def _median(values: Sequence[float | None]) -> float | None:
@@ -74,7 +116,13 @@ def merge_setup_repeats(runs: Sequence[SetupFigures]) -> dict[str, float | None]
             "first_steps_s": _median([r.first_steps_s for r in runs]),
             "setup_error": _median([r.setup_error for r in runs]),
             "fitted_s": _median([r.fitted_s for r in runs]),
-            "alone_s": _median([r.alone_s for r in runs])}
+            "alone_s": _median([r.alone_s for r in runs]),
+            "plan_s": _median([r.plan_s for r in runs]),
+            "plan_ratio": _median([r.plan_ratio for r in runs])}
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def _ms(value: float | None) -> str:
@@ -93,8 +141,9 @@ def format_setup_table(rows: Sequence[dict[str, Any]]) -> list[str]:
              "set-up (medians over the repeats; issue 50's target: set-up within 10 % of "
              "the first steps).", "",
              "| machines (core each) | set-up ms | first steps ms | set-up error | "
-             "fitted model ms | step ms | master alone at set-up ms | one machine ms |",
-             "|---|---|---|---|---|---|---|---|"]
+             "fitted model ms | step ms | master alone at set-up ms | one machine ms | "
+             "hetconv plan ms | run's median / plan |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         figures = row.get("setup") or {}
         error = figures.get("setup_error")
@@ -103,5 +152,6 @@ def format_setup_table(rows: Sequence[dict[str, Any]]) -> list[str]:
             f"{_ms(figures.get('first_steps_s'))} | "
             f"{'-' if error is None else f'{error:+.0%}'} | {_ms(figures.get('fitted_s'))} | "
             f"{_ms(row['step_s'])} | {_ms(figures.get('alone_s'))} | "
-            f"{_ms(row['baseline_step_s'])} |")
+            f"{_ms(row['baseline_step_s'])} | {_ms(figures.get('plan_s'))} | "
+            f"{_ratio(figures.get('plan_ratio'))} |")
     return lines

@@ -1,6 +1,8 @@
 """Set-up's prediction against the first steps in ``hetconv bench scale`` (hetconv/bench/scale_setup.py)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from hetconv.bench.scale_setup import (
@@ -42,10 +44,22 @@ def test_set_up_is_judged_on_the_first_fitted_window() -> None:
 def test_repeats_merge_to_medians_and_the_table_says_each_figure() -> None:
     merged = merge_setup_repeats([setup_figures(records(0.060, 0.05)),
                                   setup_figures(records(0.050, 0.05)),
-                                  SetupFigures(None, None, None, None)])
+                                  SetupFigures(None, None, None, None, 0.050, 0.056)])
     assert merged["first_steps_s"] == pytest.approx(0.055)
+    assert merged["plan_s"] == pytest.approx(0.050)
+    assert merged["plan_ratio"] == pytest.approx(1.12)
     lines = format_setup_table([{"machines": "4x[0.45]", "step_s": 0.061,
                                  "baseline_step_s": 0.131, "setup": merged}])
-    assert lines[-1] == "| 4x[0.45] | 40.0 | 55.0 | -27% | 61.7 | 61.0 | 130.0 | 131.0 |"
+    assert lines[-1] == ("| 4x[0.45] | 40.0 | 55.0 | -27% | 61.7 | 61.0 | 130.0 | 131.0 | "
+                         "50.0 | 1.12 |")
     assert format_setup_table([{"machines": "m", "step_s": 0.1, "baseline_step_s": 0.1,
-                                "setup": {}}])[-1] == "| m | - | - | - | - | 100.0 | - | 100.0 |"
+                                "setup": {}}])[-1] == ("| m | - | - | - | - | 100.0 | - | "
+                                                       "100.0 | - | - |")
+
+
+def test_a_run_directory_hetconv_plan_cannot_model_gives_no_plan_figure(tmp_path: Path) -> None:
+    """A run split by kernels (or alone, or without measured links): no estimate, no
+    error (the bench goes on)."""
+    (tmp_path / "metrics.jsonl").write_text('{"type": "plan", "split_by": "kernels"}\n')
+    figures = setup_figures(records(0.060, 0.05), tmp_path)
+    assert figures.plan_s is None and figures.plan_ratio is None
