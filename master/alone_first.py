@@ -93,7 +93,8 @@ def first_choice(predicted_conv_s: float, alone_conv_s: float, band: float = SET
                  ) -> FirstChoice:
     """Alone, or the plan with workers, from the plan's predicted conv part (with its
     transfers) and the master alone's measured one (module doc)."""
-    figures = (f"the plan with workers predicted at {predicted_conv_s * 1e3:.1f} ms a step, "
+    figures = (f"the plan with workers predicted from calibration at "
+               f"{predicted_conv_s * 1e3:.1f} ms a step, "
                f"the master alone measured at {alone_conv_s * 1e3:.1f} ms")
     if alone_conv_s <= predicted_conv_s:
         return FirstChoice(True, False, figures + ": the master alone is no slower")

@@ -46,12 +46,7 @@ from hetconv.master.kernels.rebalance import RebalanceDecision, Rebalancer, meas
 from hetconv.master.kernels.split import SplitRule, layer_traffic
 from hetconv.master.kernels.stage import DistributedConvStage, StageSetup
 from hetconv.master.link_probe import probe_links
-from hetconv.master.plan import (
-    Participant,
-    Shard,
-    format_split,
-    shards_from_counts,
-)
+from hetconv.master.plan import Participant, Shard, format_split, shards_from_counts
 from hetconv.master.run import RunControl
 from hetconv.master.samples.plan import model_split_by
 from hetconv.master.samples.rehearsal import rehearse_first_plan
@@ -435,8 +430,9 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
         if asked_slice:
             report("hetconv: --bn-statistics slice does not apply to the kernel split: "
                    "every participant normalises with the whole batch's statistics")
-        if first.plan is not None and alone is not None \
-                and compare_alone(first.plan.predicted_step_s, alone, metrics, report):
+        if first.plan is not None and alone is not None and (compare_alone(  # or no worker:
+                first.plan.predicted_step_s, alone, metrics, report)  # the measured figure
+                or master_alone(shards_from_counts(participants, first.counts))):
             return train_alone(cluster, model, params, settings, device, metrics, report,
                                alone, "kernels", why, profiles)
         if first.plan is not None:  # link-aware: which participants, how many kernels
