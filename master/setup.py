@@ -402,7 +402,7 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
             compared, predicted = compared - gained, predicted - gained
             if by_model and first.plan is not None:
                 split_by, why = model_split_by(split_by, why, compared,
-                                               first.plan.predicted_step_s)
+                                               first.plan.predicted_step_s, SETUP_BAND)
             if split_by == "samples":
                 for line in chosen_lines:
                     report(line)

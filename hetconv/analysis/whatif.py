@@ -230,11 +230,11 @@ def measured_run(records: RunRecords, links: dict[str, Link]) -> MeasuredRun:
     """The model's inputs from a parsed run directory; a :class:`UserError` when the run
     has no cost fits to start from (a local run, or one from before the fits)."""
     where = records.run_dir
+    if last_plan_value(where, "alone", lambda v: v is True):  # calibrated, or not, first
+        raise UserError(f"{where}: the master trained alone from set-up (it measured "
+                        "no slower than the plan with workers), so no measured profiles "
+                        "to predict from; --fall-back off keeps the workers")
     if not records.calibration:
-        if last_plan_value(where, "alone", lambda v: v is True):
-            raise UserError(f"{where}: the master trained alone from set-up (it measured "
-                            "no slower than the plan with workers), so no measured profiles "
-                            "to predict from; --fall-back off keeps the workers")
         raise UserError(f"{where}: no calibration records, so no measured profiles to "
                         "predict from (only a distributed run, 'hetconv train --listen', "
                         "calibrates its participants)")

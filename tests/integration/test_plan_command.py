@@ -9,8 +9,7 @@ from typing import Any
 
 import pytest
 
-from hetconv.master.samples.plan import sample_slices
-from hetconv.master.samples.step_model import terms_from_record
+from hetconv.analysis.whatif_samples import measured_step, read_step_model
 from tests.conftest import SMALL_RUN, run_hetconv
 
 pytestmark = [pytest.mark.integration]
@@ -156,14 +155,18 @@ def test_a_run_split_by_samples_is_modelled_as_the_sample_split(sample_run: Path
     # the plan's rehearsal in a run too short for that) at the slices by speed: one model
     fits = models or [r for r in records if r["type"] == "rehearsal"]
     assert fits, "set-up rehearses the plan under --split model"
-    terms = terms_from_record(fits[-1])
-    assert terms is not None and "fitted" in document["estimate"], document["estimate"]
-    names = document["participants"]
-    slices = sample_slices(names, [terms.per_sample_s[n] for n in names],
-                           sum(p["samples"] for p in plan["samples"]))
+    fitted = read_step_model(sample_run)  # every fit of the run pooled (whatif_samples.py)
+    rehearsals = [r for r in records if r["type"] == "rehearsal"]
+    assert fitted is not None and fitted.windows == len(models) + len(rehearsals), fitted
+    assert fitted.describe() in document["estimate"], document["estimate"]
+    # at the run's own slices (each step's, the first and the master alone's left out)
+    steps = [r for r in records if r["type"] == "step"][1:]
+    own = [{d["participant"]: d["samples"] for d in s["layers"][0]["participants"]
+            if d["samples"] > 0} for s in steps]
+    assert [dict(s) for s in fitted.run_slices] == [s for s in own if len(s) > 1]
     measured = document["measured_configuration"]
     assert measured["predicted_step_s"] == pytest.approx(
-        terms.predict({s.participant: s.samples for s in slices}), rel=1e-6)
+        measured_step(fitted.terms, fitted.run_slices), rel=1e-6)
     # not the calibration model's figure (its conv part and transfers plus the dense part)
     assert measured["predicted_step_s"] != pytest.approx(plan["predicted_step_s"] + dense,
                                                          rel=1e-6)

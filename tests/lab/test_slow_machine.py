@@ -33,7 +33,7 @@ def records_of(run_dir: Path) -> list[dict[str, Any]]:
 # tests/unit/test_sample_stage.py's test_a_worker_too_slow_for_its_slice_is_tried_without_
 # and_left_out; here the defaults, on machines really that slow.
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("flags", [()], ids=["default"])
+@pytest.mark.parametrize("flags", [(), ("--no-local",)], ids=["default", "no-local"])
 @pytest.mark.skipif(REASON is not None, reason=f"cannot set CPU quotas here: {REASON}")
 def test_a_machine_slower_than_its_slice_is_tried_without_and_left_out(
         tmp_path: Path, flags: tuple[str, ...]) -> None:
@@ -41,9 +41,10 @@ def test_a_machine_slower_than_its_slice_is_tried_without_and_left_out(
     snapshots every 10 steps (the trial's verdict comes a snapshot after it starts). w3
     is as quick as the others at the setup (so neither its link probe nor its
     calibration leaves it out) and gets busy once training has begun: its quota drops
-    to SLOW. Under the defaults the master-alone check comes first at a snapshot: on
-    this small network the master alone may beat the run with w3, and then it trains
-    alone; either way no step after the last re-plan has w3 in it."""
+    to SLOW. Under the defaults the master alone comes first: on this small network it
+    beats the run with the workers (set-up's rehearsal, or a trial at a snapshot), and
+    then it trains alone; under ``--no-local`` the master computes nothing and the run
+    is tried without w3. Either way no step after the last re-plan has w3 in it."""
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     run_dir = tmp_path / "run"
     workers = [LocalWorker(endpoint, name, cpu_fraction=FAST, cpu_period_us=PERIOD_US,
@@ -83,9 +84,14 @@ def test_a_machine_slower_than_its_slice_is_tried_without_and_left_out(
     assert after, "no step after the last re-plan"
     assert all(d["participant"] != "w3" for step in after for layer in step["layers"]
                for d in layer["participants"]), after[-1]
-    if "--no-local" not in flags and "slower than the master alone" in result.stdout:
-        # on this small network the master alone beat the run with w3 and its trial
-        # came first (master/samples/fall_back.py): also never slower than with w3
+    if "--no-local" not in flags and ("slower than the master alone" in result.stdout or
+                                      "the master trains alone: measured no slower than the "
+                                      "plan with workers" in result.stdout):
+        # on this small network the master alone beats the run with the workers: set-up's
+        # rehearsal of the plan says so before any step (master/samples/rehearsal.py; in
+        # CI: 23.8 ms predicted, 9.8 alone), or the trial of the master alone comes first
+        # (master/samples/fall_back.py); either way never slower than with w3. Under
+        # --no-local there is no master alone to go to: the trial without w3 runs
         return
     assert "hetconv: trying without w3: its slice is" in result.stdout, result.stdout
     assert "hetconv: not used from now on: w3 (the step measured" in result.stdout, \
