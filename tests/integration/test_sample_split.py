@@ -221,8 +221,9 @@ def test_a_worker_without_samples_keeps_its_replica_in_step(endpoint: str, worke
 def test_by_default_the_shorter_predicted_step_chooses_the_split(
         endpoint: str, workers: Any, tmp_path: Path) -> None:
     """A wide layer on a small batch fails the per-layer byte rule (K*k^2 >= B*H*W);
-    under train's defaults the model predicts both splits' steps and takes the shorter,
-    whichever it is on this host, and says so; the run completes on it."""
+    under train's defaults the model predicts both splits' steps and takes the shorter
+    where it is shorter by more than the calibration model's 30 % error, else the rule's
+    kernels stand, whichever it is on this host, and says so; the run completes on it."""
     workers("w1", "w2")
     run_dir = tmp_path / "run"
     result = run_hetconv("train", "--listen", endpoint, "--min-workers", "2", "--wait", "30",
@@ -230,20 +231,32 @@ def test_by_default_the_shorter_predicted_step_chooses_the_split(
                          "--arch", "4:64", "--epochs", "1", "--batch", "4", "--threads", "1",
                          "--no-progress", "--seed", "3", "--run-dir", str(run_dir))
     assert result.returncode == 0, result.stderr
-    found = re.search(r"split by (samples|kernels) \(predicted ([0-9.]+) ms per step split by "
-                      r"samples, ([0-9.]+) ms by kernels(; the byte rule alone would take "
-                      r"kernels: layer 2 moves fewer bytes split by kernels)?", result.stdout)
+    found = re.search(r"split by (samples|kernels) \((layer 2 moves fewer bytes split by "
+                      r"kernels \(K\*k\^2 = \d+ >= B\*H\*W = \d+\); )?predicted ([0-9.]+) ms "
+                      r"per step split by samples, ([0-9.]+) ms by kernels(: within the "
+                      r"calibration model's 30% error of each other, the byte rule decides|; "
+                      r"the byte rule alone would take kernels: layer 2 moves fewer bytes "
+                      r"split by kernels)?", result.stdout)
     assert found, result.stdout
-    choice, samples_ms, kernels_ms, overruled = found.groups()
-    if samples_ms != kernels_ms:  # equal to the printed 0.1 ms: the unrounded decided
-        assert choice == ("samples" if float(samples_ms) < float(kernels_ms) else "kernels")
-    assert (overruled is not None) == (choice == "samples")
+    choice, rule_first, samples_ms, kernels_ms, tail = found.groups()
+    short, long = sorted((float(samples_ms), float(kernels_ms)))
+    if tail is not None and tail.startswith(":"):
+        # within the calibration model's band (SETUP_BAND): the byte rule's kernels stand
+        assert choice == "kernels" and rule_first is not None
+        assert long <= 1.3 * short + 0.1  # the printed figures are rounded to 0.1 ms
+    else:
+        assert rule_first is None
+        if samples_ms != kernels_ms:  # equal to the printed 0.1 ms: the unrounded decided
+            assert choice == ("samples" if float(samples_ms) < float(kernels_ms) else "kernels")
+        assert (tail is not None) == (choice == "samples")
+        if choice == "samples":  # overruling the rule takes more than the band
+            assert long >= 1.3 * short - 0.1
     plans = _records(run_dir, "plan")
     assert plans and plans[0]["split_by"] == choice
-    assert plans[0]["split_by_why"].startswith(f"predicted {samples_ms} ms per step")
+    assert f"predicted {samples_ms} ms per step" in plans[0]["split_by_why"]
     assert _records(run_dir, "step")
     # the report's overview says it too
     report = run_hetconv("report", str(run_dir))
     assert report.returncode == 0, report.stderr
-    assert re.search(rf"^split by \(the plan's\)\s+{choice}\s+predicted {samples_ms} ms",
-                     report.stdout, re.M), report.stdout[:3000]
+    assert re.search(rf"^split by \(the plan's\)\s+{choice}\s", report.stdout, re.M), \
+        report.stdout[:3000]
