@@ -21,7 +21,7 @@ for i in $(seq "$runs"); do
     --data fashion-mnist --arch 32:64 --epochs 1 --batch 128 --threads 1 --limit 6400 \
     --no-progress --run-dir "$d/run" > "$d/train.log" 2>&1
   kill $(jobs -p) 2>/dev/null || true; wait 2>/dev/null || true
-  grep -h "split by \(samples\|kernels\) (\|rehearsed the plan" "$d/train.log" | cut -c1-200
+  grep -h "^hetconv: split by \(samples\|kernels\) (\|rehearsed the plan" "$d/train.log" | cut -c1-200
 done
 "$python" - "$work" "$runs" <<'PY'
 import json, sys
