@@ -89,12 +89,14 @@ class FirstChoice:
     why: str
 
 
-def first_choice(predicted_conv_s: float, alone_conv_s: float, band: float = SETUP_BAND
+def first_choice(predicted_conv_s: float, alone_conv_s: float, band: float = SETUP_BAND,
+                 plan: str = "the plan with workers predicted from calibration"
                  ) -> FirstChoice:
-    """Alone, or the plan with workers, from the plan's predicted conv part (with its
-    transfers) and the master alone's measured one (module doc)."""
-    figures = (f"the plan with workers predicted from calibration at "
-               f"{predicted_conv_s * 1e3:.1f} ms a step, "
+    """Alone, or the plan with workers, from the plan's predicted seconds (the conv part
+    with its transfers from calibration; or a whole step, ``plan`` naming whose) and
+    the master alone's measured ones, ``band`` the prediction's stated error (module
+    doc): alone where it is no slower; the plan, marked unsure, within the band."""
+    figures = (f"{plan} at {predicted_conv_s * 1e3:.1f} ms a step, "
                f"the master alone measured at {alone_conv_s * 1e3:.1f} ms")
     if alone_conv_s <= predicted_conv_s:
         return FirstChoice(True, False, figures + ": the master alone is no slower")

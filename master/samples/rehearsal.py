@@ -22,7 +22,8 @@ from set-up to the report. The prediction is also the figure the master alone is
 to: set-up trains alone where the rehearsed plan is no faster than the master alone
 measured (master/alone_first.py).
 
-The socket side is the stage's; the decision is pure (:func:`rehearsed_choice`).
+The socket side is the stage's; the decision is pure (``first_choice`` of
+master/alone_first.py, with the step model's band).
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hetconv.engine.stage import ConvStage, StageFault
-from hetconv.master.alone_first import AloneMeasure
+from hetconv.master.alone_first import AloneMeasure, first_choice
 from hetconv.master.samples.step_model import (
     MODEL_TOLERANCE,
     StepSample,
@@ -80,31 +81,6 @@ class Rehearsal:
                 "cost_s": self.cost_s, "samples": dict(self.samples),
                 "rehearsed_steps_s": list(self.steps_s),
                 "compute_s": self.terms.compute_s(self.samples), **self.terms.as_record()}
-
-
-@dataclass(frozen=True)
-class RehearsedChoice:
-    """Set-up's choice between the rehearsed plan and the master alone."""
-
-    alone: bool  # train alone from the start
-    unsure: bool  # the plan with workers, within the model's band of the master alone
-    why: str
-
-
-def rehearsed_choice(predicted_s: float, alone_s: float, band: float) -> RehearsedChoice:
-    """The master alone where the rehearsed plan's predicted step (``predicted_s``) is no
-    shorter than the master alone's measured one (``alone_s``, whole steps, seconds);
-    the plan, marked unsure, where the master alone is within ``band`` (the step model's
-    stated error) of it."""
-    figures = (f"the rehearsed plan predicted at {predicted_s * 1e3:.1f} ms a step, the "
-               f"master alone measured at {alone_s * 1e3:.1f} ms")
-    if alone_s <= predicted_s:
-        return RehearsedChoice(True, False, figures + ": the master alone is no slower")
-    if alone_s <= predicted_s * (1 + band):
-        return RehearsedChoice(False, True, figures + f": within the model's {band:.0%} "
-                               "error, the run's measured steps decide")
-    return RehearsedChoice(False, False, figures + f": faster even {band:.0%} slower than "
-                           "predicted")
 
 
 def rehearse(stage: SampleConvStage, model: ModelConfig, params: dict[str, np.ndarray],
@@ -175,7 +151,8 @@ def rehearse_first_plan(stage: SampleConvStage, model: ModelConfig,
         metrics.write("rehearsal", **outcome.as_record())
         return stage
     stage.policy.alone.rehearsed = True  # trials only within the model's band (fall_back.py)
-    choice = rehearsed_choice(outcome.predicted_s, alone.step_s, MODEL_TOLERANCE)
+    choice = first_choice(outcome.predicted_s, alone.step_s, MODEL_TOLERANCE,
+                          "the rehearsed plan predicted")
     report(f"hetconv: {choice.why}")
     metrics.write("rehearsal", **outcome.as_record(), alone_measured_step_s=alone.step_s,
                   alone_no_slower=choice.alone, within_band=choice.unsure,

@@ -10,12 +10,11 @@ from typing import Any
 
 import pytest
 
-from hetconv.master.alone_first import AloneMeasure
+from hetconv.master.alone_first import AloneMeasure, first_choice
 from hetconv.master.samples.rehearsal import (
     REHEARSAL_STEPS,
     REHEARSAL_WARMUP,
     rehearse_first_plan,
-    rehearsed_choice,
 )
 from hetconv.master.samples.stage import SampleConvStage
 from hetconv.metrics import MetricsWriter
@@ -38,13 +37,17 @@ def _close_runs() -> Iterator[None]:
 
 
 def test_the_choice_holds_the_rehearsed_step_to_the_master_alone() -> None:
+    def rehearsed_choice(predicted_s: float, alone_s: float, band: float) -> Any:
+        return first_choice(predicted_s, alone_s, band, "the rehearsed plan predicted")
+
     alone = rehearsed_choice(0.050, 0.050, 0.10)
     assert alone.alone and not alone.unsure and "no slower" in alone.why
     unsure = rehearsed_choice(0.050, 0.054, 0.10)
     assert not unsure.alone and unsure.unsure and "within the model's 10% error" in unsure.why
     sure = rehearsed_choice(0.050, 0.056, 0.10)
     assert not sure.alone and not sure.unsure
-    assert "predicted at 50.0 ms" in sure.why and "measured at 56.0 ms" in sure.why
+    assert sure.why == ("the rehearsed plan predicted at 50.0 ms a step, the master alone "
+                        "measured at 56.0 ms: faster even 10% slower than predicted")
 
 
 def _default_stage(tmp_path: Path) -> tuple[SampleConvStage, FakeSampleCluster, Path]:
