@@ -15,7 +15,7 @@ import time
 from hetconv.config import MASTER_PARTICIPANT
 from hetconv.errors import UserError
 from hetconv.master.cluster import Cluster, WorkerHandle, WorkerLost
-from hetconv.participant.peer_sockets import is_unreachable_line
+from hetconv.participant.peer_sockets import PeerSockets, is_unreachable_line, route_address
 from hetconv.protocol import peer_error_message
 
 log = logging.getLogger("hetconv.master")
@@ -23,6 +23,22 @@ log = logging.getLogger("hetconv.master")
 ENDPOINT_WAIT_S = 5.0
 """How long the master waits for a worker's DataEndpoint after setup (it comes right
 after the Welcome, so normally long before)."""
+
+def peers_seen_by(worker: str, peers: dict[str, str], master_port: PeerSockets | None
+                  ) -> dict[str, str]:
+    """The peers (participant -> data endpoint) handed to ``worker``: ``peers`` with the
+    master's data endpoint at the master's own address on the route to that worker.
+
+    A master with more than one interface (two NICs; the lab's host, one veth per
+    machine) reaches each worker from the address of the interface toward it, and its
+    pieces come from there; a worker accepts a piece only from its sender's address
+    without CURVE (:mod:`hetconv.participant.piece_sources`), so one address for all
+    would make the master's pieces to the workers on its other interfaces be dropped."""
+    seen = dict(peers)
+    if master_port is not None and worker in peers:
+        seen[MASTER_PARTICIPANT] = master_port.endpoint(route_address(peers[worker]))
+    return seen
+
 
 class DataPortUnreachable(WorkerLost):
     """A participant cannot reach worker ``participant``'s data port (one line saying

@@ -33,8 +33,16 @@ def child_env() -> dict[str, str]:
 
 
 def run_hetconv(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(hetconv_command(*args), capture_output=True, text=True,
-                          timeout=timeout, env=child_env(), cwd=REPO)
+    """``hetconv *args`` run to its end; one still running after ``timeout`` seconds is
+    killed and fails the test with the last of what it printed (a hang says where)."""
+    try:
+        return subprocess.run(hetconv_command(*args), capture_output=True, text=True,
+                              timeout=timeout, env=child_env(), cwd=REPO)
+    except subprocess.TimeoutExpired as error:
+        printed = error.stderr or b""
+        text = printed.decode(errors="replace") if isinstance(printed, bytes) else printed
+        pytest.fail(f"hetconv {args[0] if args else ''} still running after {timeout:.0f} s; "
+                    f"the last it printed:\n{text[-4000:]}", pytrace=False)
 
 
 def step_losses(run_dir: Path) -> list[float]:

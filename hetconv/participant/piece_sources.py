@@ -4,7 +4,8 @@ With CURVE the data endpoint admits exactly the keys the master handed out, so a
 cannot connect at all. Plain TCP has no keys: a stranger that learned the request counter
 could push pieces that say they come from worker b and get b (or the receiver) evicted.
 So a piece is accepted only from the address its sender registered: the host of the data
-endpoint the master handed out for it (``AssignPeers.peers``), as libzmq reports the
+endpoint the master handed out for it (``AssignPeers.peers``; the master's own is its
+address on the route to the receiver, ``master/data_ports.py``), as libzmq reports the
 connection's remote IP (the ``Peer-Address`` frame property). Pieces of peers on this
 same machine come from one of this machine's own addresses, and cannot be told apart:
 those are accepted when the sender's endpoint is on this machine too.

@@ -42,6 +42,7 @@ from hetconv.master.data_ports import (
     DataPortUnreachable,
     await_data_endpoints,
     diagnosed,
+    peers_seen_by,
     unreachable_fault,
 )
 from hetconv.master.kernels.phases import OpenPhase, Phases
@@ -280,7 +281,8 @@ class PeerPlane:
             exchange(cluster, [(worker, AssignPeers(
                 request_id=cluster.request_id(), participant=participant,
                 wire_dtype=self.phases.wire_dtype.name, timeout_s=self.peer_timeout_s,
-                peers=dict(peers), peer_keys=dict(keys), plan=plan.to_wire()))
+                peers=peers_seen_by(participant, peers, self.sockets if master_holds else None),
+                peer_keys=dict(keys), plan=plan.to_wire()))
                 for participant, worker in told.items()], "peer assignment")
         except WorkerLost as lost:
             raise diagnosed(lost) from None

@@ -18,7 +18,12 @@ from collections.abc import Sequence
 from hetconv.config import MASTER_PARTICIPANT
 from hetconv.master.assign import exchange
 from hetconv.master.cluster import Cluster, WorkerHandle, WorkerLost
-from hetconv.master.data_ports import await_data_endpoints, diagnosed, unreachable_fault
+from hetconv.master.data_ports import (
+    await_data_endpoints,
+    diagnosed,
+    peers_seen_by,
+    unreachable_fault,
+)
 from hetconv.participant.peer_sockets import (
     DATA_PORT_PROBE_TIMEOUT_S,
     PeerSockets,
@@ -72,7 +77,8 @@ class SamplePeers:
         try:
             exchange(cluster, [(worker, AssignPeers(
                 request_id=cluster.request_id(), participant=participant, wire_dtype="float32",
-                timeout_s=self.timeout_s, peers=dict(peers), peer_keys=dict(keys),
+                timeout_s=self.timeout_s, peers=peers_seen_by(participant, peers, self.sockets),
+                peer_keys=dict(keys),
                 plan=plan.to_wire())) for participant, worker in live.items()],
                 "peer assignment")
         except WorkerLost as lost:

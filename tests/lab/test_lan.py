@@ -33,10 +33,17 @@ def lan() -> Iterator[list[LanHost]]:
             host.remove()
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(200)
 @pytest.mark.skipif(REASON is not None, reason=f"cannot emulate a LAN here: {REASON}")
+@pytest.mark.parametrize("flags", [(), ("--split", "equal"), ("--split", "equal", "--split-by", "kernels")],
+                         ids=["defaults", "equal-split", "equal-kernel-split"])
 def test_training_over_capped_links_reproduces_the_local_run(
-        lan: list[LanHost], tmp_path: Path, local_reference: Path) -> None:
+        lan: list[LanHost], tmp_path: Path, local_reference: Path, flags: tuple[str, ...]
+) -> None:
+    """Under the defaults the master may train alone from set-up on this small network
+    (its own measure); ``--split equal`` makes it compute beside both workers, so the
+    pieces cross the capped links, the master's to each worker from its address on the
+    link toward it (a master with two interfaces: its pieces were once dropped)."""
     port = free_port()
     specs = [{"name": f"lan{index}", "netns": host.netns} for index, host in enumerate(lan)]
     groups = [LocalWorkers(f"tcp://{host.host_address}:{port}", [spec], log_dir=tmp_path)
@@ -46,7 +53,8 @@ def test_training_over_capped_links_reproduces_the_local_run(
             group.__enter__()
         run_dir = tmp_path / "run"
         result = run_hetconv("train", "--listen", f"tcp://*:{port}", "--min-workers", "2",
-                             "--wait", "30", *SMALL_RUN, "--run-dir", str(run_dir))
+                             "--wait", "30", *SMALL_RUN, *flags, "--run-dir", str(run_dir),
+                             timeout=150)
     finally:
         for group in groups:  # every worker told first: they wind down together
             for worker in group.workers:
@@ -61,3 +69,19 @@ def test_training_over_capped_links_reproduces_the_local_run(
     devices = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
                if '"type":"devices"' in line][0]["devices"]
     assert {d["id"] for d in devices} == {"master", "lan0", "lan1"}
+    recoveries = [line for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+                  if '"type":"recovery"' in line]
+    assert not recoveries, recoveries  # nothing failed on the way
+    if flags:  # every participant computed: pieces crossed both capped links
+        assert computing(run_dir) == {"master", "lan0", "lan1"}
+
+
+def computing(run_dir: Path) -> set[str]:
+    """Who computed a conv layer's share: the sample split's plan record, or the
+    kernel split's first calibration record (which names each participant's kernels)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    plans = [r for r in records if r["type"] == "plan"]
+    if plans:
+        return set(plans[0]["chosen"])
+    first = next(r for r in records if r["type"] == "calibration")
+    return {p["participant"] for p in first["participants"] if p["kernels"] > 0}
