@@ -5,6 +5,7 @@ training (its layers handed to the others), and the run completes without it; th
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -66,10 +67,12 @@ def test_the_rehearsal_is_recorded_and_reported(endpoint: str, workers: Any,
     result = run_hetconv("train", "--listen", endpoint, "--min-workers", "2", "--wait", "60",
                          "--no-local", *RUN, "--run-dir", str(run_dir))
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "hetconv: rehearsed the plan (6 steps at learning rate 0" in result.stdout
+    assert re.search(r"hetconv: rehearsed the plan \((\d+) steps at learning rate 0",
+                     result.stdout)
     records = _records(run_dir)
     (rehearsal,) = [r for r in records if r["type"] == "rehearsal"]
-    assert rehearsal["steps"] == 6 and len(rehearsal["rehearsed_steps_s"]) == 6
+    assert 6 < rehearsal["steps"] <= 20 and len(rehearsal["rehearsed_steps_s"]) == rehearsal["steps"]
+    assert f"rehearsed the plan ({rehearsal['steps']} steps" in result.stdout
     assert rehearsal["predicted_step_s"] == pytest.approx(
         rehearsal["compute_s"] + rehearsal["rounds"] * rehearsal["round_s"]
         + rehearsal["serial_s"])

@@ -12,8 +12,12 @@ import pytest
 
 from hetconv.master.alone_first import AloneMeasure, first_choice
 from hetconv.master.samples.rehearsal import (
+    REHEARSAL_MAX_STEPS,
+    REHEARSAL_PRECISION,
     REHEARSAL_STEPS,
     REHEARSAL_WARMUP,
+    enough_steps,
+    median_error,
     rehearse_first_plan,
 )
 from hetconv.master.samples.stage import SampleConvStage
@@ -50,6 +54,21 @@ def test_the_choice_holds_the_rehearsed_step_to_the_master_alone() -> None:
                         "measured at 56.0 ms: faster even 10% slower than predicted")
 
 
+def test_the_rehearsal_times_steps_until_their_median_is_known() -> None:
+    steady = [0.050] * REHEARSAL_STEPS  # no spread: the median is known at the least
+    assert median_error(steady) == 0.0 and enough_steps(steady)
+    assert not enough_steps(steady[:-1])  # fewer than the least, however steady
+    # the demo's swing: +-20 % around 55 ms; its error falls with the square root of n
+    swing = [0.044, 0.066, 0.050, 0.060, 0.047, 0.063]
+    error6 = median_error(swing)  # MAD 8 ms: 1.2533 * 1.4826 * 8 / sqrt(6) / 55 = 11 %
+    assert error6 == pytest.approx(1.2533 * 1.4826 * 0.008 / 6 ** 0.5 / 0.055, rel=1e-3)
+    assert not enough_steps(swing)
+    assert median_error(swing * 4) == pytest.approx(error6 / 2, rel=1e-3)
+    assert enough_steps(swing * 4)  # 20 and more: the most, whatever the error
+    assert error6 / 2 > REHEARSAL_PRECISION and REHEARSAL_MAX_STEPS <= 24
+    assert median_error([0.05]) == float("inf") and median_error([0.0, 0.0]) == float("inf")
+
+
 def _default_stage(tmp_path: Path) -> tuple[SampleConvStage, FakeSampleCluster, Path]:
     run_dir = tmp_path / "dist-fit"
     run_dir.mkdir(exist_ok=True)
@@ -84,17 +103,22 @@ def test_a_rehearsal_leaves_no_trace_and_the_run_is_the_local_one(
     first, records, lines = _rehearse(stage, tmp_path, alone)
     assert first is (None if expected else stage)
     chains = [m for who, m in cluster.sent if who == "w1" and isinstance(m, SampleStepChain)]
-    assert len(chains) == REHEARSAL_WARMUP + REHEARSAL_STEPS
     assert all(m.learning_rate == 0.0 for m in chains)
     (record,) = [r for r in records if r["type"] == "rehearsal"]
-    assert record["steps"] == REHEARSAL_STEPS and len(record["rehearsed_steps_s"]) == 6
+    assert REHEARSAL_STEPS < record["steps"] <= REHEARSAL_MAX_STEPS
+    assert len(record["rehearsed_steps_s"]) == record["steps"]
+    assert len(chains) == REHEARSAL_WARMUP + record["steps"]
+    timed = record["rehearsed_steps_s"]
+    assert enough_steps(timed[:-1]) or len(timed) == REHEARSAL_MAX_STEPS  # no more than needed
+    assert not enough_steps(timed[:-2])
     compute = record["compute_s"]
     assert record["predicted_step_s"] == pytest.approx(
         compute + record["rounds"] * record["round_s"] + record["serial_s"])
     assert record["samples"] == {"master": 3, "w1": 3, "w2": 2}
     assert stage.policy.model.setup_predicted_s == record["predicted_step_s"]
     assert stage.policy.alone.rehearsed is (alone is not None)  # trials within the band
-    assert lines[0].startswith("hetconv: rehearsed the plan (6 steps at learning rate 0")
+    assert lines[0].startswith(f"hetconv: rehearsed the plan ({record['steps']} steps at "
+                               "learning rate 0")
     if alone is not None:
         assert record["alone_no_slower"] is expected and len(lines) == 2
     dist = Fit(stage, run_dir, "dist")
