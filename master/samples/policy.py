@@ -93,6 +93,7 @@ class SamplePolicy:
         commands: list[StepCommand] = []
         sample = step_sample(figures, samples, now)
         if sample is not None:
+            self.without.observe(sample)
             check = self.model.observe(sample)
             if check is not None:
                 commands.append(ModelChecked(check))

@@ -295,10 +295,9 @@ class SampleConvStage:
         if isinstance(verdict, TryAlone):
             return self._try_alone(verdict, state)
         if isinstance(verdict, TryWithout):
-            reason = (f"trying without {verdict.worker}: its slice is {verdict.samples} of "
-                      f"{verdict.batch} samples, yet every peer waits for it at every "
-                      f"barrier; the step measured {verdict.with_s * 1e3:.1f} ms with it "
-                      f"(median of {WITHOUT_WINDOW} steps)")
+            reason = (f"trying without {verdict.worker}: {verdict.why()}; the step "
+                      f"measured {verdict.with_s * 1e3:.1f} ms with it (median of "
+                      f"{WITHOUT_WINDOW} steps)")
             self.setup.report(f"hetconv: {reason}; until the next snapshot it waits")
             return self._carry_out(self.control.handle(SetAside(verdict.worker, reason)),
                                    state)

@@ -93,7 +93,11 @@ def test_a_machine_slower_than_its_slice_is_tried_without_and_left_out(
         # (master/samples/fall_back.py); either way never slower than with w3. Under
         # --no-local there is no master alone to go to: the trial without w3 runs
         return
-    assert "hetconv: trying without w3: its slice is" in result.stdout, result.stdout
+    # the step model fitted on the last steps puts the step without w3 within its band
+    # (or, with too few figures, the slice rule): either line names w3's slice
+    tried = [line for line in result.stdout.splitlines()
+             if line.startswith("hetconv: trying without w3: ")]
+    assert tried and ("its slice is" in tried[0] or "(its slice is" in tried[0]), result.stdout
     assert "hetconv: not used from now on: w3 (the step measured" in result.stdout, \
         result.stdout
     kept_out = [r for r in replans if r.get("left_out") == ["w3"]]

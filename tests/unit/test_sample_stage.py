@@ -316,8 +316,9 @@ def test_a_worker_too_slow_for_its_slice_is_tried_without_and_left_out(tmp_path:
     dist.train(WITHOUT_WINDOW + 1)  # the first step after a snapshot gives no period
     assert samples_of(stage) == {"w1": 4, "w2": 4, "w3": 0}
     dist.checkpoint()
-    assert any(line.startswith("hetconv: trying without w3: its slice is 0 of 8 samples")
-               for line in cluster.lines), cluster.lines
+    # the step model, fitted by now, puts the step without w3 within its band
+    assert any(line.startswith("hetconv: trying without w3: the step model predicts")
+               and "its slice is 0 of 8" in line for line in cluster.lines), cluster.lines
     before = len(cluster.sent)
     dist.train(WITHOUT_WINDOW + 1)
     assert samples_of(stage) == {"w1": 4, "w2": 4}
