@@ -28,7 +28,7 @@ from hetconv.engine.shard import ConvShard, LayerSettings
 from hetconv.engine.stage import ConvStage, LocalConvStage
 from hetconv.errors import UserError
 from hetconv.keys import server_keys
-from hetconv.master.alone_first import SETUP_BAND, AloneMeasure, first_choice, measure_alone
+from hetconv.master.alone_first import SETUP_BAND
 from hetconv.master.assign import assign
 from hetconv.master.calibration import (
     LayerCalibration,
@@ -43,6 +43,7 @@ from hetconv.master.kernels.phases import Phases
 from hetconv.master.kernels.planes import DataPlane, StarPlane
 from hetconv.master.kernels.planner import ParticipantProfile, Plan, choose_plan
 from hetconv.master.kernels.rebalance import RebalanceDecision, Rebalancer, measured_compute
+from hetconv.master.kernels.rehearsal import rehearse_kernel_plan
 from hetconv.master.kernels.split import SplitRule, layer_traffic
 from hetconv.master.kernels.stage import DistributedConvStage, StageSetup
 from hetconv.master.link_probe import probe_links
@@ -58,6 +59,7 @@ from hetconv.master.samples.setup import (
     samples_refusal_for,
     split_by_for,
 )
+from hetconv.master.setup_alone import alone_figure, compare_alone, train_alone
 from hetconv.metrics import MetricsWriter
 from hetconv.model import ConvLayerShape, ModelConfig, conv_layer_shapes, dense_shapes
 from hetconv.planning.memory import available_bytes
@@ -85,63 +87,12 @@ def open_cluster(config: MasterConfig, device: str, threads: int | None,
     return cluster, participants
 
 
-def alone_figure(config: MasterConfig, model: ModelConfig, params: dict[str, np.ndarray],
-                 settings: LayerSettings, batch: int, device: str,
-                 participants: list[Participant], metrics: MetricsWriter,
-                 report: Callable[[str], None]) -> AloneMeasure | None:
-    """The master alone measured (master/alone_first.py) where the planner chooses
-    (``--split model``) between it and workers; None elsewhere or where it cannot hold a
-    step alone."""
-    if config.split != "model" or not config.fall_back or not config.use_local_device \
-            or not any(p.worker is not None for p in participants):
-        return None
-    alone = measure_alone(model, params, settings, batch, device)
-    if alone is None:
-        report(f"hetconv: the master alone cannot hold a step at batch {batch}: "
-               "the plan needs workers")
-        return None
-    report(f"hetconv: the master alone measured at {alone.step_s * 1e3:.1f} ms a step "
-           f"(conv {alone.conv_s * 1e3:.1f} ms; {alone.steps} steps at batch {batch})")
-    return alone
-
-
-def compare_alone(predicted_conv_s: float, alone: AloneMeasure, metrics: MetricsWriter,
-                  report: Callable[[str], None]) -> bool:
-    """Whether the master trains alone from the start: the first plan's predicted conv
-    part against the master alone measured (master/alone_first.py); said and recorded."""
-    choice = first_choice(predicted_conv_s, alone.conv_s)
-    report(f"hetconv: {choice.why}")
-    metrics.write("alone_probe", steps=alone.steps, **alone.as_record(),
-                  predicted_conv_s=predicted_conv_s, alone_no_slower=choice.alone,
-                  within_band=choice.unsure, band=SETUP_BAND)
-    return choice.alone
-
-
 def link_records(profiles: list[ParticipantProfile]) -> list[dict[str, Any]]:
     """The probed links of the ``plan`` record."""
     return [{"participant": profile.participant,
              "down_bytes_per_s": profile.link.down_bytes_per_s,
              "up_bytes_per_s": profile.link.up_bytes_per_s, "rtt_s": profile.link.rtt_s}
             for profile in profiles if profile.link is not None]
-
-
-def train_alone(cluster: Cluster, model: ModelConfig, params: dict[str, np.ndarray],
-                settings: LayerSettings, device: str, metrics: MetricsWriter,
-                report: Callable[[str], None], alone: AloneMeasure, split_by: str,
-                why: str, profiles: list[ParticipantProfile]) -> ConvStage:
-    """Set-up's choice is the master alone (its measured conv part beat the plan of the
-    split ``split_by`` chosen for ``why``): recorded as a plan of the master alone; the
-    workers go and stay up for the next run."""
-    report("hetconv: the master trains alone: measured no slower than the plan with workers "
-           "(--fall-back off keeps them; the workers stay up for the next run)")
-    metrics.write("plan", split_by=split_by, split_by_why=why, chosen=["master"],
-                  predicted_step_s=alone.conv_s, best_single="master",
-                  best_single_step_s=alone.conv_s, alone=True, **alone.as_record(),
-                  not_used=[p.participant for p in profiles if p.link is not None],
-                  links=link_records(profiles))
-    cluster.end_run("the master trains alone: measured no slower than the plan with workers")
-    cluster.close()
-    return LocalConvStage(model, params, settings, device=device)
 
 
 def check_spread(config: MasterConfig, model: ModelConfig, shapes: list[ConvLayerShape],
@@ -410,7 +361,7 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
                        f"{predicted * 1e3:.1f} ms per step)")
                 if alone is not None and compare_alone(compared, alone, metrics, report):
                     return train_alone(cluster, model, params, settings, device, metrics,
-                                       report, alone, "samples", why, profiles)
+                                       report, alone, "samples", why, link_records(profiles))
                 stage = open_sample_stage(
                     cluster, sample_config, participants, calibration, per_sample, shapes, params,
                     settings, metrics, batch, device, lambda: LocalConvStage(
@@ -421,7 +372,7 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
                 if rehearsed is None and alone is not None:
                     stage.release()  # the workers go; the cluster ends with train_alone
                     return train_alone(cluster, model, params, settings, device, metrics,
-                                       report, alone, "samples", why, profiles)
+                                       report, alone, "samples", why, link_records(profiles))
                 return rehearsed or stage
         if star_for_kernels:
             report("hetconv: data plane star: split by kernels, a residual network's "
@@ -434,7 +385,7 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
                 first.plan.predicted_step_s, alone, metrics, report)  # the measured figure
                 or master_alone(shards_from_counts(participants, first.counts))):
             return train_alone(cluster, model, params, settings, device, metrics, report,
-                               alone, "kernels", why, profiles)
+                               alone, "kernels", why, link_records(profiles))
         if first.plan is not None:  # link-aware: which participants, how many kernels
             report_plan(first.plan, participants, profiles, metrics, report, config.wire_dtype,
                         why)
@@ -465,12 +416,22 @@ def open_distributed_stage(config: MasterConfig, model: ModelConfig,
             cluster.end_run("training finished")
             cluster.close()
 
-        return build_stage(cluster, config, plan, local, finish, shapes, StageSetup(
+        kernel_stage = build_stage(cluster, config, plan, local, finish, shapes, StageSetup(
             settings, device,
             RunPlanning(cluster, shapes, batch, Rebalancer(
                 profiles, traffic, [[s.kernels for s in row] for row in plan],
                 config.data_plane), rule, config.rebalancing, metrics, report),
             lambda: LocalConvStage(model, params, settings, device=device)))
+        if config.split != "model":
+            return kernel_stage
+        rehearsed = rehearse_kernel_plan(  # the planner's prediction measured
+            kernel_stage, model, params, batch, alone,
+            None if first.plan is None else first.plan.predicted_step_s, metrics, report)
+        if rehearsed is None and alone is not None:
+            kernel_stage.release()  # the workers go; the cluster ends with train_alone
+            return train_alone(cluster, model, params, settings, device, metrics, report,
+                               alone, "kernels", why, link_records(profiles))
+        return rehearsed or kernel_stage
     except BaseException:
         cluster.end_run("master failed during setup")
         cluster.close()

@@ -189,8 +189,8 @@ def read_step_model(run_dir: str | Path) -> FittedModel | None:
     re-fit or a re-plan)."""
     fits: list[dict[str, Any]] = []
     for record in iter_metrics(Path(run_dir) / METRICS_FILE):
-        if record["type"] == "rehearsal" or (record["type"] == "model"
-                                             and record.get("split_by") == "samples"):
+        if (record["type"] == "rehearsal" and record.get("split_by", "samples") == "samples") \
+                or (record["type"] == "model" and record.get("split_by") == "samples"):
             fits.append(record)
     if not fits:
         return None

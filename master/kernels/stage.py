@@ -123,6 +123,18 @@ class DistributedConvStage:
             self.setup.planning.rebalanced(decision, time.perf_counter() - started)
         return timings
 
+    def end_rehearsal_step(self) -> None:
+        """A set-up rehearsal's step ended (master/kernels/rehearsal.py): faults so far
+        were transient; its timings are dropped, and the rebalancer hears none of it."""
+        self.control.handle(StepDone(time.monotonic()))
+        self.phases.take_timings()
+
+    def release(self) -> None:
+        """Close the stage's own planes and threads, not the cluster: set-up hands the
+        run to the master alone (master/setup_alone.py ``train_alone`` ends it)."""
+        self._on_close = lambda: None
+        self.close()
+
     def snapshot(self) -> dict[str, np.ndarray]:
         """Pull every shard (parameters, statistics, velocities) and assemble whole layers."""
         out: dict[str, np.ndarray] = {}

@@ -28,69 +28,38 @@ master/alone_first.py, with the step model's band).
 """
 from __future__ import annotations
 
-import math
-import statistics
-import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from hetconv.engine.stage import ConvStage, StageFault
 from hetconv.master.alone_first import AloneMeasure, first_choice
+from hetconv.master.rehearsal_steps import (
+    REHEARSAL_MAX_STEPS,
+    REHEARSAL_PRECISION,
+    REHEARSAL_STEPS,
+    REHEARSAL_WARMUP,
+    enough_steps,
+    median_error,
+    rehearse_steps,
+)
 from hetconv.master.samples.step_model import (
     MODEL_TOLERANCE,
-    StepSample,
     StepTerms,
     fit_step_terms,
 )
 from hetconv.metrics import MetricsWriter
 from hetconv.model import ModelConfig
 
+__all__ = ["REHEARSAL_MAX_STEPS", "REHEARSAL_PRECISION", "REHEARSAL_STEPS",
+           "REHEARSAL_WARMUP", "Rehearsal", "enough_steps", "median_error", "rehearse",
+           "rehearse_first_plan"]
+
 if TYPE_CHECKING:
     from hetconv.master.samples.stage import SampleConvStage
-
-REHEARSAL_WARMUP = 2
-"""Steps run first and not timed (first-touch memory, the peers' first pieces)."""
-REHEARSAL_STEPS = 6
-"""Steps timed at least before the precision is judged (the step then in flight is timed
-too: at least 7 in all); the terms are the timed steps' medians."""
-REHEARSAL_MAX_STEPS = 20
-"""Steps timed at most, however much the steps swing."""
-REHEARSAL_PRECISION = 0.03
-"""The rehearsal times steps until the standard error of their median is at most this
-fraction of it. The demo's steps (two workers on the master's two cores) swing by
-+-20 % from one step to the next (42-72 ms): six steps knew the median to about 6 %,
-and set-up's prediction missed the median of the first fitted steps (9 steps, itself
-known to about 5 %) by more than 10 % in two runs of six
-(docs/figures/ab/issue50-demo-setup.log); a quiet machine stops at six."""
-MEDIAN_ERROR_FACTOR = 1.2533 * 1.4826
-"""The standard error of a median of n normal draws is sqrt(pi / 2) sigma / sqrt(n);
-sigma estimated robustly as 1.4826 times the median absolute deviation."""
-
-
-def median_error(steps_s: Sequence[float]) -> float:
-    """The standard error of the median of ``steps_s`` (seconds) as a fraction of the
-    median (inf for fewer than two steps or a zero median)."""
-    if len(steps_s) < 2:
-        return math.inf
-    middle = statistics.median(steps_s)
-    if middle <= 0:
-        return math.inf
-    spread = statistics.median(abs(s - middle) for s in steps_s)
-    return MEDIAN_ERROR_FACTOR * spread / math.sqrt(len(steps_s)) / middle
-
-
-def enough_steps(steps_s: Sequence[float], least: int = REHEARSAL_STEPS) -> bool:
-    """Whether the rehearsal has timed enough steps (``steps_s``, seconds): at least
-    ``least`` and its median known within ``REHEARSAL_PRECISION``, or
-    ``REHEARSAL_MAX_STEPS`` in any case."""
-    if len(steps_s) >= REHEARSAL_MAX_STEPS:
-        return True
-    return len(steps_s) >= least and median_error(steps_s) <= REHEARSAL_PRECISION
 
 
 @dataclass(frozen=True)
@@ -114,7 +83,7 @@ class Rehearsal:
                 f"{t.round_s * 1e3:.1f} + master serial {t.serial_s * 1e3:.1f}")
 
     def as_record(self) -> dict[str, Any]:
-        return {"predicted_step_s": self.predicted_s, "steps": self.steps,
+        return {"split_by": "samples", "predicted_step_s": self.predicted_s, "steps": self.steps,
                 "cost_s": self.cost_s, "samples": dict(self.samples),
                 "rehearsed_steps_s": list(self.steps_s),
                 "compute_s": self.terms.compute_s(self.samples), **self.terms.as_record()}
@@ -123,39 +92,15 @@ class Rehearsal:
 def rehearse(stage: SampleConvStage, model: ModelConfig, params: dict[str, np.ndarray],
              batch: int, state: dict[str, np.ndarray], steps: int = REHEARSAL_STEPS
              ) -> Rehearsal | StageFault | None:
-    """Run the first plan's step chain ``REHEARSAL_WARMUP`` times and then until
-    :func:`enough_steps` (at least ``steps`` timed) at learning rate 0 on random images
-    x (batch, C, H, W) and labels (the step after the one that made it enough runs
-    too: it was already in flight), then hand every participant
-    its layers back as ``state`` holds them (the master's replicas before the
+    """Run the first plan's step chain as :func:`rehearse_steps` says (at least
+    ``steps`` timed), then hand every participant its layers back as ``state`` holds them (the master's replicas before the
     rehearsal; module doc). A fault on the way is returned (nothing handed back: the
     caller's recovery does it). None where no step had rounds (no worker with samples)."""
-    from hetconv.engine.training import LoopConfig, Trainer
-
     started = time.perf_counter()
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((batch, *model.input_shape), dtype=np.float32)
-    labels = rng.integers(0, model.classes, batch)
-    copy = {name: array.copy() for name, array in params.items()}
-    timed: list[StepSample] = []
     try:
-        with tempfile.TemporaryDirectory(prefix="hetconv-rehearsal-") as folder, \
-                MetricsWriter(Path(folder) / "metrics.jsonl") as metrics:
-            trainer = Trainer(model, copy, stage, LoopConfig(batch=batch, progress=False),
-                              metrics, Path(folder), out=lambda line: None)
-            step, last = 0, False
-            while not last:
-                # decided before the step, which may start the next one early
-                last = enough_steps([s.step_s for s in timed], steps) or \
-                    step + 1 >= REHEARSAL_WARMUP + REHEARSAL_MAX_STEPS or \
-                    (not timed and step + 1 >= REHEARSAL_WARMUP + steps)  # no rounds
-                ahead = (x, labels, step + 1, 0.0) \
-                    if trainer.runs_ahead() and not last else None
-                trainer.train_step(x, labels, step, 0.0, ahead=ahead)
-                sample = stage.end_rehearsal_step()
-                if step >= REHEARSAL_WARMUP and sample is not None:
-                    timed.append(sample)
-                step += 1
+        timed = rehearse_steps(stage, model, params, batch,
+                               lambda wall_s: stage.end_rehearsal_step(),
+                               lambda sample: sample.step_s, steps)
         stage.drain()
         stage.restore(state)
     except StageFault as fault:

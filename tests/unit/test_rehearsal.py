@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 
 from hetconv.master.alone_first import AloneMeasure, first_choice
+from hetconv.master.kernels.rehearsal import KernelRehearsal
+from hetconv.master.rehearsal_steps import REHEARSAL_BAND
 from hetconv.master.samples.rehearsal import (
     REHEARSAL_MAX_STEPS,
     REHEARSAL_PRECISION,
@@ -21,6 +23,7 @@ from hetconv.master.samples.rehearsal import (
     rehearse_first_plan,
 )
 from hetconv.master.samples.stage import SampleConvStage
+from hetconv.master.samples.step_model import MODEL_TOLERANCE
 from hetconv.metrics import MetricsWriter
 from hetconv.model import init_parameters
 from hetconv.protocol import SampleStepChain
@@ -67,6 +70,19 @@ def test_the_rehearsal_times_steps_until_their_median_is_known() -> None:
     assert enough_steps(swing * 4)  # 20 and more: the most, whatever the error
     assert error6 / 2 > REHEARSAL_PRECISION and REHEARSAL_MAX_STEPS <= 24
     assert median_error([0.05]) == float("inf") and median_error([0.0, 0.0]) == float("inf")
+
+
+def test_a_kernel_plans_figure_is_its_median_step_held_to_the_same_band() -> None:
+    assert REHEARSAL_BAND == MODEL_TOLERANCE  # one band for both splits' rehearsals
+    outcome = KernelRehearsal((0.040, 0.036, 0.052, 0.038, 0.041, 0.039, 0.044), 0.42, 0.0169)
+    assert outcome.measured_s == 0.040
+    assert outcome.line() == ("hetconv: rehearsed the kernel plan (7 steps at learning rate 0, "
+                              "0.42 s): 40.0 ms a step (the planner predicted 16.9 from "
+                              "calibration)")
+    record = outcome.as_record()
+    assert record["split_by"] == "kernels" and record["predicted_step_s"] == 0.040
+    assert record["steps"] == 7 and record["planner_predicted_step_s"] == 0.0169
+    assert "planner predicted" not in KernelRehearsal((0.04,), 0.1, None).line()
 
 
 def _default_stage(tmp_path: Path) -> tuple[SampleConvStage, FakeSampleCluster, Path]:
