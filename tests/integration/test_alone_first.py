@@ -5,6 +5,7 @@ real ``hetconv train``, then ``hetconv report`` and ``hetconv plan`` on the run.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ def test_a_master_no_slower_alone_trains_alone_from_set_up(endpoint: str, worker
     # alone; else the plan is rehearsed and its fitted prediction decides
     assert probe["alone_no_slower"] or len(rehearsals) == 1, records
     if rehearsals:
-        assert "hetconv: rehearsed the plan (6 steps at learning rate 0" in out, out
+        assert re.search(r"hetconv: rehearsed the plan \(\d+ steps at learning rate 0", out), out
         assert rehearsals[0]["alone_measured_step_s"] == probe["alone_measured_step_s"]
     if probe["alone_no_slower"] or rehearsals[0]["alone_no_slower"]:  # what this machine gives
         assert "the master trains alone: measured no slower than the plan with workers" in out

@@ -91,7 +91,13 @@ def test_a_partial_failure_evicts_the_one_at_fault_and_the_run_goes_on(
     holding = {d["participant"] for layer in last["layers"] for d in layer["participants"]
                if d["kernels"] > 0}
     assert not (holding & blamed), (holding, told)  # the one at fault is out
-    assert set(names) - at_fault <= holding, (holding, told)  # the honest ones go on
+    # the honest ones go on: each holds a share at the end, or the run's own trial
+    # without a small-slice worker set it aside (master/samples/trial_without.py: seen in
+    # CI, where a loaded machine gave a a small slice), never an eviction
+    set_aside = {name for name in names for r in events if r["type"] == "replan"
+                 and (r["reason"].startswith(f"trying without {name}:")
+                      or r.get("left_out") == [name])}
+    assert set(names) - at_fault <= holding | set_aside, (holding, told)
     epochs = [r for r in events if r["type"] == "epoch"]
     assert epochs and epochs[-1]["test_accuracy"] >= 0.9, epochs
     assert "Traceback" not in out + err

@@ -15,6 +15,7 @@ import pytest
 
 from hetconv.commands.status import fetch_metrics, from_metrics_text, render
 from hetconv.lab import free_port
+from hetconv.master.rehearsal_steps import REHEARSAL_WARMUP
 from tests.conftest import SMALL_RUN, child_env, hetconv_command, run_hetconv
 
 parser = pytest.importorskip("prometheus_client.parser",
@@ -66,6 +67,19 @@ def expected_from_jsonl(records: list[dict[str, Any]], steps: int) -> dict[str, 
     return {"images": sum(r["images"] for r in step_records),
             "step_seconds": sum(r["step_s"] for r in step_records),
             "last": last, "per": per, "kernels": kernels}
+
+
+def rehearsed_backwards(records: list[dict[str, Any]], name: str) -> int:
+    """The backward requests worker ``name`` served in set-up's rehearsal of the kernel
+    plan (master/kernels/rehearsal.py): one per step (the warm-up's too) and per layer
+    it holds kernels of in the first plan (the calibration records')."""
+    rehearsals = [r for r in records if r["type"] == "rehearsal"]
+    if not rehearsals:
+        return 0
+    layers = sum(1 for r in records if r["type"] == "calibration"
+                 for entry in r["participants"]
+                 if entry["participant"] == name and entry["kernels"] > 0)
+    return int(REHEARSAL_WARMUP + rehearsals[0]["steps"]) * layers
 
 
 def test_scraped_metrics_equal_metrics_jsonl(workers: Any, endpoint: str, tmp_path: Path) -> None:
@@ -154,6 +168,7 @@ def test_scraped_metrics_equal_metrics_jsonl(workers: Any, endpoint: str, tmp_pa
         worker = samples(text)
         backward = sum(1 for r in all_steps for layer in r["layers"]
                        for entry in layer["participants"] if entry["participant"] == name)
+        backward += rehearsed_backwards(records, name)  # set-up's, before any step
         served = sum(worker.get(("hetconv_worker_requests_total", (("type", kind),)), 0.0)
                      for kind in ("backward_request", "peer_backward_request"))
         assert served == backward  # the star or the peer data plane, whichever is on
