@@ -68,7 +68,11 @@ def setup_figures(records: Sequence[dict[str, Any]], run_dir: Path | None = None
     plans = [r for r in records if r.get("type") == "plan"]
     rehearsals = [r for r in records if r.get("type") == "rehearsal"]
     setup = None
-    if rehearsals:
+    if rehearsals and rehearsals[0].get("alone_no_slower"):
+        # the rehearsal sent the run to the master alone: set-up's figure for the run it
+        # then ran is the master alone measured there
+        setup = float(rehearsals[0]["alone_measured_step_s"])
+    elif rehearsals:
         setup = float(rehearsals[0]["predicted_step_s"])
     elif plans and plans[0].get("predicted_step_s") is not None:
         dense = [float(r.get("dense_s", 0.0)) for r in steps[MODEL_SKIP:]] or [0.0]
@@ -133,9 +137,10 @@ def format_setup_table(rows: Sequence[dict[str, Any]]) -> list[str]:
     """The table: set-up's prediction, the first steps, its error, the model fitted on
     them, the run's measured step and the master alone measured at set-up."""
     lines = ["", "Set-up's prediction (before any step: the step model fitted on the "
-             "first plan's rehearsal, 6 steps at learning rate 0 (master/samples/rehearsal.py); "
-             "where set-up did not rehearse, the first plan's conv part and transfers plus the "
-             "measured dense part) against the median of the first "
+             "first plan's rehearsal, 7-20 steps at learning rate 0 "
+             "(master/samples/rehearsal.py), or the master alone measured at set-up where "
+             "that sent the run to it; where set-up did not rehearse, the first plan's conv "
+             "part and transfers plus the measured dense part) against the median of the first "
              f"fitted steps ({MODEL_SKIP}..{MODEL_SKIP + MODEL_WINDOW - 1}), the step model "
              "fitted on them, the run's measured step, and the master alone measured at "
              "set-up (medians over the repeats; issue 50's target: set-up within 10 % of "

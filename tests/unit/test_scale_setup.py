@@ -37,6 +37,11 @@ def test_set_up_is_judged_on_the_first_fitted_window() -> None:
     rehearsed.insert(2, {"type": "rehearsal", "predicted_step_s": 0.057})
     assert setup_figures(rehearsed).setup_s == pytest.approx(0.057)  # the whole step, as is
     assert setup_figures(rehearsed).setup_error == pytest.approx(-0.05)
+    # a rehearsal that sent the run to the master alone: the run is the master alone's,
+    # and set-up's figure for it is the master alone measured there
+    rehearsed[2] = {"type": "rehearsal", "predicted_step_s": 0.107, "alone_no_slower": True,
+                    "alone_measured_step_s": 0.063}
+    assert setup_figures(rehearsed).setup_s == pytest.approx(0.063)
     bare = setup_figures([{"type": "step", "step": 0, "step_s": 0.1}])
     assert bare == SetupFigures(None, None, None, None) and bare.setup_error is None
 
