@@ -15,11 +15,12 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
 from hetconv.engine.stage import ConvStage
+from hetconv.master.alone_first import AloneMeasure, first_choice
 from hetconv.metrics import MetricsWriter
 from hetconv.model import ModelConfig
 
@@ -106,3 +107,20 @@ def rehearse_steps(stage: ConvStage, model: ModelConfig, params: dict[str, np.nd
                 timed.append(sample)
             step += 1
     return timed
+
+
+def hold_to_alone(figure_s: float, record: dict[str, Any], alone: AloneMeasure | None,
+                  label: str, metrics: MetricsWriter, report: Callable[[str], None]) -> bool:
+    """Hold a rehearsed plan's figure (seconds a step) to the master alone measured at
+    set-up (``first_choice`` with ``REHEARSAL_BAND``, said with ``label``) and write the
+    ``rehearsal`` record (``record`` and the choice). True where the master alone is no
+    slower: it trains alone from the first step. Without ``alone``: the record, False."""
+    if alone is None:
+        metrics.write("rehearsal", **record)
+        return False
+    choice = first_choice(figure_s, alone.step_s, REHEARSAL_BAND, label)
+    report(f"hetconv: {choice.why}")
+    metrics.write("rehearsal", **record, alone_measured_step_s=alone.step_s,
+                  alone_no_slower=choice.alone, within_band=choice.unsure,
+                  band=REHEARSAL_BAND)
+    return choice.alone

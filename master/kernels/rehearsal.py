@@ -30,9 +30,9 @@ from typing import Any
 import numpy as np
 
 from hetconv.engine.stage import ConvStage, StageFault
-from hetconv.master.alone_first import AloneMeasure, first_choice
+from hetconv.master.alone_first import AloneMeasure
 from hetconv.master.kernels.stage import DistributedConvStage
-from hetconv.master.rehearsal_steps import REHEARSAL_BAND, rehearse_steps
+from hetconv.master.rehearsal_steps import hold_to_alone, rehearse_steps
 from hetconv.metrics import MetricsWriter
 from hetconv.model import ModelConfig
 
@@ -91,13 +91,7 @@ def rehearse_kernel_plan(stage: DistributedConvStage, model: ModelConfig,
         return stage
     outcome = KernelRehearsal(tuple(walls), time.perf_counter() - started, planner_s)
     report(outcome.line())
-    if alone is None:
-        metrics.write("rehearsal", **outcome.as_record())
-        return stage
-    choice = first_choice(outcome.measured_s, alone.step_s, REHEARSAL_BAND,
-                          "the rehearsed kernel plan measured")
-    report(f"hetconv: {choice.why}")
-    metrics.write("rehearsal", **outcome.as_record(), alone_measured_step_s=alone.step_s,
-                  alone_no_slower=choice.alone, within_band=choice.unsure,
-                  band=REHEARSAL_BAND)
-    return None if choice.alone else stage
+    if hold_to_alone(outcome.measured_s, outcome.as_record(), alone,
+                     "the rehearsed kernel plan measured", metrics, report):
+        return None
+    return stage

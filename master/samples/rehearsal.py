@@ -36,27 +36,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hetconv.engine.stage import ConvStage, StageFault
-from hetconv.master.alone_first import AloneMeasure, first_choice
-from hetconv.master.rehearsal_steps import (
-    REHEARSAL_MAX_STEPS,
-    REHEARSAL_PRECISION,
-    REHEARSAL_STEPS,
-    REHEARSAL_WARMUP,
-    enough_steps,
-    median_error,
-    rehearse_steps,
-)
+from hetconv.master.alone_first import AloneMeasure
+from hetconv.master.rehearsal_steps import REHEARSAL_STEPS, hold_to_alone, rehearse_steps
 from hetconv.master.samples.step_model import (
-    MODEL_TOLERANCE,
     StepTerms,
     fit_step_terms,
 )
 from hetconv.metrics import MetricsWriter
 from hetconv.model import ModelConfig
-
-__all__ = ["REHEARSAL_MAX_STEPS", "REHEARSAL_PRECISION", "REHEARSAL_STEPS",
-           "REHEARSAL_WARMUP", "Rehearsal", "enough_steps", "median_error", "rehearse",
-           "rehearse_first_plan"]
 
 if TYPE_CHECKING:
     from hetconv.master.samples.stage import SampleConvStage
@@ -136,14 +123,9 @@ def rehearse_first_plan(stage: SampleConvStage, model: ModelConfig,
         return stage
     report(outcome.line())
     stage.policy.model.setup_predicted_s = outcome.predicted_s
-    if alone is None:
-        metrics.write("rehearsal", **outcome.as_record())
-        return stage
-    stage.policy.alone.rehearsed = True  # trials only within the model's band (fall_back.py)
-    choice = first_choice(outcome.predicted_s, alone.step_s, MODEL_TOLERANCE,
-                          "the rehearsed plan predicted")
-    report(f"hetconv: {choice.why}")
-    metrics.write("rehearsal", **outcome.as_record(), alone_measured_step_s=alone.step_s,
-                  alone_no_slower=choice.alone, within_band=choice.unsure,
-                  band=MODEL_TOLERANCE)
-    return None if choice.alone else stage
+    if alone is not None:
+        stage.policy.alone.rehearsed = True  # trials only within the model's band (fall_back.py)
+    if hold_to_alone(outcome.predicted_s, outcome.as_record(), alone,
+                     "the rehearsed plan predicted", metrics, report):
+        return None
+    return stage

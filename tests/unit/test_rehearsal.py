@@ -12,16 +12,16 @@ import pytest
 
 from hetconv.master.alone_first import AloneMeasure, first_choice
 from hetconv.master.kernels.rehearsal import KernelRehearsal
-from hetconv.master.rehearsal_steps import REHEARSAL_BAND
-from hetconv.master.samples.rehearsal import (
+from hetconv.master.rehearsal_steps import (
+    REHEARSAL_BAND,
     REHEARSAL_MAX_STEPS,
     REHEARSAL_PRECISION,
     REHEARSAL_STEPS,
     REHEARSAL_WARMUP,
     enough_steps,
     median_error,
-    rehearse_first_plan,
 )
+from hetconv.master.samples.rehearsal import rehearse_first_plan
 from hetconv.master.samples.stage import SampleConvStage
 from hetconv.master.samples.step_model import MODEL_TOLERANCE
 from hetconv.metrics import MetricsWriter
