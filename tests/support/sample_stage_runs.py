@@ -26,10 +26,8 @@ from hetconv.protocol import (
     SampleStepChain,
     SampleUpdateRound,
 )
-from tests.support.fake_sample_cluster import (
-    FakeSampleCluster,
-    make_sample_stage,
-)
+from tests.support.fake_sample_cluster import FakeSampleCluster
+from tests.support.fake_sample_stage import make_sample_stage
 
 MODEL = ModelConfig(conv_kernels=(4, 6), input_shape=(1, 12, 12), classes=3, kernel_size=3,
                     padding=1)

@@ -27,7 +27,8 @@ from hetconv.master.samples.step_model import MODEL_TOLERANCE
 from hetconv.metrics import MetricsWriter
 from hetconv.model import init_parameters
 from hetconv.protocol import SampleStepChain
-from tests.support.fake_sample_cluster import FakeSampleCluster, make_sample_stage
+from tests.support.fake_sample_cluster import FakeSampleCluster
+from tests.support.fake_sample_stage import make_sample_stage
 from tests.support.sample_stage_runs import (
     BATCH,
     MODEL,

@@ -29,9 +29,7 @@ from hetconv.protocol import (
     SampleForwardChain,
     SampleForwardRound,
 )
-from tests.support.fake_sample_cluster import (
-    SlowLocalStage,
-)
+from tests.support.fake_sample_stage import SlowLocalStage
 from tests.support.faulty_worker import WorkerFaults
 from tests.support.sample_stage_runs import (
     BATCH,

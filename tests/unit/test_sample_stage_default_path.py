@@ -31,10 +31,8 @@ from hetconv.protocol import (
     SampleStepChain,
     SampleUpdateRound,
 )
-from tests.support.fake_sample_cluster import (
-    FakeSampleCluster,
-    make_sample_stage,
-)
+from tests.support.fake_sample_cluster import FakeSampleCluster
+from tests.support.fake_sample_stage import make_sample_stage
 from tests.support.sample_stage_runs import (
     ATOL,
     BATCH,
