@@ -138,7 +138,11 @@ def turn_a_holder_bad(run_dir: Path, flags: dict[str, Path]) -> str:
 
 
 PLANES = [pytest.param((), id="default"),
-          pytest.param(("--split-by", "kernels"), id="kernels-peer")]
+          pytest.param(("--split-by", "kernels", "--fall-back", "off"), id="kernels-peer")]
+# The kernel split's case keeps its workers (--fall-back off): set-up rehearses its plan
+# and, on this small network under CI's load, measured the master alone no slower and
+# trained alone, so no worker held kernels to strike (seen in CI; the sample split's
+# default case has kept its workers in every run).
 # The star plane (a third case) is tests/integration/test_failover.py's: a killed worker
 # replaced, exact against the local run; a wrong result (NaN, misshapen, scaled) is caught
 # by the checks and the audit both planes share (tests/unit/test_result_checks.py).
