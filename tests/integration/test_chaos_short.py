@@ -61,6 +61,10 @@ def test_every_fault_is_survived_and_the_accuracy_kept(tmp_path: Path) -> None:
         # alone from there; it takes no worker back (a known limit, noted), so the
         # sigstop at 12 s has no worker holding kernels to strike
         assert "training on alone" in lone and killed["rejoined_s"] is None, summary
+    elif summary["faults_injected"] == 1 and _training_s(tmp_path) < _planned_at(2):
+        # seen in CI: epochs auto sized the runs from the probe's epoch, the chaos run's
+        # steps came faster, and its training ended before the second fault was due
+        pass
     else:
         assert summary["faults_injected"] >= 2, summary
         assert {f["kind"] for f in faults} >= {"sigkill", "sigstop"}
@@ -71,6 +75,21 @@ def test_every_fault_is_survived_and_the_accuracy_kept(tmp_path: Path) -> None:
     assert "--split model --data-plane peer --wire-dtype auto" in text
     assert "| 1 |" in text and "sigkill" in text
     assert not _children_left(os.getpid())  # every worker and master it started is gone
+
+
+def _planned_at(number: int) -> float:
+    """When CHAOS's fault ``number`` (1 first) is due, seconds after the first step."""
+    at = lambda flag: float(CHAOS[CHAOS.index(flag) + 1])  # noqa: E731
+    planned = plan_faults(int(at("--seed")), at("--minutes"), at("--interval-min"),
+                          at("--interval-max"), CHAOS[CHAOS.index("--faults") + 1].split(","))
+    return planned[number - 1].at_s if len(planned) >= number else float("inf")
+
+
+def _training_s(tmp_path: Path) -> float:
+    """Seconds from the chaos run's first step to its last."""
+    lines = (tmp_path / "work" / "chaos" / "run" / "metrics.jsonl").read_text().splitlines()
+    times = [json.loads(line)["time"] for line in lines if '"type":"step"' in line]
+    return times[-1] - times[0]
 
 
 def _children_left(pid: int) -> list[int]:
